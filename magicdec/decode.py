@@ -1,0 +1,300 @@
+"""Prefill and the decode loop: plain autoregressive, or speculative with a drafter.
+
+One loop serves both: a speculative round drafts gamma tokens, verifies them in one target forward of
+gamma+1 tokens and commits each sequence's accepted prefix plus one; autoregressive decoding is the
+same round with no drafter (one target forward of one token). Everything per sequence lives in
+tensors [B, ...]; Python sees the batch once per round (to learn which sequences finished).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from magicdec.drafters.base import Drafter
+from magicdec.kv import KVCache
+from magicdec.memory import check_fits, peak_bytes
+from magicdec.model import Transformer
+from magicdec.sampling import SamplingParams, next_tokens
+from magicdec.verify import verify_greedy, verify_sampling
+
+FINISH_NONE, FINISH_STOP, FINISH_LENGTH = 0, 1, 2
+FINISH_NAMES = {FINISH_STOP: "stop", FINISH_LENGTH: "length"}
+
+ProgressFn = Callable[[int, int], None]  # (done, total) units of prefill work
+
+
+@dataclass
+class SequenceOutput:
+    token_ids: list[int]
+    finish_reason: str
+    accepted_hist: list[int] = field(default_factory=list)  # verify steps by number of drafts accepted
+
+
+@dataclass
+class GenerationStats:
+    """Totals of one `generate` call. Times are wall-clock seconds."""
+
+    batch: int
+    prompt_tokens: int
+    generated_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    steps: int = 0  # decode rounds (target forwards after prefill)
+    gamma: int = 0
+    accepted_hist: list[int] = field(default_factory=list)  # verify steps (per sequence) by accepted count
+    peak_memory_bytes: int = 0
+
+    @property
+    def prefill_tok_s(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s else 0.0
+
+    @property
+    def decode_tok_s(self) -> float:
+        return self.generated_tokens / self.decode_s if self.decode_s else 0.0
+
+    @property
+    def verify_steps(self) -> int:
+        return sum(self.accepted_hist)
+
+    @property
+    def mean_accepted(self) -> float:
+        """Mean draft tokens accepted per verify step and sequence."""
+        n = self.verify_steps
+        return sum(i * c for i, c in enumerate(self.accepted_hist)) / n if n else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Fraction of drafted tokens the target accepted."""
+        return self.mean_accepted / self.gamma if self.gamma else 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Tokens produced per verify step and sequence (accepted + 1)."""
+        return self.mean_accepted + 1 if self.gamma else 1.0
+
+    def as_dict(self) -> dict:
+        d = {k: v for k, v in self.__dict__.items()}
+        for k in ("prefill_tok_s", "decode_tok_s", "mean_accepted", "acceptance_rate", "tokens_per_step"):
+            d[k] = getattr(self, k)
+        return d
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def pad_prompts(prompts: Sequence[Sequence[int]], device: torch.device) -> tuple[Tensor, Tensor]:
+    """Left-aligned token matrix [B, T_max] (padding 0) and lengths [B]."""
+    lens = torch.tensor([len(p) for p in prompts], dtype=torch.long)
+    tokens = torch.zeros(len(prompts), int(lens.max()), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        tokens[i, : len(p)] = torch.tensor(p, dtype=torch.long)
+    return tokens.to(device), lens.to(device)
+
+
+@torch.inference_mode()
+def prefill(
+    model: Transformer,
+    cache: KVCache,
+    tokens: Tensor,  # [B, T]
+    lens: Tensor,  # [B]
+    chunk: int,
+    progress: ProgressFn | None = None,
+) -> Tensor:
+    """Run prompts through the model in chunks of `chunk` tokens; return each row's last logits [B, V].
+
+    Rows of different lengths share each chunk; a row's padding is written past its length and never
+    committed, so it is invisible to every later query.
+    """
+    B, T = tokens.shape
+    last = lens - 1
+    out = None
+    for start in range(0, T, chunk):
+        end = min(start + chunk, T)
+        at = (last - start).clamp(0, end - start - 1)
+        logits = model(tokens[:, start:end], cache, logits_at=at[:, None])[:, 0]
+        cache.commit((lens - start).clamp(0, end - start))
+        here = ((last >= start) & (last < end))[:, None]
+        out = logits if out is None else torch.where(here, logits, out)
+        if progress is not None:
+            progress(end, T)
+    return out
+
+
+class _Outputs:
+    """Per-sequence output buffers on the device, and the rules that end a sequence."""
+
+    def __init__(self, B: int, params: SamplingParams, eos_ids: Sequence[int], slack: int, device):
+        self.params = params
+        self.tokens = torch.zeros(B, params.max_tokens + slack, dtype=torch.long, device=device)
+        self.length = torch.zeros(B, dtype=torch.long, device=device)
+        self.finish = torch.zeros(B, dtype=torch.long, device=device)
+        self.eos = torch.tensor(list(eos_ids) if not params.ignore_eos else [], dtype=torch.long, device=device)
+
+    def emit(self, new: Tensor, count: Tensor) -> None:
+        """Append the first count[b] tokens of new [B, k] to each row, stopping at EOS and max_tokens."""
+        B, k = new.shape
+        idx = torch.arange(k, device=new.device)
+        valid = idx < count[:, None]
+        is_eos = torch.isin(new, self.eos) & valid
+        upto_eos = torch.where(is_eos.any(1), is_eos.long().argmax(1) + 1, k)
+        room = self.params.max_tokens - self.length
+        keep = torch.minimum(torch.minimum(count, upto_eos), room)
+        keep = torch.where(self.finish > 0, 0, keep)
+        self.tokens.scatter_(1, self.length[:, None] + idx, new)
+        self.length += keep
+        hit_eos = (is_eos & (idx < keep[:, None])).any(1)
+        running = self.finish == 0
+        self.finish = torch.where(running & hit_eos, FINISH_STOP, self.finish)
+        self.finish = torch.where(
+            (self.finish == 0) & (self.length >= self.params.max_tokens), FINISH_LENGTH, self.finish
+        )
+
+    def select_rows(self, rows: Tensor) -> None:
+        self.tokens = self.tokens.index_select(0, rows)
+        self.length = self.length.index_select(0, rows)
+        self.finish = self.finish.index_select(0, rows)
+
+
+class StopStrings:
+    """Host-side stop-string detection (only used when the request has stop strings)."""
+
+    def __init__(self, stops: Sequence[str], decode: Callable[[list[int]], str]):
+        self.stops = tuple(stops)
+        self.decode = decode
+
+    def first_stop(self, ids: list[int]) -> int | None:
+        """Smallest number of tokens whose text contains a stop string, or None."""
+        if not any(s in self.decode(ids) for s in self.stops):
+            return None
+        lo, hi = 1, len(ids)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if any(s in self.decode(ids[:mid]) for s in self.stops):
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
+
+@torch.inference_mode()
+def generate_ids(
+    model: Transformer,
+    prompts: Sequence[Sequence[int]],
+    params: SamplingParams,
+    eos_ids: Sequence[int],
+    *,
+    drafter: Drafter | None = None,
+    gamma: int = 0,
+    kv_dtype: torch.dtype | None = None,
+    prefill_chunk: int = 512,
+    draft_slack: int = 0,
+    stop_strings: StopStrings | None = None,
+    progress: ProgressFn | None = None,
+) -> tuple[list[SequenceOutput], GenerationStats]:
+    """Generate for a batch of token-id prompts; speculative when a drafter and gamma >= 1 are given."""
+    device = model.device
+    gamma = gamma if drafter is not None else 0
+    B = len(prompts)
+    tokens, lens = pad_prompts(prompts, device)
+    stats = GenerationStats(batch=B, prompt_tokens=int(lens.sum()), gamma=gamma, accepted_hist=[0] * (gamma + 1))
+    kv_dtype = kv_dtype or model.dtype
+    capacity = tokens.shape[1] + params.max_tokens + gamma + 1
+    check_fits(KVCache.nbytes(model.cfg, B, capacity, kv_dtype), device, f"the KV cache for batch {B} x {capacity} tokens")
+    cache = KVCache(model.cfg, B, capacity, kv_dtype, device)
+    generator = None
+    if params.seed is not None:
+        generator = torch.Generator(device=device).manual_seed(params.seed)
+
+    t0 = time.perf_counter()
+    logits = prefill(model, cache, tokens, lens, prefill_chunk, progress)
+    last = next_tokens(logits, params, generator)  # [B] the token after each prompt
+    if drafter is not None:
+        drafter.prefill(tokens, lens, cache, last, draft_slack)
+    _sync(device)
+    stats.prefill_s = time.perf_counter() - t0
+
+    out = _Outputs(B, params, eos_ids, gamma + 2, device)
+    out.emit(last[:, None], torch.ones_like(last))
+    rows = torch.arange(B, device=device)  # original index of each active row
+    results: list[SequenceOutput | None] = [None] * B
+    seq_hist = torch.zeros(B, gamma + 1, dtype=torch.long, device=device)  # per sequence accepted counts
+
+    t_decode = time.perf_counter()
+    while True:
+        finish = out.finish.tolist()  # the one host sync per round
+        if stop_strings is not None:
+            _apply_stop_strings(out, finish, stop_strings)
+        n_done = sum(f != FINISH_NONE for f in finish)
+        # Dropping finished rows copies the caches, so do it only once enough rows have finished;
+        # until then they ride along and commit nothing.
+        if n_done == len(finish) or 4 * n_done >= len(finish):
+            _collect(out, rows, finish, results, seq_hist)
+            if n_done == len(finish):
+                break
+            keep = torch.tensor([i for i, f in enumerate(finish) if f == FINISH_NONE], device=device)
+            rows, last = rows[keep], last[keep]
+            out.select_rows(keep)
+            cache.select_rows(keep)
+            if drafter is not None:
+                drafter.select_rows(keep)
+        live = (out.finish == FINISH_NONE).long()
+        stats.steps += 1
+        if drafter is None:
+            logits = model(last[:, None], cache)[:, 0]
+            cache.commit(live if n_done else 1)
+            last = next_tokens(logits, params, generator)
+            out.emit(last[:, None], torch.ones_like(last))
+            continue
+        t = time.perf_counter()
+        draft, draft_probs = drafter.propose(gamma, params, generator)
+        _sync(device)
+        stats.draft_s += time.perf_counter() - t
+        t = time.perf_counter()
+        target_logits = model(torch.cat((last[:, None], draft), dim=1), cache)  # [B, gamma+1, V]
+        if params.greedy:
+            n, nxt = verify_greedy(target_logits, draft)
+        else:
+            n, nxt = verify_sampling(target_logits, draft, draft_probs, params, generator)
+        cache.commit((n + 1) * live)
+        _sync(device)
+        stats.verify_s += time.perf_counter() - t
+        drafter.accept(n, nxt, live)
+        out.emit(torch.cat((draft, nxt[:, None]), dim=1).scatter(1, n[:, None], nxt[:, None]), n + 1)
+        seq_hist[rows, n] += live
+        last = nxt
+    _sync(device)
+    stats.decode_s = time.perf_counter() - t_decode
+    stats.accepted_hist = seq_hist.sum(0).tolist()
+    stats.generated_tokens = sum(len(r.token_ids) for r in results)
+    stats.peak_memory_bytes = peak_bytes(device)
+    return results, stats
+
+
+def _apply_stop_strings(out: _Outputs, finish: list[int], stops: StopStrings) -> None:
+    """End rows whose text now contains a stop string, keeping the tokens up to the one completing it."""
+    lengths = out.length.tolist()
+    for i, f in enumerate(finish):
+        if f != FINISH_NONE and f != FINISH_LENGTH:
+            continue
+        n = stops.first_stop(out.tokens[i, : lengths[i]].tolist())
+        if n is not None:
+            out.length[i] = n
+            out.finish[i] = FINISH_STOP
+            finish[i] = FINISH_STOP
+
+
+def _collect(out: _Outputs, rows: Tensor, finish: list[int], results: list, seq_hist: Tensor) -> None:
+    lengths = out.length.tolist()
+    for i, (r, f) in enumerate(zip(rows.tolist(), finish)):
+        if f != FINISH_NONE and results[r] is None:
+            ids = out.tokens[i, : lengths[i]].tolist()
+            results[r] = SequenceOutput(ids, FINISH_NAMES[f], seq_hist[r].tolist())

@@ -1,0 +1,106 @@
+"""The KV cache shared by dense and sparse variants.
+
+Storage is one tensor per K and V for all layers, [n_layers, B, KV, capacity, hd], so that a rollback,
+a row selection or a sliding-window eviction is one tensor op for the whole model.
+
+Each row (sequence) has its own `lens` (slots filled) and `next_pos` (absolute position of its next
+token). New tokens are written at slots lens..lens+q-1; nothing is kept until `commit` says how many of
+them each row accepts, so a rollback is simply committing fewer. Slots past `lens` may hold stale data;
+the attention mask never lets a query see them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from magicdec.config import ModelConfig
+
+
+class KVCache:
+    """A dense KV cache with per-sequence lengths (slot index == token position)."""
+
+    #: rotate new keys and queries by their slot index instead of their absolute position
+    reindex: bool = False
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        batch: int,
+        capacity: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ):
+        shape = (cfg.n_layers, batch, cfg.n_kv_heads, capacity, cfg.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.capacity = capacity
+        self.lens = torch.zeros(batch, dtype=torch.long, device=device)
+        self.next_pos = torch.zeros(batch, dtype=torch.long, device=device)
+        self.max_len = 0  # host-side upper bound of lens, so attention reads only the filled prefix
+        self._slots: Tensor | None = None  # slots being written by the current forward, [B, q]
+
+    @staticmethod
+    def nbytes(cfg: ModelConfig, batch: int, capacity: int, dtype: torch.dtype) -> int:
+        """Bytes a cache of this shape allocates (used to plan memory before allocating)."""
+        element = torch.empty((), dtype=dtype).element_size()
+        return batch * capacity * cfg.kv_bytes_per_token(element)
+
+    @property
+    def batch(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.k.device
+
+    def _arange(self, q: int) -> Tensor:
+        return torch.arange(q, device=self.device)
+
+    # --- what the model calls, once per forward -------------------------------------------------
+    def rope_positions(self, q: int) -> Tensor:
+        """Positions [B, q] by which the new tokens' queries and keys are rotated."""
+        start = self.lens if self.reindex else self.next_pos
+        return start[:, None] + self._arange(q)
+
+    def attn_mask(self, q: int) -> Tensor:
+        """[B, 1, q, L] visibility of cache slots for the q new tokens (causal, per-row lengths)."""
+        if self.max_len + q > self.capacity:
+            raise RuntimeError(f"KV cache overflow: {self.max_len + q} slots > capacity {self.capacity}")
+        self._slots = self.lens[:, None] + self._arange(q)  # [B, q]
+        L = self.max_len + q
+        return self._arange(L)[None, None, None, :] <= self._slots[:, None, :, None]
+
+    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Write new k, v [B, KV, q, hd] at each row's next slots; return K, V [B, KV, L, hd] to attend."""
+        B, KV, q, hd = k.shape
+        index = self._slots[:, None, :, None].expand(B, KV, q, hd)
+        kc, vc = self.k[layer], self.v[layer]
+        kc.scatter_(2, index, k.to(kc.dtype))
+        vc.scatter_(2, index, v.to(vc.dtype))
+        L = self.max_len + q
+        return kc[:, :, :L], vc[:, :, :L]
+
+    # --- what the decode loop calls --------------------------------------------------------------
+    def commit(self, n: Tensor | int) -> None:
+        """Keep the first n[b] tokens written by the last forward in each row b (n may be 0)."""
+        self.lens += n
+        self.next_pos += n
+        if isinstance(n, int):
+            self.max_len += n
+        else:
+            self.max_len = int(self.lens.max())
+
+    def truncate(self, lens: Tensor) -> None:
+        """Roll each row back to `lens` [B] slots (dropping its newest entries)."""
+        self.next_pos -= self.lens - lens
+        self.lens = lens.clone()
+        self.max_len = int(lens.max())
+
+    def select_rows(self, rows: Tensor) -> None:
+        """Keep only the given rows (e.g. drop finished sequences); copies the cache once."""
+        self.k = self.k.index_select(1, rows)
+        self.v = self.v.index_select(1, rows)
+        self.lens = self.lens.index_select(0, rows)
+        self.next_pos = self.next_pos.index_select(0, rows)
+        self.max_len = int(self.lens.max()) if len(rows) else 0

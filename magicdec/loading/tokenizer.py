@@ -1,0 +1,86 @@
+"""Tokenizers: from a Hugging Face `tokenizer.json`, or built from GGUF metadata."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
+
+from magicdec.errors import UnsupportedModelError
+
+# The pre-tokenizer split pattern of Llama 3 ("llama-bpe" in GGUF files).
+LLAMA3_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+class Tokenizer:
+    """Text <-> token ids, with the model's BOS/EOS conventions."""
+
+    def __init__(self, tok: HFTokenizer, bos_id: int | None, eos_ids: Sequence[int], add_bos: bool):
+        self.tok = tok
+        self.bos_id = bos_id
+        self.eos_ids = tuple(eos_ids)
+        self.add_bos = add_bos and bos_id is not None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of a prompt, with BOS prepended when the model expects it."""
+        ids = self.tok.encode(text, add_special_tokens=False).ids
+        return [self.bos_id, *ids] if self.add_bos else ids
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        ids = [e.ids for e in self.tok.encode_batch(list(texts), add_special_tokens=False)]
+        return [[self.bos_id, *x] for x in ids] if self.add_bos else ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=True)
+
+    def save(self, path: Path) -> None:
+        self.tok.save(str(path))
+
+    @classmethod
+    def from_hf_folder(cls, folder: Path, bos_id: int | None, eos_ids: Sequence[int]) -> "Tokenizer":
+        import json
+
+        tok = HFTokenizer.from_file(str(folder / "tokenizer.json"))
+        add_bos = False
+        cfg_path = folder / "tokenizer_config.json"
+        if cfg_path.exists():
+            add_bos = bool(json.loads(cfg_path.read_text()).get("add_bos_token", False))
+        # Llama 3 style tokenizers add BOS through their post-processor instead of add_bos_token.
+        if bos_id is not None and tok.post_processor is not None:
+            add_bos = add_bos or bos_id in tok.encode("x").ids
+        return cls(tok, bos_id, eos_ids, add_bos)
+
+
+def tokenizer_from_gguf_fields(meta: dict) -> HFTokenizer:
+    """Build a byte-level BPE tokenizer from GGUF `tokenizer.ggml.*` metadata."""
+    kind = meta.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise UnsupportedModelError(f"GGUF tokenizer model {kind!r} is not supported (only 'gpt2' BPE)")
+    tokens: list[str] = meta["tokenizer.ggml.tokens"]
+    merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+    tok = HFTokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False))
+    pre = meta.get("tokenizer.ggml.pre", "gpt2")
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=pre != "llama-bpe")
+    if pre in ("smollm", "starcoder", "refact"):
+        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    elif pre == "llama-bpe":
+        split = pre_tokenizers.Split(Regex(LLAMA3_PATTERN), behavior="isolated")
+        tok.pre_tokenizer = pre_tokenizers.Sequence([split, byte_level])
+    elif pre in ("gpt2", "default"):
+        tok.pre_tokenizer = byte_level
+    else:
+        raise UnsupportedModelError(f"GGUF pre-tokenizer {pre!r} is not supported")
+    tok.decoder = decoders.ByteLevel()
+    types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    control = 3  # llama.cpp's LLAMA_TOKEN_TYPE_CONTROL
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types) if ty == control])
+    return tok

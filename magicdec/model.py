@@ -1,0 +1,176 @@
+"""The transformer, in plain PyTorch: embeddings, RMSNorm, RoPE, grouped-query attention, SwiGLU, LM head.
+
+Weights use fused projections (one `wqkv` and one `w13` matmul per layer) because on small models the
+per-op overhead of eager PyTorch, not arithmetic, dominates a decode step.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from magicdec.config import ModelConfig
+
+# Called with (layer index, rotated queries [B, H, q, hd], keys [B, KV, L, hd], mask [B, 1, q, L]).
+AttentionObserver = Callable[[int, Tensor, Tensor, Tensor], None]
+
+
+class Cache(Protocol):
+    """What the model needs from a KV cache (see magicdec.kv)."""
+
+    def rope_positions(self, q: int) -> Tensor: ...  # [B, q] positions used to rotate new q/k
+
+    def attn_mask(self, q: int) -> Tensor: ...  # [B, 1, q, L] True where a key is visible
+
+    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]: ...
+
+
+def rope_inv_freq(cfg: ModelConfig) -> Tensor:
+    """Inverse frequencies of RoPE, with Llama 3 frequency scaling when the config asks for it."""
+    hd = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+    rs = cfg.rope_scaling
+    if rs is None:
+        return inv_freq.float()
+    factor = rs["factor"]
+    low, high = rs.get("low_freq_factor", 1.0), rs.get("high_freq_factor", 4.0)
+    old_ctx = rs["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled).float()
+
+
+def rope_cos_sin(inv_freq: Tensor, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """cos/sin [B, 1, q, hd] for integer positions [B, q] (negative positions rotate backwards)."""
+    angles = positions[..., None].float() * inv_freq  # [B, q, hd/2]
+    angles = torch.cat((angles, angles), dim=-1)[:, None]
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate x [B, h, q, hd] in the half-split (Hugging Face) convention."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.n_heads, self.n_kv, self.hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        qkv_out = (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim
+        self.wqkv = nn.Linear(cfg.dim, qkv_out, bias=cfg.qkv_bias)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+
+    def forward(
+        self,
+        x: Tensor,  # [B, q, dim]
+        cos: Tensor,
+        sin: Tensor,
+        mask: Tensor,  # [B, 1, q, L]
+        cache: Cache,
+        observer: AttentionObserver | None,
+    ) -> Tensor:
+        B, q, _ = x.shape
+        H, KV, hd = self.n_heads, self.n_kv, self.hd
+        qkv = self.wqkv(x).view(B, q, H + 2 * KV, hd).transpose(1, 2)  # [B, H+2KV, q, hd]
+        xq, xk, xv = qkv.split((H, KV, KV), dim=1)
+        xq, xk = apply_rope(xq, cos, sin), apply_rope(xk, cos, sin)
+        keys, values = cache.update(self.layer, xk, xv)  # [B, KV, L, hd]
+        if observer is not None:
+            observer(self.layer, xq, keys, mask)
+        # Grouped-query attention without repeating K/V: the G query heads of a KV head become G*q rows
+        # of one attention over that head, so each cached K/V element is read once.
+        G = H // KV
+        xq = xq.reshape(B, KV, G * q, hd).to(keys.dtype)
+        m = mask.repeat(1, 1, G, 1) if G > 1 else mask
+        out = F.scaled_dot_product_attention(xq, keys, values, attn_mask=m)  # [B, KV, G*q, hd]
+        out = out.to(x.dtype).reshape(B, H, q, hd).transpose(1, 2).reshape(B, q, H * hd)
+        return self.wo(out)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.w13 = nn.Linear(cfg.dim, 2 * cfg.ffn_dim, bias=False)  # gate and up, fused
+        self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.w13(x).chunk(2, dim=-1)
+        return self.w2(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg, layer)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg)
+
+    def forward(self, x, cos, sin, mask, cache, observer):
+        x = x + self.attention(self.attention_norm(x), cos, sin, mask, cache, observer)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    """A Llama-family decoder. `forward(tokens [B, q], cache) -> logits`."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    @property
+    def device(self) -> torch.device:
+        return self.norm.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.norm.weight.dtype
+
+    def forward(
+        self,
+        tokens: Tensor,  # [B, q]
+        cache: Cache,
+        logits_at: Tensor | None = None,  # [B, n] indices into q; None: all q positions
+        observer: AttentionObserver | None = None,
+    ) -> Tensor:
+        """Run q new tokens per sequence through the model, writing their K/V into `cache`.
+
+        Returns logits [B, n, vocab] (n = q unless `logits_at` picks positions). The cache's lengths are
+        not advanced: the caller commits how many of the q tokens to keep (see `KVCache.commit`).
+        """
+        q = tokens.shape[1]
+        x = self.tok_embeddings(tokens)
+        cos, sin = rope_cos_sin(self.inv_freq, cache.rope_positions(q), x.dtype)
+        mask = cache.attn_mask(q)
+        for layer in self.layers:
+            x = layer(x, cos, sin, mask, cache, observer)
+        if logits_at is not None:
+            x = x.gather(1, logits_at[..., None].expand(-1, -1, x.shape[-1]))
+        return self.output(self.norm(x)).float()

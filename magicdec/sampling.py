@@ -1,0 +1,75 @@
+"""Sampling parameters and the logits -> distribution transform shared by target and draft."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from magicdec.errors import InvalidRequestError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens. temperature 0 means greedy; top_k 0 and top_p 1 disable those filters."""
+
+    max_tokens: int = 128
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        if not (isinstance(self.max_tokens, int) and self.max_tokens >= 1):
+            raise InvalidRequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not self.temperature >= 0:  # also rejects NaN
+            raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not (isinstance(self.top_k, int) and self.top_k >= 0):
+            raise InvalidRequestError(f"top_k must be an integer >= 0, got {self.top_k!r}")
+        if not 0 < self.top_p <= 1:
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if any(not s for s in self.stop):
+            raise InvalidRequestError("stop strings must be non-empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def probs_from_logits(logits: Tensor, params: SamplingParams) -> Tensor:
+    """The distribution tokens are drawn from: softmax(logits / T) restricted by top-k and top-p.
+
+    logits [..., V] fp32 -> probs [..., V]. Applied identically to target and draft logits, which is what
+    keeps speculative sampling exact for the filtered target distribution.
+    """
+    logits = logits / params.temperature
+    if params.top_k:
+        kth = logits.topk(min(params.top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = logits.softmax(dim=-1)
+    if params.top_p < 1:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        # drop a token when the tokens before it already hold top_p of the mass (the top token stays)
+        drop_sorted = (sorted_p.cumsum(dim=-1) - sorted_p) >= params.top_p
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+def sample(probs: Tensor, generator: torch.Generator | None) -> Tensor:
+    """One token per row of probs [..., V] -> [...]. Uses the exponential trick (no host sync)."""
+    noise = torch.empty_like(probs).exponential_(generator=generator)
+    return (probs / noise).argmax(dim=-1)
+
+
+def next_tokens(logits: Tensor, params: SamplingParams, generator: torch.Generator | None) -> Tensor:
+    """Greedy or sampled next tokens for logits [..., V]."""
+    if params.greedy:
+        return logits.argmax(dim=-1)
+    return sample(probs_from_logits(logits, params), generator)
