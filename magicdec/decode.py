@@ -18,7 +18,7 @@ from torch import Tensor
 from magicdec.drafters.base import Drafter
 from magicdec.kv import KVCache
 from magicdec.memory import check_fits, peak_bytes
-from magicdec.model import Transformer
+from magicdec.model import AttentionObserver, Transformer
 from magicdec.sampling import SamplingParams, next_tokens
 from magicdec.verify import verify_greedy, verify_sampling
 
@@ -100,6 +100,11 @@ def pad_prompts(prompts: Sequence[Sequence[int]], device: torch.device) -> tuple
     return tokens.to(device), lens.to(device)
 
 
+#: Prefill runs the last OBSERVATION_WINDOW tokens of every prompt as one final aligned forward, so
+#: SnapKV can observe their attention and every decode path computes the prompt's K/V identically.
+OBSERVATION_WINDOW = 32
+
+
 @torch.inference_mode()
 def prefill(
     model: Transformer,
@@ -108,25 +113,31 @@ def prefill(
     lens: Tensor,  # [B]
     chunk: int,
     progress: ProgressFn | None = None,
+    observer: AttentionObserver | None = None,
 ) -> Tensor:
     """Run prompts through the model in chunks of `chunk` tokens; return each row's last logits [B, V].
 
     Rows of different lengths share each chunk; a row's padding is written past its length and never
-    committed, so it is invisible to every later query.
+    committed, so it is invisible to every later query. The last `tail` tokens of every row go last, in
+    one forward where each row has exactly `tail` real tokens; `observer` sees that forward's attention.
     """
     B, T = tokens.shape
-    last = lens - 1
-    out = None
-    for start in range(0, T, chunk):
-        end = min(start + chunk, T)
-        at = (last - start).clamp(0, end - start - 1)
-        logits = model(tokens[:, start:end], cache, logits_at=at[:, None])[:, 0]
-        cache.commit((lens - start).clamp(0, end - start))
-        here = ((last >= start) & (last < end))[:, None]
-        out = logits if out is None else torch.where(here, logits, out)
+    tail = min(OBSERVATION_WINDOW, int(lens.min()))
+    head = lens - tail
+    T_head = int(head.max())
+    for start in range(0, T_head, chunk):
+        end = min(start + chunk, T_head)
+        model(tokens[:, start:end], cache, logits_at=torch.zeros(B, 1, dtype=torch.long, device=tokens.device))
+        cache.commit((head - start).clamp(0, end - start))
         if progress is not None:
             progress(end, T)
-    return out
+    tail_tokens = tokens.gather(1, head[:, None] + torch.arange(tail, device=tokens.device))
+    at = torch.full((B, 1), tail - 1, dtype=torch.long, device=tokens.device)
+    logits = model(tail_tokens, cache, logits_at=at, observer=observer)[:, 0]
+    cache.commit(tail)
+    if progress is not None:
+        progress(T, T)
+    return logits
 
 
 class _Outputs:
@@ -196,7 +207,6 @@ def generate_ids(
     gamma: int = 0,
     kv_dtype: torch.dtype | None = None,
     prefill_chunk: int = 512,
-    draft_slack: int = 0,
     stop_strings: StopStrings | None = None,
     progress: ProgressFn | None = None,
 ) -> tuple[list[SequenceOutput], GenerationStats]:
@@ -215,10 +225,11 @@ def generate_ids(
         generator = torch.Generator(device=device).manual_seed(params.seed)
 
     t0 = time.perf_counter()
-    logits = prefill(model, cache, tokens, lens, prefill_chunk, progress)
+    observer = drafter.target_observer if drafter is not None else None
+    logits = prefill(model, cache, tokens, lens, prefill_chunk, progress, observer)
     last = next_tokens(logits, params, generator)  # [B] the token after each prompt
     if drafter is not None:
-        drafter.prefill(tokens, lens, cache, last, draft_slack)
+        drafter.prefill(tokens, lens, cache, last, prefill_chunk)
     _sync(device)
     stats.prefill_s = time.perf_counter() - t0
 

@@ -49,9 +49,9 @@ def rope_inv_freq(cfg: ModelConfig) -> Tensor:
 
 
 def rope_cos_sin(inv_freq: Tensor, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """cos/sin [B, 1, q, hd] for integer positions [B, q] (negative positions rotate backwards)."""
-    angles = positions[..., None].float() * inv_freq  # [B, q, hd/2]
-    angles = torch.cat((angles, angles), dim=-1)[:, None]
+    """cos/sin [..., hd] for integer positions [...] (negative positions rotate backwards)."""
+    angles = positions[..., None].float() * inv_freq  # [..., hd/2]
+    angles = torch.cat((angles, angles), dim=-1)
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
@@ -167,7 +167,7 @@ class Transformer(nn.Module):
         """
         q = tokens.shape[1]
         x = self.tok_embeddings(tokens)
-        cos, sin = rope_cos_sin(self.inv_freq, cache.rope_positions(q), x.dtype)
+        cos, sin = rope_cos_sin(self.inv_freq, cache.rope_positions(q)[:, None], x.dtype)  # [B, 1, q, hd]
         mask = cache.attn_mask(q)
         for layer in self.layers:
             x = layer(x, cos, sin, mask, cache, observer)

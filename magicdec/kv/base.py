@@ -31,6 +31,7 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device | str,
     ):
+        self.cfg = cfg
         shape = (cfg.n_layers, batch, cfg.n_kv_heads, capacity, cfg.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)

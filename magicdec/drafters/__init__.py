@@ -1,0 +1,7 @@
+"""Drafters: propose tokens cheaply for the target to verify."""
+
+from magicdec.drafters.base import Drafter
+from magicdec.drafters.model_draft import ModelDrafter
+from magicdec.drafters.self_spec import SelfSpecDrafter
+
+__all__ = ["Drafter", "ModelDrafter", "SelfSpecDrafter"]

@@ -1,0 +1,32 @@
+"""Planner: hardware profiles, a roofline cost model, an acceptance model and the choice of
+strategy, draft budget and draft length. Pure Python; it does not import torch."""
+
+from magicdec.planner.acceptance import AcceptanceTable, expected_tokens
+from magicdec.planner.cost import ForwardCost, decode_step_time, draft_step_time, forward_cost, verify_step_time
+from magicdec.planner.hardware import PRESETS, HardwareProfile, get_profile
+from magicdec.planner.models import MODEL_PRESETS, ModelShape, get_model_shape
+from magicdec.planner.plan import DRAFT_CACHES, STRATEGIES, Plan, plan, plan_table
+from magicdec.planner.report import format_table, plot_speedup
+
+__all__ = [
+    "AcceptanceTable",
+    "DRAFT_CACHES",
+    "ForwardCost",
+    "HardwareProfile",
+    "MODEL_PRESETS",
+    "ModelShape",
+    "PRESETS",
+    "Plan",
+    "STRATEGIES",
+    "decode_step_time",
+    "draft_step_time",
+    "expected_tokens",
+    "forward_cost",
+    "format_table",
+    "get_model_shape",
+    "get_profile",
+    "plan",
+    "plan_table",
+    "plot_speedup",
+    "verify_step_time",
+]

@@ -1,0 +1,175 @@
+"""Roofline cost of one forward pass, and of the three kinds of step speculative decoding takes.
+
+The forward pass is split into two groups of kernels that are bound separately:
+
+- the linear layers (q/k/v/o, MLP, lm head) stream the weights and the activations, and do
+  2 * B * q * n_params_linear flops;
+- attention streams the KV cache and does 4 * B * q * L * n_layers * n_heads * head_dim flops.
+
+Each group takes max(bytes / effective bandwidth, flops / effective FLOP rate), and the pass
+takes the sum of the two plus overhead (plus all-reduce time under tensor parallelism). Taking
+one max over the whole pass would let the attention's idle compute hide the linear layers'
+compute: once verification of gamma+1 tokens makes the linear layers compute-bound while
+attention is still streaming a long KV cache, the two add up, which is why verification gets
+dearer with gamma even when the KV cache dominates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from magicdec.planner.hardware import HardwareProfile
+from magicdec.planner.models import ModelShape
+
+
+@dataclass(frozen=True)
+class ForwardCost:
+    """Bytes, flops and seconds of one forward pass, per device."""
+
+    bytes_weights: float
+    bytes_kv: float
+    bytes_activations: float
+    flops_linear: float
+    flops_attention: float
+    t_memory: float
+    """All bytes at the effective bandwidth."""
+    t_compute: float
+    """All flops at the effective FLOP rates."""
+    t_comm: float
+    """Tensor-parallel all-reduces (0 when tp == 1)."""
+    t_overhead: float
+    """Fixed and per-layer overhead."""
+    time: float
+    """Predicted seconds for the pass."""
+    dominant: str
+    """The largest share of `time`: "weights", "kv", "compute" or "overhead" (incl. comm)."""
+
+
+def _activation_elements_per_token(shape: ModelShape) -> int:
+    """Elements each linear layer reads and writes for one token, summed over the model.
+
+    Per layer: the qkv projection reads dim and writes (n_heads + 2 n_kv_heads) head_dim,
+    o reads n_heads head_dim and writes dim, gate/up read dim and write 2 ffn, down reads
+    ffn and writes dim. The lm head reads dim and writes vocab logits.
+    """
+    per_layer = (
+        shape.dim + (shape.n_heads + 2 * shape.n_kv_heads) * shape.head_dim
+        + shape.n_heads * shape.head_dim + shape.dim
+        + shape.dim + 2 * shape.ffn_dim
+        + shape.ffn_dim + shape.dim
+    )
+    return shape.n_layers * per_layer + shape.dim + shape.vocab_size
+
+
+def forward_cost(
+    shape: ModelShape,
+    hw: HardwareProfile,
+    batch: int,
+    q: int,
+    kv_len: int,
+    weight_dtype_bytes: float = 2,
+    kv_dtype_bytes: float = 2,
+    tp: int = 1,
+) -> ForwardCost:
+    """Cost of one forward pass of `batch` sequences, `q` new tokens each, attending `kv_len` keys.
+
+    With `tp` > 1 weights, KV cache and flops are split evenly over `tp` devices, and each
+    layer adds two ring all-reduces of the B*q*dim hidden states over `hw.ici_bandwidth`.
+    """
+    if batch < 1 or q < 1 or kv_len < 0 or tp < 1:
+        raise ValueError(f"need batch >= 1, q >= 1, kv_len >= 0, tp >= 1; got {batch}, {q}, {kv_len}, {tp}")
+    tokens = batch * q
+    # Activations stay in the compute dtype (16-bit at least) even when weights are quantized.
+    act_dtype_bytes = max(weight_dtype_bytes, 2)
+
+    bytes_weights = shape.n_params_linear * weight_dtype_bytes / tp
+    bytes_kv = batch * kv_len * shape.kv_bytes_per_token(kv_dtype_bytes) / tp
+    bytes_activations = tokens * _activation_elements_per_token(shape) * act_dtype_bytes / tp
+    flops_linear = 2 * tokens * shape.n_params_linear / tp
+    flops_attention = 4 * tokens * kv_len * shape.n_layers * shape.n_heads * shape.head_dim / tp
+
+    bandwidth = hw.mem_bandwidth * hw.bandwidth_efficiency
+    t_linear_memory = (bytes_weights + bytes_activations) / bandwidth
+    t_linear_compute = flops_linear / (hw.flops_per_s * hw.matmul_efficiency)
+    t_kv = bytes_kv / bandwidth
+    t_attention_compute = flops_attention / (hw.flops_per_s * hw.attention_efficiency)
+
+    t_comm = 0.0
+    if tp > 1:
+        if hw.ici_bandwidth is None:
+            raise ValueError(f"profile {hw.name!r} has no ici_bandwidth; cannot model tp={tp}")
+        # A ring all-reduce sends and receives 2 (tp-1)/tp of the message on each device.
+        message = tokens * shape.dim * act_dtype_bytes
+        t_comm = 2 * shape.n_layers * 2 * (tp - 1) / tp * message / hw.ici_bandwidth
+    t_overhead = hw.fixed_overhead_s + hw.per_layer_overhead_s * shape.n_layers
+
+    shares = {"weights": 0.0, "kv": 0.0, "compute": 0.0, "overhead": t_overhead + t_comm}
+    if t_linear_memory >= t_linear_compute:
+        shares["weights"] += t_linear_memory
+    else:
+        shares["compute"] += t_linear_compute
+    if t_kv >= t_attention_compute:
+        shares["kv"] += t_kv
+    else:
+        shares["compute"] += t_attention_compute
+
+    return ForwardCost(
+        bytes_weights=bytes_weights,
+        bytes_kv=bytes_kv,
+        bytes_activations=bytes_activations,
+        flops_linear=flops_linear,
+        flops_attention=flops_attention,
+        t_memory=t_linear_memory + t_kv,
+        t_compute=t_linear_compute + t_attention_compute,
+        t_comm=t_comm,
+        t_overhead=t_overhead,
+        time=sum(shares.values()),
+        dominant=max(shares, key=lambda k: shares[k]),
+    )
+
+
+def decode_step_time(
+    shape: ModelShape,
+    hw: HardwareProfile,
+    batch: int,
+    context: int,
+    weight_dtype_bytes: float = 2,
+    kv_dtype_bytes: float = 2,
+    tp: int = 1,
+) -> float:
+    """Seconds of one autoregressive step: one new token per sequence over a `context`-long cache."""
+    return forward_cost(shape, hw, batch, 1, context, weight_dtype_bytes, kv_dtype_bytes, tp).time
+
+
+def verify_step_time(
+    shape: ModelShape,
+    hw: HardwareProfile,
+    batch: int,
+    context: int,
+    gamma: int,
+    weight_dtype_bytes: float = 2,
+    kv_dtype_bytes: float = 2,
+    tp: int = 1,
+) -> float:
+    """Seconds of one target verification: gamma drafted tokens plus one, over the dense cache."""
+    return forward_cost(shape, hw, batch, gamma + 1, context, weight_dtype_bytes, kv_dtype_bytes, tp).time
+
+
+def draft_step_time(
+    shape: ModelShape,
+    hw: HardwareProfile,
+    batch: int,
+    context: int,
+    budget: int | None,
+    weight_dtype_bytes: float = 2,
+    kv_dtype_bytes: float = 2,
+    tp: int = 1,
+) -> float:
+    """Seconds of one draft step.
+
+    Self-speculation passes the target's shape and the sparse cache's `budget`; a standalone
+    draft passes its own shape, with `budget=None` for a dense draft cache (it attends the
+    whole `context`) or its sparse budget. A budget larger than the context is the context.
+    """
+    kv_len = context if budget is None else min(budget, context)
+    return forward_cost(shape, hw, batch, 1, kv_len, weight_dtype_bytes, kv_dtype_bytes, tp).time

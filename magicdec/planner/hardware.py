@@ -1,0 +1,138 @@
+"""Hardware profiles: the few numbers of a device that the roofline cost model needs."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, kw_only=True)
+class HardwareProfile:
+    """Peak rates of one device, and how much of them a real forward pass gets.
+
+    All rates are per device. With tensor parallelism the cost model divides the work by
+    `tp` and adds the all-reduce traffic over `ici_bandwidth`.
+    """
+
+    name: str
+    flops_per_s: float
+    """Dense (no structured sparsity) peak FLOP/s in the compute dtype."""
+    mem_bandwidth: float
+    """Peak memory bandwidth, bytes/s."""
+    mem_bytes: float
+    """Device memory capacity, bytes."""
+    matmul_efficiency: float = 0.7
+    """Fraction of `flops_per_s` the linear layers reach when compute-bound."""
+    bandwidth_efficiency: float = 0.8
+    """Fraction of `mem_bandwidth` that streaming weights and KV cache reaches."""
+    attention_efficiency: float = 0.5
+    """Fraction of `flops_per_s` the attention arithmetic reaches (decode-shaped attention
+    uses small, oddly shaped matmuls, so it gets less than the linear layers)."""
+    fixed_overhead_s: float = 0.0
+    """Time per forward pass that does not scale with work: kernel launches, Python, sync."""
+    per_layer_overhead_s: float = 0.0
+    """Extra fixed time per layer per forward pass (e.g. all-reduce latency under TP)."""
+    ici_bandwidth: float | None = None
+    """Per-direction interconnect bandwidth per device, bytes/s (NVLink, PCIe); None if unknown."""
+
+    def __post_init__(self) -> None:
+        for field in ("flops_per_s", "mem_bandwidth", "mem_bytes"):
+            if getattr(self, field) <= 0:
+                raise ValueError(f"{field} must be positive, got {getattr(self, field)}")
+        for field in ("matmul_efficiency", "bandwidth_efficiency", "attention_efficiency"):
+            value = getattr(self, field)
+            if not 0 < value <= 1:
+                raise ValueError(f"{field} must be in (0, 1], got {value}")
+        if self.fixed_overhead_s < 0 or self.per_layer_overhead_s < 0:
+            raise ValueError("overheads must be non-negative")
+        if self.ici_bandwidth is not None and self.ici_bandwidth <= 0:
+            raise ValueError(f"ici_bandwidth must be positive or None, got {self.ici_bandwidth}")
+
+    def to_json(self, path: str | os.PathLike[str]) -> None:
+        """Write this profile to a JSON file."""
+        with open(path, "w") as f:
+            json.dump(dataclasses.asdict(self), f, indent=2)
+            f.write("\n")
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike[str]) -> HardwareProfile:
+        """Read a profile written by `to_json` (or by hand)."""
+        with open(path) as f:
+            data = json.load(f)
+        known = {field.name for field in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"{path}: unknown hardware profile fields {unknown}")
+        return cls(**data)
+
+
+GB = 1e9
+TB = 1e12
+TFLOPS = 1e12
+
+# GPU presets. Peak numbers are from the NVIDIA datasheets; the efficiencies and the fixed
+# overhead are our assumptions (typical of a compiled PyTorch decode loop), not measurements.
+# Datasheets quote "with sparsity" tensor FLOP/s; we use the dense figure (half of it).
+_GPU_EFFICIENCY = dict(
+    matmul_efficiency=0.7,
+    bandwidth_efficiency=0.8,
+    attention_efficiency=0.5,
+    fixed_overhead_s=2e-3,
+)
+
+PRESETS: dict[str, HardwareProfile] = {
+    # NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB): BF16 312 TFLOPS dense,
+    # 2,039 GB/s HBM2e, 80 GB; NVLink 600 GB/s total = 300 GB/s each direction.
+    "a100-80gb": HardwareProfile(
+        name="a100-80gb", flops_per_s=312 * TFLOPS, mem_bandwidth=2.039 * TB, mem_bytes=80 * GB,
+        ici_bandwidth=300 * GB, **_GPU_EFFICIENCY,
+    ),
+    # NVIDIA H100 Tensor Core GPU datasheet (SXM 80GB): BF16 1,979 TFLOPS with sparsity
+    # = 989 dense, 3.35 TB/s HBM3, 80 GB; NVLink 900 GB/s total = 450 GB/s each direction.
+    "h100": HardwareProfile(
+        name="h100", flops_per_s=989 * TFLOPS, mem_bandwidth=3.35 * TB, mem_bytes=80 * GB,
+        ici_bandwidth=450 * GB, **_GPU_EFFICIENCY,
+    ),
+    # NVIDIA H200 datasheet (SXM): same compute as H100 (989 TFLOPS BF16 dense),
+    # 4.8 TB/s HBM3e, 141 GB; NVLink 900 GB/s total.
+    "h200": HardwareProfile(
+        name="h200", flops_per_s=989 * TFLOPS, mem_bandwidth=4.8 * TB, mem_bytes=141 * GB,
+        ici_bandwidth=450 * GB, **_GPU_EFFICIENCY,
+    ),
+    # NVIDIA L40S datasheet: BF16 362 TFLOPS dense (733 with sparsity), 864 GB/s GDDR6,
+    # 48 GB; no NVLink, PCIe Gen4 x16 = 64 GB/s bidirectional = 32 GB/s each direction.
+    "l40s": HardwareProfile(
+        name="l40s", flops_per_s=362 * TFLOPS, mem_bandwidth=864 * GB, mem_bytes=48 * GB,
+        ici_bandwidth=32 * GB, **_GPU_EFFICIENCY,
+    ),
+    # NVIDIA L40 datasheet: BF16 181 TFLOPS dense (362 with sparsity), 864 GB/s GDDR6,
+    # 48 GB; PCIe Gen4 x16 as L40S.
+    "l40": HardwareProfile(
+        name="l40", flops_per_s=181 * TFLOPS, mem_bandwidth=864 * GB, mem_bytes=48 * GB,
+        ici_bandwidth=32 * GB, **_GPU_EFFICIENCY,
+    ),
+    # Placeholder for this project's 2-core AMD Zen 3 machine until `magicdec calibrate`
+    # measures it: 2 cores x 2 FMA pipes x 8 fp32 lanes x 2 flops x ~2.1 GHz = 137 GFLOP/s
+    # fp32; ~28 GB/s of DRAM bandwidth; 24 GiB RAM. Eager PyTorch on CPU spends tens of
+    # milliseconds per forward outside the math, hence the large fixed overhead.
+    "cpu-zen3-2core": HardwareProfile(
+        name="cpu-zen3-2core", flops_per_s=137e9, mem_bandwidth=28 * GB, mem_bytes=24 * 2**30,
+        matmul_efficiency=0.6, bandwidth_efficiency=0.7, attention_efficiency=0.3,
+        fixed_overhead_s=0.02,
+    ),
+}
+
+
+def get_profile(name_or_path: str | os.PathLike[str]) -> HardwareProfile:
+    """Return the preset called `name_or_path`, or load the profile JSON file at that path."""
+    key = os.fspath(name_or_path)
+    if key in PRESETS:
+        return PRESETS[key]
+    if os.path.isfile(key):
+        return HardwareProfile.from_json(key)
+    raise ValueError(
+        f"unknown hardware profile {key!r}: not a preset ({', '.join(sorted(PRESETS))}) "
+        "and not a JSON file"
+    )

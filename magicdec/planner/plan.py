@@ -1,0 +1,178 @@
+"""Choice of decoding strategy, draft KV budget and draft length from the cost and acceptance models."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from magicdec.planner.acceptance import MODES, AcceptanceTable, expected_tokens
+from magicdec.planner.cost import decode_step_time, draft_step_time, forward_cost, verify_step_time
+from magicdec.planner.hardware import HardwareProfile
+from magicdec.planner.models import ModelShape
+
+STRATEGIES = ("ar", "self-streaming", "self-snapkv", "model")
+DRAFT_CACHES = ("dense", "streaming", "snapkv")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The predicted-fastest way to decode one batch shape, and why."""
+
+    strategy: str
+    """"ar", "self-streaming", "self-snapkv" or "model" (a standalone draft model)."""
+    budget: int | None
+    """Draft KV budget; None for AR and for a dense draft cache."""
+    gamma: int
+    """Draft tokens per step; 0 for AR."""
+    draft_cache: str | None
+    """"dense", "streaming" or "snapkv" for a draft model; None otherwise."""
+    alpha: float | None
+    """Per-token acceptance rate assumed; None for AR."""
+    predicted_throughput: float
+    """Generated tokens per second over the whole batch."""
+    predicted_speedup: float
+    """predicted_throughput over that of plain autoregressive decoding."""
+    verify_dominant: str
+    """Dominant cost term of the target step (verification, or the decode step for AR)."""
+    draft_dominant: str | None
+    """Dominant cost term of a draft step; None for AR."""
+    fits_in_memory: bool
+    """Whether weights plus KV caches (target and draft) fit in device memory."""
+
+
+@dataclass(frozen=True)
+class _Drafter:
+    strategy: str
+    cache: str | None
+    budget: int | None
+    key: str  # name in the acceptance table
+    shape: ModelShape
+    tp: int
+
+
+def _drafters(
+    target: ModelShape, draft: ModelShape | None, budgets: Iterable[int], context: int, tp: int,
+    strategies: set[str],
+) -> Iterator[_Drafter]:
+    # A sparse cache whose budget reaches the context holds every token: it is a dense cache.
+    sparse_budgets = sorted(b for b in set(budgets) if b < context)
+    for strategy in ("self-streaming", "self-snapkv"):
+        if strategy in strategies:
+            for budget in sparse_budgets:
+                yield _Drafter(strategy, None, budget, strategy, target, tp)
+    if draft is not None and "model" in strategies:
+        # Tensor parallelism splits KV heads, so a draft with fewer KV heads than devices runs
+        # on gcd(tp, n_kv_heads) of them (as MagicDec runs TinyLlama on 4 of 8 GPUs).
+        draft_tp = math.gcd(tp, draft.n_kv_heads)
+        for cache in DRAFT_CACHES:
+            for budget in [None] if cache == "dense" else sparse_budgets:
+                yield _Drafter("model", cache, budget, f"{draft.name}:{cache}", draft, draft_tp)
+
+
+def plan(
+    target: ModelShape,
+    hw: HardwareProfile,
+    batch: int,
+    context: int,
+    acceptance: AcceptanceTable,
+    draft: ModelShape | None = None,
+    budgets: Iterable[int] = (64, 128, 256, 512, 1024, 2048),
+    gammas: Iterable[int] = range(1, 9),
+    dtype_bytes: float = 2,
+    kv_dtype_bytes: float = 2,
+    tp: int = 1,
+    mode: str = "greedy",
+    strategies: Iterable[str] | None = None,
+) -> Plan:
+    """Pick the strategy, budget and gamma with the highest predicted throughput.
+
+    Searches plain AR decoding, StreamingLLM and SnapKV self-speculation over `budgets`, and,
+    when `draft` is given, that draft model with a dense, StreamingLLM or SnapKV cache, each
+    over `gammas`, for `batch` sequences at `context` tokens. Drafters the acceptance table
+    has no rate for are skipped. Speculation must beat AR strictly to be chosen.
+
+    Throughput(spec) = B * E[tokens] / (gamma * T_draft + T_verify(gamma + 1));
+    Throughput(AR) = B / T_decode. Candidates that do not fit in memory are skipped, unless
+    even AR does not fit (then the search ignores memory and `fits_in_memory` is False).
+
+    `strategies` restricts the search (default: all of STRATEGIES); leaving "ar" out returns
+    the best speculative plan even when it is slower than AR.
+    """
+    chosen = set(STRATEGIES if strategies is None else strategies)
+    if not chosen or not chosen <= set(STRATEGIES):
+        raise ValueError(f"strategies must be a non-empty subset of {STRATEGIES}, got {sorted(chosen)}")
+    gammas = sorted(set(gammas))
+    if not gammas or gammas[0] < 1:
+        raise ValueError(f"gammas must be positive, got {gammas}")
+    if batch < 1 or context < 1:
+        raise ValueError(f"batch and context must be positive, got {batch}, {context}")
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+
+    def memory(shape: ModelShape, kv_len: int, devices: int, weights: bool) -> float:
+        kv = batch * kv_len * shape.kv_bytes_per_token(kv_dtype_bytes)
+        return ((shape.weight_bytes(dtype_bytes) if weights else 0.0) + kv) / devices
+
+    target_memory = memory(target, context, tp, weights=True)
+    ar_fits = target_memory <= hw.mem_bytes
+    ar_throughput = batch / decode_step_time(target, hw, batch, context, dtype_bytes, kv_dtype_bytes, tp)
+    t_verify = {g: verify_step_time(target, hw, batch, context, g, dtype_bytes, kv_dtype_bytes, tp) for g in gammas}
+
+    best: tuple[float, _Drafter, int, float, bool] | None = None
+    for d in _drafters(target, draft, budgets, context, tp, chosen):
+        try:
+            alpha = acceptance.alpha(d.key, d.budget, context, mode)
+        except KeyError:
+            continue
+        kv_len = context if d.budget is None else d.budget
+        # Self-speculation shares the target's weights; a draft model brings its own.
+        fits = target_memory + memory(d.shape, kv_len, d.tp, weights=d.strategy == "model") <= hw.mem_bytes
+        if ar_fits and not fits:
+            continue
+        t_draft = draft_step_time(d.shape, hw, batch, context, d.budget, dtype_bytes, kv_dtype_bytes, d.tp)
+        for g in gammas:
+            throughput = batch * expected_tokens(alpha, g) / (g * t_draft + t_verify[g])
+            if best is None or throughput > best[0]:
+                best = (throughput, d, g, alpha, fits)
+
+    if "ar" in chosen and (best is None or best[0] <= ar_throughput):
+        decode = forward_cost(target, hw, batch, 1, context, dtype_bytes, kv_dtype_bytes, tp)
+        return Plan("ar", None, 0, None, None, ar_throughput, 1.0, decode.dominant, None, ar_fits)
+    if best is None:
+        raise ValueError(
+            f"no speculative candidate among {sorted(chosen)}: none has an acceptance rate in {mode} "
+            f"mode at these budgets (the table knows {acceptance.drafters()}) and fits in memory"
+        )
+    throughput, d, g, alpha, fits = best
+    verify = forward_cost(target, hw, batch, g + 1, context, dtype_bytes, kv_dtype_bytes, tp)
+    kv_len = context if d.budget is None else d.budget
+    drafting = forward_cost(d.shape, hw, batch, 1, kv_len, dtype_bytes, kv_dtype_bytes, d.tp)
+    return Plan(
+        d.strategy, d.budget, g, d.cache, alpha, throughput, throughput / ar_throughput,
+        verify.dominant, drafting.dominant, fits,
+    )
+
+
+def plan_table(
+    target: ModelShape,
+    hw: HardwareProfile,
+    batches: Iterable[int],
+    contexts: Iterable[int],
+    acceptance: AcceptanceTable,
+    **kwargs: Any,
+) -> list[dict[str, Any]]:
+    """`plan` over a grid of batch x context; one dict per cell (batch, context, Plan fields).
+
+    `kwargs` go to `plan` (draft, budgets, gammas, dtype_bytes, kv_dtype_bytes, tp, mode,
+    strategies).
+    """
+    rows = []
+    for context in contexts:
+        for batch in batches:
+            best = plan(target, hw, batch, context, acceptance, **kwargs)
+            rows.append({"target": target.name, "hardware": hw.name, "batch": batch, "context": context,
+                         **dataclasses.asdict(best)})
+    return rows

@@ -1,0 +1,264 @@
+"""Tests of the planner: cost model arithmetic, acceptance model, strategy choice, I/O."""
+
+import dataclasses
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from magicdec.planner import (
+    MODEL_PRESETS,
+    PRESETS,
+    AcceptanceTable,
+    HardwareProfile,
+    ModelShape,
+    decode_step_time,
+    draft_step_time,
+    expected_tokens,
+    format_table,
+    forward_cost,
+    get_profile,
+    plan,
+    plan_table,
+    plot_speedup,
+    verify_step_time,
+)
+
+LLAMA2 = MODEL_PRESETS["llama-2-7b-32k"]
+LLAMA3 = MODEL_PRESETS["llama-3.1-8b"]
+TINYLLAMA = MODEL_PRESETS["tinyllama-1.1b"]
+
+# Round numbers so the arithmetic below can be checked by hand.
+TOY_HW = HardwareProfile(
+    name="toy", flops_per_s=100e12, mem_bandwidth=1e12, mem_bytes=80e9,
+    matmul_efficiency=0.5, bandwidth_efficiency=0.5, attention_efficiency=0.5,
+    fixed_overhead_s=1e-3, ici_bandwidth=100e9,
+)
+
+
+def test_model_shape_counts():
+    # Llama-2-7B, per layer: q,k,v,o = 4 * 4096 * 4096 = 67,108,864; MLP = 3 * 4096 * 11008
+    # = 135,266,304; 32 layers = 6,476,005,376; lm head 4096 * 32000 = 131,072,000.
+    assert LLAMA2.n_params_linear == 6_607_077_376
+    # + embedding 131,072,000 + norms (2 * 32 + 1) * 4096 = 266,240 -> the familiar 6.74B.
+    assert LLAMA2.n_params == 6_738_415_616
+    assert LLAMA2.weight_bytes(2) == 2 * 6_738_415_616
+    # K and V: 2 * 32 layers * 32 kv heads * 128 * 2 bytes = 512 KiB per token.
+    assert LLAMA2.kv_bytes_per_token(2) == 524_288
+    # GQA: 8 kv heads -> 2 * 32 * 8 * 128 * 2 = 128 KiB per token; 8.03B parameters.
+    assert LLAMA3.kv_bytes_per_token(2) == 131_072
+    assert LLAMA3.n_params == 8_030_261_248
+    # Tied: the embedding is the lm head, counted once.
+    smollm = MODEL_PRESETS["smollm2-135m"]
+    assert smollm.n_params == smollm.n_params_linear + (2 * 30 + 1) * 576
+
+
+def test_from_hf_config_matches_preset():
+    config = {
+        "_name_or_path": "meta-llama/Llama-3.1-8B", "model_type": "llama", "hidden_size": 4096,
+        "intermediate_size": 14336, "num_attention_heads": 32, "num_hidden_layers": 32,
+        "num_key_value_heads": 8, "vocab_size": 128256, "tie_word_embeddings": False,
+    }
+    shape = ModelShape.from_hf_config(config, name="llama-3.1-8b")
+    assert shape == LLAMA3
+    with pytest.raises(ValueError, match="hidden_size"):
+        ModelShape.from_hf_config({"num_attention_heads": 32})
+
+
+def test_forward_cost_memory_bound_by_hand():
+    # Llama-2-7B, batch 8, one new token each, 4096 cached tokens, bf16, on TOY_HW.
+    cost = forward_cost(LLAMA2, TOY_HW, batch=8, q=1, kv_len=4096)
+    # weights: 6,607,077,376 linear params * 2 bytes
+    assert cost.bytes_weights == 13_214_154_752
+    # KV: 8 * 4096 tokens * 524,288 bytes
+    assert cost.bytes_kv == 17_179_869_184
+    # activations per token per layer, inputs plus outputs of every linear layer:
+    # 4 * 4096 (residual-width reads/writes) + (2 * 32 q/o heads + 2 * 32 k/v heads) * 128
+    # + 3 * 11008 (gate, up, down) = 16,384 + 16,384 + 33,024 = 65,792; * 32 layers
+    # = 2,105,344; + lm head 4096 in + 32000 out = 2,141,440 elements * 2 bytes * 8 tokens
+    assert cost.bytes_activations == 2_141_440 * 2 * 8
+    # linear flops: 2 * 8 tokens * 6,607,077,376; attention: 4 * 8 * 4096 * 32 * 32 * 128
+    assert cost.flops_linear == 105_713_238_016
+    assert cost.flops_attention == 17_179_869_184
+    # Effective bandwidth 0.5 TB/s, linear 50 TFLOP/s, attention 50 TFLOP/s.
+    t_linear = (13_214_154_752 + 34_263_040) / 0.5e12  # 26.50 ms, beats 105.7e9 / 50e12 = 2.11 ms
+    t_kv = 17_179_869_184 / 0.5e12  # 34.36 ms, beats 17.2e9 / 50e12 = 0.34 ms
+    assert cost.t_memory == pytest.approx(t_linear + t_kv)
+    assert cost.t_compute == pytest.approx(105_713_238_016 / 50e12 + 17_179_869_184 / 50e12)
+    assert cost.t_comm == 0
+    assert cost.t_overhead == 1e-3
+    assert cost.time == pytest.approx(t_linear + t_kv + 1e-3)  # 61.86 ms
+    assert cost.dominant == "kv"
+
+
+def test_forward_cost_compute_bound_and_tensor_parallel_by_hand():
+    # Batch 256 x 8 tokens, no cache: linear flops 2 * 2048 * 6,607,077,376 = 27.06e12,
+    # at 50 TFLOP/s = 541.3 ms, far above (13.2e9 + 2048 * 2,141,440 * 2) / 0.5e12 = 43.9 ms.
+    cost = forward_cost(LLAMA2, TOY_HW, batch=256, q=8, kv_len=0)
+    assert cost.time == pytest.approx(2 * 2048 * 6_607_077_376 / 50e12 + 1e-3)
+    assert cost.dominant == "compute"
+    # tp=2 halves every byte and flop, and adds 2 all-reduces per layer of
+    # 2048 tokens * 4096 * 2 bytes = 16 MiB, each moving 2 * (2-1)/2 = 1x of it at 100 GB/s:
+    # 64 * 16,777,216 / 100e9 = 10.74 ms.
+    cost_tp = forward_cost(LLAMA2, TOY_HW, batch=256, q=8, kv_len=0, tp=2)
+    assert cost_tp.flops_linear == cost.flops_linear / 2
+    assert cost_tp.t_comm == pytest.approx(64 * 16_777_216 / 100e9)
+    assert cost_tp.time == pytest.approx((cost.time - 1e-3) / 2 + cost_tp.t_comm + 1e-3)
+    with pytest.raises(ValueError, match="ici_bandwidth"):
+        forward_cost(LLAMA2, dataclasses.replace(TOY_HW, ici_bandwidth=None), 1, 1, 0, tp=2)
+
+
+def test_step_helpers():
+    def time(shape, q, kv_len):
+        return forward_cost(shape, TOY_HW, 4, q, kv_len).time
+
+    assert decode_step_time(LLAMA2, TOY_HW, 4, 8000) == time(LLAMA2, 1, 8000)
+    assert verify_step_time(LLAMA2, TOY_HW, 4, 8000, gamma=3) == time(LLAMA2, 4, 8000)
+    # Self-speculation: target shape over the budget; a budget past the context is the context.
+    assert draft_step_time(LLAMA2, TOY_HW, 4, 8000, budget=512) == time(LLAMA2, 1, 512)
+    assert draft_step_time(LLAMA2, TOY_HW, 4, 300, budget=512) == time(LLAMA2, 1, 300)
+    # Standalone draft: dense cache attends the whole context.
+    assert draft_step_time(TINYLLAMA, TOY_HW, 4, 8000, budget=None) == time(TINYLLAMA, 1, 8000)
+
+
+def test_expected_tokens_edge_cases():
+    assert expected_tokens(0.0, 5) == 1.0
+    assert expected_tokens(1.0, 5) == 6.0
+    assert expected_tokens(0.7, 0) == 1.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+    # continuous as alpha -> 1
+    assert expected_tokens(1 - 1e-9, 4) == pytest.approx(5.0, rel=1e-6)
+    with pytest.raises(ValueError):
+        expected_tokens(1.5, 2)
+    with pytest.raises(ValueError):
+        expected_tokens(0.5, -1)
+
+
+def test_acceptance_interpolation():
+    table = AcceptanceTable()
+    table.add("self-streaming", 0.8, budget=256, context=1000)
+    table.add("self-streaming", 0.6, budget=256, context=100000)
+    table.add("self-streaming", 0.9, budget=1024)
+    # log-midpoint of 1000 and 100000 is 10000: halfway between 0.8 and 0.6
+    assert table.alpha("self-streaming", 256, 10000) == pytest.approx(0.7)
+    assert table.alpha("self-streaming", 256, 500) == 0.8  # clamped
+    # budget 512 is the log-midpoint of 256 and 1024: halfway between 0.7 and 0.9 at 10k
+    assert table.alpha("self-streaming", 512, 10000) == pytest.approx(0.8)
+    assert table.alpha("self-streaming", 4096, 10000) == 0.9  # above measured: clamped
+    with pytest.raises(KeyError):
+        table.alpha("self-streaming", 128, 10000)  # below measured: unknown
+    with pytest.raises(KeyError):
+        table.alpha("self-streaming", 256, 10000, mode="sampling")
+    with pytest.raises(KeyError):
+        table.alpha("self-snapkv", 256, 10000)
+
+    paper = AcceptanceTable.paper_default()
+    assert paper.alpha("self-streaming", 512, 4000) == 0.84
+    assert paper.alpha("self-streaming", 512, 32000) == 0.81
+    assert paper.alpha("self-streaming", 512, 200000) == 0.79
+    assert paper.alpha("tinyllama-1.1b:streaming", 256, 8000) == 0.8
+
+
+def test_json_round_trips(tmp_path):
+    profile = dataclasses.replace(PRESETS["a100-80gb"], per_layer_overhead_s=3e-5)
+    profile.to_json(tmp_path / "hw.json")
+    assert HardwareProfile.from_json(tmp_path / "hw.json") == profile
+    assert get_profile(str(tmp_path / "hw.json")) == profile
+    assert get_profile("h100") is PRESETS["h100"]
+    with pytest.raises(ValueError, match="a100-80gb"):
+        get_profile("tpu-v9")
+
+    table = AcceptanceTable.paper_default()
+    table.add("tinyllama-1.1b:dense", 0.82)
+    table.to_json(tmp_path / "acc.json")
+    assert AcceptanceTable.from_json(tmp_path / "acc.json") == table
+
+
+def _high_acceptance_table(alpha=0.9):
+    table = AcceptanceTable()
+    for budget in (64, 128, 256, 512, 1024, 2048):
+        table.add("self-streaming", alpha, budget=budget)
+        table.add("self-snapkv", alpha, budget=budget)
+    return table
+
+
+def test_plan_picks_ar_when_speculation_cannot_win():
+    # Short context, batch 1, fp32 on the CPU: the weights and the 20 ms overhead dominate a
+    # draft step as much as a target step, so even 90% acceptance cannot pay for drafting.
+    cpu = get_profile("cpu-zen3-2core")
+    table = _high_acceptance_table()
+    best = plan(TINYLLAMA, cpu, batch=1, context=512, acceptance=table, dtype_bytes=4, kv_dtype_bytes=4)
+    assert best.strategy == "ar"
+    assert best.gamma == 0 and best.predicted_speedup == 1.0
+    assert best.verify_dominant == "weights"
+    # Forced to speculate, the best it can do is slower than AR.
+    forced = plan(TINYLLAMA, cpu, 1, 512, table, dtype_bytes=4, kv_dtype_bytes=4,
+                  strategies=["self-streaming", "self-snapkv"])
+    assert forced.strategy != "ar" and forced.predicted_speedup < 1.0
+
+
+def test_plan_speculates_when_kv_dominates():
+    # Llama-3.1-8B on 8 x H100 at batch 128 and 32k context: 550 GB of KV cache against
+    # 16 GB of weights, so a 512-token draft cache makes drafting cheap.
+    best = plan(LLAMA3, get_profile("h100"), batch=128, context=32768,
+                acceptance=AcceptanceTable.paper_default(), tp=8)
+    assert best.strategy == "self-streaming"
+    assert best.budget == 512
+    assert best.verify_dominant == "kv"
+    assert best.predicted_speedup > 1.5
+    assert best.fits_in_memory
+
+
+def test_best_gamma_grows_with_batch_at_long_context():
+    rows = plan_table(LLAMA2, get_profile("a100-80gb"), batches=[1, 2, 4, 8, 16, 32, 64, 128, 256],
+                      contexts=[32768], acceptance=AcceptanceTable.paper_default())
+    gammas = [row["gamma"] for row in rows]
+    assert gammas == sorted(gammas)
+    assert gammas[-1] > gammas[0]
+    speedups = [row["predicted_speedup"] for row in rows]
+    assert speedups == sorted(speedups)
+
+
+def test_plan_with_draft_model_uses_fewer_devices_for_few_kv_heads():
+    best = plan(LLAMA2, get_profile("a100-80gb"), 64, 8000, AcceptanceTable.paper_default(),
+                draft=TINYLLAMA, tp=8, strategies=["model"])
+    assert (best.strategy, best.draft_cache, best.budget) == ("model", "streaming", 256)
+    # TinyLlama has 4 KV heads: it runs on gcd(8, 4) = 4 devices, so its draft step is
+    # slower than if it were split 8 ways.
+    expected_draft = draft_step_time(TINYLLAMA, get_profile("a100-80gb"), 64, 8000, 256, tp=4)
+    t_verify = verify_step_time(LLAMA2, get_profile("a100-80gb"), 64, 8000, best.gamma, tp=8)
+    throughput = 64 * expected_tokens(0.8, best.gamma) / (best.gamma * expected_draft + t_verify)
+    assert best.predicted_throughput == pytest.approx(throughput)
+
+
+def test_plan_rejects_empty_search():
+    with pytest.raises(ValueError, match="no speculative candidate"):
+        plan(LLAMA2, TOY_HW, 8, 8000, AcceptanceTable(), strategies=["self-snapkv"])
+
+
+def test_report(tmp_path):
+    rows = plan_table(LLAMA2, get_profile("a100-80gb"), [1, 64], [4096, 32768], AcceptanceTable.paper_default())
+    text = format_table(rows, ["batch", "context", "strategy", "gamma", "predicted_speedup"])
+    lines = text.splitlines()
+    assert len(lines) == 2 + 4
+    assert lines[0].split() == ["batch", "context", "strategy", "gamma", "predicted_speedup"]
+    pytest.importorskip("matplotlib")
+    plot_speedup(rows, tmp_path / "speedup.png")
+    assert (tmp_path / "speedup.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_planner_does_not_import_torch():
+    code = "import magicdec.planner, sys; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])
+
+
+def test_presets_are_consistent():
+    assert set(PRESETS) == {"a100-80gb", "h100", "h200", "l40s", "l40", "cpu-zen3-2core"}
+    for name, profile in PRESETS.items():
+        assert profile.name == name
+    # Datasheet ratios the analysis depends on: H100 and H200 share compute, H200 has more bandwidth.
+    assert PRESETS["h200"].flops_per_s == PRESETS["h100"].flops_per_s
+    assert PRESETS["h200"].mem_bandwidth > PRESETS["h100"].mem_bandwidth
+    assert math.isclose(PRESETS["l40s"].flops_per_s, 2 * PRESETS["l40"].flops_per_s, rel_tol=0.01)
