@@ -17,6 +17,7 @@ from torch import Tensor
 
 from magicdec.drafters.base import Drafter
 from magicdec.kv import KVCache
+from magicdec.kv.sparse import SnapKVObserver
 from magicdec.memory import check_fits, peak_bytes
 from magicdec.model import AttentionObserver, Transformer
 from magicdec.sampling import SamplingParams, next_tokens
@@ -196,6 +197,52 @@ class StopStrings:
         return lo
 
 
+@dataclass
+class Prefilled:
+    """Prompts run through the target: its cache (rows at prompt length) and each row's last logits."""
+
+    tokens: Tensor  # [B, T] prompts, left-aligned, zero-padded
+    lens: Tensor  # [B]
+    cache: KVCache
+    logits: Tensor  # [B, V]
+    observer: SnapKVObserver | None  # attention of the prompts' last tokens, when asked for
+    seconds: float
+
+    @property
+    def batch(self) -> int:
+        return len(self.lens)
+
+
+#: Most tokens a round can add beyond max_tokens (gamma drafts + 1); caches get this much slack.
+MAX_GAMMA = 16
+
+
+@torch.inference_mode()
+def prefill_prompts(
+    model: Transformer,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    *,
+    kv_dtype: torch.dtype | None = None,
+    chunk: int = 512,
+    observe: bool = False,
+    progress: ProgressFn | None = None,
+) -> Prefilled:
+    """Allocate the target cache (after checking it fits) and prefill the prompts into it."""
+    device = model.device
+    tokens, lens = pad_prompts(prompts, device)
+    kv_dtype = kv_dtype or model.dtype
+    B = len(prompts)
+    capacity = tokens.shape[1] + max_new_tokens + MAX_GAMMA + 2
+    check_fits(KVCache.nbytes(model.cfg, B, capacity, kv_dtype), device, f"the KV cache for batch {B} x {capacity} tokens")
+    cache = KVCache(model.cfg, B, capacity, kv_dtype, device)
+    observer = SnapKVObserver(model.cfg.n_layers) if observe else None
+    t0 = time.perf_counter()
+    logits = prefill(model, cache, tokens, lens, chunk, progress, observer)
+    _sync(device)
+    return Prefilled(tokens, lens, cache, logits, observer, time.perf_counter() - t0)
+
+
 @torch.inference_mode()
 def generate_ids(
     model: Transformer,
@@ -210,28 +257,46 @@ def generate_ids(
     stop_strings: StopStrings | None = None,
     progress: ProgressFn | None = None,
 ) -> tuple[list[SequenceOutput], GenerationStats]:
-    """Generate for a batch of token-id prompts; speculative when a drafter and gamma >= 1 are given."""
+    """Prefill and decode a batch of token-id prompts; speculative when a drafter is given."""
+    observe = drafter is not None and drafter.needs_target_attention
+    pre = prefill_prompts(
+        model, prompts, params.max_tokens, kv_dtype=kv_dtype, chunk=prefill_chunk, observe=observe, progress=progress
+    )
+    return decode(model, pre, params, eos_ids, drafter=drafter, gamma=gamma, stop_strings=stop_strings,
+                  prefill_chunk=prefill_chunk)
+
+
+@torch.inference_mode()
+def decode(
+    model: Transformer,
+    pre: Prefilled,
+    params: SamplingParams,
+    eos_ids: Sequence[int],
+    *,
+    drafter: Drafter | None = None,
+    gamma: int = 0,
+    stop_strings: StopStrings | None = None,
+    prefill_chunk: int = 512,
+    reuse: bool = False,
+) -> tuple[list[SequenceOutput], GenerationStats]:
+    """Decode from prefilled prompts. With `reuse`, the target cache is rolled back to the prompts at
+    the end (and finished rows are never dropped), so the same `pre` can be decoded again."""
     device = model.device
     gamma = gamma if drafter is not None else 0
-    B = len(prompts)
-    tokens, lens = pad_prompts(prompts, device)
-    stats = GenerationStats(batch=B, prompt_tokens=int(lens.sum()), gamma=gamma, accepted_hist=[0] * (gamma + 1))
-    kv_dtype = kv_dtype or model.dtype
-    capacity = tokens.shape[1] + params.max_tokens + gamma + 1
-    check_fits(KVCache.nbytes(model.cfg, B, capacity, kv_dtype), device, f"the KV cache for batch {B} x {capacity} tokens")
-    cache = KVCache(model.cfg, B, capacity, kv_dtype, device)
+    if gamma > MAX_GAMMA:
+        raise ValueError(f"gamma {gamma} > {MAX_GAMMA}")
+    B, cache = pre.batch, pre.cache
+    stats = GenerationStats(batch=B, prompt_tokens=int(pre.lens.sum()), gamma=gamma, accepted_hist=[0] * (gamma + 1))
+    stats.prefill_s = pre.seconds
     generator = None
     if params.seed is not None:
         generator = torch.Generator(device=device).manual_seed(params.seed)
-
-    t0 = time.perf_counter()
-    observer = drafter.target_observer if drafter is not None else None
-    logits = prefill(model, cache, tokens, lens, prefill_chunk, progress, observer)
-    last = next_tokens(logits, params, generator)  # [B] the token after each prompt
+    last = next_tokens(pre.logits, params, generator)  # [B] the token after each prompt
     if drafter is not None:
-        drafter.prefill(tokens, lens, cache, last, prefill_chunk)
-    _sync(device)
-    stats.prefill_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        drafter.prefill(pre.tokens, pre.lens, cache, pre.observer, last, prefill_chunk)
+        _sync(device)
+        stats.prefill_s += time.perf_counter() - t0
 
     out = _Outputs(B, params, eos_ids, gamma + 2, device)
     out.emit(last[:, None], torch.ones_like(last))
@@ -247,7 +312,7 @@ def generate_ids(
         n_done = sum(f != FINISH_NONE for f in finish)
         # Dropping finished rows copies the caches, so do it only once enough rows have finished;
         # until then they ride along and commit nothing.
-        if n_done == len(finish) or 4 * n_done >= len(finish):
+        if n_done == len(finish) or (4 * n_done >= len(finish) and not reuse):
             _collect(out, rows, finish, results, seq_hist)
             if n_done == len(finish):
                 break
@@ -284,6 +349,8 @@ def generate_ids(
         last = nxt
     _sync(device)
     stats.decode_s = time.perf_counter() - t_decode
+    if reuse:
+        cache.truncate(pre.lens)
     stats.accepted_hist = seq_hist.sum(0).tolist()
     stats.generated_tokens = sum(len(r.token_ids) for r in results)
     stats.peak_memory_bytes = peak_bytes(device)

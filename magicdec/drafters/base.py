@@ -8,7 +8,8 @@ import torch
 from torch import Tensor
 
 from magicdec.kv import KVCache
-from magicdec.model import AttentionObserver, Transformer
+from magicdec.kv.sparse import SnapKVObserver
+from magicdec.model import Transformer
 from magicdec.sampling import SamplingParams, probs_from_logits, sample
 
 
@@ -21,25 +22,30 @@ class Drafter(ABC):
     """
 
     name: str = "drafter"
+    #: whether `prefill` needs the attention of the prompts' last tokens observed in the target's prefill
+    needs_target_attention: bool = False
 
     def __init__(self, model: Transformer):
         self.model = model
         self.cache: KVCache | None = None
-        #: attached to the target's prefill (the self-speculative SnapKV drafter needs its attention)
-        self.target_observer: AttentionObserver | None = None
         self.pending: Tensor | None = None  # [B, 2] tokens to feed first, left-aligned
         self.n_pending: Tensor | None = None  # [B] 1 or 2
         self.drafted: Tensor | None = None  # [B, gamma] tokens proposed in the current round
         self._lens_before: Tensor | None = None  # draft cache lengths at the start of the round
 
-    def prefill(self, tokens: Tensor, lens: Tensor, target_cache: KVCache, first: Tensor, chunk: int) -> None:
+    def prefill(
+        self, tokens: Tensor, lens: Tensor, target_cache: KVCache, observer: SnapKVObserver | None, first: Tensor,
+        chunk: int,
+    ) -> None:
         """Build the draft cache for prompts tokens [B, T] (lengths lens [B]) whose next token is `first`."""
-        self.cache = self.build_cache(tokens, lens, target_cache, chunk)
+        self.cache = self.build_cache(tokens, lens, target_cache, observer, chunk)
         self.pending = torch.stack((first, torch.zeros_like(first)), dim=1)
         self.n_pending = torch.ones_like(first)
 
     @abstractmethod
-    def build_cache(self, tokens: Tensor, lens: Tensor, target_cache: KVCache, chunk: int) -> KVCache:
+    def build_cache(
+        self, tokens: Tensor, lens: Tensor, target_cache: KVCache, observer: SnapKVObserver | None, chunk: int
+    ) -> KVCache:
         """The draft's cache after the prompt, with room for a round's tokens in flight."""
 
     def propose(

@@ -22,7 +22,9 @@ class ModelDrafter(Drafter):
         self.cache_kind, self.budget, self.gamma, self.reindex = cache_kind, budget, gamma, reindex
         self.name = f"model-{cache_kind}"
 
-    def build_cache(self, tokens: Tensor, lens: Tensor, target_cache: KVCache, chunk: int) -> KVCache:
+    def build_cache(
+        self, tokens: Tensor, lens: Tensor, target_cache: KVCache, target_observer: SnapKVObserver | None, chunk: int
+    ) -> KVCache:
         from magicdec.decode import prefill  # decode imports drafters; import here to avoid a cycle
 
         dense = KVCache(self.model.cfg, len(lens), target_cache.capacity + 2, target_cache.k.dtype, target_cache.device)

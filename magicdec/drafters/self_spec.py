@@ -22,11 +22,9 @@ class SelfSpecDrafter(Drafter):
         super().__init__(model)
         self.kind, self.budget, self.gamma, self.reindex = kind, budget, gamma, reindex
         self.name = f"self-{kind}"
-        if kind == "snapkv":
-            self.target_observer = SnapKVObserver(model.cfg.n_layers)
+        self.needs_target_attention = kind == "snapkv"
 
-    def build_cache(self, tokens: Tensor, lens: Tensor, target_cache: KVCache, chunk: int) -> KVCache:
-        return compress(
-            target_cache, self.kind, self.budget, self.reindex, self.gamma + 2,
-            self.model.inv_freq, self.target_observer,
-        )
+    def build_cache(
+        self, tokens: Tensor, lens: Tensor, target_cache: KVCache, observer: SnapKVObserver | None, chunk: int
+    ) -> KVCache:
+        return compress(target_cache, self.kind, self.budget, self.reindex, self.gamma + 2, self.model.inv_freq, observer)

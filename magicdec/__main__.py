@@ -1,0 +1,5 @@
+import sys
+
+from magicdec.cli import main
+
+sys.exit(main())

@@ -1,0 +1,229 @@
+"""`magicdec bench`: sweep batch x context x drafter x budget x gamma, with resumable JSON and plots.
+
+Each (batch, context) point is prefilled once; every decode configuration then runs from that prefill
+(`decode(..., reuse=True)` rolls the target cache back), side by side with plain decoding in the same
+process, so speedups are ratios of measurements taken minutes apart on the same machine state.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import platform
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from magicdec.errors import OutOfMemoryError
+
+SAMPLING = {"temperature": 0.7, "top_p": 0.9}
+
+
+@dataclass
+class BenchGrid:
+    batches: list[int]
+    contexts: list[int]
+    drafters: list[str]
+    budgets: list[int]
+    gammas: list[int]
+    modes: list[str]
+    new_tokens: int
+    n_texts: int = 14
+
+    def configs(self) -> list[dict]:
+        """Decode configurations at one (batch, context) point; plain decoding first."""
+        out = []
+        for mode in self.modes:
+            if "none" in self.drafters:
+                out.append({"mode": mode, "draft": "none", "budget": 0, "gamma": 0})
+            for d, b, g in itertools.product([d for d in self.drafters if d != "none"], self.budgets, self.gammas):
+                out.append({"mode": mode, "draft": d, "budget": b, "gamma": g})
+        return out
+
+
+def machine_info(device: torch.device) -> dict:
+    info = {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
+            "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "device": str(device)}
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                info["cpu"] = line.split(":", 1)[1].strip()
+                break
+        info["mem_total_gib"] = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1024**3, 1)
+    except (OSError, ValueError):
+        pass
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    return info
+
+
+def point_key(batch: int, context: int, cfg: dict) -> str:
+    return f"B{batch}-S{context}-{cfg['mode']}-{cfg['draft']}-K{cfg['budget']}-g{cfg['gamma']}"
+
+
+def _save(path: Path, doc: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(doc, indent=1))
+    tmp.replace(path)
+
+
+def run_bench(args, grid: BenchGrid) -> dict:
+    """Run every point of the grid not already in args.out; write results after each point; plot."""
+    from tqdm import tqdm
+
+    from magicdec.corpus import cut_prompts, load_texts
+    from magicdec.decode import decode, prefill_prompts
+    from magicdec.engine import LLM
+    from magicdec.sampling import SamplingParams
+    from magicdec.speculative import SpeculativeConfig
+
+    out = Path(args.out)
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, kv_dtype=args.kv_dtype, prefill_chunk=args.prefill_chunk)
+    doc = json.loads(out.read_text()) if out.exists() else {}
+    doc.setdefault("points", {})
+    doc["machine"] = machine_info(llm.model.device)
+    doc["settings"] = {**asdict(grid), "model": llm.loaded.source, "dtype": str(llm.model.dtype),
+                       "kv_dtype": str(llm.kv_dtype), "sampling": SAMPLING}
+    texts = load_texts(args.corpus)[: grid.n_texts]
+    configs = grid.configs()
+    total = len(grid.batches) * len(grid.contexts) * len(configs)
+    bar = tqdm(total=total, desc="bench", unit="pt", file=sys.stderr)
+    for context, batch in itertools.product(grid.contexts, grid.batches):
+        todo = [c for c in configs if point_key(batch, context, c) not in doc["points"]]
+        bar.update(len(configs) - len(todo))
+        if not todo:
+            continue
+        if context + grid.new_tokens > llm.max_context:
+            for c in todo:
+                doc["points"][point_key(batch, context, c)] = {"skipped": "longer than the model's context"}
+            bar.update(len(todo))
+            continue
+        bar.set_postfix_str(f"prefill B={batch} S={context}")
+        prompts = cut_prompts(llm.tokenizer, texts, batch, context)
+        try:
+            pre = prefill_prompts(llm.model, prompts, grid.new_tokens, kv_dtype=llm.kv_dtype,
+                                  chunk=llm.prefill_chunk, observe=True)
+        except OutOfMemoryError as e:
+            for c in todo:
+                doc["points"][point_key(batch, context, c)] = {"skipped": str(e)}
+            bar.update(len(todo))
+            _save(out, doc)
+            continue
+        for cfg in todo:
+            bar.set_postfix_str(point_key(batch, context, cfg))
+            params = SamplingParams(max_tokens=grid.new_tokens, ignore_eos=True, seed=0,
+                                    **(SAMPLING if cfg["mode"] == "sampling" else {}))
+            drafter, gamma = (None, 0)
+            if cfg["draft"] != "none":
+                drafter, gamma = SpeculativeConfig(cfg["draft"], budget=cfg["budget"], gamma=cfg["gamma"]).build(llm)
+            _, stats = decode(llm.model, pre, params, llm.tokenizer.eos_ids, drafter=drafter, gamma=gamma,
+                              prefill_chunk=llm.prefill_chunk, reuse=True)
+            doc["points"][point_key(batch, context, cfg)] = {
+                "batch": batch, "context": context, **cfg,
+                "throughput": stats.decode_tok_s, "tokens_per_step": stats.tokens_per_step,
+                "acceptance": stats.acceptance_rate, "accepted_hist": stats.accepted_hist,
+                "decode_s": stats.decode_s, "draft_s": stats.draft_s, "verify_s": stats.verify_s,
+                "prefill_s": pre.seconds, "peak_memory_gib": stats.peak_memory_bytes / 1024**3,
+                "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            }
+            _save(out, doc)
+            bar.update(1)
+        del pre
+    bar.close()
+    add_speedups(doc)
+    _save(out, doc)
+    print(format_results(doc))
+    plot_dir = Path(args.plots) if args.plots else out.parent
+    for p in plot_results(doc, plot_dir, out.stem):
+        print(f"plot written to {p}", file=sys.stderr)
+    return doc
+
+
+def add_speedups(doc: dict) -> None:
+    """Speedup of each speculative point over plain decoding at the same batch, context and mode."""
+    pts = doc["points"]
+    for p in pts.values():
+        if "throughput" not in p or p["draft"] == "none":
+            continue
+        ar = pts.get(point_key(p["batch"], p["context"], {"mode": p["mode"], "draft": "none", "budget": 0, "gamma": 0}))
+        if ar and "throughput" in ar:
+            p["speedup"] = p["throughput"] / ar["throughput"]
+
+
+def best_points(doc: dict) -> list[dict]:
+    """Per (mode, batch, context): plain decoding and the best speculative configuration."""
+    groups: dict[tuple, list[dict]] = {}
+    for p in doc["points"].values():
+        if "throughput" in p:
+            groups.setdefault((p["mode"], p["batch"], p["context"]), []).append(p)
+    rows = []
+    for (mode, batch, context), ps in sorted(groups.items()):
+        ar = next((p for p in ps if p["draft"] == "none"), None)
+        spec = [p for p in ps if p["draft"] != "none"]
+        best = max(spec, key=lambda p: p["throughput"], default=None)
+        rows.append({"mode": mode, "batch": batch, "context": context,
+                     "ar_tok_s": ar["throughput"] if ar else None,
+                     "best": f"{best['draft']} K={best['budget']} g={best['gamma']}" if best else None,
+                     "best_tok_s": best["throughput"] if best else None,
+                     "tokens_per_step": best["tokens_per_step"] if best else None,
+                     "speedup": best.get("speedup") if best else None})
+    return rows
+
+
+def format_results(doc: dict) -> str:
+    from magicdec.planner import format_table
+
+    rows = best_points(doc)
+    return format_table(rows) if rows else "no results"
+
+
+def plot_results(doc: dict, folder: Path, stem: str) -> list[Path]:
+    """Throughput and speedup against batch (a line per context), acceptance against budget."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in best_points(doc) if r["ar_tok_s"]]
+    if not rows:
+        return []
+    folder.mkdir(parents=True, exist_ok=True)
+    written = []
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for (mode, context) in sorted({(r["mode"], r["context"]) for r in rows}):
+        rs = sorted((r for r in rows if r["mode"] == mode and r["context"] == context), key=lambda r: r["batch"])
+        xs = [r["batch"] for r in rs]
+        axes[0].plot(xs, [r["ar_tok_s"] for r in rs], "--", marker="o", label=f"AR S={context} {mode}")
+        if any(r["best_tok_s"] for r in rs):
+            axes[0].plot(xs, [r["best_tok_s"] or 0 for r in rs], marker="s", label=f"spec S={context} {mode}")
+            axes[1].plot(xs, [r["speedup"] or 0 for r in rs], marker="s", label=f"S={context} {mode}")
+    axes[0].set(xscale="log", xlabel="batch", ylabel="tokens/s", title="decode throughput")
+    axes[1].axhline(1.0, color="grey", lw=0.8)
+    axes[1].set(xscale="log", xlabel="batch", ylabel="speedup over AR", title="best speculative config")
+    for ax in axes:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    written.append(folder / f"{stem}_throughput.png")
+    fig.savefig(written[-1], dpi=110)
+    plt.close(fig)
+
+    acc = [p for p in doc["points"].values() if p.get("draft", "none") != "none" and "tokens_per_step" in p]
+    if acc:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for key in sorted({(p["draft"], p["mode"], p["gamma"], p["context"]) for p in acc}):
+            ps = sorted((p for p in acc if (p["draft"], p["mode"], p["gamma"], p["context"]) == key),
+                        key=lambda p: p["budget"])
+            ax.plot([p["budget"] for p in ps], [p["tokens_per_step"] for p in ps], marker="o",
+                    label=f"{key[0]} {key[1]} g={key[2]} S={key[3]}")
+        ax.set(xscale="log", xlabel="draft budget (KV entries)", ylabel="tokens per verify step",
+               title="acceptance against budget")
+        ax.legend(fontsize=6)
+        fig.tight_layout()
+        written.append(folder / f"{stem}_acceptance.png")
+        fig.savefig(written[-1], dpi=110)
+        plt.close(fig)
+    return written

@@ -1,0 +1,354 @@
+"""`magicdec generate | bench | plan | calibrate`.
+
+Every expected failure (bad path, bad value, too-long prompt, not enough memory) prints one line,
+`magicdec: error: ...`, and exits with status 2; nothing prints a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from magicdec.errors import MagicDecError
+
+EXIT_USAGE = 2
+
+
+def parse_size(text: str) -> int:
+    """'8k' -> 8192, '512' -> 512."""
+    t = text.strip().lower()
+    try:
+        return int(float(t[:-1]) * 1024) if t.endswith("k") else int(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 512, 4k)") from None
+
+
+def size_list(text: str) -> list[int]:
+    return [parse_size(x) for x in text.split(",") if x.strip()]
+
+
+def positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1: {text!r}")
+    return v
+
+
+# --- shared options ---------------------------------------------------------------------------------
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--model", help="Hugging Face model folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--device", help="cpu or cuda[:N] (default: cuda if available)")
+    g.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help="compute dtype (default: fp32 on CPU, bf16 on CUDA)")
+    g.add_argument("--kv-dtype", choices=["fp32", "bf16", "fp16"], help="KV cache storage dtype (default: the compute dtype)")
+    g.add_argument("--prefill-chunk", type=positive_int, default=512, help="prompt tokens per prefill forward (default 512)")
+
+
+def add_prompt_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("prompts")
+    g.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
+    g.add_argument("--prompt-file", help="a .txt file (one prompt) or .jsonl file (one prompt per line, key 'prompt' or 'text')")
+    g.add_argument("--corpus", help="a text or .jsonl file to cut prompts from (e.g. ../shared/data/pg19_dev.jsonl)")
+    g.add_argument("--num-prompts", type=positive_int, default=8, help="prompts to cut from --corpus (default 8)")
+    g.add_argument("--prompt-tokens", type=parse_size, default=1024, help="tokens per prompt cut from --corpus (default 1024; 4k works)")
+
+
+def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=max_tokens, help=f"new tokens per prompt (default {max_tokens})")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    g.add_argument("--seed", type=int, help="random seed for sampling")
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
+
+
+def add_draft_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("speculative decoding")
+    g.add_argument("--draft", default="none", choices=["none", "self-streaming", "self-snapkv", "model", "auto"],
+                   help="drafter: none (plain decoding), the target over a StreamingLLM or SnapKV sparse cache, "
+                        "a standalone draft model, or auto (the planner picks, or turns speculation off)")
+    g.add_argument("--budget", type=positive_int, default=256, help="KV entries the draft reads per sequence (default 256)")
+    g.add_argument("--gamma", type=positive_int, default=3, help="tokens drafted per verification (default 3)")
+    g.add_argument("--draft-model", help="draft checkpoint for --draft model (same vocabulary as the target)")
+    g.add_argument("--draft-cache", default="streaming", choices=["dense", "streaming", "snapkv"],
+                   help="the draft model's cache for --draft model (default streaming)")
+    g.add_argument("--positions", choices=["reindex", "original"],
+                   help="positions of sparse-cache keys: re-indexed to slots (StreamingLLM) or original "
+                        "(default: the better measured one per cache kind)")
+    g.add_argument("--hardware", help="hardware profile for --draft auto: preset name or JSON from `magicdec calibrate`")
+
+
+# --- generate ---------------------------------------------------------------------------------------
+def collect_prompts(args, tok) -> tuple[list[str] | None, list[list[int]]]:
+    from magicdec.corpus import cut_prompts, load_texts
+    from magicdec.errors import InvalidRequestError
+
+    texts = list(args.prompt)
+    if args.prompt_file:
+        texts += load_texts(args.prompt_file)
+    if args.corpus:
+        if texts:
+            raise InvalidRequestError("use either --corpus or --prompt/--prompt-file, not both")
+        ids = cut_prompts(tok, load_texts(args.corpus), args.num_prompts, args.prompt_tokens)
+        return None, ids
+    if not texts:
+        raise InvalidRequestError("no prompts: give --prompt, --prompt-file or --corpus")
+    for i, t in enumerate(texts):
+        if not t.strip():
+            raise InvalidRequestError(f"prompt {i} is empty")
+    return texts, tok.encode_batch(texts)
+
+
+def speculative_from_args(args, llm, batch: int, context: int):
+    from magicdec.speculative import SpeculativeConfig
+
+    if args.draft == "none":
+        return None, None
+    if args.draft == "auto":
+        from magicdec.autoplan import choose
+
+        return choose(llm, batch, context, profile=args.hardware,
+                      mode="greedy" if args.temperature == 0 else "sampling")
+    reindex = None if args.positions is None else args.positions == "reindex"
+    return SpeculativeConfig(args.draft, budget=args.budget, gamma=args.gamma, draft_model=args.draft_model,
+                             draft_cache=args.draft_cache, reindex=reindex), None
+
+
+def progress_bar(desc: str, enabled: bool):
+    """A tqdm bar on stderr fed with (done, total) calls; returns (callback, close)."""
+    from tqdm import tqdm
+
+    bar = None
+
+    def update(done: int, total: int) -> None:
+        nonlocal bar
+        if bar is None:
+            bar = tqdm(total=total, desc=desc, unit="tok", disable=not enabled, leave=False, file=sys.stderr)
+        bar.n = done
+        bar.refresh()
+
+    def close() -> None:
+        if bar is not None:
+            bar.close()
+
+    return update, close
+
+
+def format_stats(stats, label: str) -> str:
+    gib = stats.peak_memory_bytes / 1024**3
+    line = (f"[{label}] batch {stats.batch}: prefill {stats.prompt_tokens} tok in {stats.prefill_s:.2f}s "
+            f"({stats.prefill_tok_s:.0f} tok/s); decode {stats.generated_tokens} tok in {stats.decode_s:.2f}s "
+            f"({stats.decode_tok_s:.1f} tok/s); peak memory {gib:.2f} GiB")
+    if stats.gamma:
+        line += (f"\n[{label}] gamma {stats.gamma}: acceptance {stats.acceptance_rate:.3f}, "
+                 f"{stats.tokens_per_step:.2f} tokens/step, accepted-length histogram {stats.accepted_hist}, "
+                 f"draft {stats.draft_s:.2f}s verify {stats.verify_s:.2f}s "
+                 f"other {stats.decode_s - stats.draft_s - stats.verify_s:.2f}s")
+    return line
+
+
+def cmd_generate(args) -> int:
+    from magicdec.engine import LLM
+    from magicdec.sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, kv_dtype=args.kv_dtype, prefill_chunk=args.prefill_chunk)
+    texts, ids = collect_prompts(args, llm.tokenizer)
+    show = sys.stderr.isatty() and not args.json
+    runs = []
+    batch = args.batch_size or len(ids)
+    spec, plan = speculative_from_args(args, llm, min(batch, len(ids)), max(map(len, ids)) + args.max_tokens // 2)
+    if plan is not None:
+        print(f"[plan] {plan}", file=sys.stderr)
+    modes = [("spec" if spec else "ar", spec)]
+    if args.compare_ar and spec is not None:
+        modes.insert(0, ("ar", None))
+    results: dict[str, list] = {}
+    for label, cfg in modes:
+        outs, all_stats = [], []
+        for start in range(0, len(ids), batch):
+            update, close = progress_bar(f"{label} prefill", show)
+            try:
+                outs += llm.generate(prompt_token_ids=ids[start:start + batch], params=params, speculative=cfg,
+                                     progress=update)
+            finally:
+                close()
+            all_stats.append(llm.last_stats)
+            if not args.json:
+                print(format_stats(llm.last_stats, label), file=sys.stderr)
+        results[label] = outs
+        runs.append({"mode": label, "speculative": cfg.__dict__ if cfg else None,
+                     "stats": [s.as_dict() for s in all_stats]})
+    final = results[modes[-1][0]]
+    if args.compare_ar and spec is not None:
+        ar_tok_s = sum(s["generated_tokens"] for s in runs[0]["stats"]) / sum(s["decode_s"] for s in runs[0]["stats"])
+        sp_tok_s = sum(s["generated_tokens"] for s in runs[1]["stats"]) / sum(s["decode_s"] for s in runs[1]["stats"])
+        same = sum(a.token_ids == b.token_ids for a, b in zip(results["ar"], results["spec"]))
+        summary = f"speedup over autoregressive decoding: {sp_tok_s / ar_tok_s:.2f}x ({sp_tok_s:.1f} vs {ar_tok_s:.1f} tok/s)"
+        if params.greedy:
+            summary += f"; identical outputs: {same}/{len(final)}"
+        runs.append({"speedup": sp_tok_s / ar_tok_s, "identical": same})
+        if not args.json:
+            print(summary, file=sys.stderr)
+    if args.json:
+        doc = {"outputs": [{"text": o.text, "token_ids": o.token_ids, "finish_reason": o.finish_reason,
+                            "prompt_tokens": len(o.prompt_token_ids)} for o in final], "runs": runs}
+        json.dump(doc, sys.stdout, indent=1)
+        print()
+    else:
+        for i, o in enumerate(final):
+            head = texts[i][-60:] if texts else f"<{len(o.prompt_token_ids)} corpus tokens>"
+            print(f"--- [{i}] {head!r} ({o.finish_reason})\n{o.text}")
+    return 0
+
+
+# --- bench ------------------------------------------------------------------------------------------
+def cmd_bench(args) -> int:
+    from magicdec.bench import BenchGrid, run_bench
+
+    grid = BenchGrid(batches=args.batch, contexts=args.context, drafters=args.drafters.split(","),
+                     budgets=args.budget, gammas=args.gamma, modes=args.modes.split(","),
+                     new_tokens=args.max_tokens, n_texts=args.num_texts)
+    run_bench(args, grid)
+    return 0
+
+
+# --- plan -------------------------------------------------------------------------------------------
+def cmd_plan(args) -> int:
+    from magicdec.planner import AcceptanceTable, format_table, get_model_shape, get_profile, plan_table, plot_speedup
+
+    try:
+        target = get_model_shape(args.model)
+        draft = get_model_shape(args.draft_model) if args.draft_model else None
+        hw = get_profile(args.hardware)
+    except (ValueError, KeyError, OSError) as e:
+        raise MagicDecError(str(e).strip("'\"")) from None
+    acceptance = AcceptanceTable.from_json(args.acceptance) if args.acceptance else AcceptanceTable.paper_default()
+    rows = plan_table(target, hw, args.batch, args.context, acceptance, draft=draft, tp=args.tp,
+                      mode="greedy" if args.mode == "greedy" else "sampling")
+    cols = ["batch", "context", "strategy", "budget", "gamma", "predicted_speedup", "predicted_throughput",
+            "verify_dominant", "draft_dominant"]
+    print(format_table(rows, [c for c in cols if c in rows[0]]))
+    if args.plot:
+        plot_speedup(rows, args.plot, x="batch", y="predicted_speedup", group="context",
+                     title=f"{target.name} on {hw.name}: planned speedup", ylabel="speedup over AR", logx=True)
+        print(f"plot written to {args.plot}", file=sys.stderr)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1, default=str))
+    return 0
+
+
+# --- calibrate --------------------------------------------------------------------------------------
+def cmd_calibrate(args) -> int:
+    from magicdec import calibrate
+
+    profile = calibrate.calibrate_hardware(args.device or "cpu", quick=args.quick)
+    out = Path(args.output) if args.output else calibrate.default_profile_path(args.device or "cpu")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    profile.to_json(out)
+    print(json.dumps(profile.__dict__, indent=1, default=str))
+    print(f"hardware profile written to {out}", file=sys.stderr)
+    if args.acceptance:
+        from magicdec.corpus import load_texts
+        from magicdec.engine import LLM
+
+        llm = LLM(args.model, device=args.device)
+        table = calibrate.calibrate_acceptance(llm, load_texts(args.corpus), quick=args.quick)
+        path = calibrate.default_acceptance_path()
+        table.to_json(path)
+        print(f"acceptance table written to {path}", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="magicdec",
+        description="Fast long-context, large-batch generation with sparse-KV speculative decoding (MagicDec).",
+    )
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    g = sub.add_parser("generate", help="generate completions (optionally speculative)",
+                       description="Generate completions for prompts, or for prompts cut from a corpus, in batches. "
+                                   "Prints the completions and final stats (prefill/decode tok/s, peak memory, "
+                                   "acceptance).")
+    add_model_args(g)
+    add_prompt_args(g)
+    add_sampling_args(g, max_tokens=64)
+    add_draft_args(g)
+    g.add_argument("--batch-size", type=positive_int, help="prompts decoded together (default: all)")
+    g.add_argument("--compare-ar", action="store_true", help="also run plain decoding and report the speedup")
+    g.add_argument("--json", action="store_true", help="print outputs and stats as JSON on stdout")
+    g.set_defaults(func=cmd_generate)
+
+    b = sub.add_parser("bench", help="sweep batch, context, drafter, budget and gamma; write JSON and plots",
+                       description="Throughput and acceptance sweep on prompts cut from a corpus. Each (batch, "
+                                   "context) is prefilled once and every drafter configuration decodes from it. "
+                                   "Results are appended to --out after every point; rerunning resumes.")
+    add_model_args(b)
+    b.add_argument("--corpus", required=True, help="text or .jsonl corpus (e.g. ../shared/data/pg19_dev.jsonl)")
+    b.add_argument("--num-texts", type=positive_int, default=14, help="documents of the corpus to cycle through")
+    b.add_argument("--batch", type=size_list, default=[1, 8], help="batch sizes, comma separated (default 1,8)")
+    b.add_argument("--context", type=size_list, default=[1024], help="prompt lengths, e.g. 1k,4k,8k (default 1k)")
+    b.add_argument("--drafters", default="none,self-streaming,self-snapkv", help="comma separated drafters")
+    b.add_argument("--budget", type=size_list, default=[256], help="draft budgets, comma separated")
+    b.add_argument("--gamma", type=size_list, default=[1, 2, 3], help="gammas, comma separated")
+    b.add_argument("--modes", default="greedy", help="greedy and/or sampling (temperature 0.7, top-p 0.9)")
+    b.add_argument("--max-tokens", type=positive_int, default=128, help="new tokens per sequence (default 128)")
+    b.add_argument("--out", default="bench.json", help="results JSON (resumed if it exists)")
+    b.add_argument("--plots", help="folder for PNG plots (default: beside --out)")
+    b.set_defaults(func=cmd_bench)
+
+    pl = sub.add_parser("plan", help="predict the best drafting strategy with the cost model (no weights needed)",
+                        description="Roofline model of draft, verify and decode cost over batch and context; "
+                                    "prints strategy, budget, gamma and predicted speedup per point.")
+    pl.add_argument("--model", default="llama-3.1-8b", help="model preset name, config.json or HF folder (default llama-3.1-8b)")
+    pl.add_argument("--draft-model", help="standalone draft model preset or config (e.g. tinyllama-1.1b)")
+    pl.add_argument("--hardware", default="h100", help="hardware preset (a100-80gb, h100, h200, l40s, l40, cpu-zen3-2core) or profile JSON")
+    pl.add_argument("--batch", type=size_list, default=[1, 8, 32, 128], help="batch sizes (default 1,8,32,128)")
+    pl.add_argument("--context", type=size_list, default=[1024, 8192, 32768, 131072], help="contexts (default 1k,8k,32k,128k)")
+    pl.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel degree (default 1)")
+    pl.add_argument("--mode", choices=["greedy", "sampling"], default="greedy", help="acceptance regime")
+    pl.add_argument("--acceptance", help="acceptance table JSON (default: the paper's StreamingLLM numbers)")
+    pl.add_argument("--plot", help="write a speedup-vs-batch PNG here")
+    pl.add_argument("--json", help="write the table as JSON here")
+    pl.set_defaults(func=cmd_plan)
+
+    c = sub.add_parser("calibrate", help="measure this machine (and acceptance) for the planner",
+                       description="Measures matmul FLOP/s, attention and memory bandwidth and the fixed per-forward "
+                                   "overhead, and saves a hardware profile the planner loads.")
+    c.add_argument("--device", help="cpu or cuda (default cpu)")
+    c.add_argument("--quick", action="store_true", help="a few seconds instead of a few minutes")
+    c.add_argument("--output", help="profile JSON path (default: the user cache folder)")
+    c.add_argument("--acceptance", action="store_true", help="also measure draft acceptance on --corpus")
+    c.add_argument("--corpus", default=str(Path(__file__).resolve().parents[2] / "shared/data/pg19_dev.jsonl"),
+                   help="corpus for --acceptance")
+    c.add_argument("--model", help="model for --acceptance (default: the embedded model)")
+    c.set_defaults(func=cmd_calibrate)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except MagicDecError as e:
+        print(f"magicdec: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except OSError as e:
+        print(f"magicdec: error: {e.strerror or e}: {e.filename or ''}".rstrip(": "), file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("magicdec: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
