@@ -55,6 +55,10 @@ class KVCache:
     def device(self) -> torch.device:
         return self.k.device
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.k.dtype
+
     def _arange(self, q: int) -> Tensor:
         return torch.arange(q, device=self.device)
 
