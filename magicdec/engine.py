@@ -18,6 +18,7 @@ from magicdec.decode import GenerationStats, ProgressFn, StopStrings, generate_i
 from magicdec.errors import InvalidRequestError
 from magicdec.loading import LoadedModel, load_model
 from magicdec.sampling import SamplingParams
+from magicdec.speculative import SpeculativeConfig
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
           "fp16": torch.float16, "float16": torch.float16}
@@ -98,7 +99,7 @@ class LLM:
         params: SamplingParams | None = None,
         *,
         prompt_token_ids: Sequence[Sequence[int]] | None = None,
-        speculative: "SpeculativeConfig | None" = None,
+        speculative: SpeculativeConfig | None = None,
         progress: ProgressFn | None = None,
     ) -> list[RequestOutput]:
         """Generate a completion for each prompt (text, or token ids). Stats land in `self.last_stats`."""
@@ -123,5 +124,3 @@ class LLM:
                                          r.finish_reason, r.accepted_hist))
         return outputs
 
-
-from magicdec.speculative import SpeculativeConfig  # noqa: E402  (re-exported; builds drafters from an LLM)
