@@ -1,0 +1,113 @@
+"""The command line: bad input gives one line and exit 2; generate, bench (resumable) and plan work."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from magicdec.cli import main
+
+DATA = Path(os.environ.get("MAGICDEC_DATA", Path(__file__).resolve().parents[1].parent / "shared/data/pg19_dev.jsonl"))
+
+
+def run(argv, capsys):
+    code = main(argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["generate", "--model", "/no/such/model", "--prompt", "hi"], "does not exist"),
+        (["generate", "--prompt", ""], "empty"),
+        (["generate", "--prompt", "hi", "--temperature", "-1"], "temperature"),
+        (["generate", "--prompt", "hi", "--top-p", "0"], "top_p"),
+        (["generate", "--prompt", "hi", "--top-k", "-3"], "top_k"),
+        (["generate", "--prompt", "hi", "--max-tokens", "0"], "max_tokens"),
+        (["generate", "--prompt", "hi", "--max-tokens", "9000"], "context"),
+        (["generate"], "no prompts"),
+        (["generate", "--corpus", "/no/such/corpus.jsonl"], "not found"),
+        (["generate", "--prompt-file", "/no/such/prompts.txt"], "not found"),
+        (["generate", "--prompt", "hi", "--draft", "model"], "draft_model"),
+        (["plan", "--hardware", "no-such-gpu"], "unknown hardware"),
+        (["plan", "--model", "no-such-model"], "no-such-model"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(argv, message, capsys):
+    code, out, err = run(argv, capsys)
+    assert code == 2
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("magicdec: error:"), err
+    assert message in lines[0]
+    assert "Traceback" not in err
+
+
+def test_corrupt_model_file(tmp_path, capsys):
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF" + os.urandom(4096))
+    code, _, err = run(["generate", "--model", str(bad), "--prompt", "hi"], capsys)
+    assert code == 2 and err.startswith("magicdec: error:") and "Traceback" not in err
+
+
+def test_argparse_errors_exit_2_without_traceback():
+    proc = subprocess.run([sys.executable, "-m", "magicdec", "generate", "--gamma", "zero"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr and "gamma" in proc.stderr
+
+
+def test_generate_json_with_speculation(capsys):
+    code, out, err = run(["generate", "--corpus", str(DATA), "--num-prompts", "2", "--prompt-tokens", "300",
+                          "--max-tokens", "12", "--draft", "self-streaming", "--budget", "64", "--gamma", "2",
+                          "--compare-ar", "--json"], capsys)
+    assert code == 0, err
+    doc = json.loads(out)
+    assert len(doc["outputs"]) == 2
+    assert all(len(o["token_ids"]) <= 12 and o["prompt_tokens"] == 300 for o in doc["outputs"])
+    assert doc["runs"][-1]["identical"] == 2  # greedy speculative == greedy autoregressive
+    spec = doc["runs"][1]["stats"][0]
+    assert spec["gamma"] == 2 and 0 <= spec["acceptance_rate"] <= 1
+
+
+def test_generate_text_prints_stats(capsys):
+    code, out, err = run(["generate", "--prompt", "The capital of France is", "--max-tokens", "5"], capsys)
+    assert code == 0
+    assert "decode" in err and "tok/s" in err and "peak memory" in err
+    assert out.startswith("--- [0]")
+
+
+def test_bench_resumes_and_plots(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    argv = ["bench", "--corpus", str(DATA), "--batch", "2", "--context", "200", "--drafters",
+            "none,self-streaming", "--budget", "32", "--gamma", "1,2", "--max-tokens", "6", "--out", str(out)]
+    assert run(argv, capsys)[0] == 0
+    doc = json.loads(out.read_text())
+    points = {k: v for k, v in doc["points"].items()}
+    assert len(points) == 3 and "machine" in doc and doc["settings"]["new_tokens"] == 6
+    assert all(p["throughput"] > 0 for p in points.values())
+    assert any("speedup" in p for p in points.values())
+    assert (tmp_path / "bench_throughput.png").exists() and (tmp_path / "bench_acceptance.png").exists()
+    stamps = {k: v["time"] for k, v in points.items()}
+    argv[argv.index("1,2")] = "1,2,3"  # one more gamma: only the new point runs
+    assert run(argv, capsys)[0] == 0
+    doc = json.loads(out.read_text())
+    assert len(doc["points"]) == 4
+    assert all(doc["points"][k]["time"] == t for k, t in stamps.items())
+
+
+def test_plan_prints_table_and_plot(tmp_path, capsys):
+    png = tmp_path / "plan.png"
+    code, out, _ = run(["plan", "--model", "llama-3.1-8b", "--hardware", "h100", "--batch", "1,128",
+                        "--context", "1k,32k", "--plot", str(png)], capsys)
+    assert code == 0 and png.exists()
+    lines = out.splitlines()
+    assert lines[0].split()[:3] == ["batch", "context", "strategy"]
+    rows = [line.split() for line in lines[2:]]
+    by_point = {(int(r[0]), int(r[1])): r[2] for r in rows}
+    assert by_point[(128, 32768)] != "ar"  # the KV term dominates: speculate
