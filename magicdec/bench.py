@@ -40,7 +40,10 @@ class BenchGrid:
         for mode in self.modes:
             if "none" in self.drafters:
                 out.append({"mode": mode, "draft": "none", "budget": 0, "gamma": 0})
-            for d, b, g in itertools.product([d for d in self.drafters if d != "none"], self.budgets, self.gammas):
+            if "auto" in self.drafters:  # the planner picks drafter, budget and gamma (or plain decoding)
+                out.append({"mode": mode, "draft": "auto", "budget": 0, "gamma": 0})
+            fixed = [d for d in self.drafters if d not in ("none", "auto")]
+            for d, b, g in itertools.product(fixed, self.budgets, self.gammas):
                 out.append({"mode": mode, "draft": d, "budget": b, "gamma": g})
         return out
 
@@ -75,6 +78,7 @@ def run_bench(args, grid: BenchGrid) -> dict:
     """Run every point of the grid not already in args.out; write results after each point; plot."""
     from tqdm import tqdm
 
+    from magicdec.autoplan import choose
     from magicdec.corpus import cut_prompts, load_texts
     from magicdec.decode import decode, prefill_prompts
     from magicdec.engine import LLM
@@ -117,13 +121,19 @@ def run_bench(args, grid: BenchGrid) -> dict:
             bar.set_postfix_str(point_key(batch, context, cfg))
             params = SamplingParams(max_tokens=grid.new_tokens, ignore_eos=True, seed=0,
                                     **(SAMPLING if cfg["mode"] == "sampling" else {}))
-            drafter, gamma = (None, 0)
-            if cfg["draft"] != "none":
-                drafter, gamma = SpeculativeConfig(cfg["draft"], budget=cfg["budget"], gamma=cfg["gamma"]).build(llm)
+            spec, chosen = None, {}
+            if cfg["draft"] == "auto":
+                spec, plan = choose(llm, batch, context + grid.new_tokens // 2, profile=getattr(args, "hardware", None),
+                                    mode=cfg["mode"])
+                chosen = {"chosen": f"{spec.draft} K={spec.budget} g={spec.gamma}" if spec else "ar",
+                          "predicted_speedup": plan.predicted_speedup}
+            elif cfg["draft"] != "none":
+                spec = SpeculativeConfig(cfg["draft"], budget=cfg["budget"], gamma=cfg["gamma"])
+            drafter, gamma = spec.build(llm) if spec else (None, 0)
             _, stats = decode(llm.model, pre, params, llm.tokenizer.eos_ids, drafter=drafter, gamma=gamma,
                               prefill_chunk=llm.prefill_chunk, reuse=True)
             doc["points"][point_key(batch, context, cfg)] = {
-                "batch": batch, "context": context, **cfg,
+                "batch": batch, "context": context, **cfg, **chosen,
                 "throughput": stats.decode_tok_s, "tokens_per_step": stats.tokens_per_step,
                 "acceptance": stats.acceptance_rate, "accepted_hist": stats.accepted_hist,
                 "decode_s": stats.decode_s, "draft_s": stats.draft_s, "verify_s": stats.verify_s,
@@ -163,14 +173,16 @@ def best_points(doc: dict) -> list[dict]:
     rows = []
     for (mode, batch, context), ps in sorted(groups.items()):
         ar = next((p for p in ps if p["draft"] == "none"), None)
-        spec = [p for p in ps if p["draft"] != "none"]
+        auto = next((p for p in ps if p["draft"] == "auto"), None)
+        spec = [p for p in ps if p["draft"] not in ("none", "auto")]
         best = max(spec, key=lambda p: p["throughput"], default=None)
         rows.append({"mode": mode, "batch": batch, "context": context,
                      "ar_tok_s": ar["throughput"] if ar else None,
                      "best": f"{best['draft']} K={best['budget']} g={best['gamma']}" if best else None,
                      "best_tok_s": best["throughput"] if best else None,
                      "tokens_per_step": best["tokens_per_step"] if best else None,
-                     "speedup": best.get("speedup") if best else None})
+                     "speedup": best.get("speedup") if best else None,
+                     **({"auto": auto["chosen"], "auto_speedup": auto.get("speedup")} if auto else {})})
     return rows
 
 
@@ -211,7 +223,7 @@ def plot_results(doc: dict, folder: Path, stem: str) -> list[Path]:
     fig.savefig(written[-1], dpi=110)
     plt.close(fig)
 
-    acc = [p for p in doc["points"].values() if p.get("draft", "none") != "none" and "tokens_per_step" in p]
+    acc = [p for p in doc["points"].values() if p.get("draft", "none") not in ("none", "auto") and "tokens_per_step" in p]
     if acc:
         fig, ax = plt.subplots(figsize=(6, 4))
         for key in sorted({(p["draft"], p["mode"], p["gamma"], p["context"]) for p in acc}):

@@ -297,7 +297,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--num-texts", type=positive_int, default=14, help="documents of the corpus to cycle through")
     b.add_argument("--batch", type=size_list, default=[1, 8], help="batch sizes, comma separated (default 1,8)")
     b.add_argument("--context", type=size_list, default=[1024], help="prompt lengths, e.g. 1k,4k,8k (default 1k)")
-    b.add_argument("--drafters", default="none,self-streaming,self-snapkv", help="comma separated drafters")
+    b.add_argument("--drafters", default="none,self-streaming,self-snapkv",
+                   help="comma separated: none, self-streaming, self-snapkv, auto (the planner's choice per point)")
+    b.add_argument("--hardware", help="hardware profile for the auto drafter (default: calibrated, else preset)")
     b.add_argument("--budget", type=size_list, default=[256], help="draft budgets, comma separated")
     b.add_argument("--gamma", type=size_list, default=[1, 2, 3], help="gammas, comma separated")
     b.add_argument("--modes", default="greedy", help="greedy and/or sampling (temperature 0.7, top-p 0.9)")

@@ -197,6 +197,14 @@ class StopStrings:
         return lo
 
 
+def workspace_bytes(model: Transformer, batch: int, chunk: int) -> int:
+    """Peak activations of a prefill chunk: hidden states, the fused q/k/v and gate/up outputs, logits."""
+    cfg = model.cfg
+    element = torch.empty((), dtype=model.dtype).element_size()
+    per_token = 4 * cfg.dim + (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim + 3 * cfg.ffn_dim
+    return batch * (chunk * per_token * element + cfg.vocab_size * 4 * (MAX_GAMMA + 1))
+
+
 @dataclass
 class Prefilled:
     """Prompts run through the target: its cache (rows at prompt length) and each row's last logits."""
@@ -234,7 +242,8 @@ def prefill_prompts(
     kv_dtype = kv_dtype or model.dtype
     B = len(prompts)
     capacity = tokens.shape[1] + max_new_tokens + MAX_GAMMA + 2
-    check_fits(KVCache.nbytes(model.cfg, B, capacity, kv_dtype), device, f"the KV cache for batch {B} x {capacity} tokens")
+    check_fits(KVCache.nbytes(model.cfg, B, capacity, kv_dtype) + workspace_bytes(model, B, chunk), device,
+               f"batch {B} x {capacity} tokens (KV cache and prefill workspace)")
     cache = KVCache(model.cfg, B, capacity, kv_dtype, device)
     observer = SnapKVObserver(model.cfg.n_layers) if observe else None
     t0 = time.perf_counter()

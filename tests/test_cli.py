@@ -111,3 +111,13 @@ def test_plan_prints_table_and_plot(tmp_path, capsys):
     rows = [line.split() for line in lines[2:]]
     by_point = {(int(r[0]), int(r[1])): r[2] for r in rows}
     assert by_point[(128, 32768)] != "ar"  # the KV term dominates: speculate
+
+
+def test_out_of_memory_is_caught_up_front():
+    from magicdec.decode import prefill_prompts
+    from magicdec.errors import OutOfMemoryError
+    from magicdec.loading import load_model
+
+    model = load_model().model
+    with pytest.raises(OutOfMemoryError, match=r"needs [\d.]+ GiB but only [\d.]+ GiB is available"):
+        prefill_prompts(model, [[1] * 7000] * 400, 64)
