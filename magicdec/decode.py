@@ -294,6 +294,8 @@ def decode(
     gamma = gamma if drafter is not None else 0
     if gamma > MAX_GAMMA:
         raise ValueError(f"gamma {gamma} > {MAX_GAMMA}")
+    if drafter is not None and gamma > drafter.gamma:
+        raise ValueError(f"gamma {gamma} exceeds the drafter's gamma {drafter.gamma} (its cache slack)")
     B, cache = pre.batch, pre.cache
     stats = GenerationStats(batch=B, prompt_tokens=int(pre.lens.sum()), gamma=gamma, accepted_hist=[0] * (gamma + 1))
     stats.prefill_s = pre.seconds

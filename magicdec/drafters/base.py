@@ -25,8 +25,9 @@ class Drafter(ABC):
     #: whether `prefill` needs the attention of the prompts' last tokens observed in the target's prefill
     needs_target_attention: bool = False
 
-    def __init__(self, model: Transformer):
+    def __init__(self, model: Transformer, gamma: int):
         self.model = model
+        self.gamma = gamma  # the most tokens it will be asked to draft per round (sizes its cache slack)
         self.cache: KVCache | None = None
         self.pending: Tensor | None = None  # [B, 2] tokens to feed first, left-aligned
         self.n_pending: Tensor | None = None  # [B] 1 or 2

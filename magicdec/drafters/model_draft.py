@@ -16,10 +16,10 @@ class ModelDrafter(Drafter):
     """Drafts with a small model. Its prompt is prefilled densely; a sparse cache is then cut from that."""
 
     def __init__(self, model: Transformer, cache_kind: str, budget: int, gamma: int, reindex: bool):
-        super().__init__(model)
+        super().__init__(model, gamma)
         if cache_kind not in CACHE_KINDS:
             raise ValueError(f"unknown draft cache {cache_kind!r}; choose from {CACHE_KINDS}")
-        self.cache_kind, self.budget, self.gamma, self.reindex = cache_kind, budget, gamma, reindex
+        self.cache_kind, self.budget, self.reindex = cache_kind, budget, reindex
         self.name = f"model-{cache_kind}"
 
     def build_cache(

@@ -19,8 +19,8 @@ class SelfSpecDrafter(Drafter):
     """
 
     def __init__(self, model: Transformer, kind: str, budget: int, gamma: int, reindex: bool):
-        super().__init__(model)
-        self.kind, self.budget, self.gamma, self.reindex = kind, budget, gamma, reindex
+        super().__init__(model, gamma)
+        self.kind, self.budget, self.reindex = kind, budget, reindex
         self.name = f"self-{kind}"
         self.needs_target_attention = kind == "snapkv"
 

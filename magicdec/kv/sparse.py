@@ -122,11 +122,12 @@ def snapkv_index(observer: SnapKVObserver, lens: Tensor, budget: int, window: in
     L, B, KV, S = scores.shape
     if int(lens.max()) <= budget:
         return torch.arange(budget, device=lens.device)[None, None, None, :]
+    pos = torch.arange(S, device=lens.device)
+    selectable = pos[None, :] < (lens - window)[:, None]  # [B, S]: prompt before the observation window
+    scores = scores.masked_fill(~selectable[None, :, None, :], 0.0)  # pool over the prefix only, as SnapKV
     pooled = torch.nn.functional.max_pool1d(
         scores.reshape(-1, 1, S), SNAPKV_KERNEL, stride=1, padding=SNAPKV_KERNEL // 2
     ).reshape(L, B, KV, S)
-    pos = torch.arange(S, device=lens.device)
-    selectable = pos[None, :] < (lens - window)[:, None]  # [B, S]: prompt before the observation window
     pooled = pooled.masked_fill(~selectable[None, :, None, :], float("-inf"))
     n_select = budget - window
     top = pooled.topk(min(n_select, S), dim=-1).indices.sort(dim=-1).values  # [L, B, KV, n_select]
