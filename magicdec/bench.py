@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from magicdec.errors import OutOfMemoryError
+from magicdec.errors import InvalidRequestError, OutOfMemoryError
 
 SAMPLING = {"temperature": 0.7, "top_p": 0.9}
 
@@ -33,6 +33,7 @@ class BenchGrid:
     modes: list[str]
     new_tokens: int
     n_texts: int = 14
+    distinct_prompts: int | None = None  # prefill this many prompts and tile them up to the batch
 
     def configs(self) -> list[dict]:
         """Decode configurations at one (batch, context) point; plain decoding first."""
@@ -80,11 +81,15 @@ def run_bench(args, grid: BenchGrid) -> dict:
 
     from magicdec.autoplan import choose
     from magicdec.corpus import cut_prompts, load_texts
-    from magicdec.decode import decode, prefill_prompts
+    from magicdec.decode import MAX_GAMMA, decode, prefill_prompts
+    from magicdec.kv import KVCache
+    from magicdec.memory import check_fits
     from magicdec.engine import LLM
     from magicdec.sampling import SamplingParams
     from magicdec.speculative import SpeculativeConfig
 
+    if grid.distinct_prompts and any(b % min(b, grid.distinct_prompts) for b in grid.batches):
+        raise InvalidRequestError(f"every batch size must be a multiple of --distinct-prompts {grid.distinct_prompts}")
     out = Path(args.out)
     llm = LLM(args.model, device=args.device, dtype=args.dtype, kv_dtype=args.kv_dtype, prefill_chunk=args.prefill_chunk)
     doc = json.loads(out.read_text()) if out.exists() else {}
@@ -107,10 +112,15 @@ def run_bench(args, grid: BenchGrid) -> dict:
             bar.update(len(todo))
             continue
         bar.set_postfix_str(f"prefill B={batch} S={context}")
-        prompts = cut_prompts(llm.tokenizer, texts, batch, context)
+        distinct = min(batch, grid.distinct_prompts or batch)
+        prompts = cut_prompts(llm.tokenizer, texts, distinct, context)
         try:
+            check_fits(KVCache.nbytes(llm.model.cfg, batch, context + grid.new_tokens + MAX_GAMMA + 2, llm.kv_dtype),
+                       llm.model.device, f"batch {batch} x {context} tokens")
             pre = prefill_prompts(llm.model, prompts, grid.new_tokens, kv_dtype=llm.kv_dtype,
                                   chunk=llm.prefill_chunk, observe=True)
+            if distinct < batch:
+                pre = pre.tile(batch // distinct)
         except OutOfMemoryError as e:
             for c in todo:
                 doc["points"][point_key(batch, context, c)] = {"skipped": str(e)}
@@ -137,7 +147,7 @@ def run_bench(args, grid: BenchGrid) -> dict:
                 "throughput": stats.decode_tok_s, "tokens_per_step": stats.tokens_per_step,
                 "acceptance": stats.acceptance_rate, "accepted_hist": stats.accepted_hist,
                 "decode_s": stats.decode_s, "draft_s": stats.draft_s, "verify_s": stats.verify_s,
-                "prefill_s": pre.seconds, "peak_memory_gib": stats.peak_memory_bytes / 1024**3,
+                "prefill_s": pre.seconds, "distinct_prompts": distinct, "peak_memory_gib": stats.peak_memory_bytes / 1024**3,
                 "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
             }
             _save(out, doc)

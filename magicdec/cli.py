@@ -216,7 +216,7 @@ def cmd_bench(args) -> int:
 
     grid = BenchGrid(batches=args.batch, contexts=args.context, drafters=args.drafters.split(","),
                      budgets=args.budget, gammas=args.gamma, modes=args.modes.split(","),
-                     new_tokens=args.max_tokens, n_texts=args.num_texts)
+                     new_tokens=args.max_tokens, n_texts=args.num_texts, distinct_prompts=args.distinct_prompts)
     run_bench(args, grid)
     return 0
 
@@ -304,6 +304,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--gamma", type=size_list, default=[1, 2, 3], help="gammas, comma separated")
     b.add_argument("--modes", default="greedy", help="greedy and/or sampling (temperature 0.7, top-p 0.9)")
     b.add_argument("--max-tokens", type=positive_int, default=128, help="new tokens per sequence (default 128)")
+    b.add_argument("--distinct-prompts", type=positive_int,
+                   help="prefill this many prompts and tile them up to the batch size: the same decode work "
+                        "for far less prefill (default: every row its own prompt)")
     b.add_argument("--out", default="bench.json", help="results JSON (resumed if it exists)")
     b.add_argument("--plots", help="folder for PNG plots (default: beside --out)")
     b.set_defaults(func=cmd_bench)
