@@ -13,7 +13,7 @@ import os
 import platform
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -34,6 +34,7 @@ class BenchGrid:
     new_tokens: int
     n_texts: int = 14
     distinct_prompts: int | None = None  # prefill this many prompts and tile them up to the batch
+    positions: list[str | None] = field(default_factory=lambda: [None])  # sparse-cache key positions; None: default
 
     def configs(self) -> list[dict]:
         """Decode configurations at one (batch, context) point; plain decoding first."""
@@ -44,8 +45,8 @@ class BenchGrid:
             if "auto" in self.drafters:  # the planner picks drafter, budget and gamma (or plain decoding)
                 out.append({"mode": mode, "draft": "auto", "budget": 0, "gamma": 0})
             fixed = [d for d in self.drafters if d not in ("none", "auto")]
-            for d, b, g in itertools.product(fixed, self.budgets, self.gammas):
-                out.append({"mode": mode, "draft": d, "budget": b, "gamma": g})
+            for d, b, g, pos in itertools.product(fixed, self.budgets, self.gammas, self.positions):
+                out.append({"mode": mode, "draft": d, "budget": b, "gamma": g, **({"positions": pos} if pos else {})})
         return out
 
 
@@ -66,7 +67,8 @@ def machine_info(device: torch.device) -> dict:
 
 
 def point_key(batch: int, context: int, cfg: dict) -> str:
-    return f"B{batch}-S{context}-{cfg['mode']}-{cfg['draft']}-K{cfg['budget']}-g{cfg['gamma']}"
+    pos = f"-{cfg['positions']}" if cfg.get("positions") else ""
+    return f"B{batch}-S{context}-{cfg['mode']}-{cfg['draft']}-K{cfg['budget']}-g{cfg['gamma']}{pos}"
 
 
 def _save(path: Path, doc: dict) -> None:
@@ -138,7 +140,8 @@ def run_bench(args, grid: BenchGrid) -> dict:
                 chosen = {"chosen": f"{spec.draft} K={spec.budget} g={spec.gamma}" if spec else "ar",
                           "predicted_speedup": plan.predicted_speedup}
             elif cfg["draft"] != "none":
-                spec = SpeculativeConfig(cfg["draft"], budget=cfg["budget"], gamma=cfg["gamma"])
+                reindex = {"reindex": True, "original": False}.get(cfg.get("positions"))
+                spec = SpeculativeConfig(cfg["draft"], budget=cfg["budget"], gamma=cfg["gamma"], reindex=reindex)
             drafter, gamma = spec.build(llm) if spec else (None, 0)
             _, stats = decode(llm.model, pre, params, llm.tokenizer.eos_ids, drafter=drafter, gamma=gamma,
                               prefill_chunk=llm.prefill_chunk, reuse=True)
@@ -236,9 +239,13 @@ def plot_results(doc: dict, folder: Path, stem: str) -> list[Path]:
     acc = [p for p in doc["points"].values() if p.get("draft", "none") not in ("none", "auto") and "tokens_per_step" in p]
     if acc:
         fig, ax = plt.subplots(figsize=(6, 4))
+        batch = max(p["batch"] for p in acc)  # one line per setting, at one batch size
+        acc = [p for p in acc if p["batch"] == batch]
         for key in sorted({(p["draft"], p["mode"], p["gamma"], p["context"]) for p in acc}):
-            ps = sorted((p for p in acc if (p["draft"], p["mode"], p["gamma"], p["context"]) == key),
-                        key=lambda p: p["budget"])
+            ps = sorted((p for p in acc if (p["draft"], p["mode"], p["gamma"], p["context"]) == key
+                         and not p.get("positions")), key=lambda p: p["budget"])
+            if len(ps) < 2:
+                continue
             ax.plot([p["budget"] for p in ps], [p["tokens_per_step"] for p in ps], marker="o",
                     label=f"{key[0]} {key[1]} g={key[2]} S={key[3]}")
         ax.set(xscale="log", xlabel="draft budget (KV entries)", ylabel="tokens per verify step",

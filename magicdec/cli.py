@@ -216,7 +216,8 @@ def cmd_bench(args) -> int:
 
     grid = BenchGrid(batches=args.batch, contexts=args.context, drafters=args.drafters.split(","),
                      budgets=args.budget, gammas=args.gamma, modes=args.modes.split(","),
-                     new_tokens=args.max_tokens, n_texts=args.num_texts, distinct_prompts=args.distinct_prompts)
+                     new_tokens=args.max_tokens, n_texts=args.num_texts, distinct_prompts=args.distinct_prompts,
+                     positions=[None if p == "default" else p for p in args.positions.split(",")])
     run_bench(args, grid)
     return 0
 
@@ -302,6 +303,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--hardware", help="hardware profile for the auto drafter (default: calibrated, else preset)")
     b.add_argument("--budget", type=size_list, default=[256], help="draft budgets, comma separated")
     b.add_argument("--gamma", type=size_list, default=[1, 2, 3], help="gammas, comma separated")
+    b.add_argument("--positions", default="default",
+                   help="sparse-cache key positions to compare: default, reindex, original (comma separated)")
     b.add_argument("--modes", default="greedy", help="greedy and/or sampling (temperature 0.7, top-p 0.9)")
     b.add_argument("--max-tokens", type=positive_int, default=128, help="new tokens per sequence (default 128)")
     b.add_argument("--distinct-prompts", type=positive_int,
