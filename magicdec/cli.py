@@ -167,7 +167,9 @@ def cmd_generate(args) -> int:
     batch = args.batch_size or len(ids)
     spec, plan = speculative_from_args(args, llm, min(batch, len(ids)), max(map(len, ids)) + args.max_tokens // 2)
     if plan is not None:
-        print(f"[plan] {plan}", file=sys.stderr)
+        from magicdec.autoplan import describe
+
+        print(describe(plan), file=sys.stderr)
     modes = [("spec" if spec else "ar", spec)]
     if args.compare_ar and spec is not None:
         modes.insert(0, ("ar", None))
@@ -250,22 +252,25 @@ def cmd_plan(args) -> int:
 # --- calibrate --------------------------------------------------------------------------------------
 def cmd_calibrate(args) -> int:
     from magicdec import calibrate
+    from magicdec.corpus import load_texts
+    from magicdec.engine import LLM
 
-    profile = calibrate.calibrate_hardware(args.device or "cpu", quick=args.quick)
-    out = Path(args.output) if args.output else calibrate.default_profile_path(args.device or "cpu")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    profile.to_json(out)
-    print(json.dumps(profile.__dict__, indent=1, default=str))
-    print(f"hardware profile written to {out}", file=sys.stderr)
+    llm = LLM(args.model, device=args.device)
+
+    def progress(done: int, total: int, label: str) -> None:
+        print(f"[{done}/{total}] {label}", file=sys.stderr)
+
+    cal = calibrate.measure_hardware(llm.model.device, quick=args.quick, progress=progress, model=llm.model)
+    path = cal.save(args.output)
+    print(json.dumps(cal.profile.__dict__, indent=1, default=str))
+    print(f"hardware profile written to {path}", file=sys.stderr)
     if args.acceptance:
-        from magicdec.corpus import load_texts
-        from magicdec.engine import LLM
-
-        llm = LLM(args.model, device=args.device)
-        table = calibrate.calibrate_acceptance(llm, load_texts(args.corpus), quick=args.quick)
-        path = calibrate.default_acceptance_path()
-        table.to_json(path)
-        print(f"acceptance table written to {path}", file=sys.stderr)
+        quick = dict(contexts=(1024, 2048), budgets=(64, 256), n_prompts=2, new_tokens=32) if args.quick else {}
+        table = calibrate.calibrate_acceptance(llm, load_texts(args.corpus), progress=progress, **quick)
+        out = calibrate.default_acceptance_path(calibrate.model_key(llm))
+        out.parent.mkdir(parents=True, exist_ok=True)
+        table.to_json(out)
+        print(f"acceptance table written to {out}", file=sys.stderr)
     return 0
 
 

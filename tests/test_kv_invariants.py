@@ -127,7 +127,6 @@ class Monitor:
         assert torch.equal(c.lens, before + n_pending + gamma - 1)
         if self.sparse:
             assert int(c.lens.max()) <= c.budget + gamma + 1
-            assert c.max_len <= c.budget + gamma + 1
         return out
 
     def _accept(self, orig, n, nxt, live):
@@ -147,12 +146,16 @@ class Monitor:
 
     # the invariants
     def expected_positions(self, N: int, P: int) -> list[int] | None:
-        """Positions held by the draft cache's slots, in slot order (None: the SnapKV prefix, checked apart)."""
+        """Positions held by the draft cache: the prefix, then the window (a SnapKV prefix is checked apart).
+
+        The prefix holds the first min(P, keep) positions (a prompt shorter than the prefix leaves it
+        partly empty); the window holds at most budget - keep of the latest positions after it."""
         c = self.d.cache
-        if not self.sparse or N <= c.budget:
+        if not self.sparse:
             return list(range(N))
-        W = c.budget - c.keep
-        return list(range(c.keep)) + list(range(N - W, N))
+        n_prefix = min(P, c.keep)
+        start = max(n_prefix, N - (c.budget - c.keep))
+        return list(range(n_prefix)) + list(range(start, N))
 
     def check(self, live: list[int], after_prefill: bool = False) -> None:
         tc, c = self.tc, self.d.cache
@@ -174,28 +177,37 @@ class Monitor:
             self.max_context = max(self.max_context, N)
             assert int(c.next_pos[i]) == N
             lens = int(c.lens[i])
+            pos = self.expected_positions(N, P)
             if self.sparse:
-                assert lens == min(N, c.budget) and c.max_len <= c.budget
+                assert lens == len(pos) <= c.budget
             else:
                 assert lens == N
             Kd, Vd = (Kt, Vt) if self.d.model is self.target else kv_of(self.d.model, seq[:N])
-            pos = self.expected_positions(N, P)
             first_slot = 0
             snap_prefix = self.sparse and self.d.cache_kind_name == "snapkv" and P > c.budget
             if snap_prefix:
                 first_slot = c.keep
                 pos = pos[c.keep :]
                 k0, v0 = self.prefix0[r]
-                # the selected prompt entries never move and are never re-rotated
-                assert torch.equal(c.k[:, i, :, : c.keep], k0) and torch.equal(c.v[:, i, :, : c.keep], v0)
+                # the selected prompt entries never move (re-indexing only rotates them along the window)
+                assert torch.equal(c.v[:, i, :, : c.keep], v0)
+                if not c.reindex:
+                    assert torch.equal(c.k[:, i, :, : c.keep], k0)
                 if after_prefill:
                     self.check_snapkv_prefix(i, P, Kd, Vd)
-            slots = torch.arange(first_slot, lens)
+            if self.sparse:
+                slots, held_pos = c.held(i)
+                slots = slots[first_slot:]
+            else:
+                slots = held_pos = torch.arange(lens)
             p = torch.tensor(pos, dtype=torch.long)
             assert len(p) == len(slots)
+            if self.sparse and not snap_prefix:
+                assert torch.equal(held_pos, p)
             k = c.k[:, i][:, :, slots]  # [L, KV, n, hd]
-            if c.reindex:  # slot j is rotated as position j: move it to its original position
-                k = rotate_keys(k, (p - slots)[None, None, :], self.target.inv_freq)
+            if getattr(c, "reindex", False):  # prefix entry j sits at position win_start - keep + j
+                virtual = torch.where(slots < c.keep, int(c.win_start[i] - c.n_prefix[i]) + slots, p)
+                k = rotate_keys(k, (p - virtual)[None, None, :], self.target.inv_freq)
             v = c.v[:, i][:, :, slots]
             # layer 0 K/V depend only on the token and its position; deeper layers on the (sparse) context,
             # so those must match the dense reference only for prompt entries (cut from a dense cache)
@@ -235,7 +247,7 @@ class Monitor:
                     assert (where[1:] > where[:-1]).all(), f"SnapKV prefix not in ascending position order: {where}"
                 k = c.k[layer, i, h, : c.keep]
                 if c.reindex:
-                    k = rotate_keys(k, where - j, self.target.inv_freq)
+                    k = rotate_keys(k, where - (int(c.win_start[i] - c.n_prefix[i]) + j), self.target.inv_freq)
                 torch.testing.assert_close(k, Kd[layer, h, where], **TOL)
                 torch.testing.assert_close(c.v[layer, i, h, : c.keep], Vd[layer, h, where], **TOL)
 
@@ -355,14 +367,27 @@ def marker_cache(cfg: ModelConfig, lens: list[int], capacity: int, inv_freq: tor
 
 
 def check_slots(cache: SparseKVCache, b: int, positions: list[int], base: torch.Tensor, inv_freq) -> None:
+    """Row b holds exactly `positions` (prefix first, then the window in order), each slot with the V
+    marker of its position and its key rotated by its position (by its virtual position just before the
+    window for a re-indexed prefix entry)."""
     n = len(positions)
     assert int(cache.lens[b]) == n
+    slots, held = cache.held(b)
+    assert held.tolist() == positions, f"row {b}: holds {held.tolist()}, want {positions}"
     want = 1000.0 * b + torch.tensor(positions, dtype=torch.float32)
-    got = cache.v[:, b, :, :n, 0]  # [L, KV, n]
-    assert torch.equal(got, want.expand_as(got)), f"row {b}: slots hold {got[0, 0].tolist()}, want {positions}"
-    rot = torch.arange(n) if cache.reindex else torch.tensor(positions)
+    got = cache.v[:, b, :, slots, 0]  # [L, KV, n]
+    assert torch.equal(got, want.expand_as(got))
+    rot = torch.tensor(positions)
+    if cache.reindex:
+        rot = torch.where(slots < cache.keep, int(cache.win_start[b] - cache.n_prefix[b]) + slots, rot)
     want_k = rotate_keys(base.expand(n, -1), rot, inv_freq)
-    torch.testing.assert_close(cache.k[:, b, :, :n], want_k.expand_as(cache.k[:, b, :, :n]), atol=1e-4, rtol=1e-4)
+    got_k = cache.k[:, b, :, slots]
+    torch.testing.assert_close(got_k, want_k.expand_as(got_k), atol=1e-4, rtol=1e-4)
+
+
+def held_after(prefix: list[int], window: list[int], budget: int, keep: int) -> list[int]:
+    """The Python model of a sparse row: its prefix, then at most budget - keep latest window positions."""
+    return prefix + window[max(0, len(window) - (budget - keep)) :]
 
 
 @pytest.mark.parametrize("reindex", [True, False])
@@ -374,21 +399,22 @@ def test_streaming_eviction_matches_python_reference(target, reindex):
     dense = marker_cache(cfg, lens, 128, inv_freq, base)
     cache = compress(dense, "streaming", budget, reindex, gamma + 2, inv_freq)
     assert cache.keep == sink and cache.capacity == budget + gamma + 2
-    # the Python model: each row's list of positions held, slot by slot
-    held = [list(range(n)) if n <= budget else list(range(sink)) + list(range(n - (budget - sink), n)) for n in lens]
+    # the Python model: each row's prefix and window positions
+    prefix = [list(range(min(n, sink))) for n in lens]
+    window = [list(range(min(n, sink), n)) for n in lens]
     length = list(lens)  # logical length of each row
     for b in range(3):
-        check_slots(cache, b, held[b], base, inv_freq)
+        check_slots(cache, b, held_after(prefix[b], window[b], budget, sink), base, inv_freq)
     rng = random.Random(0)
     B = len(lens)
     for _ in range(25):
         # a round: write q new tokens (as a forward would), keep n of them, then evict
         q = rng.randint(1, gamma + 1)
         mask = cache.attn_mask(q)
-        assert mask.shape[-1] == cache.max_len + q
+        assert mask.shape[-1] == cache.capacity
         newpos = cache.next_pos[:, None] + torch.arange(q)  # logical positions of the new tokens
         rope = cache.rope_positions(q)
-        assert torch.equal(rope, (cache.lens if reindex else cache.next_pos)[:, None] + torch.arange(q))
+        assert torch.equal(rope, newpos)  # queries and new keys keep their positions in both modes
         v_new = (1000.0 * torch.arange(B)[:, None] + newpos).float()[:, None, :, None]
         v_new = v_new.expand(B, cfg.n_kv_heads, q, cfg.head_dim)
         k_new = rotate_keys(base.expand(B, cfg.n_kv_heads, q, -1), rope[:, None, :], inv_freq)
@@ -401,13 +427,11 @@ def test_streaming_eviction_matches_python_reference(target, reindex):
         cache.truncate(before + torch.tensor(keep))
         cache.evict()
         for b in range(B):
-            held[b] += list(range(length[b], length[b] + keep[b]))
+            window[b] += list(range(length[b], length[b] + keep[b]))
             length[b] += keep[b]
-            if len(held[b]) > budget:
-                held[b] = held[b][:sink] + held[b][len(held[b]) - (budget - sink) :]
-            check_slots(cache, b, held[b], base, inv_freq)
+            check_slots(cache, b, held_after(prefix[b], window[b], budget, sink), base, inv_freq)
             assert int(cache.next_pos[b]) == length[b]
-        assert cache.max_len <= budget and cache.max_len >= int(cache.lens.max())
+        assert int(cache.lens.max()) <= budget
     assert min(length) > budget + 10  # every row slid its window many times
 
 
@@ -431,7 +455,8 @@ def test_snapkv_selects_top_pooled_scores_before_window(target):
             check_slots(cache, b, list(range(n)), base, inv_freq)
             continue
         assert int(cache.lens[b]) == budget
-        held = (cache.v[:, b, :, :budget, 0] - 1000.0 * b).round().long()  # [L, KV, budget] positions
+        slots, _ = cache.held(b)
+        held = (cache.v[:, b, :, slots, 0] - 1000.0 * b).round().long()  # [L, KV, budget] positions
         assert (held[..., keep:] == torch.arange(n - window, n)).all()  # the observation window, in order
         prefix = held[..., :keep]
         assert (prefix[..., 1:] > prefix[..., :-1]).all() and (prefix < n - window).all()
@@ -452,9 +477,12 @@ def test_snapkv_selects_top_pooled_scores_before_window(target):
     assert torch.equal(cache.v[:, :, :, :keep][:, 1:], prefix_before[:, 1:])
     assert int(cache.lens.max()) == budget
     for b in (1, 2):
+        slots, held = cache.held(b)
+        window_slots = slots[keep:]
         old = 1000.0 * b + torch.arange(lens[b] - 3, lens[b]).float()  # the 3 newest of the old window
-        assert torch.equal(cache.v[0, b, 0, keep : keep + 3, 0], old)
-        assert (cache.v[:, b, :, keep + 3 : budget] == -1).all()
+        assert torch.equal(cache.v[0, b, 0, window_slots[:3], 0], old)
+        assert (cache.v[:, b, :, window_slots[3:]] == -1).all()
+        assert held[keep:].tolist() == list(range(lens[b] - 3, lens[b] + 5))
 
 
 @pytest.mark.parametrize("kind", ["streaming", "snapkv"])
@@ -469,8 +497,10 @@ def test_budget_covering_context_keeps_everything(target, kind, reindex):
     cache = compress(dense, kind, 16, reindex, 5, inv_freq, obs)
     assert torch.equal(cache.lens, dense.lens) and torch.equal(cache.next_pos, dense.next_pos)
     for b, n in enumerate(lens):
-        torch.testing.assert_close(cache.k[:, b, :, :n], dense.k[:, b, :, :n])
-        assert torch.equal(cache.v[:, b, :, :n], dense.v[:, b, :, :n])
+        slots, held = cache.held(b)
+        assert held.tolist() == list(range(n))
+        torch.testing.assert_close(cache.k[:, b, :, slots], dense.k[:, b, :, :n])
+        assert torch.equal(cache.v[:, b, :, slots], dense.v[:, b, :, :n])
     k_before = cache.k.clone()
     cache.evict()  # at the budget: a no-op
     assert torch.equal(cache.k, k_before) and torch.equal(cache.lens, dense.lens)

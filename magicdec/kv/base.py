@@ -20,9 +20,6 @@ from magicdec.config import ModelConfig
 class KVCache:
     """A dense KV cache with per-sequence lengths (slot index == token position)."""
 
-    #: rotate new keys and queries by their slot index instead of their absolute position
-    reindex: bool = False
-
     def __init__(
         self,
         cfg: ModelConfig,
@@ -65,8 +62,7 @@ class KVCache:
     # --- what the model calls, once per forward -------------------------------------------------
     def rope_positions(self, q: int) -> Tensor:
         """Positions [B, q] by which the new tokens' queries and keys are rotated."""
-        start = self.lens if self.reindex else self.next_pos
-        return start[:, None] + self._arange(q)
+        return self.next_pos[:, None] + self._arange(q)
 
     def attn_mask(self, q: int) -> Tensor:
         """[B, 1, q, L] visibility of cache slots for the q new tokens (causal, per-row lengths)."""

@@ -4,10 +4,14 @@ Both keep `budget` slots per sequence: a fixed prefix (`keep` slots: the attenti
 StreamingLLM, the SnapKV-selected prompt tokens for SnapKV) followed by a window of the most recent
 tokens that slides as generation proceeds, so the draft's cost never grows with the context.
 
-Positions: with `reindex=True` (StreamingLLM's choice) a key in slot j is rotated as position j, so
-the draft sees a contiguous sequence 0..budget-1; with `reindex=False` keys keep the rotation of their
-original position. Because RoPE rotations compose, moving a key from position a to b is one more
-rotation by b - a (`rotate_keys`).
+Positions: with `reindex=True` (StreamingLLM's choice) the draft sees its cache as one contiguous
+sequence, the prefix directly followed by the window; with `reindex=False` every key keeps the rotation
+of its original position. RoPE scores depend only on the distance between query and key, and the
+window is contiguous in the original positions, so re-indexing needs no rotation of the window at all:
+queries and window keys keep their original positions, and only the prefix keys are rotated to sit
+just before the window's first position (`rotate_keys`: rotations compose, moving a key from position
+a to b is one more rotation by b - a). Sliding the window by s then moves the prefix by s too: a
+rotation of `keep` entries, not of the whole cache.
 """
 
 from __future__ import annotations
@@ -32,7 +36,15 @@ def rotate_keys(k: Tensor, delta: Tensor, inv_freq: Tensor) -> Tensor:
 
 
 class SparseKVCache(KVCache):
-    """A KV cache of `budget` slots (+ `slack` for tokens in flight) that evicts its oldest window entries."""
+    """A KV cache of `budget` entries (+ `slack` for tokens in flight) whose window slides without copies.
+
+    Layout per row: slots [0, keep) hold the fixed prefix; slots [keep, capacity) are a ring holding the
+    window, position t in slot keep + (t - keep) mod ring. `slot_pos` records the position held by each
+    slot (set by `attn_mask` for the tokens a forward is about to write) and the mask shows a query the
+    prefix plus the window entries in [win_start, its position].
+    Sliding the window is advancing `win_start`; nothing moves (and with `reindex`, only the `keep`
+    prefix keys are rotated). `lens` counts the entries a row currently holds (prefix + window).
+    """
 
     def __init__(
         self,
@@ -50,43 +62,96 @@ class SparseKVCache(KVCache):
             raise ValueError(f"the fixed prefix ({keep}) must be smaller than the budget ({budget})")
         super().__init__(cfg, batch, budget + slack, dtype, device)
         self.budget, self.keep, self.reindex = budget, keep, reindex
+        self.ring = self.capacity - keep
         self.inv_freq = inv_freq
+        self.slot_pos = torch.full((batch, self.capacity), -1, dtype=torch.long, device=device)
+        self.win_start = torch.zeros(batch, dtype=torch.long, device=device)
+        self.n_prefix = torch.zeros(batch, dtype=torch.long, device=device)
+
+    def _slots_of(self, positions: Tensor) -> Tensor:
+        return self.keep + (positions - self.keep) % self.ring
+
+    def attn_mask(self, q: int) -> Tensor:
+        """[B, 1, q, capacity]: the prefix, and window entries from win_start up to each query."""
+        qpos = self.next_pos[:, None] + self._arange(q)  # [B, q]
+        self._slots = self._slots_of(qpos)
+        self.slot_pos.scatter_(1, self._slots, qpos)
+        pos = self.slot_pos[:, None, :]  # [B, 1, C]
+        in_prefix = (self._arange(self.capacity) < self.keep)[None, None, :]
+        held = (pos >= 0) & (in_prefix | (pos >= self.win_start[:, None, None]))
+        return (held & (pos <= qpos[:, :, None]))[:, None]
+
+    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        B, KV, q, hd = k.shape
+        index = self._slots[:, None, :, None].expand(B, KV, q, hd)
+        kc, vc = self.k[layer], self.v[layer]
+        kc.scatter_(2, index, k.to(kc.dtype))
+        vc.scatter_(2, index, v.to(vc.dtype))
+        return kc, vc
 
     def load_slots(self, src: KVCache, index: Tensor, n: Tensor) -> None:
-        """Fill from src: slot j of row b takes src slot index[l, b, h, j] ([L|1, B, KV|1, budget]).
+        """Fill from src: entry j of row b is src slot index[l, b, h, j] ([L|1, B, KV|1, budget]).
 
-        n [B] is the number of valid slots per row. src must hold keys rotated by absolute position.
+        Entries [0, keep) form the prefix, the rest the window; n [B] is the number of valid entries
+        per row. src must hold keys rotated by absolute position (slot == position); the window part
+        of `index` must be the row's last positions, in order.
         """
         L, B, KV, _, hd = src.k.shape
         idx = index.expand(L, B, KV, -1)
         K = idx.shape[-1]
+        valid = torch.arange(K, device=idx.device)[None, :] < n[:, None]  # [B, K]
+        window_pos = idx[0, :, 0, self.keep :]  # [B, K - keep], the same for all layers and heads
+        dest = torch.cat((torch.arange(self.keep, device=idx.device).expand(B, -1), self._slots_of(window_pos)), 1)
         gidx = idx[..., None].expand(L, B, KV, K, hd)
-        k = src.k.gather(3, gidx).to(self.k.dtype)
-        if self.reindex:
-            k = rotate_keys(k, torch.arange(K, device=idx.device) - idx, self.inv_freq)
-        self.k[:, :, :, :K] = k
-        self.v[:, :, :, :K] = src.v.gather(3, gidx).to(self.v.dtype)
+        didx = dest[None, :, None, :, None].expand(L, B, KV, K, hd)
+        self.k.scatter_(3, didx, src.k.gather(3, gidx).to(self.k.dtype))
+        self.v.scatter_(3, didx, src.v.gather(3, gidx).to(self.v.dtype))
+        self.slot_pos.fill_(-1).scatter_(1, dest, torch.where(valid, idx[0, :, 0], -1))
+        self.win_start = torch.minimum(window_pos[:, 0], src.next_pos)  # a prompt shorter than keep: its end
         self.lens = n.clone()
         self.next_pos = src.next_pos.clone()
-        self.max_len = int(n.max())
+        self.max_len = self.capacity  # attention always spans the whole (small) buffer
+        self.n_prefix = n.clamp_max(self.keep)  # a prompt shorter than keep leaves the prefix partly empty
+        if self.reindex and self.keep:
+            # prefix entry j moves to the position just before the window: win_start - n_prefix + j
+            target = self.win_start[:, None] - self.n_prefix[:, None] + torch.arange(self.keep, device=idx.device)
+            self._rotate_prefix((target[None, :, None, :] - idx[..., : self.keep]))
+
+    def held(self, row: int) -> tuple[Tensor, Tensor]:
+        """(slots, positions) of the entries row `row` holds: the prefix, then the window in order."""
+        pos = self.slot_pos[row]
+        slots = torch.arange(self.capacity, device=pos.device)
+        prefix = (slots < self.keep) & (pos >= 0)
+        window = (slots >= self.keep) & (pos >= self.win_start[row]) & (pos < self.next_pos[row])
+        w = slots[window][pos[window].argsort()]
+        return torch.cat((slots[prefix], w)), torch.cat((pos[prefix], pos[w]))
+
+    def _rotate_prefix(self, delta: Tensor) -> None:
+        prefix = self.k[:, :, :, : self.keep]
+        prefix.copy_(rotate_keys(prefix, delta, self.inv_freq))
+
+    def commit(self, n: Tensor | int) -> None:
+        self.lens = self.lens + n
+        self.next_pos = self.next_pos + n
+
+    def truncate(self, lens: Tensor) -> None:
+        self.next_pos = self.next_pos - (self.lens - lens)
+        self.lens = lens.clone()
 
     def evict(self) -> None:
-        """Slide each row's window so that it holds at most `budget` slots (oldest non-prefix go first)."""
-        if self.max_len <= self.budget:
-            return
-        shift = (self.lens - self.budget).clamp_min(0)  # [B]
-        W = self.budget - self.keep
-        # window slot keep + j takes the entry at keep + j + shift; the fixed prefix stays in place
-        src = self.keep + torch.arange(W, device=self.device)[None, :] + shift[:, None]  # [B, W]
-        L, B, KV, _, hd = self.k.shape
-        gidx = src[None, :, None, :, None].expand(L, B, KV, W, hd)
-        k = self.k.gather(3, gidx)
-        if self.reindex:
-            k = rotate_keys(k, -shift[None, :, None, None], self.inv_freq)
-        self.v[:, :, :, self.keep : self.budget] = self.v.gather(3, gidx)
-        self.k[:, :, :, self.keep : self.budget] = k
+        """Slide each row's window so that it holds at most budget - keep entries."""
+        shift = (self.next_pos - self.win_start - (self.budget - self.keep)).clamp_min(0)  # [B]
+        self.win_start = self.win_start + shift
         self.lens = self.lens - shift
-        self.max_len = min(self.max_len, self.budget)
+        if self.reindex and self.keep:
+            self._rotate_prefix(shift[None, :, None, None])
+
+    def select_rows(self, rows: Tensor) -> None:
+        super().select_rows(rows)
+        self.slot_pos = self.slot_pos.index_select(0, rows)
+        self.win_start = self.win_start.index_select(0, rows)
+        self.n_prefix = self.n_prefix.index_select(0, rows)
+        self.max_len = self.capacity
 
 
 def streaming_index(lens: Tensor, budget: int, sink: int) -> Tensor:

@@ -1,0 +1,201 @@
+"""`--draft auto`: pick AR or a self-speculative configuration for a batch shape with the planner.
+
+    from magicdec.autoplan import choose
+    spec, why = choose(llm, batch=len(prompts), context=max_prompt_len)
+    llm.generate(prompts, params, speculative=spec)      # spec is None when plain decoding wins
+
+The model's shape and dtypes come from the `LLM`; the hardware profile is the one `magicdec calibrate`
+saved for the device (else a preset); the acceptance rates are the ones measured for this model (else
+the table shipped with the package, measured on SmolLM2-135M with PG-19 text).
+"""
+
+from __future__ import annotations
+
+import os
+from importlib import resources
+from typing import TYPE_CHECKING, Any, Iterable
+
+from magicdec.planner import PRESETS, AcceptanceTable, HardwareProfile, ModelShape, Plan, get_profile, plan
+
+if TYPE_CHECKING:
+    from magicdec.speculative import SpeculativeConfig
+
+#: Self-speculative strategies `choose` searches besides AR.
+SELF_STRATEGIES = ("self-streaming", "self-snapkv")
+#: Draft budgets and lengths searched by default (budgets are capped below the context by the planner).
+DEFAULT_BUDGETS = (64, 128, 256, 512, 1024, 2048)
+DEFAULT_GAMMAS = tuple(range(1, 9))
+#: The built-in acceptance table, package data.
+BUILTIN_ACCEPTANCE = "acceptance_smollm2.json"
+
+#: GPU name fragments (lower case) -> preset, for devices without a calibrated profile.
+_GPU_PRESETS = (("h200", "h200"), ("h100", "h100"), ("a100", "a100-80gb"), ("l40s", "l40s"), ("l40", "l40"))
+CPU_PRESET = "cpu-zen3-2core"
+FALLBACK_GPU_PRESET = "a100-80gb"
+
+
+def _dtype_bytes(dtype: Any) -> float:
+    """Bytes per element of a torch dtype (or a number of bytes, or a name like "bf16")."""
+    if dtype is None:
+        raise ValueError("dtype is None")
+    if isinstance(dtype, (int, float)):
+        return float(dtype)
+    itemsize = getattr(dtype, "itemsize", None)
+    if itemsize is not None:  # torch.dtype
+        return float(itemsize)
+    names = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp8": 1, "int8": 1}
+    key = str(dtype).lower().removeprefix("torch.")
+    if key in names:
+        return float(names[key])
+    raise ValueError(f"unknown dtype {dtype!r}")
+
+
+def target_shape(model: Any) -> ModelShape:
+    """The planner's ModelShape of an `LLM`, a magicdec Transformer, a ModelConfig or a ModelShape."""
+    if isinstance(model, ModelShape):
+        return model
+    cfg = getattr(getattr(model, "model", None), "cfg", None) or getattr(model, "cfg", None) or model
+    for attr in ("n_layers", "dim", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "vocab_size"):
+        if not hasattr(cfg, attr):
+            raise TypeError(f"cannot get a model shape from {type(model).__name__} (no {attr})")
+    return ModelShape(
+        name=getattr(cfg, "architecture", "model"), n_layers=cfg.n_layers, dim=cfg.dim, n_heads=cfg.n_heads,
+        n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, ffn_dim=cfg.ffn_dim, vocab_size=cfg.vocab_size,
+        tie_embeddings=bool(getattr(cfg, "tie_embeddings", False)),
+    )
+
+
+def _is_cpu_profile(hw: HardwareProfile) -> bool:
+    return hw.name.startswith(("cpu", "calibrated-cpu"))
+
+
+def _device_of(model: Any) -> str | None:
+    m = getattr(model, "model", model)
+    device = getattr(m, "device", None)
+    return None if device is None else str(device)
+
+
+def preset_for_device(device: str) -> HardwareProfile:
+    """The preset standing in for an uncalibrated device: the CPU one, or the GPU matching its name."""
+    if not device.startswith("cuda"):
+        return PRESETS[CPU_PRESET]
+    try:
+        import torch
+
+        name = torch.cuda.get_device_name(torch.device(device)).lower()
+    except Exception:  # no CUDA here (planning for another machine): a common datacenter GPU
+        return PRESETS[FALLBACK_GPU_PRESET]
+    for fragment, preset in _GPU_PRESETS:
+        if fragment in name:
+            return PRESETS[preset]
+    return PRESETS[FALLBACK_GPU_PRESET]
+
+
+def load_profile(device: str = "cpu") -> HardwareProfile:
+    """The profile `magicdec calibrate` saved for `device`, else `preset_for_device`."""
+    from magicdec.calibrate import default_profile_path
+
+    for path in dict.fromkeys((default_profile_path(device), default_profile_path(device.split(":")[0]))):
+        if path.is_file():
+            return HardwareProfile.from_json(path)
+    return preset_for_device(device)
+
+
+def builtin_acceptance() -> AcceptanceTable:
+    """The acceptance table shipped with magicdec (SmolLM2-135M self-speculation on PG-19)."""
+    ref = resources.files("magicdec") / "data" / BUILTIN_ACCEPTANCE
+    with resources.as_file(ref) as path:
+        return AcceptanceTable.from_json(path)
+
+
+def load_acceptance(model: Any = None) -> AcceptanceTable:
+    """The table `magicdec calibrate --acceptance` saved for this model, else the built-in one."""
+    if model is not None:
+        from magicdec.calibrate import default_acceptance_path, model_key
+
+        path = default_acceptance_path(model_key(model))
+        if path.is_file():
+            return AcceptanceTable.from_json(path)
+    return builtin_acceptance()
+
+
+def choose(
+    llm: Any,
+    batch: int,
+    context: int,
+    *,
+    profile: HardwareProfile | str | os.PathLike[str] | None = None,
+    acceptance: AcceptanceTable | str | os.PathLike[str] | None = None,
+    mode: str = "greedy",
+    budgets: Iterable[int] = DEFAULT_BUDGETS,
+    gammas: Iterable[int] = DEFAULT_GAMMAS,
+    strategies: Iterable[str] = ("ar", *SELF_STRATEGIES),
+    dtype: Any = None,
+    kv_dtype: Any = None,
+) -> tuple["SpeculativeConfig | None", Plan]:
+    """The predicted-fastest way to decode `batch` sequences of `context` tokens with `llm`.
+
+    Returns (SpeculativeConfig, plan), or (None, plan) when plain autoregressive decoding is predicted
+    to be at least as fast. `llm` is an `LLM` (or a Transformer, ModelConfig or planner ModelShape, to
+    plan for a model or machine you do not have). `profile`: a HardwareProfile, preset name or JSON
+    path (default: the calibrated profile of the model's device, else a preset). `acceptance`: a table
+    or its JSON path (default: the one measured for this model, else the built-in table). `mode`:
+    "greedy" or "sampling" (temperature > 0). `dtype`/`kv_dtype` (torch dtypes or byte counts)
+    default to the LLM's; without an LLM, to 4 bytes on a CPU profile and 2 on others.
+    """
+    from magicdec.speculative import SpeculativeConfig
+
+    shape = target_shape(llm)
+    device = _device_of(llm)
+    if profile is None:
+        hw = load_profile(device or "cpu")
+    elif isinstance(profile, HardwareProfile):
+        hw = profile
+    else:
+        hw = get_profile(profile)
+    if acceptance is None:
+        table = load_acceptance(llm if hasattr(llm, "loaded") else None)
+    elif isinstance(acceptance, AcceptanceTable):
+        table = acceptance
+    else:
+        table = AcceptanceTable.from_json(acceptance)
+
+    if dtype is None:
+        dtype = getattr(getattr(llm, "model", llm), "dtype", None)  # an LLM's or a Transformer's
+        if dtype is None:  # planning from a config or shape: the compute dtype the device would use
+            dtype = 4 if _is_cpu_profile(hw) else 2
+    if kv_dtype is None:
+        kv_dtype = getattr(llm, "kv_dtype", None) or dtype
+    weight_bytes, kv_bytes = _dtype_bytes(dtype), _dtype_bytes(kv_dtype)
+
+    # The decode loop caps gamma (MAX_GAMMA) and sparse budgets must be >= 8 (SpeculativeConfig).
+    gammas = [g for g in gammas if 1 <= g <= 16]
+    budgets = [b for b in budgets if b >= 8]
+    best = plan(shape, hw, batch, context, table, budgets=budgets, gammas=gammas, dtype_bytes=weight_bytes,
+                kv_dtype_bytes=kv_bytes, mode=mode, strategies=strategies)
+    if best.strategy == "ar":
+        return None, best
+    return SpeculativeConfig(best.strategy, budget=best.budget, gamma=best.gamma), best
+
+
+def describe(plan_: Plan) -> str:
+    """One line saying what was chosen and why, for logs and `--draft auto`."""
+    if plan_.strategy == "ar":
+        return (f"auto: autoregressive ({plan_.predicted_throughput:.1f} tok/s predicted; "
+                f"speculation does not pay here, step dominated by {plan_.verify_dominant})")
+    return (f"auto: {plan_.strategy} budget {plan_.budget} gamma {plan_.gamma} "
+            f"(alpha {plan_.alpha:.2f}, {plan_.predicted_throughput:.1f} tok/s predicted, "
+            f"{plan_.predicted_speedup:.2f}x over AR; verify dominated by {plan_.verify_dominant})")
+
+
+__all__ = [
+    "BUILTIN_ACCEPTANCE",
+    "builtin_acceptance",
+    "choose",
+    "describe",
+    "load_acceptance",
+    "load_profile",
+    "preset_for_device",
+    "target_shape",
+]
+

@@ -1,0 +1,690 @@
+"""Measure this machine for the planner: a hardware profile and a table of acceptance rates.
+
+`calibrate_hardware` times the kernels a decode step is made of, in the compute dtype:
+
+- matmuls at decoding shapes ([m, dim] x [dim, 2 ffn] over a stack of layer weights larger than the
+  last-level cache, m = B*q from 1 to 256) and a large square, for the peak FLOP rate;
+- scaled_dot_product_attention of 1..8 query rows per sequence over 1k..8k cached keys, as bytes of
+  K/V read per second and FLOP/s;
+- a plain read (reduction of a tensor larger than the last-level cache), for the peak bandwidth;
+- whole forwards of a tiny-dim Transformer with 30 and with 4 layers at batch 1, one token, a short
+  cache: what they take beyond their (negligible) roofline is the fixed and the per-layer overhead;
+- whole forwards of a real-sized model (the one passed in, or a randomly initialised one with the
+  default model's shape) over a grid of batch x new tokens x cache length.
+
+The peaks come from the microbenchmarks; the effective rates (hence the efficiencies) are fitted so
+that the planner's `forward_cost` reproduces the measured forward times (least squares on log time,
+overheads held at their measured values). Everything measured is kept in
+`HardwareCalibration.measurements` for inspection.
+
+`calibrate_acceptance` measures per-token acceptance rates of the self-speculative drafters on real
+text: prompts cut from inside long books, prefilled once per context length, decoded with every
+(drafter, budget, mode) from the same prefill; the rate is the maximum-likelihood estimate from the
+histogram of accepted draft counts (`acceptance_mle`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from magicdec.config import ModelConfig
+from magicdec.planner import AcceptanceTable, HardwareProfile, ModelShape, forward_cost
+from magicdec.planner.models import MODEL_PRESETS
+
+#: progress(done, total, label): `done` of `total` units of the current stage, described by `label`.
+CalibrationProgress = Callable[[int, int, str], None]
+
+GiB = 1024**3
+
+
+# --- where results live ------------------------------------------------------------------------------
+def cache_dir() -> Path:
+    """`$MAGICDEC_CACHE`, or ~/.cache/magicdec (the same folder the converted weights live in)."""
+    return Path(os.environ.get("MAGICDEC_CACHE") or Path.home() / ".cache" / "magicdec")
+
+
+def _device_key(device: str | torch.device) -> str:
+    return str(device).replace(":", "-").replace("/", "-")
+
+
+def default_profile_path(device: str | torch.device = "cpu") -> Path:
+    """Where `magicdec calibrate` saves the profile of `device`: <cache>/hardware-<device>.json."""
+    return cache_dir() / f"hardware-{_device_key(device)}.json"
+
+
+def default_acceptance_path(model_name: str) -> Path:
+    """Where a measured acceptance table of `model_name` is saved: <cache>/acceptance-<name>.json."""
+    safe = "".join(c if c.isalnum() or c in "-_." else "-" for c in model_name)
+    return cache_dir() / f"acceptance-{safe}.json"
+
+
+def model_key(llm: Any) -> str:
+    """A short name for the model behind an `LLM` (its file or folder name), for file names."""
+    source = getattr(getattr(llm, "loaded", None), "source", None)
+    if not source:
+        return "model"
+    p = Path(source)
+    return p.stem if p.suffix else p.name
+
+
+# --- timing helpers ----------------------------------------------------------------------------------
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _times(fn: Callable[[], Any], device: torch.device, reps: int, warmup: int = 1) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    out = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def _best(fn: Callable[[], Any], device: torch.device, reps: int, warmup: int = 1) -> float:
+    """Fastest of `reps` runs: the estimate of a peak rate least disturbed by other processes."""
+    return min(_times(fn, device, reps, warmup))
+
+
+def _median(fn: Callable[[], Any], device: torch.device, reps: int, warmup: int = 1) -> float:
+    """Median of `reps` runs: the estimate of what a real run takes."""
+    return statistics.median(_times(fn, device, reps, warmup))
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def default_compute_dtype(device: torch.device) -> torch.dtype:
+    """The dtype `LLM` computes in on `device`: fp32 on CPU, bf16 elsewhere."""
+    return torch.float32 if device.type == "cpu" else torch.bfloat16
+
+
+def device_memory_bytes(device: torch.device) -> float:
+    """Device memory (CUDA) or physical memory (CPU), bytes."""
+    if device.type == "cuda":
+        return float(torch.cuda.get_device_properties(device).total_memory)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return float(int(line.split()[1]) * 1024)
+    except OSError:
+        pass
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_info(device: str | torch.device = "cpu") -> dict[str, Any]:
+    """What the measurements were taken on: device, threads, CPU model, memory, load, versions."""
+    dev = torch.device(device)
+    info: dict[str, Any] = {
+        "device": str(dev),
+        "cpu": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "memory_bytes": device_memory_bytes(torch.device("cpu")),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }
+    if hasattr(os, "getloadavg"):
+        info["loadavg"] = list(os.getloadavg())
+    if dev.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(dev)
+        info["gpu_memory_bytes"] = device_memory_bytes(dev)
+    return info
+
+
+# --- models for timing ---------------------------------------------------------------------------------
+def model_config_from_shape(shape: ModelShape, max_seq_len: int = 1 << 17) -> ModelConfig:
+    return ModelConfig(
+        vocab_size=shape.vocab_size, dim=shape.dim, n_layers=shape.n_layers, n_heads=shape.n_heads,
+        n_kv_heads=shape.n_kv_heads, ffn_dim=shape.ffn_dim, head_dim=shape.head_dim,
+        max_seq_len=max_seq_len, tie_embeddings=shape.tie_embeddings,
+    )
+
+
+def shape_from_config(cfg: ModelConfig, name: str = "custom") -> ModelShape:
+    """The planner's view of a model config."""
+    return ModelShape(
+        name=name, n_layers=cfg.n_layers, dim=cfg.dim, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
+        head_dim=cfg.head_dim, ffn_dim=cfg.ffn_dim, vocab_size=cfg.vocab_size, tie_embeddings=cfg.tie_embeddings,
+    )
+
+
+def synthetic_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, seed: int = 0, random: bool = False):
+    """A Transformer of `cfg` with placeholder weights, for timing only (its outputs mean nothing).
+
+    Weights are a constant (filling is much faster than drawing random numbers, and the speed of a
+    dense forward does not depend on the values); `random=True` draws them uniformly instead.
+    """
+    from magicdec.model import Transformer, rope_inv_freq
+
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model = model.to_empty(device=device)
+    g = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif random:
+                p.uniform_(-0.05, 0.05, generator=g)
+            else:
+                p.fill_(0.01)
+    if cfg.tie_embeddings:
+        model.output.weight = model.tok_embeddings.weight
+    model = model.to(dtype=dtype).eval().requires_grad_(False)
+    model.inv_freq = rope_inv_freq(cfg).to(device=device, dtype=torch.float32)
+    return model
+
+
+def _filled_cache(cfg: ModelConfig, batch: int, length: int, slack: int, dtype: torch.dtype, device: torch.device):
+    """A dense cache holding `length` committed tokens per row (values touched, so pages are real)."""
+    from magicdec.kv import KVCache
+
+    cache = KVCache(cfg, batch, length + slack, dtype, device)
+    cache.k.fill_(0.5)  # attention's speed does not depend on the values; the pages must exist
+    cache.v.fill_(0.5)
+    if length:
+        cache.commit(length)
+    return cache
+
+
+def time_forward(model, batch: int, q: int, kv_len: int, reps: int = 3, kv_dtype: torch.dtype | None = None) -> float:
+    """Median seconds of one forward of `batch` x `q` new tokens over a cache of `kv_len` tokens."""
+    device, dtype = model.device, kv_dtype or model.dtype
+    cache = _filled_cache(model.cfg, batch, kv_len, q, dtype, device)
+    tokens = torch.randint(0, model.cfg.vocab_size, (batch, q), device=device)
+    with torch.inference_mode():
+        t = _median(lambda: model(tokens, cache), device, reps, warmup=1)
+    del cache
+    return t
+
+
+# --- the hardware calibration ---------------------------------------------------------------------------
+@dataclass
+class HardwareCalibration:
+    """A calibrated profile, with everything that was measured to make it."""
+
+    profile: HardwareProfile
+    measurements: dict[str, Any] = field(default_factory=dict)
+
+    def save(self, path: str | os.PathLike[str] | None = None) -> Path:
+        """Write the profile to `path` (default: `default_profile_path`) and the measurements beside it."""
+        path = Path(path) if path is not None else default_profile_path(self.measurements.get("device", "cpu"))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.profile.to_json(path)
+        with open(path.with_suffix(".measurements.json"), "w") as f:
+            json.dump(self.measurements, f, indent=1)
+            f.write("\n")
+        return path
+
+
+def _nelder_mead(f: Callable[[list[float]], float], x0: Sequence[float], step: float = 0.5,
+                 iters: int = 400, tol: float = 1e-10) -> list[float]:
+    """Minimise f from x0 with the Nelder-Mead simplex (small, dependency-free)."""
+    n = len(x0)
+    pts = [list(x0)] + [[x + (step if i == j else 0.0) for j, x in enumerate(x0)] for i in range(n)]
+    vals = [f(p) for p in pts]
+    for _ in range(iters):
+        order = sorted(range(n + 1), key=vals.__getitem__)
+        pts, vals = [pts[i] for i in order], [vals[i] for i in order]
+        if abs(vals[-1] - vals[0]) < tol:
+            break
+        centroid = [sum(p[j] for p in pts[:-1]) / n for j in range(n)]
+
+        def towards(a: float) -> list[float]:
+            return [c + a * (w - c) for c, w in zip(centroid, pts[-1])]
+
+        refl = towards(-1.0)
+        fr = f(refl)
+        if fr < vals[0]:
+            exp = towards(-2.0)
+            fe = f(exp)
+            pts[-1], vals[-1] = (exp, fe) if fe < fr else (refl, fr)
+        elif fr < vals[-2]:
+            pts[-1], vals[-1] = refl, fr
+        else:
+            con = towards(0.5 if fr >= vals[-1] else -0.5)
+            fc = f(con)
+            if fc < min(fr, vals[-1]):
+                pts[-1], vals[-1] = con, fc
+            else:
+                best = pts[0]
+                pts = [best] + [[b + 0.5 * (x - b) for b, x in zip(best, p)] for p in pts[1:]]
+                vals = [vals[0]] + [f(p) for p in pts[1:]]
+    return pts[min(range(n + 1), key=vals.__getitem__)]
+
+
+def profile_from_rates(
+    name: str, *, peak_flops: float, peak_bandwidth: float, mem_bytes: float, bandwidth: float,
+    matmul_flops: float, attention_flops: float, fixed_overhead_s: float, per_layer_overhead_s: float,
+) -> HardwareProfile:
+    """A profile whose effective rates are the given ones; a peak below an effective rate is raised to it."""
+    flops = max(peak_flops, matmul_flops, attention_flops)
+    bw = max(peak_bandwidth, bandwidth)
+    return HardwareProfile(
+        name=name, flops_per_s=flops, mem_bandwidth=bw, mem_bytes=mem_bytes,
+        matmul_efficiency=min(1.0, matmul_flops / flops), bandwidth_efficiency=min(1.0, bandwidth / bw),
+        attention_efficiency=min(1.0, attention_flops / flops),
+        fixed_overhead_s=max(0.0, fixed_overhead_s), per_layer_overhead_s=max(0.0, per_layer_overhead_s),
+    )
+
+
+def fit_rates(
+    points: Sequence[dict[str, float]], shape: ModelShape, *, dtype_bytes: float, kv_dtype_bytes: float,
+    peak_flops: float, peak_bandwidth: float, mem_bytes: float, fixed_overhead_s: float,
+    per_layer_overhead_s: float, init: tuple[float, float, float], name: str = "calibrated",
+    fit_overhead: bool = False,
+) -> tuple[HardwareProfile, float]:
+    """Effective bandwidth, matmul and attention FLOP rates that make `forward_cost` match measured forwards.
+
+    `points` are dicts with batch, q, kv_len and seconds. Minimises the mean squared log error; with
+    `fit_overhead` the fixed overhead is fitted too (else held at the measured value). Returns the
+    profile and the root-mean-square relative error of the fit.
+    """
+
+    def make(x: list[float]) -> HardwareProfile:
+        fixed = fixed_overhead_s * math.exp(x[3]) if fit_overhead else fixed_overhead_s
+        return profile_from_rates(
+            name, peak_flops=peak_flops, peak_bandwidth=peak_bandwidth, mem_bytes=mem_bytes,
+            bandwidth=math.exp(x[0]), matmul_flops=math.exp(x[1]), attention_flops=math.exp(x[2]),
+            fixed_overhead_s=fixed, per_layer_overhead_s=per_layer_overhead_s,
+        )
+
+    def loss(x: list[float]) -> float:
+        hw = make(x)
+        total = 0.0
+        for p in points:
+            pred = forward_cost(shape, hw, int(p["batch"]), int(p["q"]), int(p["kv_len"]),
+                                dtype_bytes, kv_dtype_bytes).time
+            total += math.log(pred / p["seconds"]) ** 2
+        return total / len(points)
+
+    x0 = [math.log(v) for v in init] + ([0.0] if fit_overhead else [])
+    x = x0
+    for _ in range(3):  # restarts shake the simplex out of the kinks that max() puts in the loss
+        x = _nelder_mead(loss, x, step=0.3)
+    return make(x), math.sqrt(loss(x))
+
+
+def measure_hardware(
+    device: str | torch.device = "cpu",
+    quick: bool = False,
+    progress: CalibrationProgress | None = None,
+    *,
+    model=None,
+    dtype: torch.dtype | None = None,
+    name: str | None = None,
+) -> HardwareCalibration:
+    """Run the microbenchmarks and forward timings; return the fitted profile and all measurements.
+
+    `model`: a magicdec Transformer to time whole forwards of (default: a randomly initialised model
+    with the default model's shape, SmolLM2-135M). `dtype`: the compute dtype (default: the model's,
+    else fp32 on CPU and bf16 on GPU). Quick mode takes seconds; the full one a few minutes.
+    """
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    dtype = dtype or (model.dtype if model is not None else default_compute_dtype(dev))
+    es = _element_size(dtype)
+    gpu = dev.type == "cuda"
+    reps = 2 if quick else 4
+    m: dict[str, Any] = {"device": str(device), "dtype": str(dtype).removeprefix("torch."), "quick": quick,
+                         "machine": machine_info(dev)}
+    stages = ["bandwidth", "matmul", "attention", "overhead", "forward", "fit"]
+
+    def stage(i: int, label: str) -> None:
+        if progress is not None:
+            progress(i, len(stages), label)
+
+    # 1. plain read bandwidth: reductions over a tensor well beyond the last-level cache
+    stage(0, "read bandwidth")
+    nbytes = (2 * GiB if gpu else 512 * 2**20) if quick else (4 * GiB if gpu else 1 * GiB)
+    x = torch.empty(nbytes // es, dtype=dtype, device=dev).fill_(0.5)  # values do not change the speed
+    t_sum = _best(lambda: x.sum(dtype=torch.float32), dev, reps)
+    cols = 4096
+    xm = x[: x.numel() // cols * cols].view(-1, cols)
+    ones = torch.ones(cols, dtype=dtype, device=dev)
+    t_mv = _best(lambda: torch.mv(xm, ones), dev, reps)
+    read_bw = {"sum": x.numel() * es / t_sum, "mv": xm.numel() * es / t_mv}
+    peak_bandwidth = max(read_bw.values())
+    m["read_bandwidth"] = {**read_bw, "bytes": nbytes}
+    del x, xm
+
+    # 2. matmul: [m, dim] x [dim, 2 ffn] over a stack of layer weights (like a forward), and a large square
+    stage(1, "matmul")
+    shape_default = MODEL_PRESETS["smollm2-135m"]
+    dim, ffn = shape_default.dim, shape_default.ffn_dim
+    stack_bytes = (1 * GiB if gpu else 384 * 2**20) if quick else (2 * GiB if gpu else 768 * 2**20)
+    n_w = max(1, stack_bytes // (2 * ffn * dim * es))
+    weights = torch.empty(n_w, 2 * ffn, dim, dtype=dtype, device=dev).fill_(0.01)
+    ms = (1, 8, 64) if quick else (1, 2, 4, 8, 16, 32, 64, 128, 256)
+    matmul = []
+    for mm in ms:
+        a = torch.randn(mm, dim, dtype=dtype, device=dev)
+
+        def run(a=a) -> None:
+            for i in range(n_w):
+                F.linear(a, weights[i])
+
+        t = _best(run, dev, reps)
+        matmul.append({"m": mm, "flops_per_s": 2 * mm * dim * 2 * ffn * n_w / t,
+                       "weight_bytes_per_s": weights.numel() * es / t, "seconds": t})
+    del weights
+    squares = []
+    for n in ((2048,) if not gpu else (8192,)) if quick else ((2048, 4096) if not gpu else (8192, 16384)):
+        a = torch.randn(n, n, dtype=dtype, device=dev)
+        b = torch.randn(n, n, dtype=dtype, device=dev)
+        t = _best(lambda: a @ b, dev, 2 if n >= 4096 and not gpu else reps)
+        squares.append({"n": n, "flops_per_s": 2 * n**3 / t, "seconds": t})
+        del a, b
+    peak_flops = max(r["flops_per_s"] for r in matmul + squares)
+    m["matmul"], m["square_matmul"] = matmul, squares
+
+    # 3. attention: G*q query rows per KV head (GQA as the model runs it) over L cached keys, all layers
+    stage(2, "attention")
+    n_kv, n_heads, hd, n_layers = (shape_default.n_kv_heads, shape_default.n_heads,
+                                   shape_default.head_dim, shape_default.n_layers)
+    G = n_heads // n_kv
+    attention = []
+    for L in ((1024, 8192) if quick else (1024, 2048, 4096, 8192)):
+        B = 4 if quick else 8
+        # as many layers as make the K/V read well beyond the last-level cache (up to the model's 30)
+        per_layer_bytes = 2 * B * n_kv * L * hd * es
+        target = (2 * GiB if gpu else 320 * 2**20) if quick else (4 * GiB if gpu else 768 * 2**20)
+        layers = max(1, min(n_layers, target // per_layer_bytes))
+        k = torch.empty(layers, B, n_kv, L, hd, dtype=dtype, device=dev).fill_(0.5)
+        v = torch.full_like(k, 0.25)
+        for q in ((1, 4) if quick else (1, 2, 4, 8)):
+            xq = torch.randn(B, n_kv, G * q, hd, dtype=dtype, device=dev)
+            mask = torch.ones(B, 1, G * q, L, dtype=torch.bool, device=dev)
+
+            def att(xq=xq, mask=mask) -> None:
+                for layer in range(layers):
+                    F.scaled_dot_product_attention(xq, k[layer], v[layer], attn_mask=mask)
+
+            t = _best(att, dev, reps)
+            kv_bytes = 2 * k.numel() * es
+            flops = 4 * B * n_heads * q * L * hd * layers
+            attention.append({"batch": B, "q": q, "kv_len": L, "layers": layers, "kv_bytes_per_s": kv_bytes / t,
+                              "flops_per_s": flops / t, "seconds": t})
+        del k, v
+    m["attention"] = attention
+
+    # 4. overheads: a tiny-dim Transformer with 30 and with 4 layers, batch 1, one token, 16 cached
+    stage(3, "per-forward overhead")
+    overhead = []
+    for layers in (4, 30):
+        cfg = ModelConfig(vocab_size=256, dim=64, n_layers=layers, n_heads=4, n_kv_heads=2, ffn_dim=128,
+                          head_dim=16, max_seq_len=4096)
+        tiny = synthetic_model(cfg, dev, dtype)
+        t = _median_forward(tiny, 1, 1, 16, reps=15 if quick else 40)
+        overhead.append({"n_layers": layers, "seconds": t})
+        if layers == 30:
+            # the decode loop's own work per step (sampling, bookkeeping, the host sync), beyond the forward
+            loop_step = _decode_step_time(tiny, steps=16 if quick else 48)
+        del tiny
+    per_layer = max(0.0, (overhead[1]["seconds"] - overhead[0]["seconds"]) / (30 - 4))
+    fixed = max(0.0, overhead[1]["seconds"] - 30 * per_layer)
+    loop_extra = max(0.0, loop_step - overhead[1]["seconds"])
+    m["overhead"] = {"tiny_forwards": overhead, "fixed_s": fixed, "per_layer_s": per_layer,
+                     "decode_loop_step_s": loop_step, "decode_loop_extra_s": loop_extra}
+
+    # 5. whole forwards of a real-sized model over batch x q x kv_len
+    stage(4, "model forwards")
+    own = model is None
+    if own:
+        model = synthetic_model(model_config_from_shape(shape_default), dev, dtype)
+        shape = shape_default
+    else:
+        shape = shape_from_config(model.cfg, "model")
+    if quick:
+        grid = [(1, 1, 256), (1, 1, 2048), (1, 5, 2048), (8, 1, 2048), (8, 5, 256), (8, 5, 2048)]
+    else:
+        grid = [(b, q, L) for b in (1, 8, 32) for q in (1, 3, 5) for L in (256, 2048, 8192)]
+        if gpu:
+            grid = [(b * 4, q, L * 4) for b, q, L in grid]
+    kv_es = es
+    avail = _available_bytes(dev)
+    forwards = []
+    for b, q, L in grid:
+        need = b * (L + q) * model.cfg.kv_bytes_per_token(kv_es)
+        if need > min(0.3 * avail, (64 if gpu else 4) * GiB):
+            continue
+        t = _median_forward(model, b, q, L, reps=reps)
+        forwards.append({"batch": b, "q": q, "kv_len": L, "seconds": t})
+    if own:
+        del model
+    m["forwards"] = forwards
+    m["model_shape"] = dataclasses.asdict(shape)
+
+    # 6. fit the effective rates to the forwards
+    stage(5, "fit")
+    bw0 = statistics.median(r["weight_bytes_per_s"] for r in matmul if r["m"] <= 8)
+    mm0 = max(r["flops_per_s"] for r in matmul)
+    att0 = max(r["flops_per_s"] for r in attention)
+    label = name or _default_name(dev)
+    profile, rms = fit_rates(
+        forwards, shape, dtype_bytes=es, kv_dtype_bytes=kv_es, peak_flops=peak_flops,
+        peak_bandwidth=peak_bandwidth, mem_bytes=device_memory_bytes(dev), fixed_overhead_s=fixed,
+        per_layer_overhead_s=per_layer, init=(min(bw0, peak_bandwidth), mm0, att0), name=label,
+    )
+    for p in forwards:
+        p["predicted"] = forward_cost(shape, profile, p["batch"], p["q"], p["kv_len"], es, kv_es).time
+    m["fit"] = {"rms_relative_error": rms, "forward_profile": dataclasses.asdict(profile)}
+    # A decode step is a forward plus the loop's own work: the planner sees it as fixed overhead.
+    profile = dataclasses.replace(profile, fixed_overhead_s=profile.fixed_overhead_s + loop_extra)
+    stage(6, "done")
+    return HardwareCalibration(profile, m)
+
+
+def _decode_step_time(model, steps: int) -> float:
+    """Median seconds per step of autoregressive decoding (batch 1, short prompt) with the real loop."""
+    from magicdec.decode import decode, prefill_prompts
+    from magicdec.sampling import SamplingParams
+
+    pre = prefill_prompts(model, [[1] * 16], steps + 1)
+    params = SamplingParams(max_tokens=steps + 1, ignore_eos=True)
+    times = []
+    for _ in range(3):
+        _, stats = decode(model, pre, params, (), reuse=True)
+        times.append(stats.decode_s / stats.steps)
+    return statistics.median(times)
+
+
+def _median_forward(model, batch: int, q: int, kv_len: int, reps: int) -> float:
+    return time_forward(model, batch, q, kv_len, reps=reps)
+
+
+def _available_bytes(device: torch.device) -> int:
+    from magicdec.memory import available_bytes
+
+    return available_bytes(device)
+
+
+def _default_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        gpu = torch.cuda.get_device_name(device).lower().replace("nvidia", "").strip().replace(" ", "-")
+        return f"calibrated-{gpu}"
+    return f"calibrated-cpu-{torch.get_num_threads()}t"
+
+
+def calibrate_hardware(
+    device: str | torch.device = "cpu",
+    quick: bool = False,
+    progress: CalibrationProgress | None = None,
+    *,
+    model=None,
+    dtype: torch.dtype | None = None,
+) -> HardwareProfile:
+    """Measure this machine and return a HardwareProfile whose `forward_cost` reproduces its forwards.
+
+    See `measure_hardware` (which also returns the raw measurements). On CPU the result depends on
+    `torch.get_num_threads()` (recorded in the profile's name): calibrate with the thread count you
+    will decode with. Save it with `profile.to_json(default_profile_path(device))`.
+    """
+    return measure_hardware(device, quick, progress, model=model, dtype=dtype).profile
+
+
+# --- acceptance ----------------------------------------------------------------------------------------
+def acceptance_mle(hist: Sequence[int]) -> float:
+    """Per-token acceptance rate from a histogram of accepted draft counts (hist[k]: steps accepting k).
+
+    The accepted count of a step with draft length gamma = len(hist) - 1 is a geometric variable
+    truncated at gamma: P(k) = alpha^k (1 - alpha) for k < gamma and alpha^gamma for k = gamma. Its
+    likelihood is alpha^(sum k n_k) (1 - alpha)^(sum_{k<gamma} n_k), maximised at
+    alpha = sum k n_k / (sum k n_k + sum_{k<gamma} n_k).
+    """
+    if len(hist) < 2:
+        raise ValueError("need a histogram over 0..gamma accepted drafts with gamma >= 1")
+    if any(n < 0 for n in hist):
+        raise ValueError("histogram counts must be non-negative")
+    accepted = sum(k * n for k, n in enumerate(hist))
+    rejections = sum(hist[:-1])
+    if accepted + rejections == 0:
+        raise ValueError("empty histogram")
+    return accepted / (accepted + rejections)
+
+
+def cut_prompts(tokenizer, texts: Sequence[str], n_tokens: int, n_prompts: int, *, lo: float = 0.2,
+                hi: float = 0.7) -> list[list[int]]:
+    """`n_prompts` prompts of exactly `n_tokens` ids (BOS first if the model uses one), cut from inside texts.
+
+    Prompt i comes from text i % len(texts), starting at a word boundary at a fraction of the text
+    spread over [lo, hi] (later passes over the same text start elsewhere), so prompts are well
+    inside books, away from front matter. Texts too short are skipped.
+    """
+    if not texts:
+        raise ValueError("no texts to cut prompts from")
+    prompts: list[list[int]] = []
+    attempts = 0
+    i = 0
+    while len(prompts) < n_prompts:
+        if attempts > 4 * n_prompts + 4 * len(texts):
+            raise ValueError(f"texts too short for {n_prompts} prompts of {n_tokens} tokens")
+        attempts += 1
+        text = texts[i % len(texts)]
+        rnd = i // len(texts)
+        frac = lo + (hi - lo) * (((i * 0.618034) + rnd * 0.381966) % 1.0)
+        i += 1
+        start = text.find(" ", int(len(text) * frac)) + 1
+        chars = 8 * n_tokens + 1000
+        if start <= 0 or start + chars // 2 > len(text):
+            start = max(0, len(text) - chars)
+            start = text.find(" ", start) + 1
+        ids = tokenizer.encode(text[start : start + chars])
+        if len(ids) < n_tokens:
+            continue
+        prompts.append(ids[:n_tokens])
+    return prompts
+
+
+def sampling_params(mode: str, new_tokens: int, seed: int = 0):
+    """The decode settings of a calibration mode: greedy, or temperature 0.7 / top-p 0.9 sampling."""
+    from magicdec.sampling import SamplingParams
+
+    if mode == "greedy":
+        return SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True, seed=seed)
+    if mode == "sampling":
+        return SamplingParams(max_tokens=new_tokens, temperature=0.7, top_p=0.9, ignore_eos=True, seed=seed)
+    raise ValueError(f"unknown mode {mode!r}; choose greedy or sampling")
+
+
+def calibrate_acceptance(
+    llm,
+    texts: Sequence[str],
+    drafters: Iterable[str] = ("self-streaming", "self-snapkv"),
+    budgets: Iterable[int] = (64, 128, 256, 512, 1024),
+    contexts: Iterable[int] = (1024, 2048, 4096, 8192),
+    modes: Iterable[str] = ("greedy", "sampling"),
+    gamma: int = 4,
+    n_prompts: int = 4,
+    new_tokens: int = 64,
+    progress: CalibrationProgress | None = None,
+    *,
+    records: list[dict[str, Any]] | None = None,
+    seed: int = 0,
+) -> AcceptanceTable:
+    """Measure acceptance rates of self-speculative drafters on `texts` with `llm` (an `LLM`).
+
+    For each context length, `n_prompts` prompts of that many tokens are cut from inside the texts
+    and prefilled once (as one batch, with the attention observation SnapKV needs); every (drafter,
+    budget, mode) then decodes `new_tokens` tokens per prompt (EOS ignored) from that prefill with
+    draft length `gamma`. The rate stored for (drafter, budget, mode, context) is `acceptance_mle`
+    of the summed histogram. Budgets not below the context are skipped (the planner treats them as
+    dense). A context that does not fit the model (context + new tokens + gamma + 2 beyond its
+    max_seq_len) is shortened to fit, and stored under the length actually used.
+
+    `records`, when given, receives one dict per decode (histogram, alpha, timings).
+    """
+    from magicdec.decode import MAX_GAMMA, decode, prefill_prompts
+    from magicdec.speculative import SpeculativeConfig
+
+    drafters, budgets, modes = list(drafters), sorted(set(budgets)), list(modes)
+    for mode in modes:
+        sampling_params(mode, 1)  # validates
+    contexts = sorted(set(contexts))
+    limit = llm.model.cfg.max_seq_len - new_tokens - MAX_GAMMA - 2
+    table = AcceptanceTable()
+    jobs = [(c, d, b, mo) for c in contexts for d in drafters for b in budgets for mo in modes
+            if b < min(c, limit)]
+    done = 0
+    for context in contexts:
+        ctx = min(context, limit)
+        todo = [(d, b, mo) for c, d, b, mo in jobs if c == context]
+        if not todo:
+            continue
+        if progress is not None:
+            progress(done, len(jobs), f"prefill {n_prompts} x {ctx}")
+        prompts = cut_prompts(llm.tokenizer, texts, ctx, n_prompts)
+        pre = prefill_prompts(llm.model, prompts, new_tokens, kv_dtype=llm.kv_dtype, chunk=llm.prefill_chunk,
+                              observe=True)
+        for drafter_name, budget, mode in todo:
+            if progress is not None:
+                progress(done, len(jobs), f"{drafter_name} budget {budget} {mode} at {ctx}")
+            drafter, g = SpeculativeConfig(drafter_name, budget=budget, gamma=gamma).build(llm)
+            params = sampling_params(mode, new_tokens, seed)
+            _, stats = decode(llm.model, pre, params, llm.tokenizer.eos_ids, drafter=drafter, gamma=g,
+                              prefill_chunk=llm.prefill_chunk, reuse=True)
+            alpha = acceptance_mle(stats.accepted_hist)
+            table.add(drafter_name, alpha, budget=budget, mode=mode, context=ctx)
+            if records is not None:
+                records.append({"drafter": drafter_name, "budget": budget, "mode": mode, "context": ctx,
+                                "gamma": g, "batch": pre.batch, "accepted_hist": list(stats.accepted_hist),
+                                "alpha": alpha, "decode_s": stats.decode_s, "draft_s": stats.draft_s,
+                                "verify_s": stats.verify_s, "tokens_per_step": stats.tokens_per_step})
+            done += 1
+        del pre
+    if progress is not None:
+        progress(done, len(jobs), "done")
+    return table

@@ -1,0 +1,188 @@
+"""The decode loop: greedy parity with transformers, batch invariance, stopping rules, sampling, bf16 KV."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from magicdec.decode import StopStrings, generate_ids
+from magicdec.sampling import SamplingParams
+
+EOS = (2,)  # <|im_end|>, the default model's EOS
+NEW = 64
+
+
+@pytest.fixture(scope="module")
+def long_prompts(corpus_prompt):
+    """Three real prompts of different lengths, from different books."""
+    return [corpus_prompt(n, book=b, at=0.5) for n, b in ((1100, 5), (170, 6), (600, 7))]
+
+
+@pytest.fixture(scope="module")
+def batch_greedy(default_model, long_prompts):
+    """Our greedy output for the three prompts decoded together in one ragged batch."""
+    outs, stats = generate_ids(default_model.model, long_prompts, SamplingParams(max_tokens=NEW), EOS,
+                               prefill_chunk=256)
+    return outs, stats
+
+
+@pytest.fixture(scope="module")
+def short_prompts(corpus_prompt):
+    return [corpus_prompt(n, book=b, at=0.3) for n, b in ((40, 8), (90, 9), (25, 10))]
+
+
+@pytest.fixture(scope="module")
+def free_run(default_model, short_prompts):
+    """16 greedy tokens per short prompt with no EOS at all (the reference for the stopping tests)."""
+    outs, _ = generate_ids(default_model.model, short_prompts, SamplingParams(max_tokens=16), ())
+    assert all(o.finish_reason == "length" and len(o.token_ids) == 16 for o in outs)
+    return [o.token_ids for o in outs]
+
+
+def run(default_model, prompts, eos=(), **params):
+    stops = params.pop("stop_strings", None)
+    outs, _ = generate_ids(default_model.model, prompts, SamplingParams(**params), eos, stop_strings=stops)
+    return outs
+
+
+# --- greedy parity -----------------------------------------------------------------------------------------
+def test_greedy_batch_matches_transformers_generate(batch_greedy, long_prompts, hf_model):
+    outs, stats = batch_greedy
+    assert stats.batch == 3 and stats.prompt_tokens == sum(map(len, long_prompts))
+    for out, prompt in zip(outs, long_prompts):
+        with torch.inference_mode():
+            ref = hf_model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                    max_new_tokens=NEW, do_sample=False, eos_token_id=EOS[0], pad_token_id=EOS[0])
+        want = ref[0, len(prompt):].tolist()
+        assert out.token_ids == want
+        assert out.finish_reason == ("stop" if want[-1] in EOS else "length")
+    assert stats.generated_tokens == sum(len(o.token_ids) for o in outs)
+
+
+@pytest.mark.parametrize("chunk", [4, 512])
+def test_tiny_model_ragged_greedy_matches_transformers(tiny_llama, chunk):
+    """Ragged lengths down to a 1-token prompt (no observation window), EOS possible, small prefill chunks."""
+    loaded, ref = tiny_llama
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (1, 5, 40, 33)]
+    outs, _ = generate_ids(loaded.model, prompts, SamplingParams(max_tokens=20), EOS, prefill_chunk=chunk)
+    for out, prompt in zip(outs, prompts):
+        with torch.inference_mode():
+            want = ref.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                max_new_tokens=20, do_sample=False, eos_token_id=EOS[0], pad_token_id=0)
+        want = want[0, len(prompt):].tolist()
+        assert out.token_ids == want
+        assert out.finish_reason == ("stop" if want[-1] == EOS[0] else "length")
+
+
+def test_batch_invariance(default_model, batch_greedy, long_prompts):
+    """Each sequence's greedy tokens alone equal its tokens in the ragged batch (and in another order)."""
+    batch_outs, _ = batch_greedy
+    for i in (1, 2):
+        alone = run(default_model, [long_prompts[i]], EOS, max_tokens=24)[0]
+        assert alone.token_ids == batch_outs[i].token_ids[:24]
+    swapped = run(default_model, [long_prompts[2], long_prompts[1]], EOS, max_tokens=24)
+    assert [o.token_ids for o in swapped] == [batch_outs[2].token_ids[:24], batch_outs[1].token_ids[:24]]
+
+
+# --- stopping rules ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("max_tokens", [1, 2, 7])
+def test_max_tokens_is_exact_per_sequence(default_model, short_prompts, free_run, max_tokens):
+    outs = run(default_model, short_prompts, max_tokens=max_tokens, ignore_eos=True)
+    for out, ref in zip(outs, free_run):
+        assert out.finish_reason == "length"
+        assert out.token_ids == ref[:max_tokens]
+
+
+def test_eos_stops_each_row_independently(default_model, short_prompts, free_run):
+    """Declare as EOS a token row 0 emits but row 1 never does: row 0 stops there, row 1 runs to length."""
+    candidates = [t for t in free_run[0][3:] if t not in free_run[1]]
+    assert candidates, "the free runs share every token; pick other prompts"
+    eos = candidates[0]
+    outs = run(default_model, short_prompts, (eos,), max_tokens=16)
+    for out, ref in zip(outs, free_run):
+        if eos in ref:
+            cut = ref.index(eos) + 1
+            assert out.token_ids == ref[:cut] and out.finish_reason == "stop"  # EOS is kept, like HF
+        else:
+            assert out.token_ids == ref and out.finish_reason == "length"
+    assert outs[0].finish_reason == "stop" and outs[1].finish_reason == "length"
+
+    ignored = run(default_model, short_prompts, (eos,), max_tokens=16, ignore_eos=True)
+    assert [o.token_ids for o in ignored] == free_run and all(o.finish_reason == "length" for o in ignored)
+
+
+def test_eos_as_first_token(default_model, short_prompts, free_run):
+    """A sequence whose very first token (from prefill) is EOS has exactly that one token."""
+    eos = free_run[2][0]
+    outs = run(default_model, short_prompts, (eos,), max_tokens=16)
+    assert outs[2].token_ids == [eos] and outs[2].finish_reason == "stop"
+    for out, ref in zip(outs[:2], free_run[:2]):
+        assert out.token_ids == (ref[: ref.index(eos) + 1] if eos in ref else ref)
+
+
+def test_stop_string_ends_at_the_completing_token(default_model, short_prompts, free_run):
+    decode = default_model.tokenizer.decode
+    text0 = decode(free_run[0])
+    stop = text0[len(decode(free_run[0][:6])):][:3]  # three characters that appear after token 6 of row 0
+    assert stop.strip(), f"unsuitable stop string {stop!r}"
+    outs = run(default_model, short_prompts, max_tokens=16, stop_strings=StopStrings([stop], decode))
+    for out, ref in zip(outs, free_run):
+        # reference: the shortest prefix whose text contains the stop string
+        n = next((k for k in range(1, len(ref) + 1) if stop in decode(ref[:k])), None)
+        if n is None:
+            assert out.token_ids == ref and out.finish_reason == "length"
+        else:
+            assert out.token_ids == ref[:n] and out.finish_reason == "stop"
+    assert outs[0].finish_reason == "stop"
+
+
+# --- sampling ----------------------------------------------------------------------------------------------
+def test_seeded_sampling_is_reproducible(default_model, short_prompts):
+    kw = dict(max_tokens=12, temperature=0.9, top_k=50, top_p=0.95, ignore_eos=True)
+    a = [o.token_ids for o in run(default_model, short_prompts, seed=1234, **kw)]
+    b = [o.token_ids for o in run(default_model, short_prompts, seed=1234, **kw)]
+    c = [o.token_ids for o in run(default_model, short_prompts, seed=4321, **kw)]
+    assert a == b
+    assert a != c
+    assert all(len(x) == 12 for x in a)
+
+
+def test_top_k_1_sampling_is_greedy(default_model, short_prompts, free_run):
+    outs = run(default_model, short_prompts, max_tokens=8, temperature=1.5, top_k=1, seed=5, ignore_eos=True)
+    assert [o.token_ids for o in outs] == [r[:8] for r in free_run]
+
+
+# --- bf16 KV cache -----------------------------------------------------------------------------------------
+def test_bf16_kv_cache_mostly_agrees(default_model, short_prompts, free_run):
+    outs, _ = generate_ids(default_model.model, short_prompts, SamplingParams(max_tokens=16, ignore_eos=True), (),
+                           kv_dtype=torch.bfloat16)
+    assert all(len(o.token_ids) == 16 for o in outs)
+    # greedy paths diverge after the first differing token, so compare the agreeing prefix
+    prefix = []
+    for out, ref in zip(outs, free_run):
+        k = next((i for i, (a, b) in enumerate(zip(out.token_ids, ref)) if a != b), 16)
+        prefix.append(k)
+    assert all(k >= 1 for k in prefix), prefix  # the first token always agrees
+    assert sum(prefix) >= 0.5 * 16 * len(prefix), prefix
+
+
+# --- the engine (text in, text out) --------------------------------------------------------------------------
+def test_engine_text_roundtrip_and_stop_string(llm, short_prompts, free_run):
+    tok = llm.tokenizer
+    texts = [tok.decode(p) for p in short_prompts]
+    outs = llm.generate(prompt_token_ids=short_prompts, params=SamplingParams(max_tokens=16, ignore_eos=True))
+    assert [o.token_ids for o in outs] == free_run
+    assert [o.text for o in outs] == [tok.decode(r) for r in free_run]
+    assert all(o.finish_reason == "length" and o.prompt is None for o in outs)
+
+    text0 = tok.decode(free_run[0])
+    stop = text0[len(tok.decode(free_run[0][:6])):][:3]
+    outs = llm.generate(prompt_token_ids=short_prompts, params=SamplingParams(max_tokens=16, stop=(stop,)))
+    assert outs[0].finish_reason == "stop"
+    assert outs[0].text == text0[: text0.index(stop)]  # the stop string itself is not returned
+    assert stop not in outs[0].text
+
+    outs = llm.generate(texts[:1], SamplingParams(max_tokens=4, ignore_eos=True))
+    assert outs[0].prompt == texts[0] and len(outs[0].token_ids) == 4
+    assert llm.last_stats is not None and llm.last_stats.generated_tokens == 4
