@@ -68,6 +68,13 @@ class ModelConfig:
                 raise UnsupportedModelError(f"unsupported rope scaling type {kind!r}")
             if kind in ("default", None):
                 rope_scaling = None
+        max_seq_len = cfg.get("max_position_embeddings", 4096)
+        window = cfg.get("sliding_window")
+        uses_window = arch == "MistralForCausalLM" or bool(cfg.get("use_sliding_window", False))
+        if uses_window and window:
+            # Sliding-window attention is not implemented: within the window it equals full attention,
+            # so the usable context is capped at the window.
+            max_seq_len = min(max_seq_len, window)
         return cls(
             vocab_size=cfg["vocab_size"],
             dim=cfg["hidden_size"],
@@ -79,7 +86,7 @@ class ModelConfig:
             norm_eps=cfg.get("rms_norm_eps", 1e-5),
             rope_theta=rope_theta or 10000.0,
             rope_scaling=rope_scaling,
-            max_seq_len=cfg.get("max_position_embeddings", 4096),
+            max_seq_len=max_seq_len,
             tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
             bos_token_id=cfg.get("bos_token_id"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -25,6 +26,15 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise InvalidRequestError(f"{name} must be a finite number, got {value!r}")
+        for name in ("max_tokens", "top_k"):
+            if isinstance(getattr(self, name), bool):
+                raise InvalidRequestError(f"{name} must be an integer, got {getattr(self, name)!r}")
+        if not all(isinstance(s, str) for s in self.stop):
+            raise InvalidRequestError(f"stop must be strings, got {self.stop!r}")
         if not (isinstance(self.max_tokens, int) and self.max_tokens >= 1):
             raise InvalidRequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not self.temperature >= 0:  # also rejects NaN

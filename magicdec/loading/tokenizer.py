@@ -8,7 +8,7 @@ from typing import Sequence
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from magicdec.errors import UnsupportedModelError
+from magicdec.errors import ModelLoadError, UnsupportedModelError
 
 # The pre-tokenizer split pattern of Llama 3 ("llama-bpe" in GGUF files).
 LLAMA3_PATTERN = (
@@ -49,7 +49,13 @@ class Tokenizer:
     def from_hf_folder(cls, folder: Path, bos_id: int | None, eos_ids: Sequence[int]) -> "Tokenizer":
         import json
 
-        tok = HFTokenizer.from_file(str(folder / "tokenizer.json"))
+        path = folder / "tokenizer.json"
+        if not path.exists():
+            raise ModelLoadError(f"{folder}: no tokenizer.json")
+        try:
+            tok = HFTokenizer.from_file(str(path))
+        except Exception as e:  # tokenizers raises a bare Exception on unreadable files
+            raise ModelLoadError(f"{path}: unreadable tokenizer ({e})") from None
         add_bos = False
         cfg_path = folder / "tokenizer_config.json"
         if cfg_path.exists():
