@@ -226,6 +226,8 @@ def main(argv=None) -> None:
             point["floor_bytes"] = floor_bytes
             point["floor_ms"] = 1e3 * floor_bytes / bw
             point["magicdec"]["step_over_floor"] = point["magicdec"]["step_ms"] / point["floor_ms"]
+            results["points"].append(point)
+            partial.write_text(json.dumps(results, indent=1))  # keep magicdec's numbers if HF never returns
             if hf is not None:
                 gc.collect()
                 try:
@@ -235,7 +237,6 @@ def main(argv=None) -> None:
                     point["same_first_tokens"] = point["magicdec"]["first_tokens"] == point["hf"]["first_tokens"]
                 except RuntimeError as e:  # e.g. out of memory
                     point["hf"] = {"error": str(e).splitlines()[0]}
-            results["points"].append(point)
             partial.write_text(json.dumps(results, indent=1))
             print_row(point)
     args.out.write_text(json.dumps(results, indent=1))

@@ -9,14 +9,11 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
-import platform
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import torch
 
 from magicdec.errors import InvalidRequestError, OutOfMemoryError
 
@@ -50,22 +47,6 @@ class BenchGrid:
         return out
 
 
-def machine_info(device: torch.device) -> dict:
-    info = {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
-            "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "device": str(device)}
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                info["cpu"] = line.split(":", 1)[1].strip()
-                break
-        info["mem_total_gib"] = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1024**3, 1)
-    except (OSError, ValueError):
-        pass
-    if device.type == "cuda":
-        info["gpu"] = torch.cuda.get_device_name(device)
-    return info
-
-
 def point_key(batch: int, context: int, cfg: dict) -> str:
     pos = f"-{cfg['positions']}" if cfg.get("positions") else ""
     return f"B{batch}-S{context}-{cfg['mode']}-{cfg['draft']}-K{cfg['budget']}-g{cfg['gamma']}{pos}"
@@ -82,6 +63,7 @@ def run_bench(args, grid: BenchGrid) -> dict:
     from tqdm import tqdm
 
     from magicdec.autoplan import choose
+    from magicdec.calibrate import machine_info
     from magicdec.corpus import cut_prompts, load_texts
     from magicdec.decode import MAX_GAMMA, decode, prefill_prompts
     from magicdec.kv import KVCache

@@ -58,7 +58,8 @@ class GenerationStats:
 
     @property
     def decode_tok_s(self) -> float:
-        return self.generated_tokens / self.decode_s if self.decode_s else 0.0
+        # the first token of each sequence comes from the prefill logits, not from a decode step
+        return (self.generated_tokens - self.batch) / self.decode_s if self.decode_s else 0.0
 
     @property
     def verify_steps(self) -> int:
@@ -382,9 +383,7 @@ def decode(
 def _apply_stop_strings(out: _Outputs, finish: list[int], stops: StopStrings) -> None:
     """End rows whose text now contains a stop string, keeping the tokens up to the one completing it."""
     lengths = out.length.tolist()
-    for i, f in enumerate(finish):
-        if f != FINISH_NONE and f != FINISH_LENGTH:
-            continue
+    for i, f in enumerate(finish):  # rows that just hit EOS too: a stop string may come earlier
         n = stops.first_stop(out.tokens[i, : lengths[i]].tolist())
         if n is not None:
             out.length[i] = n

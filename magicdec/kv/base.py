@@ -69,7 +69,7 @@ class KVCache:
         if self.max_len + q > self.capacity:
             raise RuntimeError(f"KV cache overflow: {self.max_len + q} slots > capacity {self.capacity}")
         self._slots = self.lens[:, None] + self._arange(q)  # [B, q]
-        L = self.max_len + q
+        L = self.attended_slots(q)
         return self._arange(L)[None, None, None, :] <= self._slots[:, None, :, None]
 
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
@@ -79,8 +79,12 @@ class KVCache:
         kc, vc = self.k[layer], self.v[layer]
         kc.scatter_(2, index, k.to(kc.dtype))
         vc.scatter_(2, index, v.to(vc.dtype))
-        L = self.max_len + q
+        L = self.attended_slots(q)
         return kc[:, :, :L], vc[:, :, :L]
+
+    def attended_slots(self, q: int) -> int:
+        """How many leading slots a forward of q new tokens attends over (the rest are never filled)."""
+        return self.max_len + q
 
     # --- what the decode loop calls --------------------------------------------------------------
     def commit(self, n: Tensor | int) -> None:

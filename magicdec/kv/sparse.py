@@ -81,13 +81,8 @@ class SparseKVCache(KVCache):
         held = (pos >= 0) & (in_prefix | (pos >= self.win_start[:, None, None]))
         return (held & (pos <= qpos[:, :, None]))[:, None]
 
-    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        B, KV, q, hd = k.shape
-        index = self._slots[:, None, :, None].expand(B, KV, q, hd)
-        kc, vc = self.k[layer], self.v[layer]
-        kc.scatter_(2, index, k.to(kc.dtype))
-        vc.scatter_(2, index, v.to(vc.dtype))
-        return kc, vc
+    def attended_slots(self, q: int) -> int:
+        return self.capacity  # the ring spans the whole (small) buffer; the mask picks what is held
 
     def load_slots(self, src: KVCache, index: Tensor, n: Tensor) -> None:
         """Fill from src: entry j of row b is src slot index[l, b, h, j] ([L|1, B, KV|1, budget]).

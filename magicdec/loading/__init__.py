@@ -11,6 +11,7 @@ import dataclasses
 import importlib.util
 import json
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,12 +71,22 @@ def _converted_gguf(path: Path) -> Path:
     sd = load_gguf_state_dict(reader, cfg)
     cfg = dataclasses.replace(cfg, tie_embeddings="lm_head.weight" not in sd)
     tok = tokenizer_from_gguf_fields(meta)
-    folder.mkdir(parents=True, exist_ok=True)
-    save_file(to_magicdec_names(sd, cfg), str(folder / "model.safetensors"))
-    tok.save(str(folder / "tokenizer.json"))
+    # Write into a private folder and rename it into place, so a concurrent load never sees half a file.
+    tmp = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    save_file(to_magicdec_names(sd, cfg), str(tmp / "model.safetensors"))
+    tok.save(str(tmp / "tokenizer.json"))
     extra = {"add_bos": bool(meta.get("tokenizer.ggml.add_bos_token", False)), "source": str(path)}
-    (folder / "config.json").write_text(json.dumps({**dataclasses.asdict(cfg), **extra}, indent=1))
-    (folder / "done").touch()
+    (tmp / "config.json").write_text(json.dumps({**dataclasses.asdict(cfg), **extra}, indent=1))
+    (tmp / "done").touch()
+    if folder.exists() and not (folder / "done").exists():
+        shutil.rmtree(folder, ignore_errors=True)  # a stale, unfinished conversion
+    try:
+        os.rename(tmp, folder)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (folder / "done").exists():
+            raise
     return folder
 
 
