@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from magicdec.config import ModelConfig
+from magicdec.memory import available_bytes
 from magicdec.planner import AcceptanceTable, HardwareProfile, ModelShape, forward_cost
 from magicdec.planner.models import MODEL_PRESETS
 
@@ -475,7 +476,7 @@ def measure_hardware(
         if gpu:
             grid = [(b * 4, q, L * 4) for b, q, L in grid]
     kv_es = es
-    avail = _available_bytes(dev)
+    avail = available_bytes(dev)
     forwards = []
     for b, q, L in grid:
         need = b * (L + q) * model.cfg.kv_bytes_per_token(kv_es)
@@ -524,12 +525,6 @@ def _decode_step_time(model, steps: int) -> float:
 
 def _median_forward(model, batch: int, q: int, kv_len: int, reps: int) -> float:
     return time_forward(model, batch, q, kv_len, reps=reps)
-
-
-def _available_bytes(device: torch.device) -> int:
-    from magicdec.memory import available_bytes
-
-    return available_bytes(device)
 
 
 def _default_name(device: torch.device) -> str:
