@@ -18,8 +18,10 @@ at the mean decode context) over this machine's read bandwidth, measured here wi
     PYTHONPATH=. python benchmarks/bench_ar.py                       # 1, 8, 32 x 1024, 4096 tokens
     PYTHONPATH=. python benchmarks/bench_ar.py --batches 1,8 --contexts 1024 --skip-hf
 
-Writes benchmarks/results/ar.json (ar.partial.json while running). Run it alone on the machine: on a
-small shared CPU, torch's threads spin against other processes and timings become meaningless.
+Writes benchmarks/results/ar.json (ar.partial.json while running), keeping the points of an earlier
+run at other (batch, context) values, so one point can be rerun on its own. Run it alone on the
+machine: on a small shared CPU, torch's threads spin against other processes and timings become
+meaningless.
 """
 
 from __future__ import annotations
@@ -28,7 +30,6 @@ import argparse
 import gc
 import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -38,6 +39,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from magicdec.calibrate import machine_info  # noqa: E402
+from magicdec.corpus import cut_prompts  # noqa: E402
 from magicdec.decode import generate_ids  # noqa: E402
 from magicdec.loading import default_model_path, load_model  # noqa: E402
 from magicdec.sampling import SamplingParams  # noqa: E402
@@ -50,38 +53,10 @@ def data_path() -> Path:
     return Path(env) if env else ROOT.parent / "shared/data/pg19_dev.jsonl"
 
 
-def machine_info() -> dict:
-    cpu = "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    mem = 0
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                mem = int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        import transformers
+def transformers_version() -> str:
+    import transformers
 
-        tf_version = transformers.__version__
-    except ImportError:
-        tf_version = None
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "memory_gib": round(mem / 2**30, 1),
-        "torch": torch.__version__,
-        "transformers": tf_version,
-        "threads": torch.get_num_threads(),
-        "python": platform.python_version(),
-        "loadavg_at_start": os.getloadavg(),
-    }
+    return transformers.__version__
 
 
 def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
@@ -96,20 +71,6 @@ def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
     n = x.numel() * 4
     del x
     return n / best
-
-
-def cut_prompts(tok, books: list[str], batch: int, context: int) -> list[list[int]]:
-    """`batch` prompts of exactly `context` tokens, from different books, at offsets well inside them."""
-    prompts = []
-    for i in range(batch):
-        text = books[i % len(books)]
-        at = 0.2 + 0.6 * ((i // len(books)) * 0.37 % 1.0)  # between 20% and 80% of the book
-        start = text.find(" ", int(len(text) * at)) + 1
-        ids = tok.encode(text[start : start + 8 * context + 2000], add_special_tokens=False).ids
-        if len(ids) < context:
-            raise SystemExit(f"book {i % len(books)} too short for a {context}-token prompt")
-        prompts.append(ids[:context])
-    return prompts
 
 
 def step_floor_bytes(model, batch: int, context: int, new_tokens: int) -> int:
@@ -200,26 +161,33 @@ def main(argv=None) -> None:
         hf = AutoModelForCausalLM.from_pretrained(p.parent, gguf_file=p.name, dtype=torch.float32).eval()
         hf.generation_config.eos_token_id = None  # decode exactly new_tokens (min_new_tokens backs this up)
 
-    info = machine_info()
+    info = machine_info("cpu")
+    info["transformers"] = None if hf is None else transformers_version()
     bw = read_bandwidth()
     info["read_bandwidth_gb_s"] = bw / 1e9
-    print(f"# {info['cpu']}, {info['cores']} cores, {info['memory_gib']} GiB, torch {info['torch']}, "
-          f"{info['threads']} threads, read bandwidth {bw / 1e9:.1f} GB/s, load avg {info['loadavg_at_start'][0]:.2f}")
+    print(f"# {info['cpu']}, {info['cpu_count']} cores, {info['memory_bytes'] / 2**30:.1f} GiB, "
+          f"torch {info['torch']}, {info['torch_threads']} threads, read bandwidth {bw / 1e9:.1f} GB/s, "
+          f"load avg {info['loadavg'][0]:.2f}")
 
     # warm up both engines (first-call allocations, kernel selection)
-    warm = cut_prompts(loaded.tokenizer.tok, books, 2, 64)
+    warm = cut_prompts(loaded.tokenizer, books, 2, 64)
     bench_magicdec(model, warm, 4, args.prefill_chunk)
     if hf is not None:
         bench_hf(hf, warm, 4)
 
+    # Points of an earlier run at other (batch, context) are kept, so single points can be rerun.
+    earlier = json.loads(args.out.read_text())["points"] if args.out.exists() else []
+    rerun = {(b, c) for b in batches for c in contexts}
     results = {"machine": info, "new_tokens": args.new_tokens, "prefill_chunk": args.prefill_chunk,
-               "method": "decode phase only; see benchmarks/bench_ar.py docstring", "points": []}
+               "method": "decode phase only; see benchmarks/bench_ar.py docstring",
+               "points": [p for p in earlier if (p["batch"], p["context"]) not in rerun]}
     partial = args.out.with_suffix(".partial.json")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     for context in contexts:
         for batch in batches:
-            prompts = cut_prompts(loaded.tokenizer.tok, books, batch, context)
-            point = {"batch": batch, "context": context, "loadavg_before": os.getloadavg()[0]}
+            prompts = cut_prompts(loaded.tokenizer, books, batch, context)
+            point = {"batch": batch, "context": context, "loadavg_before": os.getloadavg()[0],
+                     "threads": torch.get_num_threads()}
             gc.collect()
             point["magicdec"] = bench_magicdec(model, prompts, args.new_tokens, args.prefill_chunk)
             floor_bytes = step_floor_bytes(model, batch, context, args.new_tokens)

@@ -1,24 +1,19 @@
-"""Validate the planner on this machine: predicted vs measured decode throughput and speedup.
+"""Validate the planner on this machine: predicted against measured decode throughput and speedup.
 
-For every batch size B and context S of the grid, prompts of S tokens cut from inside PG-19 books are
-prefilled once; plain autoregressive decoding and every (drafter, budget, gamma) of the grid then
-decode `--new-tokens` tokens per sequence (EOS ignored, greedy) from that same prefill
-(`decode(..., reuse=True)`). Each measurement is set against the planner's prediction from the
-calibrated hardware profile and the measured acceptance table (and, to separate the cost model's
-error from the acceptance model's, against the prediction with the acceptance rate measured in that
-very run). Per (B, S) the planner's choice among the grid's configurations is compared with the best
-measured one.
+The measurements are a `magicdec bench` sweep (benchmarks/spec_bench.sh throughput): for every
+batch B and context S, prompts cut from inside PG-19 books are prefilled once, and plain
+autoregressive decoding and every (drafter, budget, gamma) decode the same new tokens from that
+prefill, side by side. Each greedy point is set against the planner's prediction from the
+calibrated hardware profile (`magicdec calibrate`) and the acceptance table, and, to separate the
+cost model's error from the acceptance model's, against the prediction with the acceptance rate
+measured in that very run. Per (B, S) the planner's choice among the measured configurations is
+compared with the best measured one.
 
-Writes benchmarks/results/validate_planner.json (machine info, profile, every point; resumable:
-points already there are skipped) and benchmarks/results/validate_planner.png (predicted vs
-measured scatter), and prints a table.
+Writes benchmarks/results/validate_planner.json (the profile, every point with its predictions, a
+summary) and benchmarks/results/validate_planner.png (predicted against measured), and prints a table.
 
-    PYTHONPATH=. python benchmarks/validate_planner.py --threads 2 --minutes 40
-    PYTHONPATH=. python benchmarks/validate_planner.py --report     (table and plot from the JSON only)
-
-Points run smallest (B x S) first; a (B, S) cell whose predicted time (prefill + all its decodes)
-does not fit in the remaining --minutes, or whose KV cache does not fit in the available memory,
-is skipped and listed as such.
+    python benchmarks/validate_planner.py                       # benchmarks/results/throughput.json
+    python benchmarks/validate_planner.py --bench other.json --profile my-profile.json
 """
 
 from __future__ import annotations
@@ -26,253 +21,76 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 RESULTS = ROOT / "benchmarks" / "results"
-JSON_PATH = RESULTS / "validate_planner.json"
-PNG_PATH = RESULTS / "validate_planner.png"
-PROFILE_PATH = RESULTS / "validate_planner.profile.json"
-DATA = Path(os.environ.get("MAGICDEC_DATA", ROOT.parent / "shared" / "data" / "pg19_dev.jsonl"))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
-    p.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 8192])
-    p.add_argument("--gammas", type=int, nargs="+", default=[1, 2, 3, 4])
-    p.add_argument("--budgets", type=int, nargs="+", default=[128, 256, 512])
-    p.add_argument("--drafters", nargs="+", default=["self-streaming", "self-snapkv"])
-    p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
-    p.add_argument("--minutes", type=float, default=40.0, help="wall-time budget of this invocation")
+    p.add_argument("--bench", type=Path, default=RESULTS / "throughput.json", help="`magicdec bench` results")
     p.add_argument("--profile", type=Path, default=None,
-                   help="hardware profile JSON (default: the one in the results, else calibrate now)")
+                   help="hardware profile JSON (default: the one `magicdec calibrate` saved for this machine)")
     p.add_argument("--acceptance", type=Path, default=None,
                    help="acceptance table JSON (default: saved for the model, else the built-in one)")
-    p.add_argument("--json", type=Path, default=JSON_PATH)
-    p.add_argument("--png", type=Path, default=PNG_PATH)
-    p.add_argument("--report", action="store_true", help="only print the table and draw the plot")
-    p.add_argument("--max-load", type=float, default=None,
-                   help="before each cell wait (up to 5 min) until the 1-minute load average is below this")
+    p.add_argument("--json", type=Path, default=RESULTS / "validate_planner.json")
+    p.add_argument("--png", type=Path, default=RESULTS / "validate_planner.png")
     return p.parse_args(argv)
-
-
-# --- results file ---------------------------------------------------------------------------------------
-def load_results(path: Path) -> dict[str, Any]:
-    if path.exists():
-        with open(path) as f:
-            return json.load(f)
-    return {"points": [], "cells": {}, "runs": []}
-
-
-def save_results(res: dict[str, Any], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".partial.json")
-    with open(tmp, "w") as f:
-        json.dump(res, f, indent=1)
-        f.write("\n")
-    os.replace(tmp, path)
-
-
-def point_key(batch: int, context: int, drafter: str, budget: int | None, gamma: int) -> str:
-    return f"B{batch}-S{context}-{drafter}-{budget}-{gamma}"
 
 
 # --- predictions ------------------------------------------------------------------------------------------
 def predict(shape, hw, batch: int, context: int, drafter: str, budget: int | None, gamma: int,
             alpha: float | None, dtype_bytes: float, kv_bytes: float) -> dict[str, float]:
     """Predicted step times and throughput of one configuration (alpha None: AR)."""
-    from magicdec.planner import decode_step_time, draft_step_time, expected_tokens, verify_step_time
+    from magicdec.planner import decode_step_time, draft_time, expected_tokens, verify_step_time
 
     if drafter == "ar":
         t = decode_step_time(shape, hw, batch, context, dtype_bytes, kv_bytes)
         return {"t_step": t, "throughput": batch / t}
-    t_d = draft_step_time(shape, hw, batch, context, budget, dtype_bytes, kv_bytes)
+    t_d = draft_time(shape, hw, batch, context, budget, gamma, dtype_bytes, kv_bytes) / gamma  # per forward
     t_v = verify_step_time(shape, hw, batch, context, gamma, dtype_bytes, kv_bytes)
     e = expected_tokens(alpha, gamma)
     return {"t_draft": t_d, "t_verify": t_v, "t_step": gamma * t_d + t_v, "throughput": batch * e / (gamma * t_d + t_v)}
 
 
-def predict_prefill(shape, hw, batch: int, context: int, chunk: int, dtype_bytes: float, kv_bytes: float) -> float:
-    """Predicted prefill seconds (chunked forwards), to budget the wall time."""
-    from magicdec.planner import forward_cost
+# --- the measurements ---------------------------------------------------------------------------------------
+def bench_points(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """The greedy points of a bench run with an explicit configuration, in this script's terms."""
+    from magicdec.calibrate import acceptance_mle
 
-    total, pos = 0.0, 0
-    while pos < context:
-        q = min(chunk, context - pos)
-        total += forward_cost(shape, hw, batch, q, pos + q, dtype_bytes, kv_bytes).time
-        pos += q
-    return total
-
-
-# --- the measurements -------------------------------------------------------------------------------------
-def run(args: argparse.Namespace) -> None:
-    import torch
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    from magicdec.autoplan import load_acceptance, target_shape
-    from magicdec.calibrate import acceptance_mle, cut_prompts, machine_info, measure_hardware, sampling_params
-    from magicdec.decode import MAX_GAMMA, decode, prefill_prompts
-    from magicdec.engine import LLM
-    from magicdec.errors import OutOfMemoryError
-    from magicdec.memory import available_bytes
-    from magicdec.planner import AcceptanceTable, HardwareProfile
-    from magicdec.speculative import SpeculativeConfig
-
-    t_start = time.time()
-    deadline = t_start + 60 * args.minutes
-    res = load_results(args.json)
-    info = machine_info("cpu")
-    print(f"machine: {info['cpu']}, {info['cpu_count']} cores, torch threads {info['torch_threads']}, "
-          f"load {info.get('loadavg')}", flush=True)
-
-    llm = LLM(device="cpu")
-    shape = target_shape(llm)
-    dtype_bytes = float(llm.model.dtype.itemsize)
-    kv_bytes = float(llm.kv_dtype.itemsize)
-
-    # hardware profile: given, else the one the results were made with, else calibrate now (full)
-    if args.profile is not None:
-        hw = HardwareProfile.from_json(args.profile)
-    elif "profile" in res:
-        hw = HardwareProfile(**res["profile"])
-    elif PROFILE_PATH.exists():
-        hw = HardwareProfile.from_json(PROFILE_PATH)
-    else:
-        print("calibrating the hardware profile (full mode)...", flush=True)
-        cal = measure_hardware(
-            "cpu", quick=False, model=llm.model,
-            progress=lambda d, t, label: print(f"  calibrate [{d}/{t}] {label}", flush=True))
-        cal.save(PROFILE_PATH)
-        hw = cal.profile
-        res["calibration_fit"] = cal.measurements.get("fit")
-    res["profile"] = dataclasses.asdict(hw)
-    table = AcceptanceTable.from_json(args.acceptance) if args.acceptance else load_acceptance(llm)
-    res["acceptance_source"] = str(args.acceptance) if args.acceptance else "saved for the model, else built-in"
-    res["settings"] = {"batches": args.batches, "contexts": args.contexts, "gammas": args.gammas,
-                       "budgets": args.budgets, "drafters": args.drafters, "new_tokens": args.new_tokens,
-                       "mode": "greedy", "ignore_eos": True}
-    res["runs"].append({"started": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": info})
-    res["machine"] = info
-    print(f"profile: {hw}", flush=True)
-
-    with open(DATA) as f:
-        texts = [json.loads(line)["text"] for line in f if line.strip()]
-    done = {p["key"] for p in res["points"]}
-    limit = llm.model.cfg.max_seq_len - args.new_tokens - MAX_GAMMA - 2
-    params = sampling_params("greedy", args.new_tokens)
-    eos = llm.tokenizer.eos_ids
-
-    configs = [("ar", None, 0)] + [(d, b, g) for d in args.drafters for b in args.budgets for g in args.gammas]
-    cells = sorted(((b, s) for b in args.batches for s in args.contexts), key=lambda c: (c[0] * c[1], c[0]))
-    for batch, context in cells:
-        ctx = min(context, limit)
-        todo = [c for c in configs if point_key(batch, context, *c) not in done and (c[1] is None or c[1] < ctx)]
-        cell_key = f"B{batch}-S{context}"
-        if not todo:
+    new_tokens = doc["settings"]["new_tokens"]
+    points = []
+    for key, b in doc["points"].items():
+        if "throughput" not in b or b["mode"] != "greedy" or b["draft"] == "auto":
             continue
-        # Will it fit, in memory and in the time left? (predicted with the profile; measured AR is used
-        # below to rescale once the cell runs)
-        kv_need = batch * (ctx + args.new_tokens + MAX_GAMMA + 2) * llm.model.cfg.kv_bytes_per_token(int(kv_bytes))
-        if kv_need > 0.85 * available_bytes(torch.device("cpu")):
-            res["cells"][cell_key] = {"skipped": f"KV cache {kv_need / 2**30:.1f} GiB exceeds available memory"}
-            print(f"skip {cell_key}: {res['cells'][cell_key]['skipped']}", flush=True)
-            save_results(res, args.json)
-            continue
-        t_pre = predict_prefill(shape, hw, batch, ctx, llm.prefill_chunk, dtype_bytes, kv_bytes)
-        t_dec = 0.0
-        for d, b, g in todo:
-            alpha = None if d == "ar" else _alpha(table, d, b, ctx)
-            p = predict(shape, hw, batch, ctx, d, b, g, alpha, dtype_bytes, kv_bytes)
-            t_dec += batch * args.new_tokens / p["throughput"]
-        est = 1.3 * (t_pre + t_dec)  # the CPU runs slower than predicted at small shapes; keep a margin
-        left = deadline - time.time()
-        if est > left:
-            res["cells"].setdefault(cell_key, {})["skipped"] = (
-                f"predicted {est / 60:.1f} min (prefill {t_pre / 60:.1f}) > {left / 60:.1f} min left")
-            print(f"skip {cell_key}: {res['cells'][cell_key]['skipped']}", flush=True)
-            save_results(res, args.json)
-            continue
-        if args.max_load is not None:
-            _wait_for_quiet(args.max_load)
-        print(f"cell B={batch} S={ctx}: {len(todo)} configs, predicted {est / 60:.1f} min", flush=True)
-        prompts = cut_prompts(llm.tokenizer, texts, ctx, batch)
-        observe = any(d == "self-snapkv" for d, _, _ in todo)
-        try:
-            pre = prefill_prompts(llm.model, prompts, args.new_tokens, kv_dtype=llm.kv_dtype,
-                                  chunk=llm.prefill_chunk, observe=observe)
-        except OutOfMemoryError as e:
-            res["cells"][cell_key] = {"skipped": str(e)}
-            save_results(res, args.json)
-            continue
-        cell = res["cells"].setdefault(cell_key, {})
-        cell.pop("skipped", None)
-        cell.update({"batch": batch, "context": context, "context_used": ctx, "prefill_s": pre.seconds,
-                     "prefill_predicted_s": t_pre, "load_at_start": list(os.getloadavg())})
-        print(f"  prefill {pre.seconds:.1f}s (predicted {t_pre:.1f}s)", flush=True)
-        for d, b, g in todo:
-            if time.time() > deadline:
-                print("  out of time", flush=True)
-                break
-            if d == "ar":
-                drafter, gamma = None, 0
-            else:
-                drafter, gamma = SpeculativeConfig(d, budget=b, gamma=g).build(llm)
-            load = os.getloadavg()[0]
-            _, stats = decode(llm.model, pre, params, eos, drafter=drafter, gamma=gamma,
-                              prefill_chunk=llm.prefill_chunk, reuse=True)
-            measured = stats.generated_tokens / stats.decode_s
-            point: dict[str, Any] = {
-                "key": point_key(batch, context, d, b, g), "batch": batch, "context": context, "context_used": ctx,
-                "drafter": d, "budget": b, "gamma": g, "generated": stats.generated_tokens, "steps": stats.steps,
-                "decode_s": stats.decode_s, "draft_s": stats.draft_s, "verify_s": stats.verify_s,
-                # the loop's own work outside the timed draft and verify calls (sampling bookkeeping,
-                # host sync, and for sparse drafters the per-round eviction of the draft cache)
-                "other_s": stats.decode_s - stats.draft_s - stats.verify_s,
-                "measured_throughput": measured, "load1": load,
-            }
-            if d == "ar":
-                pr = predict(shape, hw, batch, ctx, d, b, g, None, dtype_bytes, kv_bytes)
-                point.update(predicted_throughput=pr["throughput"], predicted_step_s=pr["t_step"],
-                             measured_step_s=stats.decode_s / stats.steps)
-            else:
-                alpha_run = acceptance_mle(stats.accepted_hist)
-                alpha_table = _alpha(table, d, b, ctx)
-                pr = predict(shape, hw, batch, ctx, d, b, g, alpha_table, dtype_bytes, kv_bytes)
-                pr_run = predict(shape, hw, batch, ctx, d, b, g, alpha_run, dtype_bytes, kv_bytes)
-                point.update(
-                    accepted_hist=stats.accepted_hist, alpha_run=alpha_run, alpha_table=alpha_table,
-                    tokens_per_step=stats.tokens_per_step,
-                    predicted_throughput=pr["throughput"], predicted_throughput_run_alpha=pr_run["throughput"],
-                    predicted_draft_s=pr["t_draft"], predicted_verify_s=pr["t_verify"],
-                    measured_draft_s=stats.draft_s / (stats.steps * g), measured_verify_s=stats.verify_s / stats.steps,
-                )
-            res["points"].append(point)
-            done.add(point["key"])
-            save_results(res, args.json)
-            print(f"  {d:15s} budget {str(b):>4s} gamma {g}: measured {measured:8.2f} tok/s, "
-                  f"predicted {point['predicted_throughput']:8.2f}", flush=True)
-        del pre
-    res["runs"][-1]["seconds"] = time.time() - t_start
-    summarize(res, table, shape, hw, dtype_bytes, kv_bytes)
-    save_results(res, args.json)
+        p = {"key": key, "batch": b["batch"], "context": b["context"], "context_used": b.get("context_used", b["context"]),
+             # decode runs from the prompt length to new_tokens beyond it: predict at the mean
+             "context_mean": b.get("context_used", b["context"]) + new_tokens // 2,
+             "drafter": "ar" if b["draft"] == "none" else b["draft"], "budget": b["budget"] or None,
+             "gamma": b["gamma"], "steps": b["steps"], "decode_s": b["decode_s"],
+             "measured_throughput": b["throughput"],
+             # tokens each row decodes after the first (which comes from the prefill)
+             "generated_per_row": new_tokens - 1,
+             # the loop's own work outside the timed draft and verify forwards (sampling bookkeeping,
+             # host sync, the draft cache's per-round eviction)
+             "other_s": b["decode_s"] - b["draft_s"] - b["verify_s"]}
+        if p["drafter"] == "ar":
+            p["measured_step_s"] = b["decode_s"] / b["steps"]
+        else:
+            p.update(accepted_hist=b["accepted_hist"], alpha_run=acceptance_mle(b["accepted_hist"]),
+                     tokens_per_step=b["tokens_per_step"], measured_draft_s=b["draft_s"] / (b["steps"] * b["gamma"]),
+                     measured_verify_s=b["verify_s"] / b["steps"])
+        points.append(p)
+    return points
 
 
 def _alpha(table, drafter: str, budget: int, context: int) -> float:
     return table.alpha(drafter, budget, context, "greedy")
-
-
-def _wait_for_quiet(max_load: float, patience_s: float = 300) -> None:
-    t0 = time.time()
-    while os.getloadavg()[0] > max_load and time.time() - t0 < patience_s:
-        time.sleep(10)
 
 
 # --- summary --------------------------------------------------------------------------------------------
@@ -283,15 +101,13 @@ def summarize(res: dict[str, Any], table, shape, hw, dtype_bytes: float, kv_byte
     points = res["points"]
     if not points:
         return
-    # Predictions are a function of (profile, table): recompute them so that they always match the
-    # profile stored in the results (or the one given on the command line).
     for p in points:
-        ctx = p["context_used"]
+        ctx = p["context_mean"]
         if p["drafter"] == "ar":
             pr = predict(shape, hw, p["batch"], ctx, "ar", None, 0, None, dtype_bytes, kv_bytes)
             p.update(predicted_throughput=pr["throughput"], predicted_step_s=pr["t_step"])
             continue
-        p["alpha_table"] = _alpha(table, p["drafter"], p["budget"], ctx)
+        p["alpha_table"] = _alpha(table, p["drafter"], p["budget"], p["context_used"])
         pr = predict(shape, hw, p["batch"], ctx, p["drafter"], p["budget"], p["gamma"], p["alpha_table"],
                      dtype_bytes, kv_bytes)
         pr_run = predict(shape, hw, p["batch"], ctx, p["drafter"], p["budget"], p["gamma"], p["alpha_run"],
@@ -312,15 +128,16 @@ def summarize(res: dict[str, Any], table, shape, hw, dtype_bytes: float, kv_byte
         budgets = sorted({p["budget"] for p in pts if p["budget"] is not None})
         gammas = sorted({p["gamma"] for p in pts if p["gamma"]})
         ctx = pts[0]["context_used"]
+        mean_ctx = pts[0]["context_mean"]
         best = max(pts, key=lambda p: p["measured_throughput"])
         cell: dict[str, Any] = {"batch": batch, "context": context, "context_used": ctx, "n_points": len(pts),
                                 "best": _label(best), "best_throughput": best["measured_throughput"]}
         if ar is not None and drafters:
-            chosen_plan = plan(shape, hw, batch, ctx, table, budgets=budgets, gammas=gammas,
+            chosen_plan = plan(shape, hw, batch, mean_ctx, table, budgets=budgets, gammas=gammas,
                                dtype_bytes=dtype_bytes, kv_dtype_bytes=kv_bytes,
                                strategies=["ar", *drafters])
-            key = point_key(batch, context, chosen_plan.strategy, chosen_plan.budget, chosen_plan.gamma)
-            chosen = next((p for p in pts if p["key"] == key), None)
+            want = (chosen_plan.strategy, chosen_plan.budget if chosen_plan.gamma else None, chosen_plan.gamma)
+            chosen = next((p for p in pts if (p["drafter"], p["budget"], p["gamma"]) == want), None)
             cell["choice"] = _label(chosen) if chosen else f"{chosen_plan.strategy} (not measured)"
             cell["choice_predicted_speedup"] = chosen_plan.predicted_speedup
             if chosen is not None:
@@ -360,8 +177,16 @@ def summarize(res: dict[str, Any], table, shape, hw, dtype_bytes: float, kv_byte
             fixed = [abs(_predicted_with_other(p) / p["measured_throughput"] - 1) for p in spec_pts if "other_s" in p]
             c["rel_error_run_alpha_plus_measured_other_median"] = statistics.median(fixed)
         components[f"B={batch}"] = c
+    # The cost model alone: predicted against measured seconds per round (one AR step, or gamma drafts
+    # and a verification). Throughput also depends on how many rounds the batch takes: a static batch
+    # runs until its slowest row is done, and rows that finish early still ride along.
+    round_err = [abs(_predicted_round(p) / (p["decode_s"] / p["steps"]) - 1) for p in points]
+    extra_rounds = [p["steps"] / (p["generated_per_row"] / p["tokens_per_step"]) - 1 for p in points
+                    if p["drafter"] != "ar"]
     res["summary"] = {
         "n_points": len(points),
+        "round_time_rel_error": {"median": statistics.median(round_err), "worst": max(round_err)},
+        "rounds_beyond_mean_row_median": statistics.median(extra_rounds) if extra_rounds else None,
         "throughput_rel_error": {"median": statistics.median(err), "worst": max(err), "worst_point": worst["key"],
                                  "median_signed": statistics.median(signed)},
         "throughput_rel_error_run_alpha": (
@@ -371,6 +196,12 @@ def summarize(res: dict[str, Any], table, shape, hw, dtype_bytes: float, kv_byte
         "components": components,
         "cells": cells,
     }
+
+
+def _predicted_round(p: dict[str, Any]) -> float:
+    if p["drafter"] == "ar":
+        return p["predicted_step_s"]
+    return p["gamma"] * p["predicted_draft_s"] + p["predicted_verify_s"]
 
 
 def _predicted_with_other(p: dict[str, Any]) -> float:
@@ -414,7 +245,13 @@ def report(res: dict[str, Any], png: Path) -> None:
     if s:
         print()
         e = s["throughput_rel_error"]
-        print(f"{s['n_points']} points. Predicted throughput, relative error: median {100 * e['median']:.1f}%, "
+        r = s["round_time_rel_error"]
+        print(f"{s['n_points']} points. Predicted seconds per round (the cost model): median error "
+              f"{100 * r['median']:.1f}%, worst {100 * r['worst']:.1f}%")
+        if s.get("rounds_beyond_mean_row_median") is not None:
+            print(f"  speculative runs took {100 * s['rounds_beyond_mean_row_median']:.0f}% more rounds (median) than "
+                  f"their mean row needed: the batch waits for its slowest row")
+        print(f"Predicted throughput, relative error: median {100 * e['median']:.1f}%, "
               f"worst {100 * e['worst']:.1f}% ({e['worst_point']}); median signed {100 * e['median_signed']:+.1f}%")
         if s.get("throughput_rel_error_run_alpha"):
             r = s["throughput_rel_error_run_alpha"]
@@ -492,22 +329,21 @@ def plot(points: list[dict[str, Any]], png: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    if not args.report:
-        run(args)
-    res = load_results(args.json)
-    if args.report and res.get("points"):
-        # recompute the summary (e.g. after editing the acceptance table or profile)
-        from magicdec.autoplan import load_acceptance, target_shape
-        from magicdec.engine import LLM
-        from magicdec.planner import AcceptanceTable, HardwareProfile
+    from magicdec.autoplan import load_acceptance, load_profile, target_shape
+    from magicdec.engine import LLM
+    from magicdec.planner import AcceptanceTable, HardwareProfile
 
-        llm = LLM(device="cpu")
-        hw = HardwareProfile.from_json(args.profile) if args.profile else HardwareProfile(**res["profile"])
-        res["profile"] = dataclasses.asdict(hw)
-        table = AcceptanceTable.from_json(args.acceptance) if args.acceptance else load_acceptance(llm)
-        summarize(res, table, target_shape(llm), hw, float(llm.model.dtype.itemsize), float(llm.kv_dtype.itemsize))
-        save_results(res, args.json)
+    args = parse_args(argv)
+    with open(args.bench) as f:
+        doc = json.load(f)
+    llm = LLM(device="cpu")
+    hw = HardwareProfile.from_json(args.profile) if args.profile else load_profile("cpu")
+    table = AcceptanceTable.from_json(args.acceptance) if args.acceptance else load_acceptance(llm)
+    res: dict[str, Any] = {"bench": str(args.bench), "machine": doc.get("machine"), "settings": doc.get("settings"),
+                           "profile": dataclasses.asdict(hw), "points": bench_points(doc)}
+    summarize(res, table, target_shape(llm), hw, float(llm.model.dtype.itemsize), float(llm.kv_dtype.itemsize))
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(res, indent=1) + "\n")
     report(res, args.png)
     return 0
 

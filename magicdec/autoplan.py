@@ -4,6 +4,10 @@
     spec, why = choose(llm, batch=len(prompts), context=max_prompt_len)
     llm.generate(prompts, params, speculative=spec)      # spec is None when plain decoding wins
 
+The draft length is re-planned as the generation goes (`SpeculativeConfig.replan`, called by the
+decode loop every few rounds): the batch shrinks as sequences finish and contexts grow, and both
+move the best gamma. The strategy and budget stay as chosen at the start.
+
 The model's shape and dtypes come from the `LLM`; the hardware profile is the one `magicdec calibrate`
 saved for the device (else a preset); the acceptance rates are the ones measured for this model (else
 the table shipped with the package, measured on SmolLM2-135M with PG-19 text).
@@ -175,7 +179,14 @@ def choose(
                 kv_dtype_bytes=kv_bytes, mode=mode, strategies=strategies)
     if best.strategy == "ar":
         return None, best
-    return SpeculativeConfig(best.strategy, budget=best.budget, gamma=best.gamma), best
+
+    def gamma_for(live: int, mean_context: int) -> int:
+        """The best draft length for the chosen drafter and budget at the batch and context reached."""
+        return plan(shape, hw, live, mean_context, table, budgets=[best.budget], gammas=gammas,
+                    dtype_bytes=weight_bytes, kv_dtype_bytes=kv_bytes, mode=mode, strategies=[best.strategy]).gamma
+
+    # Built for the longest draft it may re-plan to; the decode loop starts it at the planned length.
+    return SpeculativeConfig(best.strategy, budget=best.budget, gamma=max(gammas), replan=gamma_for), best
 
 
 def describe(plan_: Plan) -> str:

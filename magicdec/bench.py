@@ -14,7 +14,6 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-
 from magicdec.errors import InvalidRequestError, OutOfMemoryError
 
 SAMPLING = {"temperature": 0.7, "top_p": 0.9}
@@ -85,27 +84,29 @@ def run_bench(args, grid: BenchGrid) -> dict:
     configs = grid.configs()
     total = len(grid.batches) * len(grid.contexts) * len(configs)
     bar = tqdm(total=total, desc="bench", unit="pt", file=sys.stderr)
+    # The distinct prompts of a context, prefilled once and shared by its batch sizes (tiled up to them).
+    base, base_key = None, None
     for context, batch in itertools.product(grid.contexts, grid.batches):
         todo = [c for c in configs if point_key(batch, context, c) not in doc["points"]]
         bar.update(len(configs) - len(todo))
         if not todo:
             continue
-        if context + grid.new_tokens > llm.max_context:
-            for c in todo:
-                doc["points"][point_key(batch, context, c)] = {"skipped": "longer than the model's context"}
-            bar.update(len(todo))
-            continue
-        bar.set_postfix_str(f"prefill B={batch} S={context}")
+        # A context the model cannot hold with the new tokens (8192 + 128 on an 8k model) is shortened
+        # to the longest that fits; the point keeps its nominal name and records the length used.
+        ctx = min(context, llm.max_context - grid.new_tokens)
         distinct = min(batch, grid.distinct_prompts or batch)
-        prompts = cut_prompts(llm.tokenizer, texts, distinct, context)
         try:
-            check_fits(KVCache.nbytes(llm.model.cfg, batch, context + grid.new_tokens + MAX_GAMMA + 2, llm.kv_dtype),
-                       llm.model.device, f"batch {batch} x {context} tokens")
-            pre = prefill_prompts(llm.model, prompts, grid.new_tokens, kv_dtype=llm.kv_dtype,
-                                  chunk=llm.prefill_chunk, observe=True)
-            if distinct < batch:
-                pre = pre.tile(batch // distinct)
-        except OutOfMemoryError as e:
+            check_fits(KVCache.nbytes(llm.model.cfg, batch, ctx + grid.new_tokens + MAX_GAMMA + 2, llm.kv_dtype),
+                       llm.model.device, f"batch {batch} x {ctx} tokens")
+            if base_key != (ctx, distinct):
+                base, base_key = None, None  # free it before the next prefill
+                bar.set_postfix_str(f"prefill {distinct} x {ctx}")
+                prompts = cut_prompts(llm.tokenizer, texts, distinct, ctx)
+                base = prefill_prompts(llm.model, prompts, grid.new_tokens, kv_dtype=llm.kv_dtype,
+                                       chunk=llm.prefill_chunk, observe=True)
+                base_key = (ctx, distinct)
+            pre = base.tile(batch // distinct) if distinct < batch else base
+        except (OutOfMemoryError, InvalidRequestError) as e:
             for c in todo:
                 doc["points"][point_key(batch, context, c)] = {"skipped": str(e)}
             bar.update(len(todo))
@@ -117,27 +118,28 @@ def run_bench(args, grid: BenchGrid) -> dict:
                                     **(SAMPLING if cfg["mode"] == "sampling" else {}))
             spec, chosen = None, {}
             if cfg["draft"] == "auto":
-                spec, plan = choose(llm, batch, context + grid.new_tokens // 2, profile=getattr(args, "hardware", None),
+                spec, plan = choose(llm, batch, ctx + grid.new_tokens // 2, profile=getattr(args, "hardware", None),
                                     mode=cfg["mode"])
-                chosen = {"chosen": f"{spec.draft} K={spec.budget} g={spec.gamma}" if spec else "ar",
+                chosen = {"chosen": f"{spec.draft} K={spec.budget} g={plan.gamma}" if spec else "ar",
                           "predicted_speedup": plan.predicted_speedup}
             elif cfg["draft"] != "none":
                 reindex = {"reindex": True, "original": False}.get(cfg.get("positions"))
                 spec = SpeculativeConfig(cfg["draft"], budget=cfg["budget"], gamma=cfg["gamma"], reindex=reindex)
             drafter, gamma = spec.build(llm) if spec else (None, 0)
             _, stats = decode(llm.model, pre, params, llm.tokenizer.eos_ids, drafter=drafter, gamma=gamma,
-                              prefill_chunk=llm.prefill_chunk, reuse=True)
+                              prefill_chunk=llm.prefill_chunk, reuse=True, replan=spec.replan if spec else None)
             doc["points"][point_key(batch, context, cfg)] = {
-                "batch": batch, "context": context, **cfg, **chosen,
+                "batch": batch, "context": context, "context_used": ctx, **cfg, **chosen,
                 "throughput": stats.decode_tok_s, "tokens_per_step": stats.tokens_per_step,
                 "acceptance": stats.acceptance_rate, "accepted_hist": stats.accepted_hist,
-                "decode_s": stats.decode_s, "draft_s": stats.draft_s, "verify_s": stats.verify_s,
+                "steps": stats.steps, "gamma_changes": stats.gamma_changes, "decode_s": stats.decode_s, "draft_s": stats.draft_s, "verify_s": stats.verify_s,
                 "prefill_s": pre.seconds, "distinct_prompts": distinct, "peak_memory_gib": stats.peak_memory_bytes / 1024**3,
                 "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
             }
             _save(out, doc)
             bar.update(1)
         del pre
+    del base
     bar.close()
     add_speedups(doc)
     _save(out, doc)

@@ -1,21 +1,21 @@
 """Measure this machine for the planner: a hardware profile and a table of acceptance rates.
 
-`calibrate_hardware` times the kernels a decode step is made of, in the compute dtype:
+`calibrate_hardware` times, in the compute dtype:
 
-- matmuls at decoding shapes ([m, dim] x [dim, 2 ffn] over a stack of layer weights larger than the
-  last-level cache, m = B*q from 1 to 256) and a large square, for the peak FLOP rate;
-- scaled_dot_product_attention of 1..8 query rows per sequence over 1k..8k cached keys, as bytes of
-  K/V read per second and FLOP/s;
-- a plain read (reduction of a tensor larger than the last-level cache), for the peak bandwidth;
+- a plain read (reduction of a tensor larger than the last-level cache), for the peak bandwidth,
+  and a large square matmul, for the peak FLOP rate;
 - whole forwards of a tiny-dim Transformer with 30 and with 4 layers at batch 1, one token, a short
   cache: what they take beyond their (negligible) roofline is the fixed and the per-layer overhead;
 - whole forwards of a real-sized model (the one passed in, or a randomly initialised one with the
-  default model's shape) over a grid of batch x new tokens x cache length.
+  default model's shape): at m = 1..384 tokens over a short cache, the linear layers' weight bytes
+  per second against m; at q = 1..8 new tokens per sequence over a long cache, less the same
+  forward over a short one, attention's KV bytes per second against q.
 
-The peaks come from the microbenchmarks; the effective rates (hence the efficiencies) are fitted so
-that the planner's `forward_cost` reproduces the measured forward times (least squares on log time,
-overheads held at their measured values). Everything measured is kept in
-`HardwareCalibration.measurements` for inspection.
+Those measured rates make the profile (`HardwareProfile.linear_rates`, `attention_rates`): small
+matrices do not follow a roofline on CPUs (a few rows can cost twice one row), so one efficiency
+per group cannot predict both a draft step and a verification. Forwards over a batch x new tokens
+x cache length grid then check the profile (`measurements["check"]`). Everything measured is kept
+in `HardwareCalibration.measurements` for inspection.
 
 `calibrate_acceptance` measures per-token acceptance rates of the self-speculative drafters on real
 text: prompts cut from inside long books, prefilled once per context length, decoded with every
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import platform
 import statistics
@@ -37,7 +36,6 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from magicdec.config import ModelConfig
 from magicdec.memory import available_bytes
@@ -226,7 +224,7 @@ def time_forward(model, batch: int, q: int, kv_len: int, reps: int = 3, kv_dtype
     cache = _filled_cache(model.cfg, batch, kv_len, q, dtype, device)
     tokens = torch.randint(0, model.cfg.vocab_size, (batch, q), device=device)
     with torch.inference_mode():
-        t = _median(lambda: model(tokens, cache), device, reps, warmup=1)
+        t = _median(lambda: model(tokens, cache), device, reps, warmup=2)
     del cache
     return t
 
@@ -250,94 +248,6 @@ class HardwareCalibration:
         return path
 
 
-def _nelder_mead(f: Callable[[list[float]], float], x0: Sequence[float], step: float = 0.5,
-                 iters: int = 400, tol: float = 1e-10) -> list[float]:
-    """Minimise f from x0 with the Nelder-Mead simplex (small, dependency-free)."""
-    n = len(x0)
-    pts = [list(x0)] + [[x + (step if i == j else 0.0) for j, x in enumerate(x0)] for i in range(n)]
-    vals = [f(p) for p in pts]
-    for _ in range(iters):
-        order = sorted(range(n + 1), key=vals.__getitem__)
-        pts, vals = [pts[i] for i in order], [vals[i] for i in order]
-        if abs(vals[-1] - vals[0]) < tol:
-            break
-        centroid = [sum(p[j] for p in pts[:-1]) / n for j in range(n)]
-
-        def towards(a: float) -> list[float]:
-            return [c + a * (w - c) for c, w in zip(centroid, pts[-1])]
-
-        refl = towards(-1.0)
-        fr = f(refl)
-        if fr < vals[0]:
-            exp = towards(-2.0)
-            fe = f(exp)
-            pts[-1], vals[-1] = (exp, fe) if fe < fr else (refl, fr)
-        elif fr < vals[-2]:
-            pts[-1], vals[-1] = refl, fr
-        else:
-            con = towards(0.5 if fr >= vals[-1] else -0.5)
-            fc = f(con)
-            if fc < min(fr, vals[-1]):
-                pts[-1], vals[-1] = con, fc
-            else:
-                best = pts[0]
-                pts = [best] + [[b + 0.5 * (x - b) for b, x in zip(best, p)] for p in pts[1:]]
-                vals = [vals[0]] + [f(p) for p in pts[1:]]
-    return pts[min(range(n + 1), key=vals.__getitem__)]
-
-
-def profile_from_rates(
-    name: str, *, peak_flops: float, peak_bandwidth: float, mem_bytes: float, bandwidth: float,
-    matmul_flops: float, attention_flops: float, fixed_overhead_s: float, per_layer_overhead_s: float,
-) -> HardwareProfile:
-    """A profile whose effective rates are the given ones; a peak below an effective rate is raised to it."""
-    flops = max(peak_flops, matmul_flops, attention_flops)
-    bw = max(peak_bandwidth, bandwidth)
-    return HardwareProfile(
-        name=name, flops_per_s=flops, mem_bandwidth=bw, mem_bytes=mem_bytes,
-        matmul_efficiency=min(1.0, matmul_flops / flops), bandwidth_efficiency=min(1.0, bandwidth / bw),
-        attention_efficiency=min(1.0, attention_flops / flops),
-        fixed_overhead_s=max(0.0, fixed_overhead_s), per_layer_overhead_s=max(0.0, per_layer_overhead_s),
-    )
-
-
-def fit_rates(
-    points: Sequence[dict[str, float]], shape: ModelShape, *, dtype_bytes: float, kv_dtype_bytes: float,
-    peak_flops: float, peak_bandwidth: float, mem_bytes: float, fixed_overhead_s: float,
-    per_layer_overhead_s: float, init: tuple[float, float, float], name: str = "calibrated",
-    fit_overhead: bool = False,
-) -> tuple[HardwareProfile, float]:
-    """Effective bandwidth, matmul and attention FLOP rates that make `forward_cost` match measured forwards.
-
-    `points` are dicts with batch, q, kv_len and seconds. Minimises the mean squared log error; with
-    `fit_overhead` the fixed overhead is fitted too (else held at the measured value). Returns the
-    profile and the root-mean-square relative error of the fit.
-    """
-
-    def make(x: list[float]) -> HardwareProfile:
-        fixed = fixed_overhead_s * math.exp(x[3]) if fit_overhead else fixed_overhead_s
-        return profile_from_rates(
-            name, peak_flops=peak_flops, peak_bandwidth=peak_bandwidth, mem_bytes=mem_bytes,
-            bandwidth=math.exp(x[0]), matmul_flops=math.exp(x[1]), attention_flops=math.exp(x[2]),
-            fixed_overhead_s=fixed, per_layer_overhead_s=per_layer_overhead_s,
-        )
-
-    def loss(x: list[float]) -> float:
-        hw = make(x)
-        total = 0.0
-        for p in points:
-            pred = forward_cost(shape, hw, int(p["batch"]), int(p["q"]), int(p["kv_len"]),
-                                dtype_bytes, kv_dtype_bytes).time
-            total += math.log(pred / p["seconds"]) ** 2
-        return total / len(points)
-
-    x0 = [math.log(v) for v in init] + ([0.0] if fit_overhead else [])
-    x = x0
-    for _ in range(3):  # restarts shake the simplex out of the kinks that max() puts in the loss
-        x = _nelder_mead(loss, x, step=0.3)
-    return make(x), math.sqrt(loss(x))
-
-
 def measure_hardware(
     device: str | torch.device = "cpu",
     quick: bool = False,
@@ -347,7 +257,7 @@ def measure_hardware(
     dtype: torch.dtype | None = None,
     name: str | None = None,
 ) -> HardwareCalibration:
-    """Run the microbenchmarks and forward timings; return the fitted profile and all measurements.
+    """Run the microbenchmarks and forward timings; return the profile and all measurements.
 
     `model`: a magicdec Transformer to time whole forwards of (default: a randomly initialised model
     with the default model's shape, SmolLM2-135M). `dtype`: the compute dtype (default: the model's,
@@ -359,10 +269,10 @@ def measure_hardware(
     dtype = dtype or (model.dtype if model is not None else default_compute_dtype(dev))
     es = _element_size(dtype)
     gpu = dev.type == "cuda"
-    reps = 2 if quick else 4
+    reps = 2 if quick else 7
     m: dict[str, Any] = {"device": str(device), "dtype": str(dtype).removeprefix("torch."), "quick": quick,
                          "machine": machine_info(dev)}
-    stages = ["bandwidth", "matmul", "attention", "overhead", "forward", "fit"]
+    stages = ["bandwidth", "matmul", "overhead", "linear", "attention", "check"]
 
     def stage(i: int, label: str) -> None:
         if progress is not None:
@@ -382,26 +292,9 @@ def measure_hardware(
     m["read_bandwidth"] = {**read_bw, "bytes": nbytes}
     del x, xm
 
-    # 2. matmul: [m, dim] x [dim, 2 ffn] over a stack of layer weights (like a forward), and a large square
+    # 2. peak matmul rate: large square products
     stage(1, "matmul")
     shape_default = MODEL_PRESETS["smollm2-135m"]
-    dim, ffn = shape_default.dim, shape_default.ffn_dim
-    stack_bytes = (1 * GiB if gpu else 384 * 2**20) if quick else (2 * GiB if gpu else 768 * 2**20)
-    n_w = max(1, stack_bytes // (2 * ffn * dim * es))
-    weights = torch.empty(n_w, 2 * ffn, dim, dtype=dtype, device=dev).fill_(0.01)
-    ms = (1, 8, 64) if quick else (1, 2, 4, 8, 16, 32, 64, 128, 256)
-    matmul = []
-    for mm in ms:
-        a = torch.randn(mm, dim, dtype=dtype, device=dev)
-
-        def run(a=a) -> None:
-            for i in range(n_w):
-                F.linear(a, weights[i])
-
-        t = _best(run, dev, reps)
-        matmul.append({"m": mm, "flops_per_s": 2 * mm * dim * 2 * ffn * n_w / t,
-                       "weight_bytes_per_s": weights.numel() * es / t, "seconds": t})
-    del weights
     squares = []
     for n in ((2048,) if not gpu else (8192,)) if quick else ((2048, 4096) if not gpu else (8192, 16384)):
         a = torch.randn(n, n, dtype=dtype, device=dev)
@@ -409,41 +302,11 @@ def measure_hardware(
         t = _best(lambda: a @ b, dev, 2 if n >= 4096 and not gpu else reps)
         squares.append({"n": n, "flops_per_s": 2 * n**3 / t, "seconds": t})
         del a, b
-    peak_flops = max(r["flops_per_s"] for r in matmul + squares)
-    m["matmul"], m["square_matmul"] = matmul, squares
+    peak_flops = max(r["flops_per_s"] for r in squares)
+    m["square_matmul"] = squares
 
-    # 3. attention: G*q query rows per KV head (GQA as the model runs it) over L cached keys, all layers
-    stage(2, "attention")
-    n_kv, n_heads, hd, n_layers = (shape_default.n_kv_heads, shape_default.n_heads,
-                                   shape_default.head_dim, shape_default.n_layers)
-    G = n_heads // n_kv
-    attention = []
-    for L in ((1024, 8192) if quick else (1024, 2048, 4096, 8192)):
-        B = 4 if quick else 8
-        # as many layers as make the K/V read well beyond the last-level cache (up to the model's 30)
-        per_layer_bytes = 2 * B * n_kv * L * hd * es
-        target = (2 * GiB if gpu else 320 * 2**20) if quick else (4 * GiB if gpu else 768 * 2**20)
-        layers = max(1, min(n_layers, target // per_layer_bytes))
-        k = torch.empty(layers, B, n_kv, L, hd, dtype=dtype, device=dev).fill_(0.5)
-        v = torch.full_like(k, 0.25)
-        for q in ((1, 4) if quick else (1, 2, 4, 8)):
-            xq = torch.randn(B, n_kv, G * q, hd, dtype=dtype, device=dev)
-            mask = torch.ones(B, 1, G * q, L, dtype=torch.bool, device=dev)
-
-            def att(xq=xq, mask=mask) -> None:
-                for layer in range(layers):
-                    F.scaled_dot_product_attention(xq, k[layer], v[layer], attn_mask=mask)
-
-            t = _best(att, dev, reps)
-            kv_bytes = 2 * k.numel() * es
-            flops = 4 * B * n_heads * q * L * hd * layers
-            attention.append({"batch": B, "q": q, "kv_len": L, "layers": layers, "kv_bytes_per_s": kv_bytes / t,
-                              "flops_per_s": flops / t, "seconds": t})
-        del k, v
-    m["attention"] = attention
-
-    # 4. overheads: a tiny-dim Transformer with 30 and with 4 layers, batch 1, one token, 16 cached
-    stage(3, "per-forward overhead")
+    # 3. overheads: a tiny-dim Transformer with 30 and with 4 layers, batch 1, one token, 16 cached
+    stage(2, "per-forward overhead")
     overhead = []
     for layers in (4, 30):
         cfg = ModelConfig(vocab_size=256, dim=64, n_layers=layers, n_heads=4, n_kv_heads=2, ffn_dim=128,
@@ -461,50 +324,80 @@ def measure_hardware(
     m["overhead"] = {"tiny_forwards": overhead, "fixed_s": fixed, "per_layer_s": per_layer,
                      "decode_loop_step_s": loop_step, "decode_loop_extra_s": loop_extra}
 
-    # 5. whole forwards of a real-sized model over batch x q x kv_len
-    stage(4, "model forwards")
+    # 4. whole forwards of a real-sized model. The linear layers' rate against tokens per forward:
+    #    batch m, one new token each, over a cache too short for attention to count. Attention's rate
+    #    against new tokens per sequence: a long cache less the same forward over the short one.
     own = model is None
     if own:
         model = synthetic_model(model_config_from_shape(shape_default), dev, dtype)
         shape = shape_default
     else:
         shape = shape_from_config(model.cfg, "model")
+    short = 16
+    t_overhead = fixed + per_layer * shape.n_layers
+    weight_bytes = shape.n_params_linear * es
+    stage(3, "linear layers")
     if quick:
-        grid = [(1, 1, 256), (1, 1, 2048), (1, 5, 2048), (8, 1, 2048), (8, 5, 256), (8, 5, 2048)]
+        tokens = (1, 4, 16, 64) if not gpu else (1, 64, 512)
+    else:
+        tokens = ((1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384) if not gpu
+                  else (1, 4, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192))
+    linear = []
+    for n in tokens:
+        t = _median_forward(model, n, 1, short, reps=reps)
+        linear.append({"tokens": n, "seconds": t, "weight_bytes_per_s": weight_bytes / max(t - t_overhead, 0.05 * t)})
+    stage(4, "attention")
+    # the longest context the model takes (the score rows per query grow with it and fall out of cache)
+    att_batch = 8 if not gpu else 32
+    att_len = min(8192 if not gpu else 16384, model.cfg.max_seq_len - 16)
+    kv_bytes = att_batch * att_len * shape.kv_bytes_per_token(es)
+    attention = []
+    for q in ((1, 4) if quick else (1, 2, 3, 4, 5, 6, 8) if not gpu else (1, 2, 4, 8, 16)):
+        t_long = _median_forward(model, att_batch, q, att_len, reps=reps)
+        t_short = _median_forward(model, att_batch, q, short, reps=reps)
+        attention.append({"q": q, "batch": att_batch, "kv_len": att_len, "seconds": t_long, "seconds_short": t_short,
+                          "kv_bytes_per_s": kv_bytes / max(t_long - t_short, 0.05 * t_long)})
+    m["linear"], m["attention"] = linear, attention
+
+    # 5. the profile: measured rates, and the roofline numbers they imply (for reports and for work
+    #    beyond the measured shapes); then the forwards of a batch x q x context grid as its check
+    stage(5, "check")
+    linear_rates = tuple((r["tokens"], r["weight_bytes_per_s"]) for r in linear)
+    attention_rates = tuple((r["q"], r["kv_bytes_per_s"]) for r in attention)
+    best_linear_flops = max(2 * r["tokens"] * shape.n_params_linear / max(r["seconds"] - t_overhead, 1e-9)
+                            for r in linear)
+    att_flops = max(4 * att_batch * r["q"] * att_len * shape.n_layers * shape.n_heads * shape.head_dim
+                    / max(r["seconds"] - r["seconds_short"], 1e-9) for r in attention)
+    flops = max(peak_flops, best_linear_flops, att_flops)
+    bandwidth = max(peak_bandwidth, linear_rates[0][1], attention_rates[0][1])
+    profile = HardwareProfile(
+        name=name or _default_name(dev), flops_per_s=flops, mem_bandwidth=bandwidth,
+        mem_bytes=device_memory_bytes(dev), matmul_efficiency=best_linear_flops / flops,
+        bandwidth_efficiency=linear_rates[0][1] / bandwidth, attention_efficiency=att_flops / flops,
+        # a decode step is a forward plus the loop's own work: the planner sees it as fixed overhead
+        fixed_overhead_s=fixed + loop_extra, per_layer_overhead_s=per_layer,
+        linear_rates=linear_rates, attention_rates=attention_rates,
+    )
+    if quick:
+        grid = [(1, 1, 2048), (1, 5, 2048), (8, 3, 1024)]
     else:
         grid = [(b, q, L) for b in (1, 8, 32) for q in (1, 3, 5) for L in (256, 2048, 8192)]
         if gpu:
             grid = [(b * 4, q, L * 4) for b, q, L in grid]
-    kv_es = es
     avail = available_bytes(dev)
     forwards = []
     for b, q, L in grid:
-        need = b * (L + q) * model.cfg.kv_bytes_per_token(kv_es)
-        if need > min(0.3 * avail, (64 if gpu else 4) * GiB):
+        if b * (L + q) * model.cfg.kv_bytes_per_token(es) > min(0.3 * avail, (64 if gpu else 4) * GiB):
             continue
         t = _median_forward(model, b, q, L, reps=reps)
-        forwards.append({"batch": b, "q": q, "kv_len": L, "seconds": t})
+        pred = forward_cost(shape, profile, b, q, L, es, es).time - loop_extra
+        forwards.append({"batch": b, "q": q, "kv_len": L, "seconds": t, "predicted": pred})
     if own:
         del model
     m["forwards"] = forwards
     m["model_shape"] = dataclasses.asdict(shape)
-
-    # 6. fit the effective rates to the forwards
-    stage(5, "fit")
-    bw0 = statistics.median(r["weight_bytes_per_s"] for r in matmul if r["m"] <= 8)
-    mm0 = max(r["flops_per_s"] for r in matmul)
-    att0 = max(r["flops_per_s"] for r in attention)
-    label = name or _default_name(dev)
-    profile, rms = fit_rates(
-        forwards, shape, dtype_bytes=es, kv_dtype_bytes=kv_es, peak_flops=peak_flops,
-        peak_bandwidth=peak_bandwidth, mem_bytes=device_memory_bytes(dev), fixed_overhead_s=fixed,
-        per_layer_overhead_s=per_layer, init=(min(bw0, peak_bandwidth), mm0, att0), name=label,
-    )
-    for p in forwards:
-        p["predicted"] = forward_cost(shape, profile, p["batch"], p["q"], p["kv_len"], es, kv_es).time
-    m["fit"] = {"rms_relative_error": rms, "forward_profile": dataclasses.asdict(profile)}
-    # A decode step is a forward plus the loop's own work: the planner sees it as fixed overhead.
-    profile = dataclasses.replace(profile, fixed_overhead_s=profile.fixed_overhead_s + loop_extra)
+    m["check"] = {"median_relative_error": statistics.median(abs(f["predicted"] / f["seconds"] - 1) for f in forwards),
+                  "worst_relative_error": max(abs(f["predicted"] / f["seconds"] - 1) for f in forwards)}
     stage(6, "done")
     return HardwareCalibration(profile, m)
 
@@ -571,39 +464,6 @@ def acceptance_mle(hist: Sequence[int]) -> float:
     return accepted / (accepted + rejections)
 
 
-def cut_prompts(tokenizer, texts: Sequence[str], n_tokens: int, n_prompts: int, *, lo: float = 0.2,
-                hi: float = 0.7) -> list[list[int]]:
-    """`n_prompts` prompts of exactly `n_tokens` ids (BOS first if the model uses one), cut from inside texts.
-
-    Prompt i comes from text i % len(texts), starting at a word boundary at a fraction of the text
-    spread over [lo, hi] (later passes over the same text start elsewhere), so prompts are well
-    inside books, away from front matter. Texts too short are skipped.
-    """
-    if not texts:
-        raise ValueError("no texts to cut prompts from")
-    prompts: list[list[int]] = []
-    attempts = 0
-    i = 0
-    while len(prompts) < n_prompts:
-        if attempts > 4 * n_prompts + 4 * len(texts):
-            raise ValueError(f"texts too short for {n_prompts} prompts of {n_tokens} tokens")
-        attempts += 1
-        text = texts[i % len(texts)]
-        rnd = i // len(texts)
-        frac = lo + (hi - lo) * (((i * 0.618034) + rnd * 0.381966) % 1.0)
-        i += 1
-        start = text.find(" ", int(len(text) * frac)) + 1
-        chars = 8 * n_tokens + 1000
-        if start <= 0 or start + chars // 2 > len(text):
-            start = max(0, len(text) - chars)
-            start = text.find(" ", start) + 1
-        ids = tokenizer.encode(text[start : start + chars])
-        if len(ids) < n_tokens:
-            continue
-        prompts.append(ids[:n_tokens])
-    return prompts
-
-
 def sampling_params(mode: str, new_tokens: int, seed: int = 0):
     """The decode settings of a calibration mode: greedy, or temperature 0.7 / top-p 0.9 sampling."""
     from magicdec.sampling import SamplingParams
@@ -642,6 +502,7 @@ def calibrate_acceptance(
 
     `records`, when given, receives one dict per decode (histogram, alpha, timings).
     """
+    from magicdec.corpus import cut_prompts
     from magicdec.decode import MAX_GAMMA, decode, prefill_prompts
     from magicdec.speculative import SpeculativeConfig
 
@@ -661,7 +522,7 @@ def calibrate_acceptance(
             continue
         if progress is not None:
             progress(done, len(jobs), f"prefill {n_prompts} x {ctx}")
-        prompts = cut_prompts(llm.tokenizer, texts, ctx, n_prompts)
+        prompts = cut_prompts(llm.tokenizer, texts, n_prompts, ctx)
         pre = prefill_prompts(llm.model, prompts, new_tokens, kv_dtype=llm.kv_dtype, chunk=llm.prefill_chunk,
                               observe=True)
         for drafter_name, budget, mode in todo:

@@ -147,7 +147,9 @@ def format_stats(stats, label: str) -> str:
             f"({stats.prefill_tok_s:.0f} tok/s); decode {stats.generated_tokens} tok in {stats.decode_s:.2f}s "
             f"({stats.decode_tok_s:.1f} tok/s); peak memory {gib:.2f} GiB")
     if stats.gamma:
-        line += (f"\n[{label}] gamma {stats.gamma}: acceptance {stats.acceptance_rate:.3f}, "
+        gamma = (", ".join(f"{g} from round {r}" for r, g in stats.gamma_changes) + " (re-planned)"
+                 if stats.gamma_changes else stats.gamma)
+        line += (f"\n[{label}] gamma {gamma}: acceptance {stats.acceptance_rate:.3f}, "
                  f"{stats.tokens_per_step:.2f} tokens/step, accepted-length histogram {stats.accepted_hist}, "
                  f"draft {stats.draft_s:.2f}s verify {stats.verify_s:.2f}s "
                  f"other {stats.decode_s - stats.draft_s - stats.verify_s:.2f}s")
@@ -235,8 +237,10 @@ def cmd_plan(args) -> int:
     except (ValueError, KeyError, OSError) as e:
         raise MagicDecError(str(e).strip("'\"")) from None
     acceptance = AcceptanceTable.from_json(args.acceptance) if args.acceptance else AcceptanceTable.paper_default()
+    nbytes = {"bf16": 2, "fp16": 2, "fp32": 4}[args.dtype]
     rows = plan_table(target, hw, args.batch, args.context, acceptance, draft=draft, tp=args.tp,
-                      mode="greedy" if args.mode == "greedy" else "sampling")
+                      mode="greedy" if args.mode == "greedy" else "sampling", dtype_bytes=nbytes,
+                      kv_dtype_bytes=nbytes)
     cols = ["batch", "context", "strategy", "budget", "gamma", "predicted_speedup", "predicted_throughput",
             "verify_dominant", "draft_dominant"]
     print(format_table(rows, [c for c in cols if c in rows[0]]))
@@ -263,6 +267,10 @@ def cmd_calibrate(args) -> int:
     cal = calibrate.measure_hardware(llm.model.device, quick=args.quick, progress=progress, model=llm.model)
     path = cal.save(args.output)
     print(json.dumps(cal.profile.__dict__, indent=1, default=str))
+    check = cal.measurements["check"]
+    print(f"profile check: {len(cal.measurements['forwards'])} forwards predicted within "
+          f"{100 * check['median_relative_error']:.0f}% (median), {100 * check['worst_relative_error']:.0f}% (worst)",
+          file=sys.stderr)
     print(f"hardware profile written to {path}", file=sys.stderr)
     if args.acceptance:
         quick = dict(contexts=(1024, 2048), budgets=(64, 256), n_prompts=2, new_tokens=32) if args.quick else {}
@@ -328,6 +336,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--batch", type=size_list, default=[1, 8, 32, 128], help="batch sizes (default 1,8,32,128)")
     pl.add_argument("--context", type=size_list, default=[1024, 8192, 32768, 131072], help="contexts (default 1k,8k,32k,128k)")
     pl.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel degree (default 1)")
+    pl.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16",
+                    help="weight and KV dtype (default bf16, as on GPUs; fp32 as magicdec runs on CPUs)")
     pl.add_argument("--mode", choices=["greedy", "sampling"], default="greedy", help="acceptance regime")
     pl.add_argument("--acceptance", help="acceptance table JSON (default: the paper's StreamingLLM numbers)")
     pl.add_argument("--plot", help="write a speedup-vs-batch PNG here")
@@ -335,8 +345,10 @@ def build_parser() -> argparse.ArgumentParser:
     pl.set_defaults(func=cmd_plan)
 
     c = sub.add_parser("calibrate", help="measure this machine (and acceptance) for the planner",
-                       description="Measures matmul FLOP/s, attention and memory bandwidth and the fixed per-forward "
-                                   "overhead, and saves a hardware profile the planner loads.")
+                       description="Measures peak FLOP/s and read bandwidth, the fixed per-forward overhead, and the "
+                                   "model's linear-layer and attention rates against batch x new tokens (the shapes "
+                                   "draft and verify steps take), checks the result on a grid of forwards, and saves "
+                                   "a hardware profile the planner loads.")
     c.add_argument("--device", help="cpu or cuda (default cpu)")
     c.add_argument("--quick", action="store_true", help="a few seconds instead of a few minutes")
     c.add_argument("--output", help="profile JSON path (default: the user cache folder)")

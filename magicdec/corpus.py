@@ -10,7 +10,7 @@ from magicdec.errors import InvalidRequestError
 from magicdec.loading.tokenizer import Tokenizer
 
 #: Characters tokenized per wanted token when cutting a prompt (English prose runs ~4 chars/token).
-CHARS_PER_TOKEN = 6
+CHARS_PER_TOKEN = 8
 
 
 def load_texts(path: str | Path) -> list[str]:
@@ -39,24 +39,32 @@ def load_texts(path: str | Path) -> list[str]:
     return texts
 
 
-def cut_prompts(tok: Tokenizer, texts: Sequence[str], n: int, length: int, start_frac: float = 0.2) -> list[list[int]]:
-    """n prompts of exactly `length` tokens, taken round-robin from the texts, starting `start_frac`
-    into each text (and further in for later prompts from the same text), as the MagicDec paper cuts
-    PG-19 prompts from inside books."""
+def cut_prompts(tok: Tokenizer, texts: Sequence[str], n: int, length: int, *, lo: float = 0.2,
+                hi: float = 0.7) -> list[list[int]]:
+    """`n` prompts of exactly `length` ids (BOS first if the model uses one), cut from inside the texts.
+
+    Prompt i comes from text i % len(texts), starting at a word boundary at a fraction of the text
+    spread over [lo, hi] (later passes over the same text start elsewhere), so prompts sit well
+    inside books, away from front matter, as the MagicDec paper cuts PG-19 prompts. Texts too short
+    for a prompt are skipped.
+    """
     if n < 1 or length < 1:
         raise InvalidRequestError("the number of prompts and their length must be >= 1")
-    prompts = []
-    for i in range(n):
+    if not texts:
+        raise InvalidRequestError("no texts to cut prompts from")
+    prompts: list[list[int]] = []
+    i = 0
+    while len(prompts) < n:
+        if i > 4 * n + 4 * len(texts):
+            raise InvalidRequestError(f"the texts are too short for {n} prompts of {length} tokens")
         text = texts[i % len(texts)]
-        need = length * CHARS_PER_TOKEN
-        if len(text) < need:
-            raise InvalidRequestError(f"text {i % len(texts)} is too short for a {length}-token prompt")
-        room = len(text) - need
-        start = int(room * start_frac) + (i // len(texts)) * need
-        start = start % (room + 1)
-        ids = tok.tok.encode(text[start : start + need], add_special_tokens=False).ids
-        if len(ids) < length:
-            raise InvalidRequestError(f"text {i % len(texts)} yields fewer than {length} tokens at offset {start}")
-        body = ids[1 : length + 1] if len(ids) > length else ids[:length]  # skip a likely partial first word
-        prompts.append(([tok.bos_id] + body[: length - 1]) if tok.add_bos else body)
+        frac = lo + (hi - lo) * ((i * 0.618034 + (i // len(texts)) * 0.381966) % 1.0)
+        i += 1
+        chars = CHARS_PER_TOKEN * length + 1000
+        start = text.find(" ", int(len(text) * frac)) + 1
+        if start <= 0 or start + chars // 2 > len(text):
+            start = text.find(" ", max(0, len(text) - chars)) + 1
+        ids = tok.encode(text[start : start + chars])
+        if len(ids) >= length:
+            prompts.append(ids[:length])
     return prompts

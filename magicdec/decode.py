@@ -8,6 +8,7 @@ tensors [B, ...]; Python sees the batch once per round (to learn which sequences
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -48,8 +49,10 @@ class GenerationStats:
     draft_s: float = 0.0
     verify_s: float = 0.0
     steps: int = 0  # decode rounds (target forwards after prefill)
-    gamma: int = 0
+    gamma: int = 0  # the largest draft length of the run
     accepted_hist: list[int] = field(default_factory=list)  # verify steps (per sequence) by accepted count
+    drafted_tokens: int = 0
+    gamma_changes: list[tuple[int, int]] = field(default_factory=list)  # (round, gamma from then on)
     peak_memory_bytes: int = 0
 
     @property
@@ -74,7 +77,8 @@ class GenerationStats:
     @property
     def acceptance_rate(self) -> float:
         """Fraction of drafted tokens the target accepted."""
-        return self.mean_accepted / self.gamma if self.gamma else 0.0
+        accepted = sum(i * c for i, c in enumerate(self.accepted_hist))
+        return accepted / self.drafted_tokens if self.drafted_tokens else 0.0
 
     @property
     def tokens_per_step(self) -> float:
@@ -223,18 +227,24 @@ class Prefilled:
 
     def tile(self, times: int) -> "Prefilled":
         """This batch repeated `times` times (row i of the result is row i % batch): the decode work of a
-        batch `times` larger for one prefill (benchmarks use it to reach large batches affordably)."""
+        batch `times` larger for one prefill (benchmarks use it to reach large batches affordably).
+        The result has a cache of its own; this one is left as it is."""
         rows = torch.arange(self.batch, device=self.lens.device).repeat(times)
-        self.cache.select_rows(rows)
+        cache = copy.copy(self.cache)
+        cache.select_rows(rows)  # rebinds the copy's tensors to new, tiled ones
         observer = None
         if self.observer is not None:
             observer = SnapKVObserver(len(self.observer.scores))
             observer.scores = [s.index_select(0, rows) for s in self.observer.scores]
-        return Prefilled(self.tokens[rows], self.lens[rows], self.cache, self.logits[rows], observer, self.seconds)
+        return Prefilled(self.tokens[rows], self.lens[rows], cache, self.logits[rows], observer, self.seconds)
 
 
 #: Most tokens a round can add beyond max_tokens (gamma drafts + 1); caches get this much slack.
 MAX_GAMMA = 16
+#: Rounds between calls of a re-planner (`decode(replan=...)`).
+REPLAN_EVERY = 16
+#: A re-planner: (live sequences, their mean context length) -> the draft length for the next rounds.
+Replanner = Callable[[int, int], int]
 
 
 @torch.inference_mode()
@@ -277,6 +287,7 @@ def generate_ids(
     prefill_chunk: int = 512,
     stop_strings: StopStrings | None = None,
     progress: ProgressFn | None = None,
+    replan: Replanner | None = None,
 ) -> tuple[list[SequenceOutput], GenerationStats]:
     """Prefill and decode a batch of token-id prompts; speculative when a drafter is given."""
     observe = drafter is not None and drafter.needs_target_attention
@@ -284,7 +295,7 @@ def generate_ids(
         model, prompts, params.max_tokens, kv_dtype=kv_dtype, chunk=prefill_chunk, observe=observe, progress=progress
     )
     return decode(model, pre, params, eos_ids, drafter=drafter, gamma=gamma, stop_strings=stop_strings,
-                  prefill_chunk=prefill_chunk)
+                  prefill_chunk=prefill_chunk, replan=replan)
 
 
 @torch.inference_mode()
@@ -299,9 +310,15 @@ def decode(
     stop_strings: StopStrings | None = None,
     prefill_chunk: int = 512,
     reuse: bool = False,
+    replan: Replanner | None = None,
 ) -> tuple[list[SequenceOutput], GenerationStats]:
     """Decode from prefilled prompts. With `reuse`, the target cache is rolled back to the prompts at
-    the end (and finished rows are never dropped), so the same `pre` can be decoded again."""
+    the end (and finished rows are never dropped), so the same `pre` can be decoded again.
+
+    With a drafter, `gamma` tokens are drafted per round, up to the drafter's own gamma. `replan`, if
+    given, sets the draft length (clamped to 1..drafter.gamma) in the first round and every
+    REPLAN_EVERY rounds after, from the live batch size and mean context, which shrink and grow as
+    the run goes on; outputs do not depend on it."""
     device = model.device
     gamma = gamma if drafter is not None else 0
     if gamma > MAX_GAMMA:
@@ -309,7 +326,9 @@ def decode(
     if drafter is not None and gamma > drafter.gamma:
         raise ValueError(f"gamma {gamma} exceeds the drafter's gamma {drafter.gamma} (its cache slack)")
     B, cache = pre.batch, pre.cache
-    stats = GenerationStats(batch=B, prompt_tokens=int(pre.lens.sum()), gamma=gamma, accepted_hist=[0] * (gamma + 1))
+    max_gamma = drafter.gamma if replan is not None and drafter is not None else gamma
+    stats = GenerationStats(batch=B, prompt_tokens=int(pre.lens.sum()), gamma=max_gamma,
+                            accepted_hist=[0] * (max_gamma + 1))
     stats.prefill_s = pre.seconds
     generator = None
     if params.seed is not None:
@@ -321,11 +340,11 @@ def decode(
         _sync(device)
         stats.prefill_s += time.perf_counter() - t0
 
-    out = _Outputs(B, params, eos_ids, gamma + 2, device)
+    out = _Outputs(B, params, eos_ids, max_gamma + 2, device)
     out.emit(last[:, None], torch.ones_like(last))
     rows = torch.arange(B, device=device)  # original index of each active row
     results: list[SequenceOutput | None] = [None] * B
-    seq_hist = torch.zeros(B, gamma + 1, dtype=torch.long, device=device)  # per sequence accepted counts
+    seq_hist = torch.zeros(B, max_gamma + 1, dtype=torch.long, device=device)  # per sequence accepted counts
 
     t_decode = time.perf_counter()
     while True:
@@ -346,6 +365,13 @@ def decode(
             if drafter is not None:
                 drafter.select_rows(keep)
         live = (out.finish == FINISH_NONE).long()
+        if replan is not None and drafter is not None and stats.steps % REPLAN_EVERY == 0:
+            n_live = len(finish) - n_done
+            context = int((cache.lens * live).sum()) // n_live
+            new_gamma = max(1, min(drafter.gamma, replan(n_live, context)))
+            if new_gamma != gamma or not stats.gamma_changes:
+                gamma = new_gamma
+                stats.gamma_changes.append((stats.steps, gamma))
         stats.steps += 1
         if drafter is None:
             logits = model(last[:, None], cache)[:, 0]
@@ -354,6 +380,7 @@ def decode(
             out.emit(last[:, None], torch.ones_like(last))
             continue
         t = time.perf_counter()
+        stats.drafted_tokens += gamma * (len(finish) - n_done)
         draft, draft_probs = drafter.propose(gamma, params, generator)
         _sync(device)
         stats.draft_s += time.perf_counter() - t

@@ -111,7 +111,7 @@ class LLM:
         results, stats = generate_ids(
             self.model, ids, params, self.tokenizer.eos_ids,
             drafter=drafter, gamma=gamma, kv_dtype=self.kv_dtype, prefill_chunk=self.prefill_chunk,
-            stop_strings=stops, progress=progress,
+            stop_strings=stops, progress=progress, replan=speculative.replan if speculative is not None else None,
         )
         self.last_stats = stats
         outputs = []

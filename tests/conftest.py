@@ -108,11 +108,7 @@ def hf_model(default_path):
 
 @pytest.fixture(scope="session")
 def llm():
-    """The engine over the default model (needs magicdec.speculative, which engine.py imports)."""
-    try:
-        import magicdec.speculative  # noqa: F401
-    except ImportError as e:
-        pytest.skip(f"magicdec.engine cannot be imported yet (magicdec.speculative missing: {e})")
+    """The engine over the default model."""
     from magicdec.engine import LLM
 
     return LLM(device="cpu")

@@ -101,6 +101,22 @@ def test_bench_resumes_and_plots(tmp_path, capsys):
     assert all(doc["points"][k]["time"] == t for k, t in stamps.items())
 
 
+def test_bench_shares_prefill_and_shortens_long_contexts(tmp_path, capsys, tiny_llama):
+    """Batches of one context tile one prefill of the distinct prompts; a context the model cannot hold
+    with the new tokens runs at the longest length that fits (the tiny model holds 1024 tokens)."""
+    out = tmp_path / "bench.json"
+    argv = ["bench", "--model", tiny_llama[0].source, "--corpus", str(DATA), "--batch", "2,4", "--context", "4k",
+            "--distinct-prompts", "2", "--drafters", "none,self-streaming", "--budget", "32", "--gamma", "2",
+            "--max-tokens", "6", "--out", str(out)]
+    assert run(argv, capsys)[0] == 0
+    points = json.loads(out.read_text())["points"]
+    assert len(points) == 4
+    assert {p["context"] for p in points.values()} == {4096}
+    assert {p["context_used"] for p in points.values()} == {1024 - 6}
+    assert len({p["prefill_s"] for p in points.values()}) == 1  # one prefill for both batch sizes
+    assert all(p["throughput"] > 0 and p["steps"] > 0 for p in points.values())
+
+
 def test_plan_prints_table_and_plot(tmp_path, capsys):
     png = tmp_path / "plan.png"
     code, out, _ = run(["plan", "--model", "llama-3.1-8b", "--hardware", "h100", "--batch", "1,128",

@@ -75,6 +75,23 @@ def test_tiny_model_ragged_greedy_matches_transformers(tiny_llama, chunk):
         assert out.finish_reason == ("stop" if want[-1] == EOS[0] else "length")
 
 
+def test_tiled_prefill_decodes_like_its_rows_and_leaves_the_original(tiny_llama):
+    """`Prefilled.tile` (how benchmarks reach large batches) gives row i the decode of prompt i % batch
+    and keeps the original prefill intact for further decodes."""
+    from magicdec.decode import decode, prefill_prompts
+
+    model = tiny_llama[0].model
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (9, 30)]
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    pre = prefill_prompts(model, prompts, 8)
+    k_before = pre.cache.k.clone()
+    tiled, _ = decode(model, pre.tile(3), params, EOS, reuse=True)
+    assert torch.equal(pre.cache.k, k_before) and pre.batch == 2
+    alone, _ = decode(model, pre, params, EOS, reuse=True)
+    assert [o.token_ids for o in tiled] == [o.token_ids for o in alone] * 3
+
+
 def test_batch_invariance(default_model, batch_greedy, long_prompts):
     """Each sequence's greedy tokens alone equal its tokens in the ragged batch (and in another order)."""
     batch_outs, _ = batch_greedy

@@ -15,7 +15,7 @@ from magicdec.planner import (
     HardwareProfile,
     ModelShape,
     decode_step_time,
-    draft_step_time,
+    draft_time,
     expected_tokens,
     format_table,
     forward_cost,
@@ -53,6 +53,31 @@ def test_model_shape_counts():
     # Tied: the embedding is the lm head, counted once.
     smollm = MODEL_PRESETS["smollm2-135m"]
     assert smollm.n_params == smollm.n_params_linear + (2 * 30 + 1) * 576
+
+
+def test_measured_rates_replace_the_roofline(tmp_path):
+    """A calibrated profile's rates: log-log interpolation inside the measured range, compute-bound
+    growth beyond it, constant below it; attention time is KV bytes over the rate at q."""
+    hw = dataclasses.replace(TOY_HW, fixed_overhead_s=0.0, linear_rates=((1, 10e9), (4, 5e9), (16, 10e9)),
+                             attention_rates=((1, 8e9), (8, 4e9)))
+    w = LLAMA3.n_params_linear * 2
+
+    def linear_time(tokens):
+        return forward_cost(LLAMA3, hw, tokens, 1, 0).time
+
+    assert linear_time(1) == pytest.approx(w / 10e9)
+    assert linear_time(2) == pytest.approx(w / (10e9 * 0.5**0.5))  # halfway (in log) from 1 to 4
+    assert linear_time(4) == pytest.approx(w / 5e9)
+    assert linear_time(32) == pytest.approx(2 * w / 10e9)  # beyond 16 tokens: time grows with tokens
+    kv = 4 * 1000 * LLAMA3.kv_bytes_per_token(2)
+    attention = forward_cost(LLAMA3, hw, 4, 8, 1000).time - forward_cost(LLAMA3, hw, 4, 8, 0).time
+    assert attention == pytest.approx(kv / 4e9)
+    assert forward_cost(LLAMA3, hw, 1, 1, 0).dominant == "weights"
+    path = tmp_path / "hw.json"
+    hw.to_json(path)
+    assert HardwareProfile.from_json(path) == hw  # lists in JSON, tuples again when read
+    with pytest.raises(ValueError, match="ascending"):
+        dataclasses.replace(TOY_HW, linear_rates=((4, 1e9), (2, 1e9)))
 
 
 def test_from_hf_config_matches_preset():
@@ -116,11 +141,14 @@ def test_step_helpers():
 
     assert decode_step_time(LLAMA2, TOY_HW, 4, 8000) == time(LLAMA2, 1, 8000)
     assert verify_step_time(LLAMA2, TOY_HW, 4, 8000, gamma=3) == time(LLAMA2, 4, 8000)
-    # Self-speculation: target shape over the budget; a budget past the context is the context.
-    assert draft_step_time(LLAMA2, TOY_HW, 4, 8000, budget=512) == time(LLAMA2, 1, 512)
-    assert draft_step_time(LLAMA2, TOY_HW, 4, 300, budget=512) == time(LLAMA2, 1, 300)
+    # Self-speculation: target shape over the budget; a budget past the context is the context. The
+    # first draft forward of a round also feeds the previous round's pending token.
+    assert draft_time(LLAMA2, TOY_HW, 4, 8000, budget=512, gamma=1) == time(LLAMA2, 2, 512)
+    assert draft_time(LLAMA2, TOY_HW, 4, 8000, budget=512, gamma=3) == pytest.approx(
+        time(LLAMA2, 2, 512) + 2 * time(LLAMA2, 1, 512))
+    assert draft_time(LLAMA2, TOY_HW, 4, 300, budget=512, gamma=1) == time(LLAMA2, 2, 300)
     # Standalone draft: dense cache attends the whole context.
-    assert draft_step_time(TINYLLAMA, TOY_HW, 4, 8000, budget=None) == time(TINYLLAMA, 1, 8000)
+    assert draft_time(TINYLLAMA, TOY_HW, 4, 8000, budget=None, gamma=1) == time(TINYLLAMA, 2, 8000)
 
 
 def test_expected_tokens_edge_cases():
@@ -227,9 +255,9 @@ def test_plan_with_draft_model_uses_fewer_devices_for_few_kv_heads():
     assert (best.strategy, best.draft_cache, best.budget) == ("model", "streaming", 256)
     # TinyLlama has 4 KV heads: it runs on gcd(8, 4) = 4 devices, so its draft step is
     # slower than if it were split 8 ways.
-    expected_draft = draft_step_time(TINYLLAMA, get_profile("a100-80gb"), 64, 8000, 256, tp=4)
+    expected_draft = draft_time(TINYLLAMA, get_profile("a100-80gb"), 64, 8000, 256, best.gamma, tp=4)
     t_verify = verify_step_time(LLAMA2, get_profile("a100-80gb"), 64, 8000, best.gamma, tp=8)
-    throughput = 64 * expected_tokens(0.8, best.gamma) / (best.gamma * expected_draft + t_verify)
+    throughput = 64 * expected_tokens(0.8, best.gamma) / (expected_draft + t_verify)
     assert best.predicted_throughput == pytest.approx(throughput)
 
 

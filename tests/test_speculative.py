@@ -224,6 +224,31 @@ def test_max_tokens_exact_when_a_round_overshoots(model, draft_model, pre, ar, e
     assert stats.steps == {1: 0, 2: 1}.get(max_tokens, stats.steps) and stats.steps <= max_tokens - 1
 
 
+def test_replanned_gamma_keeps_outputs_and_counts_drafts(llm, corpus_prompt):
+    """A re-planner changing the draft length every REPLAN_EVERY rounds (as `--draft auto` does while
+    the batch shrinks and contexts grow) leaves greedy outputs those of plain decoding."""
+    from magicdec.decode import REPLAN_EVERY
+    from magicdec.speculative import SpeculativeConfig
+
+    ids = [corpus_prompt(n, book=b, at=0.6) for n, b in ((300, 3), (80, 4), (150, 5))]
+    params = SamplingParams(max_tokens=160, ignore_eos=True)  # enough for three re-plans
+    plain = llm.generate(prompt_token_ids=ids, params=params)
+    calls = []
+
+    def replan(live: int, context: int) -> int:
+        calls.append((live, context))
+        return (1, 4, 2, 9)[min(len(calls) - 1, 3)]  # 9 is clamped to the drafter's gamma, 5
+
+    cfg = SpeculativeConfig("self-streaming", budget=64, gamma=5, replan=replan)
+    spec = llm.generate(prompt_token_ids=ids, params=params, speculative=cfg)
+    assert [s.token_ids for s in spec] == [p.token_ids for p in plain]
+    stats = llm.last_stats
+    assert stats.gamma_changes[:3] == [(0, 1), (REPLAN_EVERY, 4), (2 * REPLAN_EVERY, 2)]
+    assert calls[0][0] == 3 and all(1 <= live <= 3 for live, _ in calls)  # rows finish at their own pace
+    assert calls[0][1] == (300 + 80 + 150) // 3 and calls[1][1] > calls[0][1]  # contexts grow
+    assert len(stats.accepted_hist) == 6 and 0 < stats.acceptance_rate <= 1
+
+
 # --- through the engine: real draft prefill, SpeculativeConfig --------------------------------------------------
 def test_engine_speculative_matches_plain(llm, default_path, corpus_prompt):
     from magicdec.speculative import SpeculativeConfig

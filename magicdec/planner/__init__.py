@@ -2,7 +2,7 @@
 strategy, draft budget and draft length. Pure Python; it does not import torch."""
 
 from magicdec.planner.acceptance import AcceptanceTable, expected_tokens
-from magicdec.planner.cost import ForwardCost, decode_step_time, draft_step_time, forward_cost, verify_step_time
+from magicdec.planner.cost import ForwardCost, decode_step_time, draft_time, forward_cost, verify_step_time
 from magicdec.planner.hardware import PRESETS, HardwareProfile, get_profile
 from magicdec.planner.models import MODEL_PRESETS, ModelShape, get_model_shape
 from magicdec.planner.plan import DRAFT_CACHES, STRATEGIES, Plan, plan, plan_table
@@ -19,7 +19,7 @@ __all__ = [
     "Plan",
     "STRATEGIES",
     "decode_step_time",
-    "draft_step_time",
+    "draft_time",
     "expected_tokens",
     "forward_cost",
     "format_table",

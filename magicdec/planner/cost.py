@@ -12,10 +12,17 @@ one max over the whole pass would let the attention's idle compute hide the line
 compute: once verification of gamma+1 tokens makes the linear layers compute-bound while
 attention is still streaming a long KV cache, the two add up, which is why verification gets
 dearer with gamma even when the KV cache dominates.
+
+A calibrated profile may carry measured rates instead of a single efficiency per group: the
+weight bytes/s of the linear layers against the tokens per forward, and the KV bytes/s of
+attention against the new tokens per sequence (`HardwareProfile.linear_rates`,
+`attention_rates`). A group's time is then its bytes over the rate interpolated at its shape;
+the roofline still names the bound ("weights", "kv" or "compute").
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from magicdec.planner.hardware import HardwareProfile
@@ -61,6 +68,25 @@ def _activation_elements_per_token(shape: ModelShape) -> int:
     return shape.n_layers * per_layer + shape.dim + shape.vocab_size
 
 
+def rate_at(rates: tuple[tuple[float, float], ...], x: float) -> float:
+    """A measured rate at `x`: log-log interpolation between the (x, rate) pairs; below the first the
+    first rate, beyond the last the work grows as x at the last point's time (compute-bound)."""
+    if x <= rates[0][0]:
+        return rates[0][1]
+    if x >= rates[-1][0]:
+        return rates[-1][1] * rates[-1][0] / x
+    for (x0, r0), (x1, r1) in zip(rates, rates[1:]):
+        if x <= x1:
+            f = math.log(x / x0) / math.log(x1 / x0)
+            return r0 * (r1 / r0) ** f
+    raise AssertionError("unreachable")
+
+
+def _split(t: float, memory_bound: bool) -> tuple[float, float]:
+    """(memory time, compute time) of a group measured at `t`, all of it on the roofline's bound."""
+    return (t, 0.0) if memory_bound else (0.0, t)
+
+
 def forward_cost(
     shape: ModelShape,
     hw: HardwareProfile,
@@ -93,6 +119,12 @@ def forward_cost(
     t_linear_compute = flops_linear / (hw.flops_per_s * hw.matmul_efficiency)
     t_kv = bytes_kv / bandwidth
     t_attention_compute = flops_attention / (hw.flops_per_s * hw.attention_efficiency)
+    if hw.linear_rates is not None:
+        t_linear = bytes_weights / rate_at(hw.linear_rates, tokens)
+        t_linear_memory, t_linear_compute = _split(t_linear, t_linear_memory >= t_linear_compute)
+    if hw.attention_rates is not None and bytes_kv > 0:
+        t_attention = bytes_kv / rate_at(hw.attention_rates, q)
+        t_kv, t_attention_compute = _split(t_attention, t_kv >= t_attention_compute)
 
     t_comm = 0.0
     if tp > 1:
@@ -155,21 +187,27 @@ def verify_step_time(
     return forward_cost(shape, hw, batch, gamma + 1, context, weight_dtype_bytes, kv_dtype_bytes, tp).time
 
 
-def draft_step_time(
+def draft_time(
     shape: ModelShape,
     hw: HardwareProfile,
     batch: int,
     context: int,
     budget: int | None,
+    gamma: int,
     weight_dtype_bytes: float = 2,
     kv_dtype_bytes: float = 2,
     tp: int = 1,
 ) -> float:
-    """Seconds of one draft step.
+    """Seconds of the gamma draft forwards of one round.
 
-    Self-speculation passes the target's shape and the sparse cache's `budget`; a standalone
-    draft passes its own shape, with `budget=None` for a dense draft cache (it attends the
-    whole `context`) or its sparse budget. A budget larger than the context is the context.
+    The first forward also feeds the token the previous round left pending (after a fully accepted
+    round, the last draft and the target's bonus token are both new to the draft cache), so it runs
+    two tokens per sequence; the others run one. Self-speculation passes the target's shape and the
+    sparse cache's `budget`; a standalone draft passes its own shape, with `budget=None` for a dense
+    draft cache (it attends the whole `context`) or its sparse budget. A budget larger than the
+    context is the context.
     """
     kv_len = context if budget is None else min(budget, context)
-    return forward_cost(shape, hw, batch, 1, kv_len, weight_dtype_bytes, kv_dtype_bytes, tp).time
+    first = forward_cost(shape, hw, batch, 2, kv_len, weight_dtype_bytes, kv_dtype_bytes, tp).time
+    rest = forward_cost(shape, hw, batch, 1, kv_len, weight_dtype_bytes, kv_dtype_bytes, tp).time
+    return first + (gamma - 1) * rest

@@ -36,8 +36,25 @@ class HardwareProfile:
     """Extra fixed time per layer per forward pass (e.g. all-reduce latency under TP)."""
     ici_bandwidth: float | None = None
     """Per-direction interconnect bandwidth per device, bytes/s (NVLink, PCIe); None if unknown."""
+    linear_rates: tuple[tuple[float, float], ...] | None = None
+    """Measured (tokens per forward, weight bytes/s) pairs of the linear layers, ascending in tokens.
+    When given they replace the linear layers' roofline: small-matrix kernels do not follow
+    it (on CPUs a few rows can cost twice one row), and the rate also folds in the per-token
+    work around the matmuls (norms, RoPE, activations, cache writes)."""
+    attention_rates: tuple[tuple[float, float], ...] | None = None
+    """Measured (new tokens per sequence, KV bytes/s) pairs of attention, ascending; when given
+    they replace attention's roofline."""
 
     def __post_init__(self) -> None:
+        for field in ("linear_rates", "attention_rates"):
+            rates = getattr(self, field)
+            if rates is None:
+                continue
+            rates = tuple((float(x), float(r)) for x, r in rates)  # JSON gives lists
+            if not rates or any(x <= 0 or r <= 0 for x, r in rates) or any(
+                    a[0] >= b[0] for a, b in zip(rates, rates[1:])):
+                raise ValueError(f"{field} must be (x, rate) pairs, positive and ascending in x")
+            object.__setattr__(self, field, rates)
         for field in ("flops_per_s", "mem_bandwidth", "mem_bytes"):
             if getattr(self, field) <= 0:
                 raise ValueError(f"{field} must be positive, got {getattr(self, field)}")

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from magicdec.planner.acceptance import MODES, AcceptanceTable, expected_tokens
-from magicdec.planner.cost import decode_step_time, draft_step_time, forward_cost, verify_step_time
+from magicdec.planner.cost import decode_step_time, draft_time, forward_cost, verify_step_time
 from magicdec.planner.hardware import HardwareProfile
 from magicdec.planner.models import ModelShape
 
@@ -94,7 +94,7 @@ def plan(
     over `gammas`, for `batch` sequences at `context` tokens. Drafters the acceptance table
     has no rate for are skipped. Speculation must beat AR strictly to be chosen.
 
-    Throughput(spec) = B * E[tokens] / (gamma * T_draft + T_verify(gamma + 1));
+    Throughput(spec) = B * E[tokens] / (T_draft(gamma) + T_verify(gamma + 1)), T_draft from `draft_time`;
     Throughput(AR) = B / T_decode. Candidates that do not fit in memory are skipped, unless
     even AR does not fit (then the search ignores memory and `fits_in_memory` is False).
 
@@ -132,9 +132,9 @@ def plan(
         fits = target_memory + memory(d.shape, kv_len, d.tp, weights=d.strategy == "model") <= hw.mem_bytes
         if ar_fits and not fits:
             continue
-        t_draft = draft_step_time(d.shape, hw, batch, context, d.budget, dtype_bytes, kv_dtype_bytes, d.tp)
         for g in gammas:
-            throughput = batch * expected_tokens(alpha, g) / (g * t_draft + t_verify[g])
+            t_draft = draft_time(d.shape, hw, batch, context, d.budget, g, dtype_bytes, kv_dtype_bytes, d.tp)
+            throughput = batch * expected_tokens(alpha, g) / (t_draft + t_verify[g])
             if best is None or throughput > best[0]:
                 best = (throughput, d, g, alpha, fits)
 
