@@ -206,15 +206,11 @@ def _predicted_round(p: dict[str, Any]) -> float:
 
 def _predicted_with_other(p: dict[str, Any]) -> float:
     """The prediction (with the run's own alpha) if the round also took the measured non-forward time."""
-    e = _expected(p["alpha_run"], p["gamma"])
-    round_predicted = p["batch"] * e / p["predicted_throughput_run_alpha"]
-    return p["batch"] * e / (round_predicted + p["other_s"] / p["steps"])
-
-
-def _expected(alpha: float, gamma: int) -> float:
     from magicdec.planner import expected_tokens
 
-    return expected_tokens(alpha, gamma)
+    e = expected_tokens(p["alpha_run"], p["gamma"])
+    round_predicted = p["batch"] * e / p["predicted_throughput_run_alpha"]
+    return p["batch"] * e / (round_predicted + p["other_s"] / p["steps"])
 
 
 def _label(p: dict[str, Any] | None) -> str:

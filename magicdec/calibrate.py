@@ -1,6 +1,6 @@
 """Measure this machine for the planner: a hardware profile and a table of acceptance rates.
 
-`calibrate_hardware` times, in the compute dtype:
+`measure_hardware` times, in the compute dtype:
 
 - a plain read (reduction of a tensor larger than the last-level cache), for the peak bandwidth,
   and a large square matmul, for the peak FLOP rate;
@@ -425,23 +425,6 @@ def _default_name(device: torch.device) -> str:
         gpu = torch.cuda.get_device_name(device).lower().replace("nvidia", "").strip().replace(" ", "-")
         return f"calibrated-{gpu}"
     return f"calibrated-cpu-{torch.get_num_threads()}t"
-
-
-def calibrate_hardware(
-    device: str | torch.device = "cpu",
-    quick: bool = False,
-    progress: CalibrationProgress | None = None,
-    *,
-    model=None,
-    dtype: torch.dtype | None = None,
-) -> HardwareProfile:
-    """Measure this machine and return a HardwareProfile whose `forward_cost` reproduces its forwards.
-
-    See `measure_hardware` (which also returns the raw measurements). On CPU the result depends on
-    `torch.get_num_threads()` (recorded in the profile's name): calibrate with the thread count you
-    will decode with. Save it with `profile.to_json(default_profile_path(device))`.
-    """
-    return measure_hardware(device, quick, progress, model=model, dtype=dtype).profile
 
 
 # --- acceptance ----------------------------------------------------------------------------------------
