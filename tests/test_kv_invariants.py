@@ -514,3 +514,21 @@ def test_self_spec_with_budget_covering_context_drafts_like_the_target(target, p
     outs, stats = decode(target, pre, SamplingParams(max_tokens=MAX_TOKENS), (), drafter=drafter, gamma=gamma)
     assert stats.accepted_hist[gamma] >= 0.9 * stats.verify_steps
     assert all(len(o.token_ids) == MAX_TOKENS for o in outs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_update_writes_each_row_at_its_own_slots(target, dtype):
+    cfg = target.cfg
+    cache = KVCache(cfg, 3, 12, dtype, "cpu")
+    cache.commit(torch.tensor([0, 4, 7]))  # ragged rows
+    q = 3
+    cache.attn_mask(q)
+    k = torch.randn(3, cfg.n_kv_heads, q, cfg.head_dim)
+    v = torch.randn(3, cfg.n_kv_heads, q, cfg.head_dim)
+    keys, values = cache.update(1, k, v)
+    assert keys.shape == (3, cfg.n_kv_heads, 7 + q, cfg.head_dim)
+    for row, start in enumerate((0, 4, 7)):
+        assert torch.equal(cache.k[1, row, :, start : start + q], k[row].to(dtype))
+        assert torch.equal(cache.v[1, row, :, start : start + q], v[row].to(dtype))
+        assert not cache.k[1, row, :, :start].any() and not cache.k[1, row, :, start + q :].any()
+    assert not cache.k[0].any()  # other layers untouched

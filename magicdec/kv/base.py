@@ -37,6 +37,7 @@ class KVCache:
         self.next_pos = torch.zeros(batch, dtype=torch.long, device=device)
         self.max_len = 0  # host-side upper bound of lens, so attention reads only the filled prefix
         self._slots: Tensor | None = None  # slots being written by the current forward, [B, q]
+        self._rows = torch.arange(batch, device=device)[:, None]  # [B, 1], pairs with _slots
 
     @staticmethod
     def nbytes(cfg: ModelConfig, batch: int, capacity: int, dtype: torch.dtype) -> int:
@@ -74,11 +75,12 @@ class KVCache:
 
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Write new k, v [B, KV, q, hd] at each row's next slots; return K, V [B, KV, L, hd] to attend."""
-        B, KV, q, hd = k.shape
-        index = self._slots[:, None, :, None].expand(B, KV, q, hd)
+        q = k.shape[2]
         kc, vc = self.k[layer], self.v[layer]
-        kc.scatter_(2, index, k.to(kc.dtype))
-        vc.scatter_(2, index, v.to(vc.dtype))
+        # index_put_ on the [B, slot, KV, hd] view: scatter_ into fp16/bf16 copies the whole tensor on CPU
+        index = (self._rows, self._slots)
+        kc.transpose(1, 2).index_put_(index, k.transpose(1, 2).to(kc.dtype))
+        vc.transpose(1, 2).index_put_(index, v.transpose(1, 2).to(vc.dtype))
         L = self.attended_slots(q)
         return kc[:, :, :L], vc[:, :, :L]
 
@@ -106,6 +108,7 @@ class KVCache:
         """Keep only the given rows (e.g. drop finished sequences); copies the cache once."""
         self.k = self.k.index_select(1, rows)
         self.v = self.v.index_select(1, rows)
+        self._rows = torch.arange(len(rows), device=self.device)[:, None]
         self.lens = self.lens.index_select(0, rows)
         self.next_pos = self.next_pos.index_select(0, rows)
         self.max_len = int(self.lens.max()) if len(rows) else 0
