@@ -4,9 +4,9 @@ The measurements are a `magicdec bench` sweep (benchmarks/spec_bench.sh throughp
 batch B and context S, prompts cut from inside PG-19 books are prefilled once, and plain
 autoregressive decoding and every (drafter, budget, gamma) decode the same new tokens from that
 prefill, side by side. Each greedy point is set against the planner's prediction from the
-calibrated hardware profile (`magicdec calibrate`) and the acceptance table, and, to separate the
-cost model's error from the acceptance model's, against the prediction with the acceptance rate
-measured in that very run. Per (B, S) the planner's choice among the measured configurations is
+calibrated hardware profile (`magicdec calibrate`) and the acceptance table. The error is split into
+its two halves: seconds per round (the cost model) and rounds (the acceptance model; the bench's
+static batch runs until its slowest row is done). Per (B, S) the planner's choice among the measured configurations is
 compared with the best measured one.
 
 Writes benchmarks/results/validate_planner.json (the profile, every point with its predictions, a
@@ -73,6 +73,7 @@ def bench_points(doc: dict[str, Any]) -> list[dict[str, Any]]:
              "context_mean": b.get("context_used", b["context"]) + new_tokens // 2,
              "drafter": "ar" if b["draft"] == "none" else b["draft"], "budget": b["budget"] or None,
              "gamma": b["gamma"], "steps": b["steps"], "decode_s": b["decode_s"],
+             "rows": distinct_rows(doc, b["batch"]),
              "measured_throughput": b["throughput"],
              # tokens each row decodes after the first (which comes from the prefill)
              "generated_per_row": new_tokens - 1,
@@ -89,14 +90,19 @@ def bench_points(doc: dict[str, Any]) -> list[dict[str, Any]]:
     return points
 
 
-def _alpha(table, drafter: str, budget: int, context: int) -> float:
-    return table.alpha(drafter, budget, context, "greedy")
+def distinct_rows(doc: dict[str, Any], batch: int) -> int:
+    """Distinct sequences in a bench batch: batches beyond the distinct prompts tile them, and tiled
+    copies of a greedy row decode alike, so only the distinct ones can be the slowest."""
+    return min(batch, doc["settings"].get("distinct_prompts") or batch)
 
 
 # --- summary --------------------------------------------------------------------------------------------
 def summarize(res: dict[str, Any], table, shape, hw, dtype_bytes: float, kv_bytes: float) -> None:
-    """Errors, speedups and the planner's choice per cell, into res["summary"]."""
-    from magicdec.planner import plan
+    """Errors, speedups and the planner's choice per cell, into res["summary"].
+
+    Predictions use the acceptance of the slowest distinct row (`AcceptanceTable.alpha(rows=...)`):
+    the bench decodes a static batch, which runs until its slowest row is done."""
+    from magicdec.planner import expected_tokens, plan
 
     points = res["points"]
     if not points:
@@ -107,13 +113,11 @@ def summarize(res: dict[str, Any], table, shape, hw, dtype_bytes: float, kv_byte
             pr = predict(shape, hw, p["batch"], ctx, "ar", None, 0, None, dtype_bytes, kv_bytes)
             p.update(predicted_throughput=pr["throughput"], predicted_step_s=pr["t_step"])
             continue
-        p["alpha_table"] = _alpha(table, p["drafter"], p["budget"], p["context_used"])
+        p["alpha_table"] = table.alpha(p["drafter"], p["budget"], p["context_used"], "greedy", rows=p["rows"])
         pr = predict(shape, hw, p["batch"], ctx, p["drafter"], p["budget"], p["gamma"], p["alpha_table"],
                      dtype_bytes, kv_bytes)
-        pr_run = predict(shape, hw, p["batch"], ctx, p["drafter"], p["budget"], p["gamma"], p["alpha_run"],
-                         dtype_bytes, kv_bytes)
-        p.update(predicted_throughput=pr["throughput"], predicted_throughput_run_alpha=pr_run["throughput"],
-                 predicted_draft_s=pr["t_draft"], predicted_verify_s=pr["t_verify"])
+        p.update(predicted_throughput=pr["throughput"], predicted_draft_s=pr["t_draft"], predicted_verify_s=pr["t_verify"],
+                 predicted_rounds=p["generated_per_row"] / expected_tokens(p["alpha_table"], p["gamma"]))
     by_cell: dict[tuple[int, int], list[dict]] = {}
     for p in points:
         by_cell.setdefault((p["batch"], p["context"]), []).append(p)
@@ -135,7 +139,7 @@ def summarize(res: dict[str, Any], table, shape, hw, dtype_bytes: float, kv_byte
         if ar is not None and drafters:
             chosen_plan = plan(shape, hw, batch, mean_ctx, table, budgets=budgets, gammas=gammas,
                                dtype_bytes=dtype_bytes, kv_dtype_bytes=kv_bytes,
-                               strategies=["ar", *drafters])
+                               strategies=["ar", *drafters], rows=pts[0]["rows"])
             want = (chosen_plan.strategy, chosen_plan.budget if chosen_plan.gamma else None, chosen_plan.gamma)
             chosen = next((p for p in pts if (p["drafter"], p["budget"], p["gamma"]) == want), None)
             cell["choice"] = _label(chosen) if chosen else f"{chosen_plan.strategy} (not measured)"
@@ -148,8 +152,6 @@ def summarize(res: dict[str, Any], table, shape, hw, dtype_bytes: float, kv_byte
         cells.append(cell)
     err = [abs(p["predicted_throughput"] / p["measured_throughput"] - 1) for p in points]
     signed = [p["predicted_throughput"] / p["measured_throughput"] - 1 for p in points]
-    err_run = [abs(p["predicted_throughput_run_alpha"] / p["measured_throughput"] - 1)
-               for p in points if "predicted_throughput_run_alpha" in p]
     sp = [abs(p["predicted_speedup"] / p["measured_speedup"] - 1) for p in points
           if "measured_speedup" in p and p["drafter"] != "ar"]
     worst = max(points, key=lambda p: abs(p["predicted_throughput"] / p["measured_throughput"] - 1))
@@ -172,25 +174,22 @@ def summarize(res: dict[str, Any], table, shape, hw, dtype_bytes: float, kv_byte
                 p["measured_verify_s"] / p["predicted_verify_s"] for p in spec_pts)
             c["other_share_of_round"] = statistics.median(p["other_s"] / p["decode_s"] for p in spec_pts if "other_s" in p)
             c["other_s_per_round_median"] = statistics.median(p["other_s"] / p["steps"] for p in spec_pts if "other_s" in p)
-            # the prediction with the measured non-forward time per round added (what a cost model of
-            # the loop and the draft-cache eviction would recover)
-            fixed = [abs(_predicted_with_other(p) / p["measured_throughput"] - 1) for p in spec_pts if "other_s" in p]
-            c["rel_error_run_alpha_plus_measured_other_median"] = statistics.median(fixed)
+            c["rounds_measured_over_predicted"] = statistics.median(p["steps"] / p["predicted_rounds"] for p in spec_pts)
         components[f"B={batch}"] = c
-    # The cost model alone: predicted against measured seconds per round (one AR step, or gamma drafts
-    # and a verification). Throughput also depends on how many rounds the batch takes: a static batch
-    # runs until its slowest row is done, and rows that finish early still ride along.
+    # The two halves of a prediction: seconds per round (the cost model: one AR step, or gamma drafts
+    # and a verification) and rounds (the acceptance model: a static batch runs until its slowest row
+    # is done, and rows that finish early still ride along).
     round_err = [abs(_predicted_round(p) / (p["decode_s"] / p["steps"]) - 1) for p in points]
-    extra_rounds = [p["steps"] / (p["generated_per_row"] / p["tokens_per_step"]) - 1 for p in points
-                    if p["drafter"] != "ar"]
+    spec = [p for p in points if p["drafter"] != "ar"]
+    extra_rounds = [p["steps"] / (p["generated_per_row"] / p["tokens_per_step"]) - 1 for p in spec]
+    rounds_err = [abs(p["predicted_rounds"] / p["steps"] - 1) for p in spec]
     res["summary"] = {
         "n_points": len(points),
         "round_time_rel_error": {"median": statistics.median(round_err), "worst": max(round_err)},
         "rounds_beyond_mean_row_median": statistics.median(extra_rounds) if extra_rounds else None,
+        "rounds_rel_error": {"median": statistics.median(rounds_err), "worst": max(rounds_err)} if spec else None,
         "throughput_rel_error": {"median": statistics.median(err), "worst": max(err), "worst_point": worst["key"],
                                  "median_signed": statistics.median(signed)},
-        "throughput_rel_error_run_alpha": (
-            {"median": statistics.median(err_run), "worst": max(err_run)} if err_run else None),
         "speedup_rel_error": {"median": statistics.median(sp), "worst": max(sp)} if sp else None,
         "choice_within_10pct": f"{sum(within)}/{len(within)}",
         "components": components,
@@ -202,15 +201,6 @@ def _predicted_round(p: dict[str, Any]) -> float:
     if p["drafter"] == "ar":
         return p["predicted_step_s"]
     return p["gamma"] * p["predicted_draft_s"] + p["predicted_verify_s"]
-
-
-def _predicted_with_other(p: dict[str, Any]) -> float:
-    """The prediction (with the run's own alpha) if the round also took the measured non-forward time."""
-    from magicdec.planner import expected_tokens
-
-    e = expected_tokens(p["alpha_run"], p["gamma"])
-    round_predicted = p["batch"] * e / p["predicted_throughput_run_alpha"]
-    return p["batch"] * e / (round_predicted + p["other_s"] / p["steps"])
 
 
 def _label(p: dict[str, Any] | None) -> str:
@@ -244,14 +234,13 @@ def report(res: dict[str, Any], png: Path) -> None:
         r = s["round_time_rel_error"]
         print(f"{s['n_points']} points. Predicted seconds per round (the cost model): median error "
               f"{100 * r['median']:.1f}%, worst {100 * r['worst']:.1f}%")
-        if s.get("rounds_beyond_mean_row_median") is not None:
-            print(f"  speculative runs took {100 * s['rounds_beyond_mean_row_median']:.0f}% more rounds (median) than "
-                  f"their mean row needed: the batch waits for its slowest row")
+        if s.get("rounds_rel_error") is not None:
+            r = s["rounds_rel_error"]
+            print(f"Predicted rounds (the acceptance model, slowest of the distinct rows): median error "
+                  f"{100 * r['median']:.1f}%, worst {100 * r['worst']:.1f}%; the runs took "
+                  f"{100 * s['rounds_beyond_mean_row_median']:.0f}% more rounds (median) than their mean row needed")
         print(f"Predicted throughput, relative error: median {100 * e['median']:.1f}%, "
               f"worst {100 * e['worst']:.1f}% ({e['worst_point']}); median signed {100 * e['median_signed']:+.1f}%")
-        if s.get("throughput_rel_error_run_alpha"):
-            r = s["throughput_rel_error_run_alpha"]
-            print(f"  with each run's own measured alpha: median {100 * r['median']:.1f}%, worst {100 * r['worst']:.1f}%")
         if s.get("speedup_rel_error"):
             r = s["speedup_rel_error"]
             print(f"  predicted speedup over AR: median {100 * r['median']:.1f}%, worst {100 * r['worst']:.1f}%")

@@ -9,7 +9,8 @@
 - whole forwards of a real-sized model (the one passed in, or a randomly initialised one with the
   default model's shape): at m = 1..384 tokens over a short cache, the linear layers' weight bytes
   per second against m; at q = 1..8 new tokens per sequence over a long cache, less the same
-  forward over a short one, attention's KV bytes per second against q.
+  forward over a short one, attention's KV bytes per second against q. Times that fall as the
+  work grows are noise and are pooled (`nondecreasing`) before rates are derived from them.
 
 Those measured rates make the profile (`HardwareProfile.linear_rates`, `attention_rates`): small
 matrices do not follow a roofline on CPUs (a few rows can cost twice one row), so one efficiency
@@ -342,10 +343,8 @@ def measure_hardware(
     else:
         tokens = ((1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384) if not gpu
                   else (1, 4, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192))
-    linear = []
-    for n in tokens:
-        t = _median_forward(model, n, 1, short, reps=reps)
-        linear.append({"tokens": n, "seconds": t, "weight_bytes_per_s": weight_bytes / max(t - t_overhead, 0.05 * t)})
+    linear = [{"tokens": n, "seconds": _median_forward(model, n, 1, short, reps=reps)} for n in tokens]
+    set_linear_rates(linear, weight_bytes, t_overhead)
     stage(4, "attention")
     # the longest context the model takes (the score rows per query grow with it and fall out of cache)
     att_batch = 8 if not gpu else 32
@@ -355,8 +354,8 @@ def measure_hardware(
     for q in ((1, 4) if quick else (1, 2, 3, 4, 5, 6, 8) if not gpu else (1, 2, 4, 8, 16)):
         t_long = _median_forward(model, att_batch, q, att_len, reps=reps)
         t_short = _median_forward(model, att_batch, q, short, reps=reps)
-        attention.append({"q": q, "batch": att_batch, "kv_len": att_len, "seconds": t_long, "seconds_short": t_short,
-                          "kv_bytes_per_s": kv_bytes / max(t_long - t_short, 0.05 * t_long)})
+        attention.append({"q": q, "batch": att_batch, "kv_len": att_len, "seconds": t_long, "seconds_short": t_short})
+    set_attention_rates(attention, kv_bytes)
     m["linear"], m["attention"] = linear, attention
 
     # 5. the profile: measured rates, and the roofline numbers they imply (for reports and for work
@@ -400,6 +399,36 @@ def measure_hardware(
                   "worst_relative_error": max(abs(f["predicted"] / f["seconds"] - 1) for f in forwards)}
     stage(6, "done")
     return HardwareCalibration(profile, m)
+
+
+def set_linear_rates(linear: list[dict[str, Any]], weight_bytes: float, t_overhead: float) -> None:
+    """Add "weight_bytes_per_s" to forwards timed at growing token counts ({"tokens", "seconds"})."""
+    for r, t in zip(linear, nondecreasing([r["seconds"] for r in linear])):
+        r["weight_bytes_per_s"] = weight_bytes / max(t - t_overhead, 0.05 * t)
+
+
+def set_attention_rates(attention: list[dict[str, Any]], kv_bytes: float) -> None:
+    """Add "kv_bytes_per_s" to long-cache forwards timed at growing q ({"q", "seconds", "seconds_short"}):
+    the KV bytes over what the long cache adds to the short one's time."""
+    extra = nondecreasing([max(r["seconds"] - r["seconds_short"], 0.05 * r["seconds"]) for r in attention])
+    for r, t in zip(attention, extra):
+        r["kv_bytes_per_s"] = kv_bytes / t
+
+
+def nondecreasing(values: Sequence[float]) -> list[float]:
+    """The least-squares closest non-decreasing sequence (pool adjacent violators).
+
+    More work per forward cannot take less time, so where a measured time falls as the work grows,
+    the pair is noise: both get their mean. Rates derived from the pooled times keep the planner's
+    cost monotone in the number of tokens."""
+    blocks: list[list[float]] = []  # [sum, count] of runs pooled so far
+    for v in values:
+        blocks.append([v, 1])
+        while len(blocks) > 1 and blocks[-2][0] * blocks[-1][1] > blocks[-1][0] * blocks[-2][1]:
+            total, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+    return [total / count for total, count in blocks for _ in range(int(count))]
 
 
 def _decode_step_time(model, steps: int) -> float:
@@ -479,7 +508,8 @@ def calibrate_acceptance(
     and prefilled once (as one batch, with the attention observation SnapKV needs); every (drafter,
     budget, mode) then decodes `new_tokens` tokens per prompt (EOS ignored) from that prefill with
     draft length `gamma`. The rate stored for (drafter, budget, mode, context) is `acceptance_mle`
-    of the summed histogram. Budgets not below the context are skipped (the planner treats them as
+    of the summed histogram; each (drafter, mode) also gets the spread of per-sequence rates around
+    their batch's rate (`row_spread`), which the planner uses for the slowest sequence of a batch. Budgets not below the context are skipped (the planner treats them as
     dense). A context that does not fit the model (context + new tokens + gamma + 2 beyond its
     max_seq_len) is shortened to fit, and stored under the length actually used.
 
@@ -495,6 +525,7 @@ def calibrate_acceptance(
     contexts = sorted(set(contexts))
     limit = llm.model.cfg.max_seq_len - new_tokens - MAX_GAMMA - 2
     table = AcceptanceTable()
+    deviations: dict[tuple[str, str], list[float]] = {}  # (drafter, mode) -> per-row rate minus batch rate
     jobs = [(c, d, b, mo) for c in contexts for d in drafters for b in budgets for mo in modes
             if b < min(c, limit)]
     done = 0
@@ -513,17 +544,31 @@ def calibrate_acceptance(
                 progress(done, len(jobs), f"{drafter_name} budget {budget} {mode} at {ctx}")
             drafter, g = SpeculativeConfig(drafter_name, budget=budget, gamma=gamma).build(llm)
             params = sampling_params(mode, new_tokens, seed)
-            _, stats = decode(llm.model, pre, params, llm.tokenizer.eos_ids, drafter=drafter, gamma=g,
-                              prefill_chunk=llm.prefill_chunk, reuse=True)
+            outs, stats = decode(llm.model, pre, params, llm.tokenizer.eos_ids, drafter=drafter, gamma=g,
+                                 prefill_chunk=llm.prefill_chunk, reuse=True)
             alpha = acceptance_mle(stats.accepted_hist)
             table.add(drafter_name, alpha, budget=budget, mode=mode, context=ctx)
+            row_alphas = [acceptance_mle(o.accepted_hist) for o in outs if sum(o.accepted_hist)]
+            deviations.setdefault((drafter_name, mode), []).extend(a - alpha for a in row_alphas)
             if records is not None:
                 records.append({"drafter": drafter_name, "budget": budget, "mode": mode, "context": ctx,
                                 "gamma": g, "batch": pre.batch, "accepted_hist": list(stats.accepted_hist),
-                                "alpha": alpha, "decode_s": stats.decode_s, "draft_s": stats.draft_s,
-                                "verify_s": stats.verify_s, "tokens_per_step": stats.tokens_per_step})
+                                "alpha": alpha, "row_alphas": row_alphas, "decode_s": stats.decode_s,
+                                "draft_s": stats.draft_s, "verify_s": stats.verify_s,
+                                "tokens_per_step": stats.tokens_per_step})
             done += 1
         del pre
+    for (drafter_name, mode), devs in deviations.items():
+        if len(devs) > 1:
+            table.set_row_spread(drafter_name, row_spread(devs), mode=mode)
     if progress is not None:
         progress(done, len(jobs), "done")
     return table
+
+
+def row_spread(deviations: Sequence[float]) -> float:
+    """Standard deviation of per-sequence acceptance rates, from their deviations from their batch's
+    rate (pooled over batches; the batch rates are estimated, hence n - 1)."""
+    if len(deviations) < 2:
+        raise ValueError("need at least two per-sequence rates")
+    return min(1.0, (sum(d * d for d in deviations) / (len(deviations) - 1)) ** 0.5)

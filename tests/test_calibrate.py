@@ -10,12 +10,17 @@ import time
 
 import pytest
 
+from hypothesis import given
+from hypothesis import strategies as st
+
 from magicdec.calibrate import (
     acceptance_mle,
     calibrate_acceptance,
     default_acceptance_path,
     default_profile_path,
     measure_hardware,
+    nondecreasing,
+    row_spread,
 )
 from magicdec.corpus import cut_prompts
 from magicdec.autoplan import builtin_acceptance, choose, describe, load_profile, target_shape
@@ -119,11 +124,34 @@ def test_acceptance_mle_exact_and_edges():
         acceptance_mle([3])
 
 
+def test_nondecreasing_pools_noise():
+    assert nondecreasing([1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0]
+    assert nondecreasing([1.0, 3.0, 2.0, 4.0]) == [1.0, 2.5, 2.5, 4.0]
+    assert nondecreasing([3.0, 2.0, 1.0]) == pytest.approx([2.0, 2.0, 2.0])
+    assert nondecreasing([]) == []
+
+
+@given(st.lists(st.floats(0.0, 10.0), max_size=20))
+def test_nondecreasing_is_monotone_and_keeps_the_total(values):
+    out = nondecreasing(values)
+    assert len(out) == len(values)
+    assert all(a <= b + 1e-12 for a, b in zip(out, out[1:]))
+    assert sum(out) == pytest.approx(sum(values))
+
+
+def test_row_spread():
+    assert row_spread([0.1, -0.1]) == pytest.approx(0.1 * 2**0.5)
+    assert row_spread([0.0, 0.0, 0.0]) == 0.0
+    with pytest.raises(ValueError):
+        row_spread([0.2])
+
+
 def test_builtin_acceptance_table():
     table = builtin_acceptance()
     assert set(table.drafters()) >= {"self-streaming", "self-snapkv"}
     for drafter in ("self-streaming", "self-snapkv"):
         for mode in ("greedy", "sampling"):
+            assert 0.0 < table.row_spread(drafter, mode) < 0.3
             for budget in (64, 128, 256, 512, 1024):
                 for context in (1024, 4096, 8192, 32768):
                     a = table.alpha(drafter, budget, context, mode)
@@ -141,6 +169,9 @@ def test_calibrate_acceptance_small(llm, corpus_texts):
         assert len(r["accepted_hist"]) == 4 and sum(r["accepted_hist"]) > 0
         assert r["alpha"] == acceptance_mle(r["accepted_hist"])
         assert table.alpha("self-streaming", r["budget"], 256) == r["alpha"]
+        assert len(r["row_alphas"]) == 2
+    devs = [a - r["alpha"] for r in records for a in r["row_alphas"]]
+    assert table.row_spread("self-streaming") == pytest.approx(row_spread(devs))
     prompts = cut_prompts(llm.tokenizer, corpus_texts, 3, 100)
     assert [len(p) for p in prompts] == [100, 100, 100]
     assert len({tuple(p) for p in prompts}) == 3

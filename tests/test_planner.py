@@ -16,6 +16,7 @@ from magicdec.planner import (
     ModelShape,
     decode_step_time,
     draft_time,
+    expected_max_normal,
     expected_tokens,
     format_table,
     forward_cost,
@@ -189,6 +190,40 @@ def test_acceptance_interpolation():
     assert paper.alpha("tinyllama-1.1b:streaming", 256, 8000) == 0.8
 
 
+def test_slowest_row_acceptance():
+    table = AcceptanceTable()
+    table.add("self-streaming", 0.8, budget=256)
+    assert expected_max_normal(1) == 0.0
+    assert expected_max_normal(8) == pytest.approx(1.4236, abs=0.02)  # tabulated exact value
+    assert expected_max_normal(32) == pytest.approx(2.0697, abs=0.02)
+    assert table.alpha("self-streaming", 256, 1000, rows=32) == 0.8  # no spread measured: every row alike
+    table.set_row_spread("self-streaming", 0.1)
+    assert table.row_spread("self-streaming", "sampling") == 0.0
+    assert table.alpha("self-streaming", 256, 1000) == 0.8
+    assert table.alpha("self-streaming", 256, 1000, rows=8) == pytest.approx(0.8 - 0.1 * expected_max_normal(8))
+    table.set_row_spread("self-streaming", 0.5)
+    assert table.alpha("self-streaming", 256, 1000, rows=32) == 0.0  # clamped
+    with pytest.raises(ValueError):
+        table.set_row_spread("self-streaming", -0.1)
+    with pytest.raises(ValueError):
+        expected_max_normal(0)
+
+
+def test_plan_counts_the_slowest_row_of_a_static_batch():
+    table = _high_acceptance_table(0.85)
+    for drafter in ("self-streaming", "self-snapkv"):
+        table.set_row_spread(drafter, 0.08)
+    hw = get_profile("a100-80gb")
+    static = plan(LLAMA3, hw, 32, 32768, table)
+    steady = plan(LLAMA3, hw, 32, 32768, table, rows=1)
+    assert steady.alpha == 0.85
+    assert static.alpha == pytest.approx(0.85 - 0.08 * expected_max_normal(32))
+    assert static.predicted_speedup < steady.predicted_speedup
+    assert static.gamma <= steady.gamma  # a slower slowest row makes long drafts pay less
+    with pytest.raises(ValueError):
+        plan(LLAMA3, hw, 32, 32768, table, rows=0)
+
+
 def test_json_round_trips(tmp_path):
     profile = dataclasses.replace(PRESETS["a100-80gb"], per_layer_overhead_s=3e-5)
     profile.to_json(tmp_path / "hw.json")
@@ -200,7 +235,8 @@ def test_json_round_trips(tmp_path):
 
     table = AcceptanceTable.paper_default()
     table.add("tinyllama-1.1b:dense", 0.82)
-    table.to_json(tmp_path / "acc.json")
+    table.set_row_spread("self-streaming", 0.07, mode="sampling")
+    table.to_json(tmp_path / "acc.json", meta={"corpus": "test"})
     assert AcceptanceTable.from_json(tmp_path / "acc.json") == table
 
 

@@ -1,7 +1,7 @@
 """Planner: hardware profiles, a roofline cost model, an acceptance model and the choice of
 strategy, draft budget and draft length. Pure Python; it does not import torch."""
 
-from magicdec.planner.acceptance import AcceptanceTable, expected_tokens
+from magicdec.planner.acceptance import AcceptanceTable, expected_max_normal, expected_tokens
 from magicdec.planner.cost import ForwardCost, decode_step_time, draft_time, forward_cost, verify_step_time
 from magicdec.planner.hardware import PRESETS, HardwareProfile, get_profile
 from magicdec.planner.models import MODEL_PRESETS, ModelShape, get_model_shape
@@ -20,6 +20,7 @@ __all__ = [
     "STRATEGIES",
     "decode_step_time",
     "draft_time",
+    "expected_max_normal",
     "expected_tokens",
     "forward_cost",
     "format_table",

@@ -6,6 +6,7 @@ import bisect
 import json
 import math
 import os
+from statistics import NormalDist
 
 MODES = ("greedy", "sampling")
 
@@ -24,6 +25,13 @@ def expected_tokens(alpha: float, gamma: int) -> float:
     if alpha == 1.0:
         return float(gamma + 1)
     return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
+
+
+def expected_max_normal(n: int) -> float:
+    """Expected largest of n standard normal draws (Blom's approximation; 0 for n = 1)."""
+    if n < 1:
+        raise ValueError(f"n must be positive, got {n}")
+    return NormalDist().inv_cdf((n - 0.375) / (n + 0.25))
 
 
 def _interpolate_log(x: float, xs: list[float], ys: list[float]) -> float:
@@ -54,11 +62,17 @@ class AcceptanceTable:
     measured budgets. A budget above the largest measured one gets that one's rate, which
     is conservative since a larger cache only helps; a budget below the smallest measured
     one is unknown (KeyError) because a smaller cache could be much worse.
+
+    Sequences differ: some texts are easier to draft than others. The table can hold, per
+    drafter and mode, the standard deviation of per-sequence rates around the rate of their
+    batch (`set_row_spread`); `alpha(..., rows=n)` then gives the expected rate of the slowest
+    of n sequences, which is what sets the number of rounds a static batch takes.
     """
 
     def __init__(self) -> None:
         # (drafter, mode) -> budget -> {context or None: alpha}
         self._data: dict[tuple[str, str], dict[int | None, dict[int | None, float]]] = {}
+        self._row_spread: dict[tuple[str, str], float] = {}
 
     def add(
         self,
@@ -82,16 +96,35 @@ class AcceptanceTable:
             raise ValueError(f"{drafter} budget {budget} {mode}: mixing rates with and without a context")
         curve[context] = alpha
 
+    def set_row_spread(self, drafter: str, sd: float, mode: str = "greedy") -> None:
+        """Record the standard deviation of per-sequence acceptance rates of `drafter` in `mode`."""
+        if not 0.0 <= sd <= 1.0:
+            raise ValueError(f"row spread must be in [0, 1], got {sd}")
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        self._row_spread[(drafter, mode)] = sd
+
+    def row_spread(self, drafter: str, mode: str = "greedy") -> float:
+        """The per-sequence spread of `drafter` in `mode` (0 when not measured)."""
+        return self._row_spread.get((drafter, mode), 0.0)
+
     def drafters(self) -> list[str]:
         """Names of the drafters with at least one rate."""
         return sorted({drafter for drafter, _ in self._data})
 
-    def alpha(self, drafter: str, budget: int | None, context: int, mode: str = "greedy") -> float:
+    def alpha(self, drafter: str, budget: int | None, context: int, mode: str = "greedy", rows: int = 1) -> float:
         """Acceptance rate of `drafter` with a cache of `budget` at `context` tokens.
+
+        With `rows` > 1: the expected rate of the slowest of that many sequences, the mean rate
+        less the row spread times the expected largest of `rows` standard normal draws.
 
         Raises KeyError when the table cannot answer: unknown drafter or mode, a budget below
         every measured one, or a dense lookup (`budget=None`) without a dense entry.
         """
+        mean = self._mean_alpha(drafter, budget, context, mode)
+        return max(0.0, mean - self.row_spread(drafter, mode) * expected_max_normal(rows))
+
+    def _mean_alpha(self, drafter: str, budget: int | None, context: int, mode: str) -> float:
         curves = self._data.get((drafter, mode))
         if curves is None:
             raise KeyError(f"no acceptance rate for drafter {drafter!r} in {mode} mode")
@@ -112,16 +145,21 @@ class AcceptanceTable:
         contexts = sorted(c for c in curve if c is not None)
         return _interpolate_log(context, [float(c) for c in contexts], [curve[c] for c in contexts])
 
-    def to_json(self, path: str | os.PathLike[str]) -> None:
-        """Write the table as {"entries": [{drafter, mode, budget, context, alpha}, ...]}."""
+    def to_json(self, path: str | os.PathLike[str], meta: dict | None = None) -> None:
+        """Write the table as {"entries": [{drafter, mode, budget, context, alpha}, ...],
+        "row_spread": [{drafter, mode, sd}, ...]}, with `meta` (how it was measured) beside them."""
         entries = [
             {"drafter": drafter, "mode": mode, "budget": budget, "context": context, "alpha": alpha}
             for (drafter, mode), curves in sorted(self._data.items())
             for budget, curve in sorted(curves.items(), key=_none_first)
             for context, alpha in sorted(curve.items(), key=_none_first)
         ]
+        spread = [{"drafter": drafter, "mode": mode, "sd": sd} for (drafter, mode), sd in sorted(self._row_spread.items())]
+        data: dict = {"entries": entries, "row_spread": spread}
+        if meta is not None:
+            data["meta"] = meta
         with open(path, "w") as f:
-            json.dump({"entries": entries}, f, indent=2)
+            json.dump(data, f, indent=2)
             f.write("\n")
 
     @classmethod
@@ -138,10 +176,12 @@ class AcceptanceTable:
                 mode=entry.get("mode", "greedy"),
                 context=entry.get("context"),
             )
+        for entry in data.get("row_spread", []):
+            table.set_row_spread(entry["drafter"], entry["sd"], mode=entry.get("mode", "greedy"))
         return table
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, AcceptanceTable) and self._data == other._data
+        return isinstance(other, AcceptanceTable) and (self._data, self._row_spread) == (other._data, other._row_spread)
 
     @classmethod
     def paper_default(cls) -> AcceptanceTable:

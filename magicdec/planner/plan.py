@@ -30,7 +30,7 @@ class Plan:
     draft_cache: str | None
     """"dense", "streaming" or "snapkv" for a draft model; None otherwise."""
     alpha: float | None
-    """Per-token acceptance rate assumed; None for AR."""
+    """Per-token acceptance rate assumed (of the slowest sequence, see `plan`); None for AR."""
     predicted_throughput: float
     """Generated tokens per second over the whole batch."""
     predicted_speedup: float
@@ -86,6 +86,7 @@ def plan(
     tp: int = 1,
     mode: str = "greedy",
     strategies: Iterable[str] | None = None,
+    rows: int | None = None,
 ) -> Plan:
     """Pick the strategy, budget and gamma with the highest predicted throughput.
 
@@ -95,7 +96,9 @@ def plan(
     has no rate for are skipped. Speculation must beat AR strictly to be chosen.
 
     Throughput(spec) = B * E[tokens] / (T_draft(gamma) + T_verify(gamma + 1)), T_draft from `draft_time`;
-    Throughput(AR) = B / T_decode. Candidates that do not fit in memory are skipped, unless
+    Throughput(AR) = B / T_decode. E[tokens] uses the acceptance rate of the slowest of `rows`
+    distinct sequences (default: `batch`), since a static batch runs until its slowest sequence
+    is done; `rows=1` gives the steady-state rate of a continuously refilled batch. Candidates that do not fit in memory are skipped, unless
     even AR does not fit (then the search ignores memory and `fits_in_memory` is False).
 
     `strategies` restricts the search (default: all of STRATEGIES); leaving "ar" out returns
@@ -111,6 +114,9 @@ def plan(
         raise ValueError(f"batch and context must be positive, got {batch}, {context}")
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    rows = batch if rows is None else rows
+    if rows < 1:
+        raise ValueError(f"rows must be positive, got {rows}")
 
     def memory(shape: ModelShape, kv_len: int, devices: int, weights: bool) -> float:
         kv = batch * kv_len * shape.kv_bytes_per_token(kv_dtype_bytes)
@@ -124,7 +130,7 @@ def plan(
     best: tuple[float, _Drafter, int, float, bool] | None = None
     for d in _drafters(target, draft, budgets, context, tp, chosen):
         try:
-            alpha = acceptance.alpha(d.key, d.budget, context, mode)
+            alpha = acceptance.alpha(d.key, d.budget, context, mode, rows=rows)
         except KeyError:
             continue
         kv_len = context if d.budget is None else d.budget
@@ -167,7 +173,7 @@ def plan_table(
     """`plan` over a grid of batch x context; one dict per cell (batch, context, Plan fields).
 
     `kwargs` go to `plan` (draft, budgets, gammas, dtype_bytes, kv_dtype_bytes, tp, mode,
-    strategies).
+    strategies, rows).
     """
     rows = []
     for context in contexts:
