@@ -6,7 +6,9 @@
 
 The draft length is re-planned as the generation goes (`SpeculativeConfig.replan`, called by the
 decode loop every few rounds): the batch shrinks as sequences finish and contexts grow, and both
-move the best gamma. The strategy and budget stay as chosen at the start.
+move the best gamma. The strategy and budget stay as chosen at the start; where plain decoding
+becomes the better choice (say, few sequences left at a short context), speculation ends for the
+rest of the run.
 
 The model's shape and dtypes come from the `LLM`; the hardware profile is the one `magicdec calibrate`
 saved for the device (else a preset); the acceptance rates are the ones measured for this model (else
@@ -149,6 +151,7 @@ def choose(
     """
     from magicdec.speculative import SpeculativeConfig
 
+    strategies = tuple(strategies)
     shape = target_shape(llm)
     device = _device_of(llm)
     if profile is None:
@@ -180,10 +183,16 @@ def choose(
     if best.strategy == "ar":
         return None, best
 
+    # Mid-run, the choice is the chosen drafter at another length, or (if allowed) plain decoding.
+    replan_strategies = [best.strategy, *(["ar"] if "ar" in strategies else [])]
+
     def gamma_for(live: int, mean_context: int) -> int:
-        """The best draft length for the chosen drafter and budget at the batch and context reached."""
+        """The best draft length for the chosen drafter and budget at the batch and context reached;
+        0 where plain decoding is predicted faster."""
+        # Rows with long prompts may finish first; the plan needs a context beyond the sparse budget.
+        mean_context = max(mean_context, best.budget + 1)
         return plan(shape, hw, live, mean_context, table, budgets=[best.budget], gammas=gammas,
-                    dtype_bytes=weight_bytes, kv_dtype_bytes=kv_bytes, mode=mode, strategies=[best.strategy]).gamma
+                    dtype_bytes=weight_bytes, kv_dtype_bytes=kv_bytes, mode=mode, strategies=replan_strategies).gamma
 
     # Built for the longest draft it may re-plan to; the decode loop starts it at the planned length.
     return SpeculativeConfig(best.strategy, budget=best.budget, gamma=max(gammas), replan=gamma_for), best

@@ -147,7 +147,8 @@ def format_stats(stats, label: str) -> str:
             f"({stats.prefill_tok_s:.0f} tok/s); decode {stats.generated_tokens} tok in {stats.decode_s:.2f}s "
             f"({stats.decode_tok_s:.1f} tok/s); peak memory {gib:.2f} GiB")
     if stats.gamma:
-        gamma = (", ".join(f"{g} from round {r}" for r, g in stats.gamma_changes) + " (re-planned)"
+        gamma = (", ".join(f"{g or 'none (plain decoding)'} from round {r}" for r, g in stats.gamma_changes)
+                 + " (re-planned)"
                  if stats.gamma_changes else stats.gamma)
         line += (f"\n[{label}] gamma {gamma}: acceptance {stats.acceptance_rate:.3f}, "
                  f"{stats.tokens_per_step:.2f} tokens/step, accepted-length histogram {stats.accepted_hist}, "

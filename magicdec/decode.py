@@ -243,7 +243,8 @@ class Prefilled:
 MAX_GAMMA = 16
 #: Rounds between calls of a re-planner (`decode(replan=...)`).
 REPLAN_EVERY = 16
-#: A re-planner: (live sequences, their mean context length) -> the draft length for the next rounds.
+#: A re-planner: (live sequences, their mean context length) -> the draft length for the next rounds
+#: (0: decode plainly from here on).
 Replanner = Callable[[int, int], int]
 
 
@@ -316,9 +317,9 @@ def decode(
     the end (and finished rows are never dropped), so the same `pre` can be decoded again.
 
     With a drafter, `gamma` tokens are drafted per round, up to the drafter's own gamma. `replan`, if
-    given, sets the draft length (clamped to 1..drafter.gamma) in the first round and every
-    REPLAN_EVERY rounds after, from the live batch size and mean context, which shrink and grow as
-    the run goes on; outputs do not depend on it."""
+    given, sets the draft length (at most drafter.gamma) in the first round and every REPLAN_EVERY
+    rounds after, from the live batch size and mean context, which shrink and grow as the run goes
+    on; a draft length of 0 ends speculation for the rest of the run. Outputs do not depend on it."""
     device = model.device
     gamma = gamma if drafter is not None else 0
     if gamma > MAX_GAMMA:
@@ -368,8 +369,13 @@ def decode(
         if replan is not None and drafter is not None and stats.steps % REPLAN_EVERY == 0:
             n_live = len(finish) - n_done
             context = int((cache.lens * live).sum()) // n_live
-            new_gamma = max(1, min(drafter.gamma, replan(n_live, context)))
-            if new_gamma != gamma or not stats.gamma_changes:
+            new_gamma = min(drafter.gamma, replan(n_live, context))
+            if new_gamma < 1:
+                # plain decoding is predicted faster from here on: drop the drafter (its cache would
+                # fall behind, so there is no switching back)
+                drafter, gamma = None, 0
+                stats.gamma_changes.append((stats.steps, 0))
+            elif new_gamma != gamma or not stats.gamma_changes:
                 gamma = new_gamma
                 stats.gamma_changes.append((stats.steps, gamma))
         stats.steps += 1

@@ -202,8 +202,10 @@ def test_choose_speculates_where_kv_dominates(llm, preset):
     # built for the longest draft it may re-plan to; re-planned at the same point, the same length
     assert spec.gamma == 8 and spec.replan(128, 32768) == plan.gamma
     assert spec.build(llm)[1] == spec.gamma  # the config builds into a drafter for this model
-    # fewer live sequences and a shorter context: the KV term shrinks, and so does the best draft length
-    assert 1 <= spec.replan(2, 4096) <= plan.gamma
+    # fewer live sequences and a shorter context: the KV term shrinks, and so does the best draft length,
+    # down to none (plain decoding) for a few short sequences
+    assert 1 <= spec.replan(32, 16384) < plan.gamma
+    assert spec.replan(2, 4096) == 0
     # also in sampling mode, and with the LLM's own dtypes (fp32 on this CPU)
     assert choose(llm, 128, 32768, profile=preset, mode="sampling")[0] is not None
     assert choose(llm, 128, 32768, profile=preset)[0] is not None
@@ -213,6 +215,10 @@ def test_choose_without_a_model():
     """Planning for a machine and model you do not have: a ModelShape (or config) and a preset."""
     spec, plan = choose(SMOL, 128, 32768, profile="h100")
     assert spec is not None and plan.verify_dominant == "kv"
+    # one sequence left, its context below the draft budget: plain decoding wins, speculation ends
+    assert spec.replan(1, 100) == 0
+    forced, _ = choose(SMOL, 128, 32768, profile="h100", strategies=[spec.draft])
+    assert forced.replan(1, 100) >= 1  # AR not allowed: the best draft length instead
     spec, plan = choose(SMOL, 1, 1024, profile="cpu-zen3-2core")
     assert spec is None
     # an explicit table and profile file

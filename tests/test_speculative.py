@@ -249,6 +249,34 @@ def test_replanned_gamma_keeps_outputs_and_counts_drafts(llm, corpus_prompt):
     assert len(stats.accepted_hist) == 6 and 0 < stats.acceptance_rate <= 1
 
 
+def test_replanner_can_end_speculation(llm, corpus_prompt):
+    """A re-planner returning 0 switches the run to plain decoding for good; outputs do not change."""
+    from magicdec.decode import REPLAN_EVERY
+    from magicdec.speculative import SpeculativeConfig
+
+    ids = [corpus_prompt(n, book=b, at=0.4) for n, b in ((200, 6), (90, 7))]
+    params = SamplingParams(max_tokens=3 * REPLAN_EVERY * 2, ignore_eos=True)
+    plain = llm.generate(prompt_token_ids=ids, params=params)
+    calls = []
+
+    def replan(live: int, context: int) -> int:
+        calls.append(live)
+        return 3 if len(calls) == 1 else 0
+
+    cfg = SpeculativeConfig("self-streaming", budget=64, gamma=3, replan=replan)
+    spec = llm.generate(prompt_token_ids=ids, params=params, speculative=cfg)
+    assert [s.token_ids for s in spec] == [p.token_ids for p in plain]
+    stats = llm.last_stats
+    assert stats.gamma_changes == [(0, 3), (REPLAN_EVERY, 0)]
+    assert len(calls) == 2  # no re-planning once speculation has ended
+    assert stats.verify_steps == 2 * REPLAN_EVERY  # speculative rounds: the first REPLAN_EVERY, both rows
+    assert stats.drafted_tokens == 3 * 2 * REPLAN_EVERY
+    assert stats.steps > REPLAN_EVERY
+    from magicdec.cli import format_stats
+
+    assert f"gamma 3 from round 0, none (plain decoding) from round {REPLAN_EVERY} (re-planned)" in format_stats(stats, "x")
+
+
 # --- through the engine: real draft prefill, SpeculativeConfig --------------------------------------------------
 def test_engine_speculative_matches_plain(llm, default_path, corpus_prompt):
     from magicdec.speculative import SpeculativeConfig
