@@ -241,7 +241,7 @@ def cmd_plan(args) -> int:
     nbytes = {"bf16": 2, "fp16": 2, "fp32": 4}[args.dtype]
     rows = plan_table(target, hw, args.batch, args.context, acceptance, draft=draft, tp=args.tp,
                       mode="greedy" if args.mode == "greedy" else "sampling", dtype_bytes=nbytes,
-                      kv_dtype_bytes=nbytes)
+                      kv_dtype_bytes=nbytes, rows=1 if args.steady_state else None)
     cols = ["batch", "context", "strategy", "budget", "gamma", "predicted_speedup", "predicted_throughput",
             "verify_dominant", "draft_dominant"]
     print(format_table(rows, [c for c in cols if c in rows[0]]))
@@ -341,6 +341,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="weight and KV dtype (default bf16, as on GPUs; fp32 as magicdec runs on CPUs)")
     pl.add_argument("--mode", choices=["greedy", "sampling"], default="greedy", help="acceptance regime")
     pl.add_argument("--acceptance", help="acceptance table JSON (default: the paper's StreamingLLM numbers)")
+    pl.add_argument("--steady-state", action="store_true",
+                    help="plan for a continuously refilled batch (mean acceptance) instead of a static batch, "
+                         "which runs until its slowest sequence is done (needs a table with a per-sequence "
+                         "spread, as `magicdec calibrate --acceptance` writes)")
     pl.add_argument("--plot", help="write a speedup-vs-batch PNG here")
     pl.add_argument("--json", help="write the table as JSON here")
     pl.set_defaults(func=cmd_plan)

@@ -129,6 +129,20 @@ def test_plan_prints_table_and_plot(tmp_path, capsys):
     assert by_point[(128, 32768)] != "ar"  # the KV term dominates: speculate
 
 
+def test_plan_static_batch_against_steady_state(tmp_path, capsys):
+    from magicdec.autoplan import builtin_acceptance
+
+    table = tmp_path / "acc.json"
+    builtin_acceptance().to_json(table)  # has a per-sequence spread
+    speedups = []
+    for extra in ([], ["--steady-state"]):
+        code, out, _ = run(["plan", "--model", "llama-3.1-8b", "--hardware", "h100", "--batch", "64",
+                            "--context", "32k", "--acceptance", str(table), *extra], capsys)
+        assert code == 0
+        speedups.append(float(out.splitlines()[2].split()[5]))
+    assert 1.0 < speedups[0] < speedups[1]  # the slowest of 64 sequences accepts less than the mean one
+
+
 def test_out_of_memory_is_caught_up_front():
     from magicdec.decode import prefill_prompts
     from magicdec.errors import OutOfMemoryError
