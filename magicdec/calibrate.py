@@ -509,9 +509,10 @@ def calibrate_acceptance(
     budget, mode) then decodes `new_tokens` tokens per prompt (EOS ignored) from that prefill with
     draft length `gamma`. The rate stored for (drafter, budget, mode, context) is `acceptance_mle`
     of the summed histogram; each (drafter, mode) also gets the spread of per-sequence rates around
-    their batch's rate (`row_spread`), which the planner uses for the slowest sequence of a batch. Budgets not below the context are skipped (the planner treats them as
-    dense). A context that does not fit the model (context + new tokens + gamma + 2 beyond its
-    max_seq_len) is shortened to fit, and stored under the length actually used.
+    their batch's rate (`row_spread`), which the planner uses for the slowest sequence of a batch.
+    Budgets not below the context are skipped (the planner treats them as dense). A context that
+    does not fit the model (context + new tokens + gamma + 2 beyond its max_seq_len) is shortened to
+    fit, and stored under the length actually used.
 
     `records`, when given, receives one dict per decode (histogram, alpha, timings).
     """
