@@ -63,17 +63,56 @@ def probs_from_logits(logits: Tensor, params: SamplingParams) -> Tensor:
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = logits.softmax(dim=-1)
     if params.top_p < 1:
-        sorted_p, order = probs.sort(dim=-1, descending=True)
-        # drop a token when the tokens before it already hold top_p of the mass (the top token stays)
-        drop_sorted = (sorted_p.cumsum(dim=-1) - sorted_p) >= params.top_p
-        drop = drop_sorted.scatter(-1, order, drop_sorted)
-        probs = probs.masked_fill(drop, 0.0)
+        probs = probs.masked_fill(probs < _nucleus_floor(probs, params.top_p), 0.0)
         probs = probs / probs.sum(dim=-1, keepdim=True)
     return probs
 
 
+#: Candidates examined before the whole vocabulary on CPU. A nucleus or a filtered distribution rarely
+#: reaches past them, and sorting (or drawing noise for) a 50k-128k vocabulary per row dominates a CPU
+#: decode step at batch 32; rows that do reach past them take the full path. On CUDA the full sort
+#: is fast, and the per-row check would cost a host sync.
+CPU_CANDIDATES = 256
+
+
+def _on_cpu_with_many(probs: Tensor) -> bool:
+    return probs.device.type == "cpu" and probs.shape[-1] > CPU_CANDIDATES
+
+
+def _floor_of_sorted(sorted_p: Tensor, top_p: float) -> Tensor:
+    # keep a token unless the tokens more probable than it already hold top_p of the mass (the top one stays)
+    n_keep = ((sorted_p.cumsum(dim=-1) - sorted_p) < top_p).sum(dim=-1, keepdim=True)
+    return sorted_p.gather(-1, n_keep - 1)
+
+
+def _nucleus_floor(probs: Tensor, top_p: float) -> Tensor:
+    """The smallest probability in each row's top-p nucleus, [..., 1] (tokens tied with it stay in)."""
+    if not _on_cpu_with_many(probs):
+        return _floor_of_sorted(probs.sort(dim=-1, descending=True).values, top_p)
+    top = probs.topk(CPU_CANDIDATES, dim=-1).values  # sorted, largest first
+    floor = _floor_of_sorted(top, top_p)
+    wide = top.sum(dim=-1) < top_p  # the nucleus reaches past the candidates
+    if wide.any():
+        floor[wide] = _floor_of_sorted(probs[wide].sort(dim=-1, descending=True).values, top_p)
+    return floor
+
+
 def sample(probs: Tensor, generator: torch.Generator | None) -> Tensor:
-    """One token per row of probs [..., V] -> [...]. Uses the exponential trick (no host sync)."""
+    """One token per row of probs [..., V] -> [...], by the exponential trick (no host sync on CUDA).
+
+    On CPU, rows whose positive probabilities all lie among their CPU_CANDIDATES largest (after a
+    top-p or top-k filter, or a residual of such distributions) draw noise for those candidates only."""
+    if not _on_cpu_with_many(probs):
+        return _exponential_argmax(probs, generator)
+    top, index = probs.topk(CPU_CANDIDATES, dim=-1)
+    tokens = index.gather(-1, _exponential_argmax(top, generator)[..., None]).squeeze(-1)
+    wide = top[..., -1] > 0  # positive probability beyond the candidates
+    if wide.any():
+        tokens[wide] = _exponential_argmax(probs[wide], generator)
+    return tokens
+
+
+def _exponential_argmax(probs: Tensor, generator: torch.Generator | None) -> Tensor:
     noise = torch.empty_like(probs).exponential_(generator=generator)
     return (probs / noise).argmax(dim=-1)
 

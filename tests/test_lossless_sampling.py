@@ -215,6 +215,44 @@ def test_chi_square_helper_sanity():
         chi_square(counts, zero / zero.sum())
 
 
+# --- the CPU candidate paths of top-p filtering and sampling (vocabularies beyond CPU_CANDIDATES) -----------------
+def _mixed_logits(vocab: int = 3000) -> torch.Tensor:
+    """Rows whose top-p nucleus is small (peaked) and rows where it reaches past the candidates (flat)."""
+    g = torch.Generator().manual_seed(7)
+    scale = torch.tensor([6.0, 0.05, 3.0, 0.3])[:, None]
+    return torch.randn(4, vocab, generator=g) * scale
+
+
+def test_top_p_on_cpu_candidates_equals_the_full_sort():
+    from magicdec.sampling import CPU_CANDIDATES
+
+    logits = _mixed_logits()
+    params = SamplingParams(temperature=0.8, top_p=0.9)
+    probs = (logits / params.temperature).softmax(-1)
+    sorted_p, order = probs.sort(-1, descending=True)
+    drop_sorted = (sorted_p.cumsum(-1) - sorted_p) >= params.top_p  # mass before the token reaches top_p
+    ref = probs.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), 0.0)
+    ref = ref / ref.sum(-1, keepdim=True)
+    got = probs_from_logits(logits, params)
+    support = (got > 0).sum(-1)
+    assert (support <= CPU_CANDIDATES).any() and (support > CPU_CANDIDATES).any()  # both paths ran
+    assert torch.equal(got > 0, ref > 0)
+    torch.testing.assert_close(got, ref)
+
+
+def test_sampling_on_cpu_candidates_follows_the_distribution():
+    from magicdec.sampling import CPU_CANDIDATES
+
+    probs = probs_from_logits(_mixed_logits(), SamplingParams(temperature=1.0, top_p=0.95))
+    assert ((probs > 0).sum(-1) > CPU_CANDIDATES).any() and ((probs > 0).sum(-1) <= CPU_CANDIDATES).any()
+    g = torch.Generator().manual_seed(11)
+    n = 20000
+    tokens = torch.stack([sample(probs, g) for _ in range(n)])  # [n, rows]
+    for row in range(probs.shape[0]):
+        counts = torch.bincount(tokens[:, row], minlength=probs.shape[1])
+        assert chi_square(counts, probs[row])[0] > P_MIN, row
+
+
 # --- verify_greedy / verify_sampling on hand-made tensors ------------------------------------------------------
 def one_hot_logits(rows: list[list[int]], vocab: int = 6, gap: float = 50.0) -> torch.Tensor:
     """[B, g+1, vocab] logits whose argmax (and, at temperature 1, essentially all mass) is the given token."""
