@@ -29,3 +29,9 @@ if [ "$what" = all ] || [ "$what" = acceptance ]; then
     magicdec bench "${common[@]}" --context 1k,2k,4k,8k --budget 64,128,256,512,1024
     magicdec bench "${common[@]}" --context 1k,8k --budget 256 --positions reindex,original
 fi
+
+if [ "$what" = all ] || [ "$what" = auto ]; then
+    # The planner's choice against plain decoding, greedy and sampled (temperature 0.7, top-p 0.9).
+    magicdec bench --corpus "$CORPUS" --drafters none,auto --max-tokens 128 --distinct-prompts 8 \
+        --batch 32,8,1 --context 8192,4096,1024 --modes greedy,sampling --out $R/auto.json
+fi
