@@ -73,7 +73,8 @@ def bench_points(doc: dict[str, Any]) -> list[dict[str, Any]]:
              "context_mean": b.get("context_used", b["context"]) + new_tokens // 2,
              "drafter": "ar" if b["draft"] == "none" else b["draft"], "budget": b["budget"] or None,
              "gamma": b["gamma"], "steps": b["steps"], "decode_s": b["decode_s"],
-             "rows": distinct_rows(doc, b["batch"]),
+             # tiled copies of a greedy row decode alike: only the distinct prompts can be the slowest
+             "rows": b["distinct_prompts"],
              "measured_throughput": b["throughput"],
              # tokens each row decodes after the first (which comes from the prefill)
              "generated_per_row": new_tokens - 1,
@@ -88,12 +89,6 @@ def bench_points(doc: dict[str, Any]) -> list[dict[str, Any]]:
                      measured_verify_s=b["verify_s"] / b["steps"])
         points.append(p)
     return points
-
-
-def distinct_rows(doc: dict[str, Any], batch: int) -> int:
-    """Distinct sequences in a bench batch: batches beyond the distinct prompts tile them, and tiled
-    copies of a greedy row decode alike, so only the distinct ones can be the slowest."""
-    return min(batch, doc["settings"].get("distinct_prompts") or batch)
 
 
 # --- summary --------------------------------------------------------------------------------------------
