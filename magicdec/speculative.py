@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-from magicdec.decode import Replanner
 from magicdec.drafters import Drafter, ModelDrafter, SelfSpecDrafter
 from magicdec.errors import InvalidRequestError
-
-if TYPE_CHECKING:
-    from magicdec.engine import LLM
+from magicdec.model import Transformer
+from magicdec.runner import MAX_GAMMA
+from magicdec.scheduler import GammaPolicy, fixed_gamma
 
 DRAFTERS = ("none", "self-streaming", "self-snapkv", "model")
 
@@ -34,14 +32,15 @@ class SpeculativeConfig:
     draft_model: str | None = None
     draft_cache: str = "streaming"
     reindex: bool | None = None
-    replan: Replanner | None = field(default=None, compare=False, repr=False)
-    """Sets the draft length (up to `gamma`) as the batch shrinks and contexts grow (`--draft auto`)."""
+    replan: GammaPolicy | None = field(default=None, compare=False, repr=False)
+    """Sets each step's draft length (up to `gamma`; 0: plain decoding) from the live batch and context
+    (`--draft auto`); None: always `gamma`."""
 
     def __post_init__(self) -> None:
         if self.draft not in DRAFTERS:
             raise InvalidRequestError(f"unknown drafter {self.draft!r}; choose from {', '.join(DRAFTERS)}")
-        if not (isinstance(self.gamma, int) and 1 <= self.gamma <= 16):
-            raise InvalidRequestError(f"gamma must be an integer in [1, 16], got {self.gamma!r}")
+        if not (isinstance(self.gamma, int) and not isinstance(self.gamma, bool) and 1 <= self.gamma <= MAX_GAMMA):
+            raise InvalidRequestError(f"gamma must be an integer in [1, {MAX_GAMMA}], got {self.gamma!r}")
         if not (isinstance(self.budget, int) and self.budget >= 8):
             raise InvalidRequestError(f"budget must be an integer >= 8, got {self.budget!r}")
         if self.draft == "model" and not self.draft_model:
@@ -49,21 +48,22 @@ class SpeculativeConfig:
         if self.draft_cache not in ("dense", "streaming", "snapkv"):
             raise InvalidRequestError(f"unknown draft cache {self.draft_cache!r}; choose dense, streaming or snapkv")
 
-    def build(self, llm: "LLM") -> tuple[Drafter | None, int]:
-        """The drafter for `llm`'s model and the gamma to use (None, 0 for plain decoding)."""
+    def build(self, target: Transformer) -> tuple[Drafter | None, GammaPolicy | None]:
+        """The drafter for `target` and the policy that sets each step's draft length (None, None: plain decoding)."""
         if self.draft == "none":
-            return None, 0
+            return None, None
+        policy = self.replan or fixed_gamma(self.gamma)
         if self.draft == "model":
             from magicdec.loading import load_model
 
-            draft = load_model(self.draft_model, device=llm.model.device, dtype=llm.model.dtype)
-            if draft.model.cfg.vocab_size != llm.model.cfg.vocab_size:
+            draft = load_model(self.draft_model, device=target.device, dtype=target.dtype)
+            if draft.model.cfg.vocab_size != target.cfg.vocab_size:
                 raise InvalidRequestError(
                     f"draft vocabulary ({draft.model.cfg.vocab_size}) differs from the target's "
-                    f"({llm.model.cfg.vocab_size})"
+                    f"({target.cfg.vocab_size})"
                 )
             reindex = DEFAULT_REINDEX.get(self.draft_cache, False) if self.reindex is None else self.reindex
-            return ModelDrafter(draft.model, self.draft_cache, self.budget, self.gamma, reindex), self.gamma
+            return ModelDrafter(draft.model, self.draft_cache, self.budget, self.gamma, reindex), policy
         kind = self.draft.removeprefix("self-")
         reindex = DEFAULT_REINDEX[kind] if self.reindex is None else self.reindex
-        return SelfSpecDrafter(llm.model, kind, self.budget, self.gamma, reindex), self.gamma
+        return SelfSpecDrafter(target, kind, self.budget, self.gamma, reindex), policy

@@ -1,4 +1,4 @@
-"""The interface every drafter implements, and the bookkeeping they share."""
+"""The interface every drafter implements, and the drafting loop they share."""
 
 from __future__ import annotations
 
@@ -10,92 +10,99 @@ from torch import Tensor
 from magicdec.kv import KVCache
 from magicdec.kv.sparse import SnapKVObserver
 from magicdec.model import Transformer
-from magicdec.sampling import SamplingParams, probs_from_logits, sample
+from magicdec.sampling import RowParams, sample_tokens
 
 
 class Drafter(ABC):
     """Proposes gamma tokens per sequence from a cheap model/cache, then follows what the target accepted.
 
-    Lifecycle: `prefill` once after the target's prefill; then per round `propose` and `accept`.
-    The drafter keeps its own cache; tokens the target has committed but that the draft cache has not
-    seen yet ("pending", 1 or 2 per sequence) enter it at the start of the next `propose`.
+    A drafter keeps one cache row per engine slot. `admit` builds a slot's row once the target has
+    prefilled its prompt; per round, `propose` drafts for the first n slots and `accept` rolls the draft
+    cache back to what the target kept. The draft cache trails the sequence: at the start of a round it
+    first reads the tokens it has not seen (usually 1 or 2; more after rounds of plain decoding, which
+    leave it alone), taken from the engine's token buffer.
     """
 
     name: str = "drafter"
-    #: whether `prefill` needs the attention of the prompts' last tokens observed in the target's prefill
+    #: whether `admit` needs the attention of the prompt's last tokens observed in the target's prefill
     needs_target_attention: bool = False
 
     def __init__(self, model: Transformer, gamma: int):
         self.model = model
-        self.gamma = gamma  # the most tokens it will be asked to draft per round (sizes its cache slack)
+        self.gamma = gamma  # the most tokens it will be asked to draft per round (sizes a sparse cache's slack)
         self.cache: KVCache | None = None
-        self.pending: Tensor | None = None  # [B, 2] tokens to feed first, left-aligned
-        self.n_pending: Tensor | None = None  # [B] 1 or 2
-        self.drafted: Tensor | None = None  # [B, gamma] tokens proposed in the current round
-        self._lens_before: Tensor | None = None  # draft cache lengths at the start of the round
 
-    def prefill(
-        self, tokens: Tensor, lens: Tensor, target_cache: KVCache, observer: SnapKVObserver | None, first: Tensor,
-        chunk: int,
-    ) -> None:
-        """Build the draft cache for prompts tokens [B, T] (lengths lens [B]) whose next token is `first`."""
-        self.cache = self.build_cache(tokens, lens, target_cache, observer, chunk)
-        self.pending = torch.stack((first, torch.zeros_like(first)), dim=1)
-        self.n_pending = torch.ones_like(first)
+    @property
+    def slack(self) -> int:
+        """Entries a sparse cache holds beyond its budget: tokens in flight during a round."""
+        return self.gamma + 2
 
     @abstractmethod
-    def build_cache(
-        self, tokens: Tensor, lens: Tensor, target_cache: KVCache, observer: SnapKVObserver | None, chunk: int
-    ) -> KVCache:
-        """The draft's cache after the prompt, with room for a round's tokens in flight."""
+    def allocate(self, slots: int, capacity: int, dtype: torch.dtype, device: torch.device) -> None:
+        """Create the draft cache for `slots` sequences of up to `capacity` tokens."""
 
-    def propose(
-        self, gamma: int, params: SamplingParams, generator: torch.Generator | None
-    ) -> tuple[Tensor, Tensor | None]:
-        """Draft gamma tokens per sequence: (tokens [B, gamma], their distributions [B, gamma, V] or None)."""
-        cache = self.cache
-        self._lens_before = cache.lens.clone()
-        x = self.model(self.pending, cache, logits_at=(self.n_pending - 1)[:, None])[:, 0]
-        cache.commit(self.n_pending)
-        tokens, probs = [], []
+    @abstractmethod
+    def cache_bytes(self, slots: int, capacity: int, dtype: torch.dtype) -> int:
+        """Bytes `allocate` would take (memory is planned before it is allocated)."""
+
+    @abstractmethod
+    def admit(self, slot: int, prompt: Tensor, target: KVCache, observer: SnapKVObserver | None) -> None:
+        """Build slot's draft cache for prompt [T], which the target has prefilled into `target` (a row view)."""
+
+    def _feed_limit(self, cache: KVCache) -> int:
+        """Most tokens one forward may write without a sparse ring overwriting entries it still shows."""
+        budget = getattr(cache, "budget", None)
+        return cache.capacity if budget is None else cache.capacity - budget
+
+    def _feed(self, cache: KVCache, seq: Tensor, start: Tensor, count: Tensor, live: Tensor) -> Tensor:
+        """Run seq[b, start[b] : start[b] + count[b]] through the draft model (count >= 1 for live rows);
+        returns each row's logits after its last token, [n, V]."""
+        q = int(count.max())
+        index = (start[:, None] + torch.arange(q, device=seq.device)).clamp_max(seq.shape[1] - 1)
+        at = (count - 1).clamp_min(0)[:, None]
+        logits = self.model(seq.gather(1, index), cache, logits_at=at)[:, 0]
+        cache.commit(count * live)
+        return logits
+
+    def propose(self, n: int, gamma: int, seq: Tensor, n_tokens: Tensor, live: Tensor, rows: RowParams) -> Tensor:
+        """Draft gamma tokens for each of the first n slots: [n, gamma].
+
+        seq [n, C]: every slot's tokens (prompt and output); n_tokens [n]: how many are known; live [n]:
+        slots that are decoding (others compute garbage and keep nothing). Draft token i of a row is its
+        sample at position n_tokens + i, with the row's own sampling parameters and noise.
+        """
+        cache = self.cache.head(n)
+        live_n = live.long()
+        start = cache.next_pos.clone()
+        unseen = torch.where(live, n_tokens - start, 1)
+        # catch up (after plain-decoding rounds) in forwards the ring can hold, leaving room for the drafts
+        last_limit = self._feed_limit(cache) - gamma + 1
+        while int(unseen.max()) > last_limit:
+            count = (unseen - last_limit).clamp(0, self._feed_limit(cache))
+            self._feed(cache, seq, start, count.clamp_min(1), live & (count > 0))
+            self.evict(cache)
+            start, unseen = start + count, unseen - count
+        x = self._feed(cache, seq, start, unseen, live)
+        tokens = []
         for i in range(gamma):
-            if params.greedy:
-                t = x.argmax(dim=-1)
-            else:
-                pr = probs_from_logits(x, params)
-                t = sample(pr, generator)
-                probs.append(pr)
+            t = sample_tokens(x[:, None], rows, (n_tokens + i)[:, None])[:, 0]
             tokens.append(t)
             if i < gamma - 1:
                 x = self.model(t[:, None], cache)[:, 0]
-                cache.commit(1)
-        self.drafted = torch.stack(tokens, dim=1)
-        return self.drafted, (torch.stack(probs, dim=1) if probs else None)
+                cache.commit(live_n)
+        return torch.stack(tokens, dim=1)
 
-    def accept(self, n_accepted: Tensor, next_token: Tensor, live: Tensor) -> None:
-        """The target accepted n_accepted [B] draft tokens and then produced next_token [B].
+    def accept(self, n: int, n_tokens: Tensor, live: Tensor) -> None:
+        """After verification the first n slots know n_tokens [n] tokens; keep the draft entries that
+        match them (positions below n_tokens - 1) and drop the rest."""
+        cache = self.cache.head(n)
+        keep = torch.where(live, torch.minimum(n_tokens - 1, cache.next_pos), cache.next_pos)
+        cache.truncate(cache.lens - (cache.next_pos - keep))
+        self.evict(cache)
 
-        Rows with live == 0 (finished sequences) keep nothing of this round.
-        """
-        gamma = self.drafted.shape[1]
-        # the cache holds the pending tokens and the first gamma-1 drafts; keep those that were accepted
-        kept = self.n_pending + n_accepted.clamp_max(gamma - 1)
-        self.cache.truncate(self._lens_before + kept * live)
-        self.evict()
-        all_in = n_accepted == gamma
-        last_draft = self.drafted[:, -1]
-        self.pending = torch.stack(
-            (torch.where(all_in, last_draft, next_token), torch.where(all_in, next_token, 0)), dim=1
-        )
-        self.n_pending = all_in.long() + 1
-
-    def evict(self) -> None:
-        """Keep the draft cache within its budget (sparse caches slide their window)."""
-        evict = getattr(self.cache, "evict", None)
+    @staticmethod
+    def evict(cache: KVCache) -> None:
+        """Keep a draft cache within its budget (sparse caches slide their window)."""
+        evict = getattr(cache, "evict", None)
         if evict is not None:
             evict()
-
-    def select_rows(self, rows: Tensor) -> None:
-        self.cache.select_rows(rows)
-        self.pending = self.pending.index_select(0, rows)
-        self.n_pending = self.n_pending.index_select(0, rows)

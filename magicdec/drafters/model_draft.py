@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from magicdec.drafters.base import Drafter
 from magicdec.kv import KVCache
-from magicdec.kv.sparse import SnapKVObserver, compress
+from magicdec.kv.sparse import SnapKVObserver, SparseKVCache, compress_into, prefix_size
 from magicdec.model import Transformer
+from magicdec.prefill import prefill_row
 
 CACHE_KINDS = ("dense", "streaming", "snapkv")
+#: Prompt tokens per forward when the draft model prefills a prompt.
+DRAFT_PREFILL_CHUNK = 512
 
 
 class ModelDrafter(Drafter):
-    """Drafts with a small model. Its prompt is prefilled densely; a sparse cache is then cut from that."""
+    """Drafts with a small model. It prefills each prompt densely; a sparse cache is then cut from that."""
 
     def __init__(self, model: Transformer, cache_kind: str, budget: int, gamma: int, reindex: bool):
         super().__init__(model, gamma)
@@ -22,14 +26,25 @@ class ModelDrafter(Drafter):
         self.cache_kind, self.budget, self.reindex = cache_kind, budget, reindex
         self.name = f"model-{cache_kind}"
 
-    def build_cache(
-        self, tokens: Tensor, lens: Tensor, target_cache: KVCache, target_observer: SnapKVObserver | None, chunk: int
-    ) -> KVCache:
-        from magicdec.decode import prefill  # decode imports drafters; import here to avoid a cycle
+    def _capacity(self, capacity: int) -> int:
+        return capacity + self.slack if self.cache_kind == "dense" else self.budget + self.slack
 
-        dense = KVCache(self.model.cfg, len(lens), target_cache.capacity + 2, target_cache.k.dtype, target_cache.device)
-        observer = SnapKVObserver(self.model.cfg.n_layers) if self.cache_kind == "snapkv" else None
-        prefill(self.model, dense, tokens, lens, chunk, observer=observer)
+    def allocate(self, slots: int, capacity: int, dtype: torch.dtype, device: torch.device) -> None:
+        cfg = self.model.cfg
         if self.cache_kind == "dense":
-            return dense
-        return compress(dense, self.cache_kind, self.budget, self.reindex, self.gamma + 2, self.model.inv_freq, observer)
+            self.cache = KVCache(cfg, slots, self._capacity(capacity), dtype, device)
+        else:
+            self.cache = SparseKVCache(cfg, slots, self.budget, prefix_size(self.cache_kind, self.budget), self.slack,
+                                       dtype, device, self.reindex, self.model.inv_freq)
+
+    def cache_bytes(self, slots: int, capacity: int, dtype: torch.dtype) -> int:
+        return KVCache.nbytes(self.model.cfg, slots, self._capacity(capacity), dtype)
+
+    def admit(self, slot: int, prompt: Tensor, target: KVCache, observer: SnapKVObserver | None) -> None:
+        if self.cache_kind == "dense":
+            prefill_row(self.model, self.cache.row(slot), prompt, DRAFT_PREFILL_CHUNK)
+            return
+        dense = KVCache(self.model.cfg, 1, len(prompt), self.cache.dtype, self.cache.device)
+        own = SnapKVObserver(self.model.cfg.n_layers) if self.cache_kind == "snapkv" else None
+        prefill_row(self.model, dense, prompt, DRAFT_PREFILL_CHUNK, own)
+        compress_into(self.cache.row(slot), dense, self.cache_kind, own)

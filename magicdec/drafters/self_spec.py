@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from magicdec.drafters.base import Drafter
 from magicdec.kv import KVCache
-from magicdec.kv.sparse import SnapKVObserver, compress
+from magicdec.kv.sparse import SnapKVObserver, SparseKVCache, compress_into, prefix_size
 from magicdec.model import Transformer
 
 
 class SelfSpecDrafter(Drafter):
     """Drafts with the target model reading only `budget` cached tokens (StreamingLLM or SnapKV).
 
-    The sparse cache is cut from the target's dense cache after prefill, so drafting costs no extra
+    A slot's sparse cache is cut from the target's dense cache after prefill, so drafting costs no extra
     prefill; SnapKV's selection uses the attention of the prompt's last tokens, observed during the
     target's own prefill.
     """
@@ -24,7 +25,12 @@ class SelfSpecDrafter(Drafter):
         self.name = f"self-{kind}"
         self.needs_target_attention = kind == "snapkv"
 
-    def build_cache(
-        self, tokens: Tensor, lens: Tensor, target_cache: KVCache, observer: SnapKVObserver | None, chunk: int
-    ) -> KVCache:
-        return compress(target_cache, self.kind, self.budget, self.reindex, self.gamma + 2, self.model.inv_freq, observer)
+    def allocate(self, slots: int, capacity: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.cache = SparseKVCache(self.model.cfg, slots, self.budget, prefix_size(self.kind, self.budget),
+                                   self.slack, dtype, device, self.reindex, self.model.inv_freq)
+
+    def cache_bytes(self, slots: int, capacity: int, dtype: torch.dtype) -> int:
+        return KVCache.nbytes(self.model.cfg, slots, self.budget + self.slack, dtype)
+
+    def admit(self, slot: int, prompt: Tensor, target: KVCache, observer: SnapKVObserver | None) -> None:
+        compress_into(self.cache.row(slot), target, self.kind, observer)

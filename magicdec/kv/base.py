@@ -7,9 +7,15 @@ Each row (sequence) has its own `lens` (slots filled) and `next_pos` (absolute p
 token). New tokens are written at slots lens..lens+q-1; nothing is kept until `commit` says how many of
 them each row accepts, so a rollback is simply committing fewer. Slots past `lens` may hold stale data;
 the attention mask never lets a query see them.
+
+The serving engine keeps one row per request slot. `head(n)` (the first n rows) and `row(i)` are views
+sharing the storage and the per-row state, so a forward over the running slots or a prefill into one
+slot writes straight into the cache; every change of per-row state is therefore made in place.
 """
 
 from __future__ import annotations
+
+import copy
 
 import torch
 from torch import Tensor
@@ -88,7 +94,7 @@ class KVCache:
         """How many leading slots a forward of q new tokens attends over (the rest are never filled)."""
         return self.max_len + q
 
-    # --- what the decode loop calls --------------------------------------------------------------
+    # --- what the engine calls -------------------------------------------------------------------
     def commit(self, n: Tensor | int) -> None:
         """Keep the first n[b] tokens written by the last forward in each row b (n may be 0)."""
         self.lens += n
@@ -101,14 +107,27 @@ class KVCache:
     def truncate(self, lens: Tensor) -> None:
         """Roll each row back to `lens` [B] slots (dropping its newest entries)."""
         self.next_pos -= self.lens - lens
-        self.lens = lens.clone()
-        self.max_len = int(lens.max())
+        self.lens.copy_(lens)
+        self.max_len = int(self.lens.max())
 
-    def select_rows(self, rows: Tensor) -> None:
-        """Keep only the given rows (e.g. drop finished sequences); copies the cache once."""
-        self.k = self.k.index_select(1, rows)
-        self.v = self.v.index_select(1, rows)
-        self._rows = torch.arange(len(rows), device=self.device)[:, None]
-        self.lens = self.lens.index_select(0, rows)
-        self.next_pos = self.next_pos.index_select(0, rows)
-        self.max_len = int(self.lens.max()) if len(rows) else 0
+    def clear(self) -> None:
+        """Empty every row (a slot handed to a new request)."""
+        self.lens.zero_()
+        self.next_pos.zero_()
+        self.max_len = 0
+
+    def head(self, n: int) -> "KVCache":
+        """A view of the first n rows."""
+        return self._view(slice(0, n))
+
+    def row(self, i: int) -> "KVCache":
+        """A view of row i alone."""
+        return self._view(slice(i, i + 1))
+
+    def _view(self, rows: slice) -> "KVCache":
+        view = copy.copy(self)
+        view.k, view.v = self.k[:, rows], self.v[:, rows]
+        view.lens, view.next_pos = self.lens[rows], self.next_pos[rows]
+        view._rows = torch.arange(view.lens.shape[0], device=self.device)[:, None]
+        view.max_len = int(view.lens.max()) if view.lens.numel() else 0
+        return view

@@ -102,11 +102,11 @@ class SparseKVCache(KVCache):
         self.k.scatter_(3, didx, src.k.gather(3, gidx).to(self.k.dtype))
         self.v.scatter_(3, didx, src.v.gather(3, gidx).to(self.v.dtype))
         self.slot_pos.fill_(-1).scatter_(1, dest, torch.where(valid, idx[0, :, 0], -1))
-        self.win_start = torch.minimum(window_pos[:, 0], src.next_pos)  # a prompt shorter than keep: its end
-        self.lens = n.clone()
-        self.next_pos = src.next_pos.clone()
+        self.win_start.copy_(torch.minimum(window_pos[:, 0], src.next_pos))  # a prompt shorter than keep: its end
+        self.lens.copy_(n)
+        self.next_pos.copy_(src.next_pos)
         self.max_len = self.capacity  # attention always spans the whole (small) buffer
-        self.n_prefix = n.clamp_max(self.keep)  # a prompt shorter than keep leaves the prefix partly empty
+        self.n_prefix.copy_(n.clamp_max(self.keep))  # a prompt shorter than keep leaves the prefix partly empty
         if self.reindex and self.keep:
             # prefix entry j moves to the position just before the window: win_start - n_prefix + j
             target = self.win_start[:, None] - self.n_prefix[:, None] + torch.arange(self.keep, device=idx.device)
@@ -126,27 +126,31 @@ class SparseKVCache(KVCache):
         prefix.copy_(rotate_keys(prefix, delta, self.inv_freq))
 
     def commit(self, n: Tensor | int) -> None:
-        self.lens = self.lens + n
-        self.next_pos = self.next_pos + n
+        self.lens += n
+        self.next_pos += n
 
     def truncate(self, lens: Tensor) -> None:
-        self.next_pos = self.next_pos - (self.lens - lens)
-        self.lens = lens.clone()
+        self.next_pos -= self.lens - lens
+        self.lens.copy_(lens)
 
     def evict(self) -> None:
         """Slide each row's window so that it holds at most budget - keep entries."""
         shift = (self.next_pos - self.win_start - (self.budget - self.keep)).clamp_min(0)  # [B]
-        self.win_start = self.win_start + shift
-        self.lens = self.lens - shift
+        self.win_start += shift
+        self.lens -= shift
         if self.reindex and self.keep:
             self._rotate_prefix(shift[None, :, None, None])
 
-    def select_rows(self, rows: Tensor) -> None:
-        super().select_rows(rows)
-        self.slot_pos = self.slot_pos.index_select(0, rows)
-        self.win_start = self.win_start.index_select(0, rows)
-        self.n_prefix = self.n_prefix.index_select(0, rows)
+    def clear(self) -> None:
+        super().clear()
+        self.slot_pos.fill_(-1)
         self.max_len = self.capacity
+
+    def _view(self, rows: slice) -> "SparseKVCache":
+        view = super()._view(rows)
+        view.slot_pos, view.win_start, view.n_prefix = self.slot_pos[rows], self.win_start[rows], self.n_prefix[rows]
+        view.max_len = self.capacity
+        return view
 
 
 def streaming_index(lens: Tensor, budget: int, sink: int) -> Tensor:
@@ -206,28 +210,25 @@ def snapkv_window(budget: int) -> int:
     return min(32, budget // 2)
 
 
-def compress(
-    dense: KVCache,
-    kind: str,
-    budget: int,
-    reindex: bool,
-    slack: int,
-    inv_freq: Tensor,
-    observer: SnapKVObserver | None = None,
-) -> SparseKVCache:
-    """A sparse cache holding the `budget` entries of `dense` that `kind` keeps, for every row."""
-    lens = dense.lens
+def prefix_size(kind: str, budget: int) -> int:
+    """Entries of a sparse cache's fixed prefix: StreamingLLM's sinks, or SnapKV's selected prompt tokens."""
     if kind == "streaming":
-        keep = min(DEFAULT_SINK, budget - 1)
-        index = streaming_index(lens, budget, keep)
+        return min(DEFAULT_SINK, budget - 1)
+    if kind == "snapkv":
+        return budget - snapkv_window(budget)
+    raise ValueError(f"unknown sparse cache kind {kind!r}; choose from {SPARSE_KINDS}")
+
+
+def compress_into(sparse: SparseKVCache, dense: KVCache, kind: str, observer: SnapKVObserver | None = None) -> None:
+    """Fill every row of `sparse` (a view, typically one slot) with the entries of the same rows of
+    `dense` that `kind` keeps; `observer` holds those rows' prefill attention (SnapKV)."""
+    lens, budget = dense.lens, sparse.budget
+    if kind == "streaming":
+        index = streaming_index(lens, budget, sparse.keep)
     elif kind == "snapkv":
         if observer is None or observer.scores[0] is None:
             raise ValueError("a SnapKV cache needs the attention observed during prefill")
-        window = snapkv_window(budget)
-        keep = budget - window
-        index = snapkv_index(observer, lens, budget, window)
+        index = snapkv_index(observer, lens, budget, budget - sparse.keep)
     else:
         raise ValueError(f"unknown sparse cache kind {kind!r}; choose from {SPARSE_KINDS}")
-    cache = SparseKVCache(dense.cfg, dense.batch, budget, keep, slack, dense.k.dtype, dense.device, reindex, inv_freq)
-    cache.load_slots(dense, index.clamp_max(dense.capacity - 1), lens.clamp_max(budget))
-    return cache
+    sparse.load_slots(dense, index.clamp_max(dense.capacity - 1), lens.clamp_max(budget))

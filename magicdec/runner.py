@@ -1,0 +1,241 @@
+"""The model runner: the only code that touches the model and the caches while requests run.
+
+It owns one row per request slot in every cache, the slots' token buffers and sampling parameters, and
+executes what the scheduler decided for a step: prefill chunks of arriving requests, then one decode
+round (plain, or draft gamma tokens, verify them in one target forward and commit) for the first n
+slots. Everything per slot lives in tensors; the step ends with one host transfer of its results.
+
+Slots that are inside the decoded range but not decoding (free, or still prefilling) ride along: their
+forwards compute garbage that is never committed, and a slot's state is rebuilt when it is handed out.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from magicdec.drafters.base import Drafter
+from magicdec.kv import KVCache
+from magicdec.kv.sparse import SnapKVObserver
+from magicdec.memory import check_fits
+from magicdec.model import Transformer
+from magicdec.prefill import prefill_chunk
+from magicdec.sampling import RowParams, SamplingParams, sample_tokens
+from magicdec.verify import accept_drafts
+
+#: Most draft tokens per round; a slot's cache holds this many tokens beyond its request's length.
+MAX_GAMMA = 16
+#: Cache entries a slot needs beyond prompt + max_tokens: a round can write gamma + 1 tokens past the end.
+CACHE_SLACK = MAX_GAMMA + 2
+
+RUNNING, STOPPED, LENGTH = 0, 1, 2  # per-slot finish codes of a step's results
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device (CUDA runs asynchronously; CPU work is done when the call returns)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@dataclass
+class PrefillWork:
+    """Prompt tokens [start, end) of the request in `slot`; the last chunk of a prompt samples its first token."""
+
+    slot: int
+    start: int
+    end: int
+    final: bool
+
+
+@dataclass
+class SlotAssignment:
+    """A request taking a slot: what the runner needs to prefill and decode it."""
+
+    slot: int
+    prompt: list[int]
+    params: SamplingParams
+    seed: int
+
+
+@dataclass
+class ScheduledStep:
+    """What the scheduler asks of one step, in order: free slots, hand slots to new requests, run prefill
+    chunks, then a decode round (draft length gamma, 0 for plain decoding) over slots [0, n_rows)."""
+
+    release: list[int] = field(default_factory=list)
+    assign: list[SlotAssignment] = field(default_factory=list)
+    prefills: list[PrefillWork] = field(default_factory=list)
+    n_rows: int = 0
+    gamma: int = 0
+
+
+@dataclass
+class StepResult:
+    """A step's results on the host. Per finished prefill: (slot, first token, finish code). Per decoded slot
+    i < n_rows: the tokens it gained (`tokens[i][:kept[i]]`), its finish code and accepted draft count."""
+
+    first: list[tuple[int, int, int]]
+    tokens: list[list[int]]
+    kept: list[int]
+    finish: list[int]
+    accepted: list[int]
+    prefill_s: float
+    decode_s: float
+    draft_s: float
+
+
+def workspace_bytes(model: Transformer, rows: int, chunk: int) -> int:
+    """Peak activations of a forward: a prefill chunk's hidden states, fused projections and logits."""
+    cfg = model.cfg
+    element = torch.empty((), dtype=model.dtype).element_size()
+    per_token = 4 * cfg.dim + (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim + 3 * cfg.ffn_dim
+    return chunk * per_token * element + rows * cfg.vocab_size * 4 * (MAX_GAMMA + 1) * 3
+
+
+class ModelRunner:
+    """Caches and buffers for `slots` requests of up to `capacity` tokens each (prompt + output + slack)."""
+
+    def __init__(
+        self,
+        model: Transformer,
+        eos_ids: Sequence[int],
+        *,
+        slots: int,
+        capacity: int,
+        kv_dtype: torch.dtype,
+        drafter: Drafter | None = None,
+    ):
+        self.model, self.drafter = model, drafter
+        self.slots, self.capacity = slots, capacity
+        device = self.device = model.device
+        check_fits(self.memory_bytes(model, slots, capacity, kv_dtype, drafter), device,
+                   f"{slots} slots x {capacity} tokens (KV caches, draft cache and workspace)")
+        self.cache = KVCache(model.cfg, slots, capacity, kv_dtype, device)
+        if drafter is not None:
+            drafter.allocate(slots, capacity, kv_dtype, device)
+        self.seq = torch.zeros(slots, capacity, dtype=torch.long, device=device)  # prompt + output tokens
+        self.n_tokens = torch.zeros(slots, dtype=torch.long, device=device)  # known tokens per slot
+        self.limit = torch.zeros(slots, dtype=torch.long, device=device)  # prompt + max_tokens
+        self.use_eos = torch.zeros(slots, dtype=torch.bool, device=device)
+        self.live = torch.zeros(slots, dtype=torch.bool, device=device)  # slots that are decoding
+        self.rows = RowParams(slots, device)
+        self.eos = torch.tensor(list(eos_ids), dtype=torch.long, device=device)
+        self.prompt_len = [0] * slots
+
+    @staticmethod
+    def memory_bytes(model: Transformer, slots: int, capacity: int, kv_dtype: torch.dtype,
+                     drafter: Drafter | None, chunk: int = 512) -> int:
+        """Bytes the runner allocates, planned before allocating."""
+        draft = drafter.cache_bytes(slots, capacity, kv_dtype) if drafter is not None else 0
+        return KVCache.nbytes(model.cfg, slots, capacity, kv_dtype) + draft + workspace_bytes(model, slots, chunk)
+
+    # --- slot lifecycle ---------------------------------------------------------------------------------
+    def _assign(self, a: SlotAssignment) -> None:
+        """Hand a slot to a request; its prompt is prefilled by the chunks that follow."""
+        n, slot = len(a.prompt), a.slot
+        self.seq[slot, :n] = torch.tensor(a.prompt, dtype=torch.long)
+        self.n_tokens[slot] = n
+        self.limit[slot] = n + a.params.max_tokens
+        self.use_eos[slot] = not a.params.ignore_eos
+        self.live[slot] = False
+        self.rows.set(slot, a.params, a.seed)
+        self.prompt_len[slot] = n
+
+    def _release(self, slot: int) -> None:
+        """The slot's request is done (or aborted): stop decoding it and empty its cache row, so that its
+        length no longer widens the attention of the slots decoded with it."""
+        self.live[slot] = False
+        self.cache.row(slot).clear()
+
+    # --- one step -------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, step: ScheduledStep) -> StepResult:
+        """Run the step's prefill chunks, then its decode round; return the results on the host."""
+        t0 = time.perf_counter()
+        for slot in step.release:
+            self._release(slot)
+        for a in step.assign:
+            self._assign(a)
+        firsts = []
+        for work in step.prefills:
+            first = self._prefill(work)
+            if first is not None:
+                firsts.append((work.slot, first))
+        synchronize(self.device)
+        t1 = time.perf_counter()
+        n, draft_s = step.n_rows, 0.0
+        empty = torch.zeros(0, dtype=torch.long, device=self.device)
+        new, kept, finish, accepted = empty[:, None], empty, empty, empty
+        if n:
+            new, kept, finish, accepted, draft_s = self._decode(n, step.gamma)
+        k = new.shape[1]
+        flat = torch.cat([new.flatten(), kept, finish, accepted] + [f for _, f in firsts]).tolist()  # one transfer
+        t2 = time.perf_counter()
+        rest = flat[n * k :]
+        first = [(slot, rest[3 * n + 2 * j], rest[3 * n + 2 * j + 1]) for j, (slot, _) in enumerate(firsts)]
+        return StepResult(first, [flat[i * k : (i + 1) * k] for i in range(n)], rest[:n], rest[n : 2 * n],
+                          rest[2 * n : 3 * n], t1 - t0, t2 - t1, draft_s)
+
+    def _prefill(self, work: PrefillWork) -> Tensor | None:
+        """Run one prefill chunk; after the last one, sample the first token and start decoding the slot.
+        Returns (first token, finish code) [2] after the last chunk, else None."""
+        slot, T = work.slot, self.prompt_len[work.slot]
+        row = self.cache.row(slot)
+        observer = None
+        if work.final and self.drafter is not None and self.drafter.needs_target_attention:
+            observer = SnapKVObserver(self.model.cfg.n_layers)
+        logits = prefill_chunk(self.model, row, self.seq[slot, :T], work.start, work.end, observer)
+        if not work.final:
+            return None
+        if self.drafter is not None:
+            self.drafter.admit(slot, self.seq[slot, :T], row, observer)
+        pos = torch.full((1, 1), T, dtype=torch.long, device=self.device)
+        first = sample_tokens(logits[:, None], self.rows.row(slot), pos)  # [1, 1]
+        one = slice(slot, slot + 1)
+        self.live[slot] = True
+        _, finish = self._emit(one, first, torch.ones(1, dtype=torch.long, device=self.device))
+        self.live[slot] = finish[0] == RUNNING
+        return torch.cat((first[0], finish))
+
+    def _decode(self, n: int, gamma: int) -> tuple[Tensor, Tensor, Tensor, Tensor, float]:
+        """One round over slots [0, n): plain decoding (gamma 0) or draft, verify and commit."""
+        cache, rows, live = self.cache.head(n), self.rows.head(n), self.live[:n]
+        n_tokens = self.n_tokens[:n].clone()
+        last = self.seq[:n].gather(1, (n_tokens - 1).clamp_min(0)[:, None])  # [n, 1]
+        positions = n_tokens[:, None] + torch.arange(gamma + 1, device=self.device)  # of the tokens predicted
+        draft_s = 0.0
+        if gamma:
+            t = time.perf_counter()
+            draft = self.drafter.propose(n, gamma, self.seq[:n], n_tokens, live, rows)
+            synchronize(self.device)
+            draft_s = time.perf_counter() - t
+            target = sample_tokens(self.model(torch.cat((last, draft), dim=1), cache), rows, positions)
+            accepted, nxt = accept_drafts(target, draft)
+            new = torch.cat((draft, nxt[:, None]), dim=1).scatter(1, accepted[:, None], nxt[:, None])
+        else:
+            new = sample_tokens(self.model(last, cache), rows, positions)
+            accepted = torch.zeros(n, dtype=torch.long, device=self.device)
+        cache.commit((accepted + 1) * live)
+        kept, finish = self._emit(slice(0, n), new, accepted + 1)
+        if gamma:
+            self.drafter.accept(n, self.n_tokens[:n], live)
+        return new, kept, finish, accepted, draft_s
+
+    def _emit(self, rows: slice, new: Tensor, count: Tensor) -> tuple[Tensor, Tensor]:
+        """Append the first count[b] tokens of new [m, k] to live slots, stopping at EOS and max_tokens.
+        Returns (tokens kept [m], finish code [m])."""
+        live, n_tokens, limit = self.live[rows], self.n_tokens[rows], self.limit[rows]
+        k = new.shape[1]
+        idx = torch.arange(k, device=self.device)
+        is_eos = torch.isin(new, self.eos) & (idx < count[:, None]) & self.use_eos[rows][:, None]
+        upto_eos = torch.where(is_eos.any(1), is_eos.long().argmax(1) + 1, k)
+        kept = torch.minimum(torch.minimum(count, upto_eos), limit - n_tokens) * live
+        self.seq[rows].scatter_(1, (n_tokens[:, None] + idx).clamp_max(self.capacity - 1), new)
+        n_tokens += kept
+        stopped = (is_eos & (idx < kept[:, None])).any(1)
+        finish = torch.where(stopped, STOPPED, torch.where(n_tokens >= limit, LENGTH, RUNNING)) * live
+        return kept, finish

@@ -1,0 +1,173 @@
+"""The scheduler: which requests run each step, and how (policy; the runner is the mechanism).
+
+Requests wait in arrival order until a slot is free (slots are preallocated, so a free slot is memory
+for the request's whole cache). An admitted request's prompt is prefilled in chunks, at most
+`max_prefill_tokens` per step across requests, interleaved with the decode rounds of the running ones,
+so a long arrival does not stall the streams already running. Each step decodes the slots below the
+highest running one, with the draft length the speculation policy picks for the live batch.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+from magicdec.errors import InvalidRequestError
+from magicdec.prefill import prefill_chunks
+from magicdec.runner import LENGTH, RUNNING, STOPPED, PrefillWork, ScheduledStep, SlotAssignment, StepResult
+from magicdec.sampling import SamplingParams
+
+#: (live sequences, their mean context) -> draft length for this step (0: plain decoding).
+GammaPolicy = Callable[[int, int], int]
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    PREFILLING = "prefilling"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+FINISH_NAMES = {STOPPED: "stop", LENGTH: "length"}
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation request and everything the engine learns about it."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    arrival_time: float = field(default_factory=time.monotonic)
+    status: Status = Status.WAITING
+    slot: int = -1
+    chunks: deque[tuple[int, int]] = field(default_factory=deque)
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop", "length" or "abort"
+    accepted_hist: list[int] = field(default_factory=list)  # verify rounds by number of drafts accepted
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    @property
+    def context(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+
+class Scheduler:
+    """Admission, chunked prefill, the per-step draft length, and retirement of finished requests."""
+
+    def __init__(self, slots: int, prefill_chunk: int, gamma_policy: GammaPolicy, *,
+                 max_prefill_tokens: int | None = None, max_queued: int | None = None):
+        self.slots = [None] * slots  # type: list[Request | None]
+        self.prefill_chunk = prefill_chunk
+        self.max_prefill_tokens = max_prefill_tokens or prefill_chunk
+        self.max_queued = max_queued
+        self.gamma_policy = gamma_policy
+        self.waiting: deque[Request] = deque()
+        self.prefilling: list[Request] = []
+        self._release: list[int] = []
+
+    # --- requests in and out --------------------------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        if self.max_queued is not None and len(self.waiting) >= self.max_queued:
+            raise QueueFullError(f"the queue is full ({self.max_queued} requests waiting)")
+        self.waiting.append(request)
+
+    def abort(self, request: Request) -> None:
+        """End a request that has not finished (the client went away); frees its slot."""
+        if request.status is Status.WAITING:
+            self.waiting.remove(request)
+            request.status = Status.FINISHED
+            request.finish_reason = "abort"
+            request.finish_time = time.monotonic()
+        elif not request.finished:
+            self.finish(request, "abort")
+
+    def finish(self, request: Request, reason: str) -> None:
+        """Retire a request that holds a slot; the runner frees the slot at the next step."""
+        if request.status is Status.PREFILLING:
+            self.prefilling.remove(request)
+        request.status, request.finish_reason = Status.FINISHED, reason
+        request.finish_time = time.monotonic()
+        self.slots[request.slot] = None
+        self._release.append(request.slot)
+
+    @property
+    def running(self) -> list[Request]:
+        return [r for r in self.slots if r is not None and r.status is Status.RUNNING]
+
+    def has_work(self) -> bool:
+        return bool(self.waiting) or any(r is not None for r in self.slots) or bool(self._release)
+
+    # --- one step -------------------------------------------------------------------------------------------
+    def schedule(self) -> ScheduledStep:
+        step = ScheduledStep(release=self._release)
+        self._release = []
+        for slot, holder in enumerate(self.slots):
+            if holder is None and self.waiting:
+                request = self.waiting.popleft()
+                request.slot, request.status = slot, Status.PREFILLING
+                request.chunks = deque(prefill_chunks(len(request.prompt_ids), self.prefill_chunk))
+                self.slots[slot] = request
+                self.prefilling.append(request)
+                step.assign.append(SlotAssignment(slot, request.prompt_ids, request.params, request.seed))
+        budget = self.max_prefill_tokens
+        joining = []
+        for request in self.prefilling:
+            while request.chunks and (budget > 0 or not step.prefills):
+                start, end = request.chunks.popleft()
+                budget -= end - start
+                step.prefills.append(PrefillWork(request.slot, start, end, final=not request.chunks))
+            if not request.chunks:
+                joining.append(request)
+            if budget <= 0:
+                break
+        decoding = self.running + joining
+        if decoding:
+            step.n_rows = 1 + max(r.slot for r in decoding)
+            context = sum(r.context for r in decoding) // len(decoding)
+            step.gamma = self.gamma_policy(len(decoding), context)
+        return step
+
+    def update(self, step: ScheduledStep, result: StepResult) -> list[Request]:
+        """Apply a step's results; returns the requests that gained tokens or finished."""
+        now = time.monotonic()
+        changed: dict[int, Request] = {}
+        for slot, token, finish in result.first:
+            request = self.slots[slot]
+            self.prefilling.remove(request)
+            request.status, request.first_token_time = Status.RUNNING, now
+            request.output_ids.append(token)
+            changed[slot] = request
+            if finish != RUNNING:
+                self.finish(request, FINISH_NAMES[finish])
+        for slot in range(step.n_rows):
+            request, kept = self.slots[slot], result.kept[slot]
+            if request is None or not kept:
+                continue
+            request.output_ids.extend(result.tokens[slot][:kept])
+            if step.gamma:
+                hist = request.accepted_hist
+                hist.extend([0] * (step.gamma + 1 - len(hist)))
+                hist[result.accepted[slot]] += 1
+            changed[slot] = request
+            if result.finish[slot] != RUNNING:
+                self.finish(request, FINISH_NAMES[result.finish[slot]])
+        return list(changed.values())
+
+
+class QueueFullError(InvalidRequestError):
+    """The scheduler's queue holds `max_queued` requests already (the server answers 429)."""
+
+
+def fixed_gamma(gamma: int) -> GammaPolicy:
+    """A policy that always drafts `gamma` tokens (0: never speculate)."""
+    return lambda live, context: gamma
