@@ -4,11 +4,10 @@
     spec, why = choose(llm, batch=len(prompts), context=max_prompt_len)
     llm.generate(prompts, params, speculative=spec)      # spec is None when plain decoding wins
 
-The draft length is re-planned as the generation goes (`SpeculativeConfig.replan`, called by the
-decode loop every few rounds): the batch shrinks as sequences finish and contexts grow, and both
-move the best gamma. The strategy and budget stay as chosen at the start; where plain decoding
-becomes the better choice (say, few sequences left at a short context), speculation ends for the
-rest of the run.
+The draft length is re-planned every engine step (`SpeculativeConfig.replan`, the scheduler's gamma
+policy): requests arrive and finish and contexts grow, and all of it moves the best gamma. The strategy
+and budget stay as chosen at the start; where plain decoding is the better choice for the live batch
+(say, few sequences at a short context), that step decodes plainly, and drafting resumes when it pays.
 
 The model's shape and dtypes come from the `LLM`; the hardware profile is the one `magicdec calibrate`
 saved for the device (else a preset); the acceptance rates are the ones measured for this model (else
@@ -17,6 +16,7 @@ the table shipped with the package, measured on SmolLM2-135M with PG-19 text).
 
 from __future__ import annotations
 
+import functools
 import os
 from importlib import resources
 from typing import TYPE_CHECKING, Any, Iterable
@@ -37,6 +37,8 @@ BUILTIN_ACCEPTANCE = "acceptance_smollm2.json"
 #: GPU name fragments (lower case) -> preset, for devices without a calibrated profile.
 _GPU_PRESETS = (("h200", "h200"), ("h100", "h100"), ("a100", "a100-80gb"), ("l40s", "l40s"), ("l40", "l40"))
 CPU_PRESET = "cpu-zen3-2core"
+#: Contexts the per-step re-planner distinguishes (plans are cached per live batch and context bucket).
+REPLAN_GRANULARITY = 64
 FALLBACK_GPU_PRESET = "a100-80gb"
 
 
@@ -186,13 +188,17 @@ def choose(
     # Mid-run, the choice is the chosen drafter at another length, or (if allowed) plain decoding.
     replan_strategies = [best.strategy, *(["ar"] if "ar" in strategies else [])]
 
-    def gamma_for(live: int, mean_context: int) -> int:
-        """The best draft length for the chosen drafter and budget at the batch and context reached;
-        0 where plain decoding is predicted faster."""
-        # Rows with long prompts may finish first; the plan needs a context beyond the sparse budget.
-        mean_context = max(mean_context, best.budget + 1)
-        return plan(shape, hw, live, mean_context, table, budgets=[best.budget], gammas=gammas,
+    @functools.lru_cache(maxsize=4096)
+    def planned(live: int, context: int) -> int:
+        return plan(shape, hw, live, context, table, budgets=[best.budget], gammas=gammas,
                     dtype_bytes=weight_bytes, kv_dtype_bytes=kv_bytes, mode=mode, strategies=replan_strategies).gamma
+
+    def gamma_for(live: int, mean_context: int) -> int:
+        """The best draft length for the chosen drafter and budget at the live batch and mean context
+        (planned at REPLAN_GRANULARITY tokens); 0 where plain decoding is predicted faster."""
+        # Rows with long prompts may finish first; the plan needs a context beyond the sparse budget.
+        context = max(mean_context // REPLAN_GRANULARITY * REPLAN_GRANULARITY, best.budget + 1)
+        return planned(live, context)
 
     # Built for the longest draft it may re-plan to; the decode loop starts it at the planned length.
     return SpeculativeConfig(best.strategy, budget=best.budget, gamma=max(gammas), replan=gamma_for), best

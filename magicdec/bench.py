@@ -1,8 +1,9 @@
 """`magicdec bench`: sweep batch x context x drafter x budget x gamma, with resumable JSON and plots.
 
-Each (batch, context) point is prefilled once; every decode configuration then runs from that prefill
-(`decode(..., reuse=True)` rolls the target cache back), side by side with plain decoding in the same
-process, so speedups are ratios of measurements taken minutes apart on the same machine state.
+The distinct prompts of a context are prefilled once into the LLM's prompt cache; every (batch, decode
+configuration) then runs through the engine from copies of that prefill, the batch tiling the distinct
+prompts, side by side with plain decoding in the same process, so speedups are ratios of measurements
+taken minutes apart on the same machine state.
 """
 
 from __future__ import annotations
@@ -64,10 +65,10 @@ def run_bench(args, grid: BenchGrid) -> dict:
     from magicdec.autoplan import choose
     from magicdec.calibrate import machine_info
     from magicdec.corpus import cut_prompts, load_texts
-    from magicdec.decode import MAX_GAMMA, decode, prefill_prompts
+    from magicdec.engine import LLM
     from magicdec.kv import KVCache
     from magicdec.memory import check_fits
-    from magicdec.engine import LLM
+    from magicdec.runner import CACHE_SLACK, ModelRunner, PromptCache
     from magicdec.sampling import SamplingParams
     from magicdec.speculative import SpeculativeConfig
 
@@ -84,8 +85,7 @@ def run_bench(args, grid: BenchGrid) -> dict:
     configs = grid.configs()
     total = len(grid.batches) * len(grid.contexts) * len(configs)
     bar = tqdm(total=total, desc="bench", unit="pt", file=sys.stderr)
-    # The distinct prompts of a context, prefilled once and shared by its batch sizes (tiled up to them).
-    base, base_key = None, None
+    prefilled_key = None  # (context, distinct prompts) held in the prompt cache
     for context, batch in itertools.product(grid.contexts, grid.batches):
         todo = [c for c in configs if point_key(batch, context, c) not in doc["points"]]
         bar.update(len(configs) - len(todo))
@@ -96,26 +96,29 @@ def run_bench(args, grid: BenchGrid) -> dict:
         ctx = min(context, llm.max_context - grid.new_tokens)
         distinct = min(batch, grid.distinct_prompts or batch)
         try:
-            check_fits(KVCache.nbytes(llm.model.cfg, batch, ctx + grid.new_tokens + MAX_GAMMA + 2, llm.kv_dtype),
+            capacity = ctx + grid.new_tokens + CACHE_SLACK
+            check_fits(ModelRunner.memory_bytes(llm.model, batch, capacity, llm.kv_dtype, None, llm.prefill_chunk)
+                       + KVCache.nbytes(llm.model.cfg, distinct, ctx, llm.kv_dtype),
                        llm.model.device, f"batch {batch} x {ctx} tokens")
-            if base_key != (ctx, distinct):
-                base, base_key = None, None  # free it before the next prefill
+            if prefilled_key != (ctx, distinct):
                 bar.set_postfix_str(f"prefill {distinct} x {ctx}")
                 prompts = cut_prompts(llm.tokenizer, texts, distinct, ctx)
-                base = prefill_prompts(llm.model, prompts, grid.new_tokens, kv_dtype=llm.kv_dtype,
-                                       chunk=llm.prefill_chunk, observe=True)
-                base_key = (ctx, distinct)
-            pre = base.tile(batch // distinct) if distinct < batch else base
+                llm.prompt_cache = PromptCache(KVCache.nbytes(llm.model.cfg, distinct, ctx, llm.kv_dtype)
+                                               + distinct * PromptCache.extra_bytes(llm.model.cfg, ctx))
+                t0 = time.perf_counter()
+                llm.generate(prompt_token_ids=prompts, params=SamplingParams(max_tokens=1))
+                prefill_s, prefilled_key = time.perf_counter() - t0, (ctx, distinct)
         except (OutOfMemoryError, InvalidRequestError) as e:
             for c in todo:
                 doc["points"][point_key(batch, context, c)] = {"skipped": str(e)}
             bar.update(len(todo))
             _save(out, doc)
             continue
+        rows = [prompts[i % distinct] for i in range(batch)]
         for cfg in todo:
             bar.set_postfix_str(point_key(batch, context, cfg))
-            params = SamplingParams(max_tokens=grid.new_tokens, ignore_eos=True, seed=0,
-                                    **(SAMPLING if cfg["mode"] == "sampling" else {}))
+            sampling = SAMPLING if cfg["mode"] == "sampling" else {}
+            params = [SamplingParams(max_tokens=grid.new_tokens, ignore_eos=True, seed=i, **sampling) for i in range(batch)]
             spec, chosen = None, {}
             if cfg["draft"] == "auto":
                 spec, plan = choose(llm, batch, ctx + grid.new_tokens // 2, profile=getattr(args, "hardware", None),
@@ -125,21 +128,20 @@ def run_bench(args, grid: BenchGrid) -> dict:
             elif cfg["draft"] != "none":
                 reindex = {"reindex": True, "original": False}.get(cfg.get("positions"))
                 spec = SpeculativeConfig(cfg["draft"], budget=cfg["budget"], gamma=cfg["gamma"], reindex=reindex)
-            drafter, gamma = spec.build(llm) if spec else (None, 0)
-            _, stats = decode(llm.model, pre, params, llm.tokenizer.eos_ids, drafter=drafter, gamma=gamma,
-                              prefill_chunk=llm.prefill_chunk, reuse=True, replan=spec.replan if spec else None)
+            llm.generate(prompt_token_ids=rows, params=params, speculative=spec)
+            stats = llm.last_stats
             doc["points"][point_key(batch, context, cfg)] = {
                 "batch": batch, "context": context, "context_used": ctx, **cfg, **chosen,
                 "throughput": stats.decode_tok_s, "tokens_per_step": stats.tokens_per_step,
                 "acceptance": stats.acceptance_rate, "accepted_hist": stats.accepted_hist,
-                "steps": stats.steps, "gamma_changes": stats.gamma_changes, "decode_s": stats.decode_s, "draft_s": stats.draft_s, "verify_s": stats.verify_s,
-                "prefill_s": pre.seconds, "distinct_prompts": distinct, "peak_memory_gib": stats.peak_memory_bytes / 1024**3,
+                "steps": stats.steps, "gamma_changes": stats.gamma_changes, "decode_s": stats.decode_s,
+                "draft_s": stats.draft_s, "verify_s": stats.verify_s, "max_batch": stats.max_batch,
+                "prefill_s": prefill_s, "distinct_prompts": distinct, "peak_memory_gib": stats.peak_memory_bytes / 1024**3,
                 "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
             }
             _save(out, doc)
             bar.update(1)
-        del pre
-    del base
+    llm.prompt_cache = None
     bar.close()
     add_speedups(doc)
     _save(out, doc)

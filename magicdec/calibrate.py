@@ -40,6 +40,7 @@ import torch
 
 from magicdec.config import ModelConfig
 from magicdec.memory import available_bytes
+from magicdec.runner import synchronize
 from magicdec.planner import AcceptanceTable, HardwareProfile, ModelShape, forward_cost
 from magicdec.planner.models import MODEL_PRESETS
 
@@ -80,20 +81,15 @@ def model_key(llm: Any) -> str:
 
 
 # --- timing helpers ----------------------------------------------------------------------------------
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _times(fn: Callable[[], Any], device: torch.device, reps: int, warmup: int = 1) -> list[float]:
     for _ in range(warmup):
         fn()
-    _sync(device)
+    synchronize(device)
     out = []
     for _ in range(reps):
         t0 = time.perf_counter()
         fn()
-        _sync(device)
+        synchronize(device)
         out.append(time.perf_counter() - t0)
     return out
 
@@ -432,16 +428,19 @@ def nondecreasing(values: Sequence[float]) -> list[float]:
 
 
 def _decode_step_time(model, steps: int) -> float:
-    """Median seconds per step of autoregressive decoding (batch 1, short prompt) with the real loop."""
-    from magicdec.decode import decode, prefill_prompts
+    """Median seconds per step of autoregressive decoding (batch 1, short prompt) with the real engine."""
+    from magicdec.engine import LLMEngine
+    from magicdec.runner import CACHE_SLACK
     from magicdec.sampling import SamplingParams
 
-    pre = prefill_prompts(model, [[1] * 16], steps + 1)
     params = SamplingParams(max_tokens=steps + 1, ignore_eos=True)
     times = []
     for _ in range(3):
-        _, stats = decode(model, pre, params, (), reuse=True)
-        times.append(stats.decode_s / stats.steps)
+        engine = LLMEngine(model, (), slots=1, capacity=16 + steps + 1 + CACHE_SLACK)
+        engine.add_request("0", [1] * 16, params)
+        while engine.has_unfinished():
+            engine.step()
+        times.append(engine.stats.decode_s / engine.stats.steps)
     return statistics.median(times)
 
 
@@ -505,9 +504,9 @@ def calibrate_acceptance(
     """Measure acceptance rates of self-speculative drafters on `texts` with `llm` (an `LLM`).
 
     For each context length, `n_prompts` prompts of that many tokens are cut from inside the texts
-    and prefilled once (as one batch, with the attention observation SnapKV needs); every (drafter,
-    budget, mode) then decodes `new_tokens` tokens per prompt (EOS ignored) from that prefill with
-    draft length `gamma`. The rate stored for (drafter, budget, mode, context) is `acceptance_mle`
+    and prefilled once into the LLM's prompt cache (with the attention observation SnapKV needs); every
+    (drafter, budget, mode) then decodes `new_tokens` tokens per prompt (EOS ignored) from copies of that
+    prefill with draft length `gamma`. The rate stored for (drafter, budget, mode, context) is `acceptance_mle`
     of the summed histogram; each (drafter, mode) also gets the spread of per-sequence rates around
     their batch's rate (`row_spread`), which the planner uses for the slowest sequence of a batch.
     Budgets not below the context are skipped (the planner treats them as dense). A context that
@@ -517,14 +516,15 @@ def calibrate_acceptance(
     `records`, when given, receives one dict per decode (histogram, alpha, timings).
     """
     from magicdec.corpus import cut_prompts
-    from magicdec.decode import MAX_GAMMA, decode, prefill_prompts
+    from magicdec.kv import KVCache
+    from magicdec.runner import CACHE_SLACK, PromptCache
     from magicdec.speculative import SpeculativeConfig
 
     drafters, budgets, modes = list(drafters), sorted(set(budgets)), list(modes)
     for mode in modes:
         sampling_params(mode, 1)  # validates
     contexts = sorted(set(contexts))
-    limit = llm.model.cfg.max_seq_len - new_tokens - MAX_GAMMA - 2
+    limit = llm.model.cfg.max_seq_len - new_tokens - CACHE_SLACK
     table = AcceptanceTable()
     deviations: dict[tuple[str, str], list[float]] = {}  # (drafter, mode) -> per-row rate minus batch rate
     jobs = [(c, d, b, mo) for c in contexts for d in drafters for b in budgets for mo in modes
@@ -538,27 +538,28 @@ def calibrate_acceptance(
         if progress is not None:
             progress(done, len(jobs), f"prefill {n_prompts} x {ctx}")
         prompts = cut_prompts(llm.tokenizer, texts, n_prompts, ctx)
-        pre = prefill_prompts(llm.model, prompts, new_tokens, kv_dtype=llm.kv_dtype, chunk=llm.prefill_chunk,
-                              observe=True)
+        llm.prompt_cache = PromptCache(KVCache.nbytes(llm.model.cfg, n_prompts, ctx, llm.kv_dtype)
+                                       + n_prompts * PromptCache.extra_bytes(llm.model.cfg, ctx))
+        llm.generate(prompt_token_ids=prompts, params=sampling_params("greedy", 1))
         for drafter_name, budget, mode in todo:
             if progress is not None:
                 progress(done, len(jobs), f"{drafter_name} budget {budget} {mode} at {ctx}")
-            drafter, g = SpeculativeConfig(drafter_name, budget=budget, gamma=gamma).build(llm)
-            params = sampling_params(mode, new_tokens, seed)
-            outs, stats = decode(llm.model, pre, params, llm.tokenizer.eos_ids, drafter=drafter, gamma=g,
-                                 prefill_chunk=llm.prefill_chunk, reuse=True)
+            spec = SpeculativeConfig(drafter_name, budget=budget, gamma=gamma)
+            outs = llm.generate(prompt_token_ids=prompts, params=sampling_params(mode, new_tokens, seed),
+                                speculative=spec)
+            stats = llm.last_stats
             alpha = acceptance_mle(stats.accepted_hist)
             table.add(drafter_name, alpha, budget=budget, mode=mode, context=ctx)
             row_alphas = [acceptance_mle(o.accepted_hist) for o in outs if sum(o.accepted_hist)]
             deviations.setdefault((drafter_name, mode), []).extend(a - alpha for a in row_alphas)
             if records is not None:
                 records.append({"drafter": drafter_name, "budget": budget, "mode": mode, "context": ctx,
-                                "gamma": g, "batch": pre.batch, "accepted_hist": list(stats.accepted_hist),
+                                "gamma": gamma, "batch": len(prompts), "accepted_hist": list(stats.accepted_hist),
                                 "alpha": alpha, "row_alphas": row_alphas, "decode_s": stats.decode_s,
                                 "draft_s": stats.draft_s, "verify_s": stats.verify_s,
                                 "tokens_per_step": stats.tokens_per_step})
             done += 1
-        del pre
+    llm.prompt_cache = None
     for (drafter_name, mode), devs in deviations.items():
         if len(devs) > 1:
             table.set_row_spread(drafter_name, row_spread(devs), mode=mode)

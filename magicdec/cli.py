@@ -143,32 +143,32 @@ def progress_bar(desc: str, enabled: bool):
 
 def format_stats(stats, label: str) -> str:
     gib = stats.peak_memory_bytes / 1024**3
-    line = (f"[{label}] batch {stats.batch}: prefill {stats.prompt_tokens} tok in {stats.prefill_s:.2f}s "
-            f"({stats.prefill_tok_s:.0f} tok/s); decode {stats.generated_tokens} tok in {stats.decode_s:.2f}s "
-            f"({stats.decode_tok_s:.1f} tok/s); peak memory {gib:.2f} GiB")
+    line = (f"[{label}] {stats.requests} requests ({stats.dtype}), at most {stats.max_batch} decoding together: "
+            f"prefill {stats.prompt_tokens} tok in {stats.prefill_s:.2f}s ({stats.prefill_tok_s:.0f} tok/s); "
+            f"decode {stats.decode_tokens} tok in {stats.decode_s:.2f}s ({stats.decode_tok_s:.1f} tok/s); "
+            f"peak memory {gib:.2f} GiB")
     if stats.gamma:
-        gamma = (", ".join(f"{g or 'none (plain decoding)'} from round {r}" for r, g in stats.gamma_changes)
-                 + " (re-planned)"
-                 if stats.gamma_changes else stats.gamma)
-        line += (f"\n[{label}] gamma {gamma}: acceptance {stats.acceptance_rate:.3f}, "
-                 f"{stats.tokens_per_step:.2f} tokens/step, accepted-length histogram {stats.accepted_hist}, "
-                 f"draft {stats.draft_s:.2f}s verify {stats.verify_s:.2f}s "
-                 f"other {stats.decode_s - stats.draft_s - stats.verify_s:.2f}s")
+        changes = ", ".join(f"{g or 'plain'} from round {r}" for r, g in stats.gamma_changes)
+        line += (f"\n[{label}] draft length {changes}: acceptance {stats.acceptance_rate:.3f}, "
+                 f"{stats.tokens_per_step:.2f} tokens/round, accepted-length histogram {stats.accepted_hist}, "
+                 f"draft {stats.draft_s:.2f}s verify {stats.verify_s:.2f}s")
     return line
 
 
 def cmd_generate(args) -> int:
     from magicdec.engine import LLM
+    from magicdec.kv import KVCache
+    from magicdec.runner import PromptCache
     from magicdec.sampling import SamplingParams
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
-    llm = LLM(args.model, device=args.device, dtype=args.dtype, kv_dtype=args.kv_dtype, prefill_chunk=args.prefill_chunk)
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, kv_dtype=args.kv_dtype, prefill_chunk=args.prefill_chunk,
+              max_num_seqs=args.batch_size or 256)
     texts, ids = collect_prompts(args, llm.tokenizer)
     show = sys.stderr.isatty() and not args.json
-    runs = []
-    batch = args.batch_size or len(ids)
-    spec, plan = speculative_from_args(args, llm, min(batch, len(ids)), max(map(len, ids)) + args.max_tokens // 2)
+    batch = min(args.batch_size or len(ids), len(ids))
+    spec, plan = speculative_from_args(args, llm, batch, max(map(len, ids)) + args.max_tokens // 2)
     if plan is not None:
         from magicdec.autoplan import describe
 
@@ -176,43 +176,43 @@ def cmd_generate(args) -> int:
     modes = [("spec" if spec else "ar", spec)]
     if args.compare_ar and spec is not None:
         modes.insert(0, ("ar", None))
-    results: dict[str, list] = {}
+        # both runs decode the same prompts: the second copies the first one's prefill
+        llm.prompt_cache = PromptCache(sum(KVCache.nbytes(llm.model.cfg, 1, len(p), llm.kv_dtype) for p in ids)
+                                       + len(ids) * PromptCache.extra_bytes(llm.model.cfg, max(map(len, ids))))
+    results, runs = {}, []
     for label, cfg in modes:
-        outs, all_stats = [], []
-        for start in range(0, len(ids), batch):
-            update, close = progress_bar(f"{label} prefill", show)
-            try:
-                outs += llm.generate(prompt_token_ids=ids[start:start + batch], params=params, speculative=cfg,
-                                     progress=update)
-            finally:
-                close()
-            all_stats.append(llm.last_stats)
-            if not args.json:
-                print(format_stats(llm.last_stats, label), file=sys.stderr)
-        results[label] = outs
-        runs.append({"mode": label, "speculative": cfg.__dict__ if cfg else None,
-                     "stats": [s.as_dict() for s in all_stats]})
-    final = results[modes[-1][0]]
-    if args.compare_ar and spec is not None:
-        ar_tok_s = sum(s["generated_tokens"] for s in runs[0]["stats"]) / sum(s["decode_s"] for s in runs[0]["stats"])
-        sp_tok_s = sum(s["generated_tokens"] for s in runs[1]["stats"]) / sum(s["decode_s"] for s in runs[1]["stats"])
-        same = sum(a.token_ids == b.token_ids for a, b in zip(results["ar"], results["spec"]))
-        summary = f"speedup over autoregressive decoding: {sp_tok_s / ar_tok_s:.2f}x ({sp_tok_s:.1f} vs {ar_tok_s:.1f} tok/s)"
-        if params.greedy:
-            summary += f"; identical outputs: {same}/{len(final)}"
-        runs.append({"speedup": sp_tok_s / ar_tok_s, "identical": same})
+        update, close = progress_bar(f"{label}", show)
+        try:
+            results[label] = llm.generate(prompt_token_ids=ids, params=params, speculative=cfg, progress=update)
+        finally:
+            close()
+        stats = llm.last_stats
         if not args.json:
-            print(summary, file=sys.stderr)
+            print(format_stats(stats, label), file=sys.stderr)
+        runs.append({"mode": label, "speculative": _config_dict(cfg), "stats": stats.as_dict()})
+    final = results[modes[-1][0]]
+    if len(runs) == 2:
+        ar_tok_s, sp_tok_s = runs[0]["stats"]["decode_tok_s"], runs[1]["stats"]["decode_tok_s"]
+        same = sum(a.token_ids == b.token_ids for a, b in zip(results["ar"], results["spec"]))
+        speedup = sp_tok_s / ar_tok_s if ar_tok_s else float("nan")
+        runs.append({"speedup": speedup, "identical": same})
+        if not args.json:
+            print(f"speedup over autoregressive decoding: {speedup:.2f}x ({sp_tok_s:.1f} vs {ar_tok_s:.1f} decode tok/s); "
+                  f"identical outputs: {same}/{len(final)}", file=sys.stderr)
     if args.json:
-        doc = {"outputs": [{"text": o.text, "token_ids": o.token_ids, "finish_reason": o.finish_reason,
+        doc = {"outputs": [{"index": o.index, "text": o.text, "token_ids": o.token_ids, "finish_reason": o.finish_reason,
                             "prompt_tokens": len(o.prompt_token_ids)} for o in final], "runs": runs}
         json.dump(doc, sys.stdout, indent=1)
         print()
     else:
-        for i, o in enumerate(final):
-            head = texts[i][-60:] if texts else f"<{len(o.prompt_token_ids)} corpus tokens>"
-            print(f"--- [{i}] {head!r} ({o.finish_reason})\n{o.text}")
+        for o in final:
+            head = texts[o.index][-60:] if texts else f"<{len(o.prompt_token_ids)} corpus tokens>"
+            print(f"--- [{o.index}] {head!r} ({o.finish_reason})\n{o.text}")
     return 0
+
+
+def _config_dict(cfg) -> dict | None:
+    return None if cfg is None else {k: v for k, v in cfg.__dict__.items() if k != "replan"} | {"replanned": cfg.replan is not None}
 
 
 # --- bench ------------------------------------------------------------------------------------------
@@ -298,8 +298,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_prompt_args(g)
     add_sampling_args(g, max_tokens=64)
     add_draft_args(g)
-    g.add_argument("--batch-size", type=positive_int, help="prompts decoded together (default: all)")
-    g.add_argument("--compare-ar", action="store_true", help="also run plain decoding and report the speedup")
+    g.add_argument("--batch-size", type=positive_int, help="most prompts decoded together; the rest queue for a free slot (default: all)")
+    g.add_argument("--compare-ar", action="store_true", help="also run plain decoding first (its prefill is reused) and report the speedup")
     g.add_argument("--json", action="store_true", help="print outputs and stats as JSON on stdout")
     g.set_defaults(func=cmd_generate)
 

@@ -26,7 +26,7 @@ from magicdec.loading import LoadedModel, load_model
 from magicdec.loading.tokenizer import Tokenizer
 from magicdec.memory import available_bytes, peak_bytes
 from magicdec.model import Transformer
-from magicdec.runner import CACHE_SLACK, ModelRunner
+from magicdec.runner import CACHE_SLACK, ModelRunner, PromptCache
 from magicdec.sampling import SamplingParams
 from magicdec.scheduler import GammaPolicy, Request, Scheduler, fixed_gamma
 from magicdec.speculative import SpeculativeConfig
@@ -84,18 +84,20 @@ class LLMEngine:
         prefill_chunk: int = 512,
         max_prefill_tokens: int | None = None,
         max_queued: int | None = None,
+        prompt_cache: PromptCache | None = None,
     ):
         if drafter is not None and gamma_policy is None:
             raise ValueError("a drafter needs a gamma policy")
         self.model, self.tokenizer, self.drafter = model, tokenizer, drafter
         self.capacity = capacity
         self.runner = ModelRunner(model, eos_ids, slots=slots, capacity=capacity, kv_dtype=kv_dtype or model.dtype,
-                                  drafter=drafter)
+                                  drafter=drafter, prompt_cache=prompt_cache)
         policy = gamma_policy if drafter is not None else fixed_gamma(0)
         if drafter is not None:
             policy = _capped(policy, drafter.gamma)
         self.scheduler = Scheduler(slots, prefill_chunk, policy, max_prefill_tokens=max_prefill_tokens or 1 << 62,
-                                   max_queued=max_queued)
+                                   max_queued=max_queued,
+                                   is_cached=(lambda p: p in prompt_cache) if prompt_cache is not None else lambda p: False)
         self.requests: dict[str, Request] = {}
         self.stats = GenerationStats(dtype=str(model.dtype).removeprefix("torch."))
 
@@ -208,6 +210,7 @@ class LLM:
         kv_dtype: str | torch.dtype | None = None,
         prefill_chunk: int = 512,
         max_num_seqs: int = 256,
+        prompt_cache_bytes: int = 0,
     ):
         if prefill_chunk < 1:
             raise InvalidRequestError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
@@ -219,6 +222,8 @@ class LLM:
         self.kv_dtype = parse_dtype(kv_dtype) or self.model.dtype
         self.prefill_chunk = prefill_chunk
         self.max_num_seqs = max_num_seqs
+        # prefilled prompts kept across generate calls (0: off); see runner.PromptCache
+        self.prompt_cache = PromptCache(prompt_cache_bytes) if prompt_cache_bytes > 0 else None
         self.last_stats: GenerationStats | None = None
 
     @property
@@ -244,7 +249,7 @@ class LLM:
             slots = max(1, min(slots, int(0.9 * available_bytes(self.model.device)) // per_slot))
         return LLMEngine(self.model, self.tokenizer.eos_ids, slots=slots, capacity=capacity, kv_dtype=self.kv_dtype,
                          tokenizer=self.tokenizer, drafter=drafter, gamma_policy=policy,
-                         prefill_chunk=self.prefill_chunk, **kwargs)
+                         prefill_chunk=self.prefill_chunk, prompt_cache=self.prompt_cache, **kwargs)
 
     def generate(
         self,

@@ -12,6 +12,7 @@ forwards compute garbage that is never committed, and a slot's state is rebuilt 
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -23,7 +24,7 @@ from magicdec.kv import KVCache
 from magicdec.kv.sparse import SnapKVObserver
 from magicdec.memory import check_fits
 from magicdec.model import Transformer
-from magicdec.prefill import prefill_chunk
+from magicdec.prefill import prefill_chunk, prefill_row
 from magicdec.sampling import RowParams, SamplingParams, sample_tokens
 from magicdec.verify import accept_drafts
 
@@ -43,12 +44,61 @@ def synchronize(device: torch.device) -> None:
 
 @dataclass
 class PrefillWork:
-    """Prompt tokens [start, end) of the request in `slot`; the last chunk of a prompt samples its first token."""
+    """Prompt tokens [start, end) of the request in `slot`; the last chunk of a prompt samples its first token.
+    `cached`: the whole prompt is in the prompt cache and is copied, not computed."""
 
     slot: int
     start: int
     end: int
     final: bool
+    cached: bool = False
+
+
+@dataclass
+class _Prefilled:
+    k: Tensor  # [n_layers, KV, T, hd]
+    v: Tensor
+    logits: Tensor  # [1, V], predicting the token after the prompt
+    scores: list[Tensor]  # SnapKV's observation per layer, [1, KV, T]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.logits, *self.scores))
+
+
+class PromptCache:
+    """Prefilled prompts kept for reuse, matched on the whole prompt, least recently used evicted first.
+
+    Benchmarks and `generate --compare-ar` decode the same prompts under several configurations; a hit
+    costs a copy of the prompt's K/V instead of its prefill. Entries hold the K/V in the cache dtype, the
+    last logits and SnapKV's observation, so every drafter can start from a hit."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self.entries: OrderedDict[tuple[int, ...], _Prefilled] = OrderedDict()
+        self.nbytes = 0
+
+    @staticmethod
+    def extra_bytes(cfg, n_tokens: int) -> int:
+        """Bytes of an entry beyond its K/V: the logits and SnapKV's observation (fp32)."""
+        return 4 * (cfg.vocab_size + cfg.n_layers * cfg.n_kv_heads * n_tokens)
+
+    def __contains__(self, prompt: Sequence[int]) -> bool:
+        return tuple(prompt) in self.entries
+
+    def get(self, prompt: Sequence[int]) -> _Prefilled:
+        key = tuple(prompt)
+        self.entries.move_to_end(key)
+        return self.entries[key]
+
+    def put(self, prompt: Sequence[int], entry: _Prefilled) -> None:
+        key = tuple(prompt)
+        if key in self.entries or entry.nbytes > self.max_bytes:
+            return
+        while self.nbytes + entry.nbytes > self.max_bytes:
+            self.nbytes -= self.entries.popitem(last=False)[1].nbytes
+        self.entries[key] = entry
+        self.nbytes += entry.nbytes
 
 
 @dataclass
@@ -108,8 +158,9 @@ class ModelRunner:
         capacity: int,
         kv_dtype: torch.dtype,
         drafter: Drafter | None = None,
+        prompt_cache: PromptCache | None = None,
     ):
-        self.model, self.drafter = model, drafter
+        self.model, self.drafter, self.prompt_cache = model, drafter, prompt_cache
         self.slots, self.capacity = slots, capacity
         device = self.device = model.device
         check_fits(self.memory_bytes(model, slots, capacity, kv_dtype, drafter), device,
@@ -184,11 +235,20 @@ class ModelRunner:
         """Run one prefill chunk; after the last one, sample the first token and start decoding the slot.
         Returns (first token, finish code) [2] after the last chunk, else None."""
         slot, T = work.slot, self.prompt_len[work.slot]
-        row = self.cache.row(slot)
+        row, prompt = self.cache.row(slot), self.seq[slot, :T]
         observer = None
-        if work.final and self.drafter is not None and self.drafter.needs_target_attention:
+        if work.final and (self.prompt_cache is not None or
+                           (self.drafter is not None and self.drafter.needs_target_attention)):
             observer = SnapKVObserver(self.model.cfg.n_layers)
-        logits = prefill_chunk(self.model, row, self.seq[slot, :T], work.start, work.end, observer)
+        if work.cached and prompt.tolist() in self.prompt_cache:
+            logits = self._copy_prefilled(row, prompt, observer)
+        elif work.cached:  # evicted since it was scheduled
+            logits = prefill_row(self.model, row, prompt, work.end, observer)
+        else:
+            logits = prefill_chunk(self.model, row, prompt, work.start, work.end, observer)
+            if work.final and self.prompt_cache is not None:
+                self.prompt_cache.put(prompt.tolist(), _Prefilled(row.k[:, 0, :, :T].clone(), row.v[:, 0, :, :T].clone(),
+                                                                  logits.clone(), observer.scores))
         if not work.final:
             return None
         if self.drafter is not None:
@@ -200,6 +260,17 @@ class ModelRunner:
         _, finish = self._emit(one, first, torch.ones(1, dtype=torch.long, device=self.device))
         self.live[slot] = finish[0] == RUNNING
         return torch.cat((first[0], finish))
+
+    def _copy_prefilled(self, row: KVCache, prompt: Tensor, observer: SnapKVObserver | None) -> Tensor:
+        """Fill `row` from the prompt cache; returns the prompt's last logits."""
+        entry, T = self.prompt_cache.get(prompt.tolist()), len(prompt)
+        row.clear()
+        row.k[:, 0, :, :T] = entry.k
+        row.v[:, 0, :, :T] = entry.v
+        row.commit(T)
+        if observer is not None:
+            observer.scores = list(entry.scores)
+        return entry.logits
 
     def _decode(self, n: int, gamma: int) -> tuple[Tensor, Tensor, Tensor, Tensor, float]:
         """One round over slots [0, n): plain decoding (gamma 0) or draft, verify and commit."""

@@ -156,7 +156,6 @@ class RowParams:
         self.top_k = torch.zeros(n, dtype=torch.long, device=device)
         self.top_p = torch.ones(n, device=device)
         self.seed = torch.zeros(n, dtype=torch.long, device=device)
-        self._facts()
 
     @classmethod
     def of(cls, params: Sequence[SamplingParams], seeds: Sequence[int], device: torch.device | str) -> "RowParams":
@@ -173,7 +172,6 @@ class RowParams:
         self.top_k[i] = params.top_k
         self.top_p[i] = params.top_p
         self.seed[i] = normalize_seed(seed)
-        self._facts()
 
     def head(self, n: int) -> "RowParams":
         """The first n rows (tensor views)."""
@@ -188,14 +186,19 @@ class RowParams:
         view.params = self.params[rows]
         for name in ("greedy", "temperature", "top_k", "top_p", "seed"):
             setattr(view, name, getattr(self, name)[rows])
-        view._facts()
         return view
 
-    def _facts(self) -> None:
-        sampled = [p for p in self.params if not p.greedy]
-        self.all_greedy = not sampled
-        self.max_top_k = max((p.top_k for p in sampled), default=0)
-        self.any_top_p = any(p.top_p < 1 for p in sampled)
+    @property
+    def all_greedy(self) -> bool:
+        return all(p.greedy for p in self.params)
+
+    @property
+    def max_top_k(self) -> int:
+        return max((p.top_k for p in self.params if not p.greedy), default=0)
+
+    @property
+    def any_top_p(self) -> bool:
+        return any(p.top_p < 1 and not p.greedy for p in self.params)
 
 
 def probs_from_logits(logits: Tensor, rows: RowParams) -> Tensor:

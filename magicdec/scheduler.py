@@ -45,7 +45,7 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     status: Status = Status.WAITING
     slot: int = -1
-    chunks: deque[tuple[int, int]] = field(default_factory=deque)
+    chunks: deque[tuple[int, int, bool]] = field(default_factory=deque)  # (start, end, from the prompt cache)
     output_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "stop", "length" or "abort"
     accepted_hist: list[int] = field(default_factory=list)  # verify rounds by number of drafts accepted
@@ -65,12 +65,14 @@ class Scheduler:
     """Admission, chunked prefill, the per-step draft length, and retirement of finished requests."""
 
     def __init__(self, slots: int, prefill_chunk: int, gamma_policy: GammaPolicy, *,
-                 max_prefill_tokens: int | None = None, max_queued: int | None = None):
+                 max_prefill_tokens: int | None = None, max_queued: int | None = None,
+                 is_cached: Callable[[list[int]], bool] = lambda prompt: False):
         self.slots = [None] * slots  # type: list[Request | None]
         self.prefill_chunk = prefill_chunk
         self.max_prefill_tokens = max_prefill_tokens or prefill_chunk
         self.max_queued = max_queued
         self.gamma_policy = gamma_policy
+        self.is_cached = is_cached  # prompts whose prefill is a copy from the prompt cache: no prefill budget
         self.waiting: deque[Request] = deque()
         self.prefilling: list[Request] = []
         self._release: list[int] = []
@@ -115,7 +117,9 @@ class Scheduler:
             if holder is None and self.waiting:
                 request = self.waiting.popleft()
                 request.slot, request.status = slot, Status.PREFILLING
-                request.chunks = deque(prefill_chunks(len(request.prompt_ids), self.prefill_chunk))
+                n = len(request.prompt_ids)
+                request.chunks = deque([(0, n, True)] if self.is_cached(request.prompt_ids) else
+                                       [(s, e, False) for s, e in prefill_chunks(n, self.prefill_chunk)])
                 self.slots[slot] = request
                 self.prefilling.append(request)
                 step.assign.append(SlotAssignment(slot, request.prompt_ids, request.params, request.seed))
@@ -123,9 +127,9 @@ class Scheduler:
         joining = []
         for request in self.prefilling:
             while request.chunks and (budget > 0 or not step.prefills):
-                start, end = request.chunks.popleft()
-                budget -= end - start
-                step.prefills.append(PrefillWork(request.slot, start, end, final=not request.chunks))
+                start, end, cached = request.chunks.popleft()
+                budget -= 0 if cached else end - start
+                step.prefills.append(PrefillWork(request.slot, start, end, final=not request.chunks, cached=cached))
             if not request.chunks:
                 joining.append(request)
             if budget <= 0:

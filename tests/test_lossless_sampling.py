@@ -1,13 +1,13 @@
-"""Speculative sampling is lossless: spec-sampled tokens follow the target's distribution exactly.
+"""Speculative sampling is lossless: spec-sampled tokens follow the target's distribution exactly, and a
+seeded request gives the same tokens with and without speculation.
 
-A tiny random target (vocab 24) generates the first four tokens of thousands of identical prompts in one
-batch, for every drafter (self-speculation over a StreamingLLM / SnapKV cache whose budget is below the
-prompt length, and a deliberately bad standalone draft model); the empirical distributions of the
-generated tokens are compared with the exact target distribution, enumerated with the target model, by a
-chi-square test. Negative controls show the same test rejects a sampler that accepts every draft token and
-one that resamples rejections from p instead of the residual max(0, p - q).
+A tiny random target (vocab 24) generates the first four tokens of thousands of requests of one prompt,
+each with its own seed, for every drafter (self-speculation over a StreamingLLM / SnapKV cache whose budget
+is below the prompt length, and a deliberately bad standalone draft model); the empirical distributions of
+the generated tokens are compared with the exact target distribution, enumerated with the target model, by
+a chi-square test. A negative control shows the same test rejects a verifier that accepts every draft.
 
-Plus unit tests of verify_greedy / verify_sampling on hand-made tensors.
+Plus unit tests of the sampler (counter-based noise, CPU candidate paths) and of accept_drafts.
 """
 
 from __future__ import annotations
@@ -17,14 +17,15 @@ import itertools
 import pytest
 import torch
 
-import magicdec.decode as decode_mod
+import magicdec.runner as runner_mod
 from magicdec.config import ModelConfig
-from magicdec.decode import generate_ids
 from magicdec.drafters import ModelDrafter, SelfSpecDrafter
+from magicdec.engine import LLMEngine
 from magicdec.kv import KVCache
 from magicdec.model import Transformer
-from magicdec.sampling import SamplingParams, probs_from_logits, sample
-from magicdec.verify import verify_greedy, verify_sampling
+from magicdec.runner import CACHE_SLACK, PromptCache
+from magicdec.sampling import RowParams, SamplingParams, probs_from_logits, sample_probs, sample_tokens
+from magicdec.verify import accept_drafts
 
 V = 24  # vocabulary of the tiny models
 PROMPT_LEN = 20
@@ -85,7 +86,8 @@ def exact(target, prompt):
         logits = torch.cat((first.expand(len(triples), -1, -1), rest), dim=1)  # [V^3, 4, V]
     out = {}
     for name, kw in SETTINGS.items():
-        p = probs_from_logits(logits.double(), SamplingParams(**kw)).reshape(V, V, V, 4, V)
+        rows = RowParams.of([SamplingParams(**kw)] * len(triples), [0] * len(triples), "cpu")
+        p = probs_from_logits(logits.double(), rows).reshape(V, V, V, 4, V)
         joint = (
             p[0, 0, 0, 0][:, None, None, None]  # p(t1)
             * p[:, 0, 0, 1][:, :, None, None]  # p(t2 | t1)
@@ -146,13 +148,27 @@ def make_drafter(kind: str, target: Transformer, bad_draft: Transformer, gamma: 
 DRAFTERS = {"self-streaming": 2, "self-snapkv": 1, "model": 1}
 
 
-def spec_sample(target, bad_draft, prompt, drafter: str, setting: str, seed: int = 0):
+def run_engine(target, prompts, params, drafter=None, gamma=0, cache: PromptCache | None = None):
+    """Every prompt through an engine with a slot each; returns (requests, stats)."""
+    engine = LLMEngine(target, (), slots=len(prompts), capacity=max(map(len, prompts)) + NEW + CACHE_SLACK,
+                       drafter=drafter, gamma_policy=(lambda live, ctx: gamma) if drafter else None,
+                       prompt_cache=cache)
+    requests = [engine.add_request(str(i), p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
+    while engine.has_unfinished():
+        engine.step()
+    return requests, engine.stats
+
+
+def spec_sample(target, bad_draft, prompt, drafter: str, setting: str):
+    """N requests of `prompt`, seeds 0..N-1, through an engine speculating with `drafter`: tokens [N, NEW]."""
     gamma = DRAFTERS[drafter]
-    params = SamplingParams(max_tokens=NEW, seed=seed, **SETTINGS[setting])
-    draft = make_drafter(drafter, target, bad_draft, gamma)
-    outs, stats = generate_ids(target, [prompt] * N, params, (), drafter=draft, gamma=gamma)
-    assert all(len(o.token_ids) == NEW and o.finish_reason == "length" for o in outs)
-    return torch.tensor([o.token_ids for o in outs]), stats
+    params = [SamplingParams(max_tokens=NEW, seed=i, **SETTINGS[setting]) for i in range(N)]
+    cache = PromptCache(1 << 24)
+    run_engine(target, [prompt], params[:1], cache=cache)  # prefill the prompt once; the N requests copy it
+    requests, stats = run_engine(target, [prompt] * N, params, make_drafter(drafter, target, bad_draft, gamma),
+                                 gamma, cache)
+    assert all(len(r.output_ids) == NEW and r.finish_reason == "length" for r in requests)
+    return torch.tensor([r.output_ids for r in requests]), stats
 
 
 @pytest.mark.parametrize("setting", list(SETTINGS))
@@ -170,32 +186,30 @@ def test_spec_sampling_follows_target_distribution(target, bad_draft, prompt, ex
             assert tv < 0.04, f"{drafter} {setting} {stat}: TV={tv:.3f}"
 
 
-# --- negative controls: the same test fails for samplers that are not lossless ----------------------------------
-def _accept_all(target_logits, draft, draft_probs, params, generator):
-    """Buggy verifier: every draft token accepted, bonus from p_{g+1} (= sampling from the draft)."""
-    p = probs_from_logits(target_logits[:, -1], params)
-    return torch.full_like(draft[:, 0], draft.shape[1]), sample(p, generator)
+@pytest.mark.parametrize("drafter", list(DRAFTERS))
+def test_seeded_spec_sampling_equals_plain_sampling(target, bad_draft, prompt, drafter):
+    """The same seeds give the same tokens with and without a drafter: the draft changes speed, not output."""
+    n = 200
+    params = [SamplingParams(max_tokens=NEW, seed=i, **SETTINGS["t0.7-top_p0.9"]) for i in range(n)]
+    plain, _ = run_engine(target, [prompt] * n, params)
+    gamma = DRAFTERS[drafter]
+    spec, stats = run_engine(target, [prompt] * n, params, make_drafter(drafter, target, bad_draft, gamma), gamma)
+    assert [r.output_ids for r in spec] == [r.output_ids for r in plain]
+    assert stats.verify_steps > 0 and len({tuple(r.output_ids) for r in plain}) > n // 4  # seeds differ
 
 
-def _resample_from_p(target_logits, draft, draft_probs, params, generator):
-    """Buggy verifier: correct acceptance rule, but a rejection resamples from p_n instead of max(0, p_n - q_n)."""
-    n, _ = verify_sampling(target_logits, draft, draft_probs, params, generator)
-    p = probs_from_logits(target_logits, params)
-    p_n = p.gather(1, n[:, None, None].expand(-1, 1, p.shape[-1])).squeeze(1)
-    return n, sample(p_n, generator)
+# --- negative control: the same test fails for a verifier that is not lossless -----------------------------------
+def test_negative_control_detects_lossy_verification(monkeypatch, target, bad_draft, prompt, exact):
+    def accept_all(target_tokens, draft):
+        """Buggy verifier: every draft token accepted (= sampling from the draft), bonus from the target."""
+        return torch.full_like(draft[:, 0], draft.shape[1]), target_tokens[:, -1]
 
-
-@pytest.mark.parametrize("buggy", [_accept_all, _resample_from_p], ids=["accept-all", "resample-from-p"])
-def test_negative_control_detects_lossy_verification(monkeypatch, target, bad_draft, prompt, exact, buggy):
-    monkeypatch.setattr(decode_mod, "verify_sampling", buggy)
+    monkeypatch.setattr(runner_mod, "accept_drafts", accept_all)
     tokens, _ = spec_sample(target, bad_draft, prompt, "model", "t1")
     emp = empirical(tokens)
     p_value, tv = chi_square(emp["t2"], exact["t1"]["t2"])
-    assert p_value < 1e-12, f"{buggy.__name__}: p={p_value:.2e}"
-    if buggy is _accept_all:
-        # draft-only sampling is far from the target, in TV as well
-        assert tv > 0.1
-    # and position 1 (sampled from the target's prefill logits, not verified) still passes
+    assert p_value < 1e-12 and tv > 0.1, f"p={p_value:.2e} TV={tv:.3f}"
+    # position 1 (sampled from the target's prefill logits, not verified) still passes
     assert chi_square(emp["t1"], exact["t1"]["t1"])[0] > P_MIN
 
 
@@ -215,12 +229,16 @@ def test_chi_square_helper_sanity():
         chi_square(counts, zero / zero.sum())
 
 
-# --- the CPU candidate paths of top-p filtering and sampling (vocabularies beyond CPU_CANDIDATES) -----------------
+# --- the sampler ---------------------------------------------------------------------------------------------------
+def rows_of(params: SamplingParams, n: int, seed0: int = 0) -> RowParams:
+    return RowParams.of([params] * n, list(range(seed0, seed0 + n)), "cpu")
+
+
 def _mixed_logits(vocab: int = 3000) -> torch.Tensor:
-    """Rows whose top-p nucleus is small (peaked) and rows where it reaches past the candidates (flat)."""
+    """Rows whose top-p nucleus is small (peaked) and rows where it reaches past the candidates (flat): [4, 1, V]."""
     g = torch.Generator().manual_seed(7)
     scale = torch.tensor([6.0, 0.05, 3.0, 0.3])[:, None]
-    return torch.randn(4, vocab, generator=g) * scale
+    return (torch.randn(4, vocab, generator=g) * scale)[:, None]
 
 
 def test_top_p_on_cpu_candidates_equals_the_full_sort():
@@ -233,121 +251,75 @@ def test_top_p_on_cpu_candidates_equals_the_full_sort():
     drop_sorted = (sorted_p.cumsum(-1) - sorted_p) >= params.top_p  # mass before the token reaches top_p
     ref = probs.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), 0.0)
     ref = ref / ref.sum(-1, keepdim=True)
-    got = probs_from_logits(logits, params)
+    got = probs_from_logits(logits, rows_of(params, 4))
     support = (got > 0).sum(-1)
     assert (support <= CPU_CANDIDATES).any() and (support > CPU_CANDIDATES).any()  # both paths ran
     assert torch.equal(got > 0, ref > 0)
     torch.testing.assert_close(got, ref)
 
 
+def test_per_row_filters_match_one_row_at_a_time():
+    """Rows with different temperature / top-k / top-p in one batch get what each would get alone."""
+    logits = _mixed_logits(500).expand(4, 2, 500).contiguous()
+    params = [SamplingParams(temperature=0.5, top_k=7), SamplingParams(temperature=1.3, top_p=0.8),
+              SamplingParams(), SamplingParams(temperature=1.0, top_k=40, top_p=0.95)]
+    together = probs_from_logits(logits, RowParams.of(params, [0] * 4, "cpu"))
+    for i, p in enumerate(params[:2] + params[3:]):
+        alone = probs_from_logits(logits[i : i + 1] if i < 2 else logits[3:4], RowParams.of([p], [0], "cpu"))
+        torch.testing.assert_close(together[i if i < 2 else 3], alone[0])
+    assert ((together[0] > 0).sum(-1) <= 7).all() and ((together[0] > 0).sum(-1) >= 1).all()
+
+
 def test_sampling_on_cpu_candidates_follows_the_distribution():
     from magicdec.sampling import CPU_CANDIDATES
 
-    probs = probs_from_logits(_mixed_logits(), SamplingParams(temperature=1.0, top_p=0.95))
+    probs = probs_from_logits(_mixed_logits(), rows_of(SamplingParams(temperature=1.0, top_p=0.95), 4))[:, 0]
     assert ((probs > 0).sum(-1) > CPU_CANDIDATES).any() and ((probs > 0).sum(-1) <= CPU_CANDIDATES).any()
-    g = torch.Generator().manual_seed(11)
     n = 20000
-    tokens = torch.stack([sample(probs, g) for _ in range(n)])  # [n, rows]
+    seeds = torch.arange(n)
     for row in range(probs.shape[0]):
-        counts = torch.bincount(tokens[:, row], minlength=probs.shape[1])
-        assert chi_square(counts, probs[row])[0] > P_MIN, row
+        tokens = sample_probs(probs[row].expand(n, 1, -1), seeds, torch.zeros(n, 1, dtype=torch.long))[:, 0]
+        assert chi_square(torch.bincount(tokens, minlength=probs.shape[1]), probs[row])[0] > P_MIN, row
 
 
-# --- verify_greedy / verify_sampling on hand-made tensors ------------------------------------------------------
-def one_hot_logits(rows: list[list[int]], vocab: int = 6, gap: float = 50.0) -> torch.Tensor:
-    """[B, g+1, vocab] logits whose argmax (and, at temperature 1, essentially all mass) is the given token."""
-    t = torch.tensor(rows)
-    return torch.nn.functional.one_hot(t, vocab).float() * gap
+def test_noise_is_independent_across_positions_and_seeds():
+    """Draws at consecutive positions of one seed, and of consecutive seeds, are independent (joint chi-square)."""
+    p = torch.softmax(torch.randn(6, generator=torch.Generator().manual_seed(3)), 0)
+    n = 30000
+    probs = p.expand(n, 2, -1)
+    a = sample_probs(probs, torch.arange(n), torch.tensor([[5, 6]]).expand(n, 2))  # two positions per seed
+    joint = torch.bincount(a[:, 0] * 6 + a[:, 1], minlength=36)
+    assert chi_square(joint, (p[:, None] * p[None, :]).flatten())[0] > P_MIN
+    b = sample_probs(probs[:, :1], torch.arange(n) * 2, torch.zeros(n, 1, dtype=torch.long))[:, 0]
+    c = sample_probs(probs[:, :1], torch.arange(n) * 2 + 1, torch.zeros(n, 1, dtype=torch.long))[:, 0]
+    assert chi_square(torch.bincount(b * 6 + c, minlength=36), (p[:, None] * p[None, :]).flatten())[0] > P_MIN
 
 
-def test_verify_greedy_gamma1():
-    logits = one_hot_logits([[3, 5], [3, 5]])
-    draft = torch.tensor([[3], [4]])
-    n, nxt = verify_greedy(logits, draft)
+def test_sample_is_a_function_of_seed_and_position_only():
+    logits = torch.randn(3, 4, 100)
+    rows = rows_of(SamplingParams(temperature=1.0), 3, seed0=10)
+    pos = torch.arange(12).view(3, 4)
+    first = sample_tokens(logits, rows, pos)
+    assert torch.equal(first, sample_tokens(logits, rows, pos))
+    assert torch.equal(first[1:2, 2:], sample_tokens(logits[1:2, 2:], rows.row(1), pos[1:2, 2:]))  # alone, a slice
+
+
+def test_tiny_temperature_is_greedy():
+    logits = torch.randn(2, 3, 50) * 10
+    rows = RowParams.of([SamplingParams(temperature=1e-40), SamplingParams(temperature=1e-6, top_p=0.5)], [1, 2], "cpu")
+    assert torch.equal(sample_tokens(logits, rows, torch.zeros(2, 3, dtype=torch.long)), logits.argmax(-1))
+
+
+# --- accept_drafts ---------------------------------------------------------------------------------------------------
+def test_accept_drafts_gamma1():
+    n, nxt = accept_drafts(torch.tensor([[3, 5], [3, 5]]), torch.tensor([[3], [4]]))
     assert n.tolist() == [1, 0]
     assert nxt.tolist() == [5, 3]  # all accepted -> bonus from position g+1; rejected -> target's own token
 
 
-def test_verify_greedy_prefix_semantics():
-    logits = one_hot_logits([[1, 2, 3, 4]] * 4)
+def test_accept_drafts_prefix_semantics():
+    target = torch.tensor([[1, 2, 3, 4]] * 4)
     draft = torch.tensor([[1, 2, 3], [1, 0, 3], [0, 2, 3], [1, 2, 0]])
-    n, nxt = verify_greedy(logits, draft)
+    n, nxt = accept_drafts(target, draft)
     assert n.tolist() == [3, 1, 0, 2]  # a later match after a mismatch does not count
     assert nxt.tolist() == [4, 2, 1, 3]
-
-
-def test_verify_sampling_all_accepted_takes_bonus_from_last_position():
-    params = SamplingParams(temperature=1.0)
-    g = torch.Generator().manual_seed(0)
-    B, vocab = 64, 6
-    logits = torch.randn(B, 2, vocab, generator=g)
-    logits[:, 1] = one_hot_logits([[4]] * B, vocab)[:, 0]  # p_{g+1} is (essentially) one-hot on 4
-    draft_probs = probs_from_logits(logits[:, :1], params)  # q == p at the drafted position: always accepted
-    draft = sample(draft_probs, g)
-    n, nxt = verify_sampling(logits, draft, draft_probs, params, g)
-    assert n.tolist() == [1] * B
-    assert nxt.tolist() == [4] * B
-
-
-def test_verify_sampling_first_rejected_samples_residual():
-    params = SamplingParams(temperature=1.0)
-    vocab, B = 6, 64
-    g = torch.Generator().manual_seed(0)
-    # p at position 1 puts all its mass on tokens 0 and 1; the draft (q one-hot on 2) proposes 2 -> p(2) = 0
-    logits = torch.full((B, 3, vocab), -1e9)
-    logits[:, 0, :2] = 0.0
-    logits[:, 1:, 3] = 0.0
-    q = torch.zeros(B, 2, vocab)
-    q[:, 0, 2] = 1.0
-    q[:, 1, 3] = 1.0
-    draft = torch.tensor([[2, 3]] * B)
-    n, nxt = verify_sampling(logits, draft, q, params, g)
-    assert n.tolist() == [0] * B
-    assert set(nxt.tolist()) <= {0, 1} and len(set(nxt.tolist())) == 2
-    # now the draft overlaps p: q = p - except it moves mass to token 0; the residual max(0, p - q) is on 1 only
-    q2 = torch.zeros(B, 2, vocab)
-    q2[:, 0, 0] = 1.0
-    q2[:, 1, 3] = 1.0
-    draft2 = torch.tensor([[0, 3]] * B)
-    n2, nxt2 = verify_sampling(logits, draft2, q2, params, g)
-    # token 0 accepted with probability p(0)/q(0) = 1/2; rejected rows must draw token 1 (the residual)
-    assert 0 < int((n2 == 0).sum()) < B
-    assert (nxt2[n2 == 0] == 1).all()
-    assert (n2[n2 > 0] == 2).all() and (nxt2[n2 == 2] == 3).all()  # then 3 (p = q one-hot) and bonus 3
-
-
-def test_verify_sampling_first_token_is_exact():
-    """One verify step in isolation: P(first output token) == p_1 for arbitrary p and q (Monte Carlo)."""
-    params = SamplingParams(temperature=1.0)
-    g = torch.Generator().manual_seed(1)
-    vocab, B = 8, 200_000
-    p_logits = torch.randn(vocab, generator=g) * 1.5
-    q_probs = torch.softmax(torch.randn(vocab, generator=g) * 1.5, 0)
-    logits = torch.stack((p_logits, torch.zeros(vocab))).expand(B, 2, vocab)
-    q = q_probs.expand(B, 1, vocab)
-    draft = torch.multinomial(q_probs, B, replacement=True, generator=g)[:, None]
-    n, nxt = verify_sampling(logits, draft, q, params, g)
-    first = torch.where(n >= 1, draft[:, 0], nxt)
-    p = torch.softmax(p_logits.double(), 0)
-    p_value, tv = chi_square(torch.bincount(first, minlength=vocab), p)
-    assert p_value > P_MIN and tv < 0.01
-    # acceptance rate is sum(min(p, q)) (Leviathan et al.)
-    assert abs(n.float().mean().item() - torch.minimum(p, q_probs.double()).sum().item()) < 0.01
-
-
-def test_verify_sampling_bonus_follows_last_target_distribution():
-    """All drafts accepted: the bonus is drawn from p_{g+1} itself, whatever the draft's last distribution."""
-    params = SamplingParams(temperature=1.0)
-    g = torch.Generator().manual_seed(2)
-    vocab, B = 8, 100_000
-    p1 = torch.softmax(torch.randn(vocab, generator=g), 0)
-    p1 = torch.where(torch.arange(vocab) == 0, p1 + 1.5, p1)
-    p1 = p1 / p1.sum()  # concentrated on token 0
-    p2_logits = torch.randn(vocab, generator=g)
-    logits = torch.stack((p1.log(), p2_logits)).expand(B, 2, vocab)
-    q = probs_from_logits(logits[:, :1], params)  # q_1 == p_1: every draft is accepted
-    draft = torch.multinomial(p1, B, replacement=True, generator=g)[:, None]
-    n, nxt = verify_sampling(logits, draft, q, params, g)
-    assert (n == 1).all()
-    p_value, tv = chi_square(torch.bincount(nxt, minlength=vocab), torch.softmax(p2_logits.double(), 0))
-    assert p_value > P_MIN and tv < 0.01
