@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import warnings
 from pathlib import Path
 
 from magicdec.errors import MagicDecError
@@ -365,10 +366,17 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def print_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """`warnings.showwarning` for the command line: one line, `magicdec: warning: ...`."""
+    print(f"magicdec: warning: {message}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return args.func(args)
+        with warnings.catch_warnings():
+            warnings.showwarning = print_warning
+            return args.func(args)
     except MagicDecError as e:
         print(f"magicdec: error: {e}", file=sys.stderr)
         return EXIT_USAGE

@@ -151,7 +151,8 @@ def test_truncated_gguf(default_path, tmp_path, isolated_cache, size):
         path.write_bytes(f.read(size))
     with pytest.raises(ModelLoadError, match="GGUF"):
         load_model(path)
-    assert not list(isolated_cache.glob("*/done"))  # nothing half-converted is left to be reused
+    assert not list(isolated_cache.glob("*/manifest.json"))  # nothing half-converted is left to be reused
+    assert not list(isolated_cache.glob("*.tmp-*"))
 
 
 def test_garbage_gguf(tmp_path, isolated_cache):

@@ -52,10 +52,7 @@ class Tokenizer:
         path = folder / "tokenizer.json"
         if not path.exists():
             raise ModelLoadError(f"{folder}: no tokenizer.json")
-        try:
-            tok = HFTokenizer.from_file(str(path))
-        except Exception as e:  # tokenizers raises a bare Exception on unreadable files
-            raise ModelLoadError(f"{path}: unreadable tokenizer ({e})") from None
+        tok = read_tokenizer_file(path)
         add_bos = False
         cfg_path = folder / "tokenizer_config.json"
         if cfg_path.exists():
@@ -64,6 +61,14 @@ class Tokenizer:
         if bos_id is not None and tok.post_processor is not None:
             add_bos = add_bos or bos_id in tok.encode("x").ids
         return cls(tok, bos_id, eos_ids, add_bos)
+
+
+def read_tokenizer_file(path: Path) -> HFTokenizer:
+    """A `tokenizer.json`; an unreadable one becomes a ModelLoadError naming it."""
+    try:
+        return HFTokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises a bare Exception on unreadable files
+        raise ModelLoadError(f"{path}: unreadable tokenizer ({e})") from None
 
 
 def tokenizer_from_gguf_fields(meta: dict) -> HFTokenizer:
