@@ -233,3 +233,15 @@ def write_tiny_gguf(path: Path, seed: int = 0) -> Path:
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def set_gguf_metadata(path: Path, key: str, value: str) -> None:
+    """Change one metadata value in place, as `gguf-set-metadata PATH KEY VALUE --force` does (its own code)."""
+    import argparse
+
+    from gguf import GGUFReader
+    from gguf.scripts.gguf_set_metadata import set_metadata
+
+    reader = GGUFReader(path, "r+")
+    set_metadata(reader, argparse.Namespace(key=key, value=value, dry_run=False, force=True))
+    reader.data.flush()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -13,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import write_tiny_gguf
+from conftest import set_gguf_metadata, write_tiny_gguf
 
 from magicdec.errors import MagicDecWarning
 from magicdec.loading import load_model
@@ -33,16 +32,6 @@ def tiny_gguf(tmp_path_factory) -> Path:
 
 def entries(cache: Path) -> list[Path]:
     return sorted(p.parent for p in cache.glob("*/manifest.json"))
-
-
-def set_metadata(path: Path, key: str, value: str) -> None:
-    """Change one metadata value in place, as `gguf-set-metadata PATH KEY VALUE --force` does."""
-    from gguf import GGUFReader
-    from gguf.scripts.gguf_set_metadata import set_metadata as gguf_set_metadata
-
-    reader = GGUFReader(path, "r+")
-    gguf_set_metadata(reader, argparse.Namespace(key=key, value=value, dry_run=False, force=True))
-    reader.data.flush()
 
 
 def set_times(path: Path, st: os.stat_result) -> None:
@@ -70,7 +59,7 @@ def test_a_file_edited_in_place_with_its_old_mtime_is_converted_again(tiny_gguf,
     path = Path(shutil.copy(tiny_gguf, tmp_path / "tiny.gguf"))
     assert load_model(path, device="cpu").model.cfg.max_seq_len == 1024
     before = path.stat()
-    set_metadata(path, "llama.context_length", "512")
+    set_gguf_metadata(path, "llama.context_length", "512")
     set_times(path, before)
     assert (path.stat().st_size, path.stat().st_mtime_ns) == (before.st_size, before.st_mtime_ns)
     assert load_model(path, device="cpu").model.cfg.max_seq_len == 512
@@ -84,7 +73,7 @@ def test_same_name_size_and_mtime_do_not_share_an_entry(default_path, tmp_path, 
     for path in (a, b):
         path.parent.mkdir()
         shutil.copy2(default_path, path)
-    set_metadata(b, "llama.context_length", "4096")
+    set_gguf_metadata(b, "llama.context_length", "4096")
     set_times(b, a.stat())
     assert (a.name, a.stat().st_size, a.stat().st_mtime_ns) == (b.name, b.stat().st_size, b.stat().st_mtime_ns)
     assert load_model(a, device="cpu").model.cfg.max_seq_len == 8192
