@@ -205,8 +205,8 @@ def cmd_generate(args) -> int:
         if not args.json:
             print(summary, file=sys.stderr)
     if args.json:
-        doc = {"outputs": [{"text": o.text, "token_ids": o.token_ids, "finish_reason": o.finish_reason,
-                            "prompt_tokens": len(o.prompt_token_ids)} for o in final], "runs": runs}
+        doc = {"outputs": [{"index": i, "text": o.text, "token_ids": o.token_ids, "finish_reason": o.finish_reason,
+                            "prompt_tokens": len(o.prompt_token_ids)} for i, o in enumerate(final)], "runs": runs}
         json.dump(doc, sys.stdout, indent=1)
         print()
     else:
@@ -301,7 +301,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_draft_args(g)
     g.add_argument("--batch-size", type=positive_int, help="prompts decoded together (default: all)")
     g.add_argument("--compare-ar", action="store_true", help="also run plain decoding and report the speedup")
-    g.add_argument("--json", action="store_true", help="print outputs and stats as JSON on stdout")
+    g.add_argument("--json", action="store_true",
+                   help="print outputs and stats as JSON on stdout; each output carries the index of its prompt "
+                        "(--prompt ones first, then the lines of --prompt-file, in order)")
     g.set_defaults(func=cmd_generate)
 
     b = sub.add_parser("bench", help="sweep batch, context, drafter, budget and gamma; write JSON and plots",
