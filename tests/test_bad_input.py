@@ -180,8 +180,13 @@ def test_invalid_sampling_params(kwargs):
 
 
 def test_valid_sampling_edges():
-    p = SamplingParams(max_tokens=1, temperature=0.0, top_k=0, top_p=1.0, stop="x")
+    p = SamplingParams(max_tokens=1, temperature=0.0, top_k=0, top_p=1.0, stop="x", seed=2**64 - 1)
     assert p.greedy and p.stop == ("x",)
+
+
+@pytest.mark.parametrize("stop, kept", [(None, ()), ("x", ("x",)), (["x", "y"], ("x", "y")), (("x",), ("x",))])
+def test_stop_strings_are_kept_as_a_tuple(stop, kept):
+    assert SamplingParams(stop=stop).stop == kept
 
 
 # --- requests --------------------------------------------------------------------------------------------------
@@ -236,7 +241,8 @@ def test_every_error_is_a_magicdec_error():
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{"temperature": "hot"}, {"top_p": "0.5"}, {"max_tokens": True}, {"temperature": math.inf}, {"stop": ("a", 3)}],
+    [{"temperature": "hot"}, {"top_p": "0.5"}, {"max_tokens": True}, {"temperature": math.inf}, {"stop": ("a", 3)},
+     {"stop": 3}, {"stop": {"a"}}, {"seed": "abc"}, {"seed": 1.5}, {"seed": True}, {"seed": -1}, {"seed": 2**64}],
     ids=str,
 )
 def test_invalid_sampling_types(kwargs):
