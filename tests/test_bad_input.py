@@ -248,3 +248,9 @@ def test_every_error_is_a_magicdec_error():
 def test_invalid_sampling_types(kwargs):
     with pytest.raises(InvalidRequestError):
         SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("device", ["bogus", "meta", "cuda:99", "mps", ""])
+def test_devices_this_machine_lacks_are_refused_before_loading(device):
+    with pytest.raises(InvalidRequestError, match="device"):
+        load_model(device=device)

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from magicdec.config import ModelConfig
-from magicdec.errors import ModelLoadError
+from magicdec.errors import InvalidRequestError, ModelLoadError
 from magicdec.loading.cache import load_gguf
 from magicdec.loading.hf import load_hf_state_dict, read_hf_config, to_magicdec_names
 from magicdec.loading.tokenizer import Tokenizer
@@ -43,6 +43,26 @@ def default_model_path() -> Path:
     if not path.exists():
         raise ModelLoadError(f"default model file missing: {path}")
     return path
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """The device to run on: `device` if this machine has it (cpu, or cuda[:N]), else InvalidRequestError;
+    None means cuda when available, else cpu."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise InvalidRequestError(f"unknown device {device!r}; use cpu or cuda[:N]") from None
+    if dev.type == "cpu":
+        return torch.device("cpu")
+    if dev.type != "cuda":
+        raise InvalidRequestError(f"device {device!r} is not supported; use cpu or cuda[:N]")
+    if not torch.cuda.is_available():
+        raise InvalidRequestError(f"device {device!r}: this machine has no CUDA device; use cpu")
+    if dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise InvalidRequestError(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return dev
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
@@ -73,7 +93,7 @@ def load_model(
     dtype: torch.dtype | None = None,
 ) -> LoadedModel:
     """Load a Hugging Face folder or a GGUF file (None: the embedded default model)."""
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dev = resolve_device(device)
     dtype = dtype or default_dtype(dev)
     path = default_model_path() if model is None else Path(model)
     if not path.exists():
