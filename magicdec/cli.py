@@ -27,7 +27,13 @@ def parse_size(text: str) -> int:
 
 
 def size_list(text: str) -> list[int]:
-    return [parse_size(x) for x in text.split(",") if x.strip()]
+    """'1,4k' -> [1, 4096]; every size must be >= 1 and there must be one at least."""
+    sizes = [parse_size(x) for x in text.split(",") if x.strip()]
+    if not sizes:
+        raise argparse.ArgumentTypeError(f"no sizes in {text!r} (e.g. 1,8 or 1k,4k)")
+    if min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"sizes must be >= 1: {text!r}")
+    return sizes
 
 
 def positive_int(text: str) -> int:
@@ -38,6 +44,14 @@ def positive_int(text: str) -> int:
     if v < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1: {text!r}")
     return v
+
+
+class Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line, `magicdec: error: ...`, and exit status 2, like the
+    errors of the commands themselves (argparse's own print the usage first)."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"magicdec: error: {message} (see {self.prog} --help)\n")
 
 
 # --- shared options ---------------------------------------------------------------------------------
@@ -230,15 +244,16 @@ def cmd_bench(args) -> int:
 
 # --- plan -------------------------------------------------------------------------------------------
 def cmd_plan(args) -> int:
+    from magicdec.errors import InvalidRequestError
     from magicdec.planner import AcceptanceTable, format_table, get_model_shape, get_profile, plan_table, plot_speedup
 
     try:
         target = get_model_shape(args.model)
         draft = get_model_shape(args.draft_model) if args.draft_model else None
         hw = get_profile(args.hardware)
-    except (ValueError, KeyError, OSError) as e:
-        raise MagicDecError(str(e).strip("'\"")) from None
-    acceptance = AcceptanceTable.from_json(args.acceptance) if args.acceptance else AcceptanceTable.paper_default()
+        acceptance = AcceptanceTable.from_json(args.acceptance) if args.acceptance else AcceptanceTable.paper_default()
+    except ValueError as e:  # the planner is torch-free and raises ValueError; OSError is main's
+        raise InvalidRequestError(str(e)) from None
     nbytes = {"bf16": 2, "fp16": 2, "fp32": 4}[args.dtype]
     rows = plan_table(target, hw, args.batch, args.context, acceptance, draft=draft, tp=args.tp,
                       mode="greedy" if args.mode == "greedy" else "sampling", dtype_bytes=nbytes,
@@ -261,6 +276,7 @@ def cmd_calibrate(args) -> int:
     from magicdec.corpus import load_texts
     from magicdec.engine import LLM
 
+    texts = load_texts(args.corpus) if args.acceptance else []  # checked before minutes of measuring
     llm = LLM(args.model, device=args.device)
 
     def progress(done: int, total: int, label: str) -> None:
@@ -276,7 +292,7 @@ def cmd_calibrate(args) -> int:
     print(f"hardware profile written to {path}", file=sys.stderr)
     if args.acceptance:
         quick = dict(contexts=(1024, 2048), budgets=(64, 256), n_prompts=2, new_tokens=32) if args.quick else {}
-        table = calibrate.calibrate_acceptance(llm, load_texts(args.corpus), progress=progress, **quick)
+        table = calibrate.calibrate_acceptance(llm, texts, progress=progress, **quick)
         out = calibrate.default_acceptance_path(calibrate.model_key(llm))
         out.parent.mkdir(parents=True, exist_ok=True)
         table.to_json(out)
@@ -285,7 +301,7 @@ def cmd_calibrate(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="magicdec",
         description="Fast long-context, large-batch generation with sparse-KV speculative decoding (MagicDec).",
     )

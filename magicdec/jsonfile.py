@@ -19,9 +19,9 @@ def read_json_object(path: str | os.PathLike[str], what: str, error: type[Except
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
     except UnicodeDecodeError as e:
-        raise error(f"{path}: not a {what} (not UTF-8 text: byte {e.start})") from None
+        raise error(f"{path}: not a valid {what} (not UTF-8 text: byte {e.start})") from None
     except json.JSONDecodeError as e:
-        raise error(f"{path}: not a {what} (invalid JSON at line {e.lineno}: {e.msg})") from None
+        raise error(f"{path}: not a valid {what} (invalid JSON at line {e.lineno}: {e.msg})") from None
     if not isinstance(data, dict):
-        raise error(f"{path}: not a {what} (expected a JSON object, found {_JSON_KINDS[type(data)]})")
+        raise error(f"{path}: not a valid {what} (expected a JSON object, found {_JSON_KINDS[type(data)]})")
     return data

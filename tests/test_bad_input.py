@@ -254,3 +254,26 @@ def test_invalid_sampling_types(kwargs):
 def test_devices_this_machine_lacks_are_refused_before_loading(device):
     with pytest.raises(InvalidRequestError, match="device"):
         load_model(device=device)
+
+
+@pytest.mark.parametrize("kwargs", [{"profile": "nosuch"}, {"acceptance": "{broken"}, {"acceptance": "[]"}], ids=str)
+def test_auto_planning_with_unreadable_inputs_is_a_typed_error(kwargs, tmp_path):
+    from magicdec.autoplan import choose
+    from magicdec.planner import MODEL_PRESETS
+
+    if "acceptance" in kwargs:
+        (tmp_path / "table.json").write_text(kwargs["acceptance"])
+        kwargs = {"acceptance": tmp_path / "table.json"}
+    with pytest.raises(InvalidRequestError, match="hardware profile|acceptance table"):
+        choose(MODEL_PRESETS["llama-3.1-8b"], 8, 4096, **kwargs)
+
+
+@pytest.mark.parametrize("grid", [{"modes": ["bogus"]}, {"positions": ["bogus"]}, {"gammas": [0]}, {"budgets": [4]}],
+                         ids=str)
+def test_a_bench_grid_it_cannot_run_is_refused(grid):
+    from magicdec.bench import BenchGrid
+
+    base = dict(batches=[1], contexts=[256], drafters=["none", "self-streaming"], budgets=[64], gammas=[2],
+                modes=["greedy"], new_tokens=8)
+    with pytest.raises(InvalidRequestError):
+        BenchGrid(**{**base, **grid})

@@ -94,7 +94,7 @@ def test_bad_config_values_are_refused_naming_the_key(ckpt, changes, error, mess
 @pytest.mark.parametrize("text", ["[]", "null", "42", "{", "\xff"])
 def test_a_config_that_is_no_object_is_refused(ckpt, text):
     (ckpt / "config.json").write_bytes(text.encode("latin-1"))
-    with pytest.raises(ModelLoadError, match="config.json: not a model config"):
+    with pytest.raises(ModelLoadError, match="config.json: not a valid model config"):
         load_model(ckpt, device="cpu")
 
 
