@@ -71,6 +71,7 @@ def load_gguf(path: Path) -> Converted:
             return _read_entry(entry, digest)
         except _DamagedEntry as e:
             _warn(f"{e}; converting {path.name} again")
+            shutil.rmtree(entry, ignore_errors=True)  # where the cache is writable
     tmp = entry.with_name(f"{entry.name}.tmp-{os.getpid()}")
     try:
         tmp.mkdir(parents=True)
@@ -171,7 +172,6 @@ def _write_entry(folder: Path, converted: Converted, digest: str, source: Path) 
 
 def _publish(tmp: Path, entry: Path) -> None:
     """Rename a complete conversion into place, so a concurrent load never sees half an entry."""
-    shutil.rmtree(entry, ignore_errors=True)  # a damaged entry being replaced
     try:
         os.rename(tmp, entry)
     except OSError:
