@@ -42,6 +42,13 @@ def _is_real(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
+def _check_architecture(arch: str) -> None:
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Dimensions of a decoder-only Llama-family model (Llama 2/3, SmolLM2, Mistral, Qwen2).
@@ -93,6 +100,7 @@ class ModelConfig:
         for name in ("tie_embeddings", "qkv_bias"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigFieldError(name, f"must be true or false, got {getattr(self, name)!r}")
+
         def is_token(i: Any) -> bool:
             return _is_int(i) and 0 <= i < self.vocab_size
 
@@ -102,10 +110,7 @@ class ModelConfig:
         if not (isinstance(self.eos_token_ids, tuple) and all(map(is_token, self.eos_token_ids))):
             raise ConfigFieldError("eos_token_ids", f"must be token ids in [0, {self.vocab_size}), got "
                                                     f"{self.eos_token_ids!r}")
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
-            raise UnsupportedModelError(
-                f"unsupported architecture {self.architecture!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
+        _check_architecture(self.architecture)
 
     @staticmethod
     def _check_rope_scaling(rs: Any) -> None:
@@ -149,6 +154,7 @@ class ModelConfig:
         if not (isinstance(archs, list) and all(isinstance(a, str) for a in archs)):
             raise ConfigFieldError("architecture", f"must be a list of names, got {archs!r}")
         arch = archs[0]
+        _check_architecture(arch)  # first: another family's config lacks the keys read below
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         rope_scaling = cfg.get("rope_scaling")
