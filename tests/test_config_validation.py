@@ -79,6 +79,7 @@ LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_fr
         ({"rope_scaling": {**LLAMA3, "high_freq_factor": 1.0}}, ModelLoadError, "high_freq_factor > low_freq_factor"),
         ({"rope_scaling": "llama3"}, ModelLoadError, "rope_scaling must be an object"),
         ({"architectures": "LlamaForCausalLM"}, ModelLoadError, "architectures must be a list"),
+        ({"architectures": ["GPT2LMHeadModel"], "num_attention_heads": None}, UnsupportedModelError, "GPT2LMHeadModel"),
         ({"use_sliding_window": True, "sliding_window": "4k"}, ModelLoadError, "sliding_window"),
         ({"vocab_size": None}, ModelLoadError, "lacks 'vocab_size'"),
     ],
