@@ -19,8 +19,10 @@ from __future__ import annotations
 import functools
 import os
 from importlib import resources
-from typing import TYPE_CHECKING, Any, Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
+from magicdec.errors import InvalidRequestError
 from magicdec.planner import PRESETS, AcceptanceTable, HardwareProfile, ModelShape, Plan, get_profile, plan
 
 if TYPE_CHECKING:
@@ -105,8 +107,16 @@ def load_profile(device: str = "cpu") -> HardwareProfile:
 
     for path in dict.fromkeys((default_profile_path(device), default_profile_path(device.split(":")[0]))):
         if path.is_file():
-            return HardwareProfile.from_json(path)
+            return _read_calibrated(HardwareProfile.from_json, path)
     return preset_for_device(device)
+
+
+def _read_calibrated(read: Callable[[Path], Any], path: Path) -> Any:
+    """A file `magicdec calibrate` saved; a damaged one raises ValueError saying how to replace it."""
+    try:
+        return read(path)
+    except ValueError as e:
+        raise ValueError(f"{e}; run `magicdec calibrate` again, or delete the file") from None
 
 
 def builtin_acceptance() -> AcceptanceTable:
@@ -123,7 +133,7 @@ def load_acceptance(model: Any = None) -> AcceptanceTable:
 
         path = default_acceptance_path(model_key(model))
         if path.is_file():
-            return AcceptanceTable.from_json(path)
+            return _read_calibrated(AcceptanceTable.from_json, path)
     return builtin_acceptance()
 
 
@@ -150,24 +160,28 @@ def choose(
     or its JSON path (default: the one measured for this model, else the built-in table). `mode`:
     "greedy" or "sampling" (temperature > 0). `dtype`/`kv_dtype` (torch dtypes or byte counts)
     default to the LLM's; without an LLM, to 4 bytes on a CPU profile and 2 on others.
+    Raises InvalidRequestError when the profile or the acceptance table cannot be found or read.
     """
     from magicdec.speculative import SpeculativeConfig
 
     strategies = tuple(strategies)
     shape = target_shape(llm)
     device = _device_of(llm)
-    if profile is None:
-        hw = load_profile(device or "cpu")
-    elif isinstance(profile, HardwareProfile):
-        hw = profile
-    else:
-        hw = get_profile(profile)
-    if acceptance is None:
-        table = load_acceptance(llm if hasattr(llm, "loaded") else None)
-    elif isinstance(acceptance, AcceptanceTable):
-        table = acceptance
-    else:
-        table = AcceptanceTable.from_json(acceptance)
+    try:
+        if profile is None:
+            hw = load_profile(device or "cpu")
+        elif isinstance(profile, HardwareProfile):
+            hw = profile
+        else:
+            hw = get_profile(profile)
+        if acceptance is None:
+            table = load_acceptance(llm if hasattr(llm, "loaded") else None)
+        elif isinstance(acceptance, AcceptanceTable):
+            table = acceptance
+        else:
+            table = AcceptanceTable.from_json(acceptance)
+    except (ValueError, OSError) as e:
+        raise InvalidRequestError(str(e)) from None
 
     if dtype is None:
         dtype = getattr(getattr(llm, "model", llm), "dtype", None)  # an LLM's or a Transformer's

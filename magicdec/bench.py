@@ -14,10 +14,18 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from magicdec.errors import InvalidRequestError, OutOfMemoryError
+from magicdec.jsonfile import read_json_object
+
+if TYPE_CHECKING:
+    from magicdec.speculative import SpeculativeConfig
 
 SAMPLING = {"temperature": 0.7, "top_p": 0.9}
+MODES = ("greedy", "sampling")
+DRAFTERS = ("none", "self-streaming", "self-snapkv", "auto")
+POSITIONS = (None, "reindex", "original")  # None: the default per cache kind
 
 
 @dataclass
@@ -33,6 +41,19 @@ class BenchGrid:
     distinct_prompts: int | None = None  # prefill this many prompts and tile them up to the batch
     positions: list[str | None] = field(default_factory=lambda: [None])  # sparse-cache key positions; None: default
 
+    def __post_init__(self) -> None:
+        """Refuse names and values the sweep cannot run, before it loads or prefills anything."""
+        for name, values, allowed in (("mode", self.modes, MODES), ("drafter", self.drafters, DRAFTERS),
+                                      ("positions", self.positions, POSITIONS)):
+            unknown = [v for v in values if v not in allowed]
+            if unknown or not values:
+                choices = ", ".join("default" if v is None else v for v in allowed)
+                raise InvalidRequestError(f"unknown {name} {', '.join(map(str, unknown)) or '(none given)'}; "
+                                          f"choose from {choices}")
+        for cfg in self.configs():
+            if cfg["draft"] not in ("none", "auto"):
+                speculative_config(cfg)  # checks budget and gamma
+
     def configs(self) -> list[dict]:
         """Decode configurations at one (batch, context) point; plain decoding first."""
         out = []
@@ -45,6 +66,14 @@ class BenchGrid:
             for d, b, g, pos in itertools.product(fixed, self.budgets, self.gammas, self.positions):
                 out.append({"mode": mode, "draft": d, "budget": b, "gamma": g, **({"positions": pos} if pos else {})})
         return out
+
+
+def speculative_config(cfg: dict) -> SpeculativeConfig:
+    """The speculative settings of one fixed-drafter configuration of `BenchGrid.configs`."""
+    from magicdec.speculative import SpeculativeConfig
+
+    reindex = {"reindex": True, "original": False}.get(cfg.get("positions"))
+    return SpeculativeConfig(cfg["draft"], budget=cfg["budget"], gamma=cfg["gamma"], reindex=reindex)
 
 
 def point_key(batch: int, context: int, cfg: dict) -> str:
@@ -70,18 +99,16 @@ def run_bench(args, grid: BenchGrid) -> dict:
     from magicdec.memory import check_fits
     from magicdec.runner import CACHE_SLACK, ModelRunner, PromptCache
     from magicdec.sampling import SamplingParams
-    from magicdec.speculative import SpeculativeConfig
 
     if grid.distinct_prompts and any(b % min(b, grid.distinct_prompts) for b in grid.batches):
         raise InvalidRequestError(f"every batch size must be a multiple of --distinct-prompts {grid.distinct_prompts}")
     out = Path(args.out)
+    doc = load_results(out)
+    texts = load_texts(args.corpus)[: grid.n_texts]
     llm = LLM(args.model, device=args.device, dtype=args.dtype, kv_dtype=args.kv_dtype, prefill_chunk=args.prefill_chunk)
-    doc = json.loads(out.read_text()) if out.exists() else {}
-    doc.setdefault("points", {})
     doc["machine"] = machine_info(llm.model.device)
     doc["settings"] = {**asdict(grid), "model": llm.loaded.source, "dtype": str(llm.model.dtype),
                        "kv_dtype": str(llm.kv_dtype), "sampling": SAMPLING}
-    texts = load_texts(args.corpus)[: grid.n_texts]
     configs = grid.configs()
     total = len(grid.batches) * len(grid.contexts) * len(configs)
     bar = tqdm(total=total, desc="bench", unit="pt", file=sys.stderr)
@@ -126,8 +153,7 @@ def run_bench(args, grid: BenchGrid) -> dict:
                 chosen = {"chosen": f"{spec.draft} K={spec.budget} g={plan.gamma}" if spec else "ar",
                           "predicted_speedup": plan.predicted_speedup}
             elif cfg["draft"] != "none":
-                reindex = {"reindex": True, "original": False}.get(cfg.get("positions"))
-                spec = SpeculativeConfig(cfg["draft"], budget=cfg["budget"], gamma=cfg["gamma"], reindex=reindex)
+                spec = speculative_config(cfg)
             llm.generate(prompt_token_ids=rows, params=params, speculative=spec)
             stats = llm.last_stats
             doc["points"][point_key(batch, context, cfg)] = {
@@ -149,6 +175,20 @@ def run_bench(args, grid: BenchGrid) -> dict:
     plot_dir = Path(args.plots) if args.plots else out.parent
     for p in plot_results(doc, plot_dir, out.stem):
         print(f"plot written to {p}", file=sys.stderr)
+    return doc
+
+
+def load_results(path: Path) -> dict:
+    """The results file of an earlier run, to resume (a fresh one when `path` does not exist)."""
+    if not path.exists():
+        return {"points": {}}
+    try:
+        doc = read_json_object(path, "bench results file")
+    except ValueError as e:
+        raise InvalidRequestError(f"--out {e}: move it away or choose another --out") from None
+    points = doc.setdefault("points", {})
+    if not (isinstance(points, dict) and all(isinstance(p, dict) for p in points.values())):
+        raise InvalidRequestError(f"--out {path}: not a bench results file ('points' must map names to objects)")
     return doc
 
 

@@ -39,6 +39,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 
 from magicdec.config import ModelConfig
+from magicdec.loading.cache import cache_root
 from magicdec.memory import available_bytes
 from magicdec.runner import synchronize
 from magicdec.planner import AcceptanceTable, HardwareProfile, ModelShape, forward_cost
@@ -53,7 +54,7 @@ GiB = 1024**3
 # --- where results live ------------------------------------------------------------------------------
 def cache_dir() -> Path:
     """`$MAGICDEC_CACHE`, or ~/.cache/magicdec (the same folder the converted weights live in)."""
-    return Path(os.environ.get("MAGICDEC_CACHE") or Path.home() / ".cache" / "magicdec")
+    return cache_root()
 
 
 def _device_key(device: str | torch.device) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import warnings
 from pathlib import Path
 
 from magicdec.errors import MagicDecError
@@ -26,7 +27,13 @@ def parse_size(text: str) -> int:
 
 
 def size_list(text: str) -> list[int]:
-    return [parse_size(x) for x in text.split(",") if x.strip()]
+    """'1,4k' -> [1, 4096]; every size must be >= 1 and there must be one at least."""
+    sizes = [parse_size(x) for x in text.split(",") if x.strip()]
+    if not sizes:
+        raise argparse.ArgumentTypeError(f"no sizes in {text!r} (e.g. 1,8 or 1k,4k)")
+    if min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"sizes must be >= 1: {text!r}")
+    return sizes
 
 
 def positive_int(text: str) -> int:
@@ -37,6 +44,14 @@ def positive_int(text: str) -> int:
     if v < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1: {text!r}")
     return v
+
+
+class Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line, `magicdec: error: ...`, and exit status 2, like the
+    errors of the commands themselves (argparse's own print the usage first)."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"magicdec: error: {message} (see {self.prog} --help)\n")
 
 
 # --- shared options ---------------------------------------------------------------------------------
@@ -229,15 +244,16 @@ def cmd_bench(args) -> int:
 
 # --- plan -------------------------------------------------------------------------------------------
 def cmd_plan(args) -> int:
+    from magicdec.errors import InvalidRequestError
     from magicdec.planner import AcceptanceTable, format_table, get_model_shape, get_profile, plan_table, plot_speedup
 
     try:
         target = get_model_shape(args.model)
         draft = get_model_shape(args.draft_model) if args.draft_model else None
         hw = get_profile(args.hardware)
-    except (ValueError, KeyError, OSError) as e:
-        raise MagicDecError(str(e).strip("'\"")) from None
-    acceptance = AcceptanceTable.from_json(args.acceptance) if args.acceptance else AcceptanceTable.paper_default()
+        acceptance = AcceptanceTable.from_json(args.acceptance) if args.acceptance else AcceptanceTable.paper_default()
+    except ValueError as e:  # the planner is torch-free and raises ValueError; OSError is main's
+        raise InvalidRequestError(str(e)) from None
     nbytes = {"bf16": 2, "fp16": 2, "fp32": 4}[args.dtype]
     rows = plan_table(target, hw, args.batch, args.context, acceptance, draft=draft, tp=args.tp,
                       mode="greedy" if args.mode == "greedy" else "sampling", dtype_bytes=nbytes,
@@ -260,6 +276,7 @@ def cmd_calibrate(args) -> int:
     from magicdec.corpus import load_texts
     from magicdec.engine import LLM
 
+    texts = load_texts(args.corpus) if args.acceptance else []  # checked before minutes of measuring
     llm = LLM(args.model, device=args.device)
 
     def progress(done: int, total: int, label: str) -> None:
@@ -275,7 +292,7 @@ def cmd_calibrate(args) -> int:
     print(f"hardware profile written to {path}", file=sys.stderr)
     if args.acceptance:
         quick = dict(contexts=(1024, 2048), budgets=(64, 256), n_prompts=2, new_tokens=32) if args.quick else {}
-        table = calibrate.calibrate_acceptance(llm, load_texts(args.corpus), progress=progress, **quick)
+        table = calibrate.calibrate_acceptance(llm, texts, progress=progress, **quick)
         out = calibrate.default_acceptance_path(calibrate.model_key(llm))
         out.parent.mkdir(parents=True, exist_ok=True)
         table.to_json(out)
@@ -284,7 +301,7 @@ def cmd_calibrate(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="magicdec",
         description="Fast long-context, large-batch generation with sparse-KV speculative decoding (MagicDec).",
     )
@@ -300,7 +317,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_draft_args(g)
     g.add_argument("--batch-size", type=positive_int, help="most prompts decoded together; the rest queue for a free slot (default: all)")
     g.add_argument("--compare-ar", action="store_true", help="also run plain decoding first (its prefill is reused) and report the speedup")
-    g.add_argument("--json", action="store_true", help="print outputs and stats as JSON on stdout")
+    g.add_argument("--json", action="store_true",
+                   help="print outputs and stats as JSON on stdout; each output carries the index of its prompt "
+                        "(--prompt ones first, then the lines of --prompt-file, in order)")
     g.set_defaults(func=cmd_generate)
 
     b = sub.add_parser("bench", help="sweep batch, context, drafter, budget and gamma; write JSON and plots",
@@ -365,10 +384,17 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def print_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """`warnings.showwarning` for the command line: one line, `magicdec: warning: ...`."""
+    print(f"magicdec: warning: {message}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return args.func(args)
+        with warnings.catch_warnings():
+            warnings.showwarning = print_warning
+            return args.func(args)
     except MagicDecError as e:
         print(f"magicdec: error: {e}", file=sys.stderr)
         return EXIT_USAGE

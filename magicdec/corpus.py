@@ -14,29 +14,48 @@ CHARS_PER_TOKEN = 8
 
 
 def load_texts(path: str | Path) -> list[str]:
-    """The documents of a corpus file: one per JSON line (`text` or `prompt` key), else the whole file."""
+    """The texts of a prompt file or corpus: one per line of a .jsonl file (a `text` or `prompt` string),
+    else the whole file.
+
+    Nothing is dropped silently, so that output i always belongs to text i: a blank line between records,
+    a record whose text is blank, a line that is not such a JSON record, and bytes that are not UTF-8
+    raise InvalidRequestError naming the line. Blank lines at the end of the file are ignored.
+    """
     path = Path(path)
     if not path.is_file():
         raise InvalidRequestError(f"corpus file not found: {path}")
-    if path.suffix == ".jsonl":
-        texts = []
-        for i, line in enumerate(path.read_text(encoding="utf-8").splitlines()):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise InvalidRequestError(f"{path}:{i + 1}: invalid JSON ({e.msg})") from None
-            text = obj.get("text") or obj.get("prompt") if isinstance(obj, dict) else None
-            if not isinstance(text, str):
-                raise InvalidRequestError(f"{path}:{i + 1}: expected an object with a 'text' or 'prompt' string")
-            texts.append(text)
-    else:
-        texts = [path.read_text(encoding="utf-8", errors="replace")]
-    texts = [t for t in texts if t.strip()]
-    if not texts:
+    data = path.read_bytes()
+    try:
+        content = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise InvalidRequestError(f"{path}:{line}: not UTF-8 text (byte 0x{data[e.start]:02x})") from None
+    if path.suffix != ".jsonl":
+        if not content.strip():
+            raise InvalidRequestError(f"{path}: no text found")
+        return [content]
+    lines = content.splitlines()
+    while lines and not lines[-1].strip():
+        lines.pop()
+    if not lines:
         raise InvalidRequestError(f"{path}: no text found")
-    return texts
+    return [_jsonl_text(path, number, line) for number, line in enumerate(lines, 1)]
+
+
+def _jsonl_text(path: Path, number: int, line: str) -> str:
+    where = f"{path}:{number}"
+    if not line.strip():
+        raise InvalidRequestError(f"{where}: blank line (each line must hold one JSON record)")
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise InvalidRequestError(f"{where}: invalid JSON ({e.msg})") from None
+    text = obj.get("text" if "text" in obj else "prompt") if isinstance(obj, dict) else None
+    if not isinstance(text, str):
+        raise InvalidRequestError(f"{where}: expected an object with a 'text' or 'prompt' string")
+    if not text.strip():
+        raise InvalidRequestError(f"{where}: the text is empty")
+    return text
 
 
 def cut_prompts(tok: Tokenizer, texts: Sequence[str], n: int, length: int, *, lo: float = 0.2,

@@ -19,3 +19,7 @@ class InvalidRequestError(MagicDecError):
 
 class OutOfMemoryError(MagicDecError):
     """A batch cannot fit in the memory of the device; raised before anything is allocated."""
+
+
+class MagicDecWarning(UserWarning):
+    """Something worked, but not as well as it should (e.g. the converted-weights cache is not writable)."""

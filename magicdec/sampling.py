@@ -50,8 +50,18 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
+        # None (no stop strings), one string and a list are accepted; the frozen params keep a tuple.
+        if self.stop is None:
+            object.__setattr__(self, "stop", ())
+        elif isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
+        elif isinstance(self.stop, list):
+            object.__setattr__(self, "stop", tuple(self.stop))
+        elif not isinstance(self.stop, tuple):
+            raise InvalidRequestError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        if self.seed is not None and not (isinstance(self.seed, int) and not isinstance(self.seed, bool)
+                                          and 0 <= self.seed < 2**64):
+            raise InvalidRequestError(f"seed must be an integer in [0, 2**64) or None, got {self.seed!r}")
         for name in ("temperature", "top_p"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):

@@ -184,3 +184,64 @@ def tiny_llama(tmp_path_factory, tiny_checkpoint):
     folder = tmp_path_factory.mktemp("tiny-llama")
     ref = tiny_checkpoint(folder, tiny_llama_config(), seed=1)
     return load_model(folder, device="cpu", dtype=torch.float32), ref
+
+
+# --- a tiny random GGUF file ------------------------------------------------------------------------------
+def write_tiny_gguf(path: Path, seed: int = 0) -> Path:
+    """A GGUF file of a small random Llama (F32 tensors, a byte-level BPE tokenizer of 260 tokens): the
+    converted-weights cache's tests convert it in well under a second, where the default model takes ~10 s."""
+    import gguf
+    import numpy as np
+    from tokenizers import pre_tokenizers
+
+    vocab, dim, ffn, n_layers, n_heads, n_kv, hd = 320, 64, 128, 2, 4, 2, 16
+    rng = np.random.default_rng(seed)
+
+    def weight(*shape: int) -> np.ndarray:
+        return (rng.standard_normal(shape) / math.sqrt(shape[-1])).astype(np.float32)
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(n_layers)
+    w.add_context_length(1024)
+    w.add_embedding_length(dim)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(n_heads)
+    w.add_head_count_kv(n_kv)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(vocab)
+    tokens = TINY_SPECIALS + sorted(pre_tokenizers.ByteLevel.alphabet()) + ["ab"]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt2")
+    w.add_token_list(tokens)
+    w.add_token_types([3] * len(TINY_SPECIALS) + [1] * (len(tokens) - len(TINY_SPECIALS)))
+    w.add_token_merges(["a b"])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_tensor("token_embd.weight", weight(vocab, dim))
+    w.add_tensor("output_norm.weight", np.ones(dim, dtype=np.float32))
+    w.add_tensor("output.weight", weight(vocab, dim))
+    for i in range(n_layers):
+        for name, shape in (("attn_q", (n_heads * hd, dim)), ("attn_k", (n_kv * hd, dim)), ("attn_v", (n_kv * hd, dim)),
+                            ("attn_output", (dim, n_heads * hd)), ("ffn_gate", (ffn, dim)), ("ffn_up", (ffn, dim)),
+                            ("ffn_down", (dim, ffn))):
+            w.add_tensor(f"blk.{i}.{name}.weight", weight(*shape))
+        for name in ("attn_norm", "ffn_norm"):
+            w.add_tensor(f"blk.{i}.{name}.weight", np.ones(dim, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def set_gguf_metadata(path: Path, key: str, value: str) -> None:
+    """Change one metadata value in place, as `gguf-set-metadata PATH KEY VALUE --force` does (its own code)."""
+    import argparse
+
+    from gguf import GGUFReader
+    from gguf.scripts.gguf_set_metadata import set_metadata
+
+    reader = GGUFReader(path, "r+")
+    set_metadata(reader, argparse.Namespace(key=key, value=value, dry_run=False, force=True))
+    reader.data.flush()

@@ -151,7 +151,8 @@ def test_truncated_gguf(default_path, tmp_path, isolated_cache, size):
         path.write_bytes(f.read(size))
     with pytest.raises(ModelLoadError, match="GGUF"):
         load_model(path)
-    assert not list(isolated_cache.glob("*/done"))  # nothing half-converted is left to be reused
+    assert not list(isolated_cache.glob("*/manifest.json"))  # nothing half-converted is left to be reused
+    assert not list(isolated_cache.glob("*.tmp-*"))
 
 
 def test_garbage_gguf(tmp_path, isolated_cache):
@@ -179,8 +180,13 @@ def test_invalid_sampling_params(kwargs):
 
 
 def test_valid_sampling_edges():
-    p = SamplingParams(max_tokens=1, temperature=0.0, top_k=0, top_p=1.0, stop="x")
+    p = SamplingParams(max_tokens=1, temperature=0.0, top_k=0, top_p=1.0, stop="x", seed=2**64 - 1)
     assert p.greedy and p.stop == ("x",)
+
+
+@pytest.mark.parametrize("stop, kept", [(None, ()), ("x", ("x",)), (["x", "y"], ("x", "y")), (("x",), ("x",))])
+def test_stop_strings_are_kept_as_a_tuple(stop, kept):
+    assert SamplingParams(stop=stop).stop == kept
 
 
 # --- requests --------------------------------------------------------------------------------------------------
@@ -235,9 +241,39 @@ def test_every_error_is_a_magicdec_error():
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{"temperature": "hot"}, {"top_p": "0.5"}, {"max_tokens": True}, {"temperature": math.inf}, {"stop": ("a", 3)}],
+    [{"temperature": "hot"}, {"top_p": "0.5"}, {"max_tokens": True}, {"temperature": math.inf}, {"stop": ("a", 3)},
+     {"stop": 3}, {"stop": {"a"}}, {"seed": "abc"}, {"seed": 1.5}, {"seed": True}, {"seed": -1}, {"seed": 2**64}],
     ids=str,
 )
 def test_invalid_sampling_types(kwargs):
     with pytest.raises(InvalidRequestError):
         SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("device", ["bogus", "meta", "cuda:99", "mps", ""])
+def test_devices_this_machine_lacks_are_refused_before_loading(device):
+    with pytest.raises(InvalidRequestError, match="device"):
+        load_model(device=device)
+
+
+@pytest.mark.parametrize("kwargs", [{"profile": "nosuch"}, {"acceptance": "{broken"}, {"acceptance": "[]"}], ids=str)
+def test_auto_planning_with_unreadable_inputs_is_a_typed_error(kwargs, tmp_path):
+    from magicdec.autoplan import choose
+    from magicdec.planner import MODEL_PRESETS
+
+    if "acceptance" in kwargs:
+        (tmp_path / "table.json").write_text(kwargs["acceptance"])
+        kwargs = {"acceptance": tmp_path / "table.json"}
+    with pytest.raises(InvalidRequestError, match="hardware profile|acceptance table"):
+        choose(MODEL_PRESETS["llama-3.1-8b"], 8, 4096, **kwargs)
+
+
+@pytest.mark.parametrize("grid", [{"modes": ["bogus"]}, {"positions": ["bogus"]}, {"gammas": [0]}, {"budgets": [4]}],
+                         ids=str)
+def test_a_bench_grid_it_cannot_run_is_refused(grid):
+    from magicdec.bench import BenchGrid
+
+    base = dict(batches=[1], contexts=[256], drafters=["none", "self-streaming"], budgets=[64], gammas=[2],
+                modes=["greedy"], new_tokens=8)
+    with pytest.raises(InvalidRequestError):
+        BenchGrid(**{**base, **grid})

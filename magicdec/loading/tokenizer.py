@@ -9,6 +9,7 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from magicdec.errors import ModelLoadError, UnsupportedModelError
+from magicdec.jsonfile import read_json_object
 
 # The pre-tokenizer split pattern of Llama 3 ("llama-bpe" in GGUF files).
 LLAMA3_PATTERN = (
@@ -47,23 +48,28 @@ class Tokenizer:
 
     @classmethod
     def from_hf_folder(cls, folder: Path, bos_id: int | None, eos_ids: Sequence[int]) -> "Tokenizer":
-        import json
-
         path = folder / "tokenizer.json"
         if not path.exists():
             raise ModelLoadError(f"{folder}: no tokenizer.json")
-        try:
-            tok = HFTokenizer.from_file(str(path))
-        except Exception as e:  # tokenizers raises a bare Exception on unreadable files
-            raise ModelLoadError(f"{path}: unreadable tokenizer ({e})") from None
+        tok = read_tokenizer_file(path)
         add_bos = False
         cfg_path = folder / "tokenizer_config.json"
         if cfg_path.exists():
-            add_bos = bool(json.loads(cfg_path.read_text()).get("add_bos_token", False))
+            add_bos = read_json_object(cfg_path, "tokenizer config", ModelLoadError).get("add_bos_token") or False
+            if not isinstance(add_bos, bool):
+                raise ModelLoadError(f"{cfg_path}: add_bos_token must be true or false, got {add_bos!r}")
         # Llama 3 style tokenizers add BOS through their post-processor instead of add_bos_token.
         if bos_id is not None and tok.post_processor is not None:
             add_bos = add_bos or bos_id in tok.encode("x").ids
         return cls(tok, bos_id, eos_ids, add_bos)
+
+
+def read_tokenizer_file(path: Path) -> HFTokenizer:
+    """A `tokenizer.json`; an unreadable one becomes a ModelLoadError naming it."""
+    try:
+        return HFTokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises a bare Exception on unreadable files
+        raise ModelLoadError(f"{path}: unreadable tokenizer ({e})") from None
 
 
 def tokenizer_from_gguf_fields(meta: dict) -> HFTokenizer:
@@ -71,9 +77,14 @@ def tokenizer_from_gguf_fields(meta: dict) -> HFTokenizer:
     kind = meta.get("tokenizer.ggml.model")
     if kind != "gpt2":
         raise UnsupportedModelError(f"GGUF tokenizer model {kind!r} is not supported (only 'gpt2' BPE)")
-    tokens: list[str] = meta["tokenizer.ggml.tokens"]
-    merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
-    tok = HFTokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False))
+    tokens, merges = meta.get("tokenizer.ggml.tokens"), meta.get("tokenizer.ggml.merges")
+    if not all(isinstance(x, list) and all(isinstance(s, str) for s in x) for x in (tokens, merges)):
+        raise ModelLoadError("GGUF metadata lacks the tokenizer.ggml.tokens and tokenizer.ggml.merges string lists")
+    try:
+        bpe = models.BPE({t: i for i, t in enumerate(tokens)}, [tuple(m.split(" ", 1)) for m in merges], fuse_unk=False)
+    except Exception as e:  # tokenizers raises a bare Exception on inconsistent merges
+        raise ModelLoadError(f"GGUF tokenizer metadata is inconsistent ({e})") from None
+    tok = HFTokenizer(bpe)
     pre = meta.get("tokenizer.ggml.pre", "gpt2")
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=pre != "llama-bpe")
     if pre in ("smollm", "starcoder", "refact"):

@@ -8,6 +8,8 @@ import math
 import os
 from statistics import NormalDist
 
+from magicdec.jsonfile import read_json_object
+
 MODES = ("greedy", "sampling")
 
 
@@ -48,6 +50,24 @@ def _interpolate_log(x: float, xs: list[float], ys: list[float]) -> float:
 def _none_first(item: tuple[int | None, object]) -> int:
     """Sort key for (budget or context, value) pairs: None (dense / any context) first."""
     return -1 if item[0] is None else item[0]
+
+
+def _number(value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"expected a number, got {value!r}")
+    return float(value)
+
+
+def _count(value: object) -> int | None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+        raise TypeError(f"expected an integer or null, got {value!r}")
+    return value
+
+
+def _text(value: object) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"expected a name, got {value!r}")
+    return value
 
 
 class AcceptanceTable:
@@ -164,20 +184,26 @@ class AcceptanceTable:
 
     @classmethod
     def from_json(cls, path: str | os.PathLike[str]) -> AcceptanceTable:
-        """Read a table written by `to_json`."""
-        with open(path) as f:
-            data = json.load(f)
+        """Read a table written by `to_json`; a malformed or empty one raises ValueError naming the file."""
+        data = read_json_object(path, "acceptance table")
         table = cls()
-        for entry in data["entries"]:
-            table.add(
-                entry["drafter"],
-                entry["alpha"],
-                budget=entry.get("budget"),
-                mode=entry.get("mode", "greedy"),
-                context=entry.get("context"),
-            )
-        for entry in data.get("row_spread", []):
-            table.set_row_spread(entry["drafter"], entry["sd"], mode=entry.get("mode", "greedy"))
+        try:
+            for entry in data["entries"]:
+                table.add(
+                    _text(entry["drafter"]),
+                    _number(entry["alpha"]),
+                    budget=_count(entry.get("budget")),
+                    mode=entry.get("mode", "greedy"),
+                    context=_count(entry.get("context")),
+                )
+            for entry in data.get("row_spread", []):
+                table.set_row_spread(_text(entry["drafter"]), _number(entry["sd"]), mode=entry.get("mode", "greedy"))
+        except KeyError as e:
+            raise ValueError(f"{path}: an acceptance table entry lacks {e}") from None
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{path}: not a valid acceptance table ({e})") from None
+        if not table._data:
+            raise ValueError(f"{path}: the acceptance table holds no rates")
         return table
 
     def __eq__(self, other: object) -> bool:

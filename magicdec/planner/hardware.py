@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass
+
+from magicdec.jsonfile import read_json_object
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,12 +49,23 @@ class HardwareProfile:
     they replace attention's roofline."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.name, str):
+            raise ValueError(f"name must be a string, got {self.name!r}")
+        numbers = ["flops_per_s", "mem_bandwidth", "mem_bytes", "matmul_efficiency", "bandwidth_efficiency",
+                   "attention_efficiency", "fixed_overhead_s", "per_layer_overhead_s"]
+        for field in numbers + (["ici_bandwidth"] if self.ici_bandwidth is not None else []):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{field} must be a finite number, got {value!r}")
         for field in ("linear_rates", "attention_rates"):
             rates = getattr(self, field)
             if rates is None:
                 continue
-            rates = tuple((float(x), float(r)) for x, r in rates)  # JSON gives lists
-            if not rates or any(x <= 0 or r <= 0 for x, r in rates) or any(
+            try:
+                rates = tuple((float(x), float(r)) for x, r in rates)  # JSON gives lists
+            except (TypeError, ValueError):
+                raise ValueError(f"{field} must be a list of [x, rate] pairs, got {rates!r}") from None
+            if not rates or not all(0 < v < math.inf for pair in rates for v in pair) or any(
                     a[0] >= b[0] for a, b in zip(rates, rates[1:])):
                 raise ValueError(f"{field} must be (x, rate) pairs, positive and ascending in x")
             object.__setattr__(self, field, rates)
@@ -75,14 +89,19 @@ class HardwareProfile:
 
     @classmethod
     def from_json(cls, path: str | os.PathLike[str]) -> HardwareProfile:
-        """Read a profile written by `to_json` (or by hand)."""
-        with open(path) as f:
-            data = json.load(f)
-        known = {field.name for field in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
+        """Read a profile written by `to_json` (or by hand); a malformed one raises ValueError naming the file."""
+        data = read_json_object(path, "hardware profile")
+        fields = dataclasses.fields(cls)
+        unknown = sorted(set(data) - {field.name for field in fields})
         if unknown:
             raise ValueError(f"{path}: unknown hardware profile fields {unknown}")
-        return cls(**data)
+        missing = [f.name for f in fields if f.default is dataclasses.MISSING and f.name not in data]
+        if missing:
+            raise ValueError(f"{path}: hardware profile lacks {', '.join(missing)}")
+        try:
+            return cls(**data)
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
 
 
 GB = 1e9

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from typing import Any
+
+from magicdec.jsonfile import read_json_object
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -24,8 +25,9 @@ class ModelShape:
 
     def __post_init__(self) -> None:
         for field in ("n_layers", "dim", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "vocab_size"):
-            if getattr(self, field) <= 0:
-                raise ValueError(f"{field} must be positive, got {getattr(self, field)}")
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{field} must be a positive integer, got {value!r}")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
 
@@ -68,14 +70,19 @@ class ModelShape:
                 dim=dim,
                 n_heads=n_heads,
                 n_kv_heads=config.get("num_key_value_heads") or n_heads,
-                # Some configs carry "head_dim": null; then it is the usual dim / heads.
-                head_dim=config.get("head_dim") or dim // n_heads,
+                # Some configs carry "head_dim": null; then it is the usual dim / heads (0, refused, when
+                # those are not positive integers themselves).
+                head_dim=config.get("head_dim") or (dim // n_heads if _positive_ints(dim, n_heads) else 0),
                 ffn_dim=config["intermediate_size"],
                 vocab_size=config["vocab_size"],
                 tie_embeddings=bool(config.get("tie_word_embeddings", False)),
             )
         except KeyError as e:
             raise ValueError(f"config is missing {e.args[0]!r}; is it a Llama-family config.json?") from None
+
+
+def _positive_ints(*values: Any) -> bool:
+    return all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in values)
 
 
 MODEL_PRESETS: dict[str, ModelShape] = {
@@ -109,8 +116,7 @@ def get_model_shape(name_or_path: str | os.PathLike[str]) -> ModelShape:
     if os.path.isfile(path):
         # Name it after its folder, as Hugging Face names models after their repository.
         folder = os.path.basename(os.path.dirname(os.path.abspath(path)))
-        with open(path) as f:
-            return ModelShape.from_hf_config(json.load(f), name=folder)
+        return ModelShape.from_hf_config(read_json_object(path, "model config"), name=folder)
     raise ValueError(
         f"unknown model {key!r}: not a preset ({', '.join(sorted(MODEL_PRESETS))}) "
         "and not a config.json or a folder holding one"
