@@ -245,3 +245,31 @@ def set_gguf_metadata(path: Path, key: str, value: str) -> None:
     reader = GGUFReader(path, "r+")
     set_metadata(reader, argparse.Namespace(key=key, value=value, dry_run=False, force=True))
     reader.data.flush()
+
+
+# --- running the engine directly ---------------------------------------------------------------------------
+def run_engine(model, prompts, params, *, eos=(), drafter=None, gamma=0, policy=None, slots=None, prompt_cache=None,
+               tokenizer=None, prefill_chunk=512, max_prefill_tokens=None, arrivals=None, kv_dtype=None):
+    """Every prompt through an LLMEngine over `model`; returns (requests, stats).
+
+    params: one SamplingParams or one per prompt. gamma: a fixed draft length (or `policy`). arrivals:
+    the step before which each prompt is added (default: all at once)."""
+    from magicdec.engine import LLMEngine
+    from magicdec.runner import CACHE_SLACK
+    from magicdec.sampling import SamplingParams
+
+    params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+    capacity = max(len(p) + sp.max_tokens for p, sp in zip(prompts, params)) + CACHE_SLACK
+    engine = LLMEngine(model, eos, slots=slots or len(prompts), capacity=capacity, drafter=drafter,
+                       gamma_policy=policy or ((lambda live, ctx: gamma) if drafter else None),
+                       prompt_cache=prompt_cache, tokenizer=tokenizer, prefill_chunk=prefill_chunk,
+                       max_prefill_tokens=max_prefill_tokens, kv_dtype=kv_dtype)
+    arrivals = arrivals or [0] * len(prompts)
+    requests, step = [None] * len(prompts), 0
+    while step <= max(arrivals) or engine.has_unfinished():
+        for i, at in enumerate(arrivals):
+            if at == step:
+                requests[i] = engine.add_request(str(i), prompts[i], params[i])
+        engine.step()
+        step += 1
+    return requests, engine.stats

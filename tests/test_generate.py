@@ -1,11 +1,13 @@
-"""The decode loop: greedy parity with transformers, batch invariance, stopping rules, sampling, bf16 KV."""
+"""The engine's plain decoding: greedy parity with transformers, batch invariance, stopping rules, sampling,
+the prompt cache, bf16 KV."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from magicdec.decode import StopStrings, generate_ids
+from conftest import run_engine
+from magicdec.runner import PromptCache
 from magicdec.sampling import SamplingParams
 
 EOS = (2,)  # <|im_end|>, the default model's EOS
@@ -21,9 +23,7 @@ def long_prompts(corpus_prompt):
 @pytest.fixture(scope="module")
 def batch_greedy(default_model, long_prompts):
     """Our greedy output for the three prompts decoded together in one ragged batch."""
-    outs, stats = generate_ids(default_model.model, long_prompts, SamplingParams(max_tokens=NEW), EOS,
-                               prefill_chunk=256)
-    return outs, stats
+    return run_engine(default_model.model, long_prompts, SamplingParams(max_tokens=NEW), eos=EOS, prefill_chunk=256)
 
 
 @pytest.fixture(scope="module")
@@ -34,29 +34,29 @@ def short_prompts(corpus_prompt):
 @pytest.fixture(scope="module")
 def free_run(default_model, short_prompts):
     """16 greedy tokens per short prompt with no EOS at all (the reference for the stopping tests)."""
-    outs, _ = generate_ids(default_model.model, short_prompts, SamplingParams(max_tokens=16), ())
-    assert all(o.finish_reason == "length" and len(o.token_ids) == 16 for o in outs)
-    return [o.token_ids for o in outs]
+    outs, _ = run_engine(default_model.model, short_prompts, SamplingParams(max_tokens=16))
+    assert all(o.finish_reason == "length" and len(o.output_ids) == 16 for o in outs)
+    return [o.output_ids for o in outs]
 
 
 def run(default_model, prompts, eos=(), **params):
-    stops = params.pop("stop_strings", None)
-    outs, _ = generate_ids(default_model.model, prompts, SamplingParams(**params), eos, stop_strings=stops)
-    return outs
+    return run_engine(default_model.model, prompts, SamplingParams(**params), eos=eos,
+                      tokenizer=default_model.tokenizer)[0]
 
 
 # --- greedy parity -----------------------------------------------------------------------------------------
 def test_greedy_batch_matches_transformers_generate(batch_greedy, long_prompts, hf_model):
     outs, stats = batch_greedy
-    assert stats.batch == 3 and stats.prompt_tokens == sum(map(len, long_prompts))
+    assert stats.requests == 3 and stats.max_batch == 3 and stats.prompt_tokens == sum(map(len, long_prompts))
     for out, prompt in zip(outs, long_prompts):
         with torch.inference_mode():
             ref = hf_model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                                     max_new_tokens=NEW, do_sample=False, eos_token_id=EOS[0], pad_token_id=EOS[0])
         want = ref[0, len(prompt):].tolist()
-        assert out.token_ids == want
+        assert out.output_ids == want
         assert out.finish_reason == ("stop" if want[-1] in EOS else "length")
-    assert stats.generated_tokens == sum(len(o.token_ids) for o in outs)
+    assert stats.generated_tokens == sum(len(o.output_ids) for o in outs)
+    assert stats.decode_tokens == stats.generated_tokens - 3  # each first token comes from the prefill
 
 
 @pytest.mark.parametrize("chunk", [4, 512])
@@ -65,31 +65,30 @@ def test_tiny_model_ragged_greedy_matches_transformers(tiny_llama, chunk):
     loaded, ref = tiny_llama
     g = torch.Generator().manual_seed(11)
     prompts = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (1, 5, 40, 33)]
-    outs, _ = generate_ids(loaded.model, prompts, SamplingParams(max_tokens=20), EOS, prefill_chunk=chunk)
+    outs, _ = run_engine(loaded.model, prompts, SamplingParams(max_tokens=20), eos=EOS, prefill_chunk=chunk)
     for out, prompt in zip(outs, prompts):
         with torch.inference_mode():
             want = ref.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                                 max_new_tokens=20, do_sample=False, eos_token_id=EOS[0], pad_token_id=0)
         want = want[0, len(prompt):].tolist()
-        assert out.token_ids == want
+        assert out.output_ids == want
         assert out.finish_reason == ("stop" if want[-1] == EOS[0] else "length")
 
 
-def test_tiled_prefill_decodes_like_its_rows_and_leaves_the_original(tiny_llama):
-    """`Prefilled.tile` (how benchmarks reach large batches) gives row i the decode of prompt i % batch
-    and keeps the original prefill intact for further decodes."""
-    from magicdec.decode import decode, prefill_prompts
-
+def test_prompt_cache_hits_decode_like_computed_prefills(tiny_llama):
+    """A prompt served from the prompt cache (how benchmarks decode one prefill many times) decodes exactly
+    like a computed one, and serving it leaves the entry intact."""
     model = tiny_llama[0].model
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (9, 30)]
     params = SamplingParams(max_tokens=8, ignore_eos=True)
-    pre = prefill_prompts(model, prompts, 8)
-    k_before = pre.cache.k.clone()
-    tiled, _ = decode(model, pre.tile(3), params, EOS, reuse=True)
-    assert torch.equal(pre.cache.k, k_before) and pre.batch == 2
-    alone, _ = decode(model, pre, params, EOS, reuse=True)
-    assert [o.token_ids for o in tiled] == [o.token_ids for o in alone] * 3
+    cache = PromptCache(1 << 24)
+    computed, _ = run_engine(model, prompts, params, prompt_cache=cache)
+    assert all(p in cache for p in prompts)
+    k_before = cache.get(prompts[1]).k.clone()
+    tiled, stats = run_engine(model, prompts * 3, params, prompt_cache=cache)
+    assert [o.output_ids for o in tiled] == [o.output_ids for o in computed] * 3
+    assert torch.equal(cache.get(prompts[1]).k, k_before) and stats.max_batch == 6
 
 
 def test_batch_invariance(default_model, batch_greedy, long_prompts):
@@ -97,9 +96,9 @@ def test_batch_invariance(default_model, batch_greedy, long_prompts):
     batch_outs, _ = batch_greedy
     for i in (1, 2):
         alone = run(default_model, [long_prompts[i]], EOS, max_tokens=24)[0]
-        assert alone.token_ids == batch_outs[i].token_ids[:24]
+        assert alone.output_ids == batch_outs[i].output_ids[:24]
     swapped = run(default_model, [long_prompts[2], long_prompts[1]], EOS, max_tokens=24)
-    assert [o.token_ids for o in swapped] == [batch_outs[2].token_ids[:24], batch_outs[1].token_ids[:24]]
+    assert [o.output_ids for o in swapped] == [batch_outs[2].output_ids[:24], batch_outs[1].output_ids[:24]]
 
 
 # --- stopping rules ----------------------------------------------------------------------------------------
@@ -108,7 +107,7 @@ def test_max_tokens_is_exact_per_sequence(default_model, short_prompts, free_run
     outs = run(default_model, short_prompts, max_tokens=max_tokens, ignore_eos=True)
     for out, ref in zip(outs, free_run):
         assert out.finish_reason == "length"
-        assert out.token_ids == ref[:max_tokens]
+        assert out.output_ids == ref[:max_tokens]
 
 
 def test_eos_stops_each_row_independently(default_model, short_prompts, free_run):
@@ -120,22 +119,22 @@ def test_eos_stops_each_row_independently(default_model, short_prompts, free_run
     for out, ref in zip(outs, free_run):
         if eos in ref:
             cut = ref.index(eos) + 1
-            assert out.token_ids == ref[:cut] and out.finish_reason == "stop"  # EOS is kept, like HF
+            assert out.output_ids == ref[:cut] and out.finish_reason == "stop"  # EOS is kept, like HF
         else:
-            assert out.token_ids == ref and out.finish_reason == "length"
+            assert out.output_ids == ref and out.finish_reason == "length"
     assert outs[0].finish_reason == "stop" and outs[1].finish_reason == "length"
 
     ignored = run(default_model, short_prompts, (eos,), max_tokens=16, ignore_eos=True)
-    assert [o.token_ids for o in ignored] == free_run and all(o.finish_reason == "length" for o in ignored)
+    assert [o.output_ids for o in ignored] == free_run and all(o.finish_reason == "length" for o in ignored)
 
 
 def test_eos_as_first_token(default_model, short_prompts, free_run):
     """A sequence whose very first token (from prefill) is EOS has exactly that one token."""
     eos = free_run[2][0]
     outs = run(default_model, short_prompts, (eos,), max_tokens=16)
-    assert outs[2].token_ids == [eos] and outs[2].finish_reason == "stop"
+    assert outs[2].output_ids == [eos] and outs[2].finish_reason == "stop"
     for out, ref in zip(outs[:2], free_run[:2]):
-        assert out.token_ids == (ref[: ref.index(eos) + 1] if eos in ref else ref)
+        assert out.output_ids == (ref[: ref.index(eos) + 1] if eos in ref else ref)
 
 
 def test_stop_string_ends_at_the_completing_token(default_model, short_prompts, free_run):
@@ -143,23 +142,23 @@ def test_stop_string_ends_at_the_completing_token(default_model, short_prompts, 
     text0 = decode(free_run[0])
     stop = text0[len(decode(free_run[0][:6])):][:3]  # three characters that appear after token 6 of row 0
     assert stop.strip(), f"unsuitable stop string {stop!r}"
-    outs = run(default_model, short_prompts, max_tokens=16, stop_strings=StopStrings([stop], decode))
+    outs = run(default_model, short_prompts, max_tokens=16, stop=(stop,))
     for out, ref in zip(outs, free_run):
         # reference: the shortest prefix whose text contains the stop string
         n = next((k for k in range(1, len(ref) + 1) if stop in decode(ref[:k])), None)
         if n is None:
-            assert out.token_ids == ref and out.finish_reason == "length"
+            assert out.output_ids == ref and out.finish_reason == "length"
         else:
-            assert out.token_ids == ref[:n] and out.finish_reason == "stop"
+            assert out.output_ids == ref[:n] and out.finish_reason == "stop"
     assert outs[0].finish_reason == "stop"
 
 
 # --- sampling ----------------------------------------------------------------------------------------------
 def test_seeded_sampling_is_reproducible(default_model, short_prompts):
     kw = dict(max_tokens=12, temperature=0.9, top_k=50, top_p=0.95, ignore_eos=True)
-    a = [o.token_ids for o in run(default_model, short_prompts, seed=1234, **kw)]
-    b = [o.token_ids for o in run(default_model, short_prompts, seed=1234, **kw)]
-    c = [o.token_ids for o in run(default_model, short_prompts, seed=4321, **kw)]
+    a = [o.output_ids for o in run(default_model, short_prompts, seed=1234, **kw)]
+    b = [o.output_ids for o in run(default_model, short_prompts, seed=1234, **kw)]
+    c = [o.output_ids for o in run(default_model, short_prompts, seed=4321, **kw)]
     assert a == b
     assert a != c
     assert all(len(x) == 12 for x in a)
@@ -167,18 +166,18 @@ def test_seeded_sampling_is_reproducible(default_model, short_prompts):
 
 def test_top_k_1_sampling_is_greedy(default_model, short_prompts, free_run):
     outs = run(default_model, short_prompts, max_tokens=8, temperature=1.5, top_k=1, seed=5, ignore_eos=True)
-    assert [o.token_ids for o in outs] == [r[:8] for r in free_run]
+    assert [o.output_ids for o in outs] == [r[:8] for r in free_run]
 
 
 # --- bf16 KV cache -----------------------------------------------------------------------------------------
 def test_bf16_kv_cache_mostly_agrees(default_model, short_prompts, free_run):
-    outs, _ = generate_ids(default_model.model, short_prompts, SamplingParams(max_tokens=16, ignore_eos=True), (),
-                           kv_dtype=torch.bfloat16)
-    assert all(len(o.token_ids) == 16 for o in outs)
+    outs, _ = run_engine(default_model.model, short_prompts, SamplingParams(max_tokens=16, ignore_eos=True),
+                         kv_dtype=torch.bfloat16)
+    assert all(len(o.output_ids) == 16 for o in outs)
     # greedy paths diverge after the first differing token, so compare the agreeing prefix
     prefix = []
     for out, ref in zip(outs, free_run):
-        k = next((i for i, (a, b) in enumerate(zip(out.token_ids, ref)) if a != b), 16)
+        k = next((i for i, (a, b) in enumerate(zip(out.output_ids, ref)) if a != b), 16)
         prefix.append(k)
     assert all(k >= 1 for k in prefix), prefix  # the first token always agrees
     assert sum(prefix) >= 0.5 * 16 * len(prefix), prefix

@@ -18,12 +18,12 @@ import pytest
 import torch
 
 import magicdec.runner as runner_mod
+from conftest import run_engine
 from magicdec.config import ModelConfig
 from magicdec.drafters import ModelDrafter, SelfSpecDrafter
-from magicdec.engine import LLMEngine
 from magicdec.kv import KVCache
 from magicdec.model import Transformer
-from magicdec.runner import CACHE_SLACK, PromptCache
+from magicdec.runner import PromptCache
 from magicdec.sampling import RowParams, SamplingParams, probs_from_logits, sample_probs, sample_tokens
 from magicdec.verify import accept_drafts
 
@@ -148,25 +148,14 @@ def make_drafter(kind: str, target: Transformer, bad_draft: Transformer, gamma: 
 DRAFTERS = {"self-streaming": 2, "self-snapkv": 1, "model": 1}
 
 
-def run_engine(target, prompts, params, drafter=None, gamma=0, cache: PromptCache | None = None):
-    """Every prompt through an engine with a slot each; returns (requests, stats)."""
-    engine = LLMEngine(target, (), slots=len(prompts), capacity=max(map(len, prompts)) + NEW + CACHE_SLACK,
-                       drafter=drafter, gamma_policy=(lambda live, ctx: gamma) if drafter else None,
-                       prompt_cache=cache)
-    requests = [engine.add_request(str(i), p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
-    while engine.has_unfinished():
-        engine.step()
-    return requests, engine.stats
-
-
 def spec_sample(target, bad_draft, prompt, drafter: str, setting: str):
     """N requests of `prompt`, seeds 0..N-1, through an engine speculating with `drafter`: tokens [N, NEW]."""
     gamma = DRAFTERS[drafter]
     params = [SamplingParams(max_tokens=NEW, seed=i, **SETTINGS[setting]) for i in range(N)]
     cache = PromptCache(1 << 24)
-    run_engine(target, [prompt], params[:1], cache=cache)  # prefill the prompt once; the N requests copy it
-    requests, stats = run_engine(target, [prompt] * N, params, make_drafter(drafter, target, bad_draft, gamma),
-                                 gamma, cache)
+    run_engine(target, [prompt], params[:1], prompt_cache=cache)  # prefill the prompt once; the N requests copy it
+    requests, stats = run_engine(target, [prompt] * N, params, drafter=make_drafter(drafter, target, bad_draft, gamma),
+                                 gamma=gamma, prompt_cache=cache)
     assert all(len(r.output_ids) == NEW and r.finish_reason == "length" for r in requests)
     return torch.tensor([r.output_ids for r in requests]), stats
 
@@ -193,7 +182,8 @@ def test_seeded_spec_sampling_equals_plain_sampling(target, bad_draft, prompt, d
     params = [SamplingParams(max_tokens=NEW, seed=i, **SETTINGS["t0.7-top_p0.9"]) for i in range(n)]
     plain, _ = run_engine(target, [prompt] * n, params)
     gamma = DRAFTERS[drafter]
-    spec, stats = run_engine(target, [prompt] * n, params, make_drafter(drafter, target, bad_draft, gamma), gamma)
+    spec, stats = run_engine(target, [prompt] * n, params, drafter=make_drafter(drafter, target, bad_draft, gamma),
+                             gamma=gamma)
     assert [r.output_ids for r in spec] == [r.output_ids for r in plain]
     assert stats.verify_steps > 0 and len({tuple(r.output_ids) for r in plain}) > n // 4  # seeds differ
 

@@ -1,24 +1,24 @@
 """Greedy speculative decoding on the default model is lossless: it emits exactly the autoregressive tokens.
 
-One ragged batch of four corpus prompts (40, 150, 400 and 900 tokens) is prefilled once; every decode runs
-on a fresh copy of that prefilled cache (the normal path, finished rows are dropped), so the expensive
-prefill is paid once per module. Covered: every drafter (self-speculation over StreamingLLM and SnapKV,
-reindexed or not; a standalone draft model - the default GGUF itself - with a dense, StreamingLLM and
-SnapKV cache), gamma 1, 3 and 5, budgets below (64) and above (2048) the prompt lengths, max_tokens 23
-(not a multiple of gamma + 1), EOS inside a draft, stop strings, exact max_tokens, and the engine API.
+One ragged batch of four corpus prompts (40, 150, 400 and 900 tokens) is prefilled once into a prompt cache;
+every run copies its prefill from there, so the expensive prefill is paid once per module. Covered: every
+drafter (self-speculation over StreamingLLM and SnapKV, reindexed or not; a standalone draft model - the
+default GGUF itself - with a dense, StreamingLLM and SnapKV cache), gamma 1, 3 and 5, budgets below (64)
+and above (2048) the prompt lengths, max_tokens 23 (not a multiple of gamma + 1), EOS inside a draft, stop
+strings, exact max_tokens, a per-step draft length that changes and drops to plain decoding and back,
+requests arriving while others decode, slot reuse, and the LLM API.
 """
 
 from __future__ import annotations
 
-import copy
-import dataclasses
-
 import pytest
 import torch
 
-import magicdec.decode as decode_mod
-from magicdec.decode import StopStrings, decode, prefill_prompts
+import magicdec.drafters.model_draft as model_draft_mod
+import magicdec.runner as runner_mod
+from conftest import run_engine
 from magicdec.drafters import ModelDrafter, SelfSpecDrafter
+from magicdec.runner import PromptCache
 from magicdec.sampling import SamplingParams
 
 MAX_TOKENS = 23
@@ -41,25 +41,20 @@ def prompts(corpus_prompt) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def pre(model, prompts):
-    """The batch prefilled once (with the attention SnapKV needs); never decoded itself, only copied."""
-    return prefill_prompts(model, prompts, MAX_TOKENS, observe=True)
-
-
-def fresh(pre):
-    """An independent copy of a Prefilled: decoding mutates (and row-selects) the target cache."""
-    cache = copy.copy(pre.cache)
-    for name in ("k", "v", "lens", "next_pos"):
-        setattr(cache, name, getattr(pre.cache, name).clone())
-    return dataclasses.replace(pre, cache=cache, logits=pre.logits.clone())
+def cache() -> PromptCache:
+    return PromptCache(1 << 31)
 
 
 @pytest.fixture(scope="module")
-def ar(model, pre, eos):
-    """The autoregressive reference: greedy, max_tokens 23, the model's EOS."""
-    outs, stats = decode(model, fresh(pre), SamplingParams(max_tokens=MAX_TOKENS), eos)
-    assert stats.gamma == 0 and stats.steps >= MAX_TOKENS - 1
-    return outs
+def ar(model, prompts, eos, cache):
+    """The autoregressive reference: greedy, max_tokens 23, the model's EOS (its prefill fills the cache)."""
+    requests, stats = run_engine(model, prompts, SamplingParams(max_tokens=MAX_TOKENS), eos=eos, prompt_cache=cache)
+    assert stats.gamma == 0 and stats.steps >= MAX_TOKENS - 1 and all(p in cache for p in prompts)
+    return requests
+
+
+def run(model, prompts, params, eos, cache, drafter=None, gamma=0, **kw):
+    return run_engine(model, prompts, params, eos=eos, drafter=drafter, gamma=gamma, prompt_cache=cache, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -71,27 +66,26 @@ def draft_model(default_path):
 
 
 @pytest.fixture
-def draft_prefill_reuses_target_prefill(monkeypatch, pre, draft_model):
-    """The draft model has the target's weights, so its dense prefill of the batch is the target's prefill
-    (bit for bit: same weights, same chunking; K/V, logits and SnapKV scores were checked equal): serve it
-    from `pre` instead of recomputing ~3.6k padded tokens per test. The engine test below runs the real
-    draft prefill, and the model-dense case checks that almost every draft is accepted."""
-    real = decode_mod.prefill
+def draft_prefill_from_cache(monkeypatch, draft_model, cache):
+    """The draft model has the target's weights, so its prefill of a prompt is the target's (bit for bit:
+    same weights, same chunking): serve it from the prompt cache instead of recomputing each prompt per
+    test. The LLM test below runs the real draft prefill."""
+    real = model_draft_mod.prefill_row
     served = []
 
-    def prefill(model, cache, tokens, lens, chunk, progress=None, observer=None):
-        if model is draft_model and torch.equal(tokens, pre.tokens) and torch.equal(lens, pre.lens):
-            src = pre.cache
-            cache.k[:, :, :, : src.capacity] = src.k
-            cache.v[:, :, :, : src.capacity] = src.v
-            cache.lens, cache.next_pos, cache.max_len = src.lens.clone(), src.next_pos.clone(), src.max_len
+    def prefill_row(m, row, prompt, chunk, observer=None):
+        if m is draft_model and prompt.tolist() in cache:
+            entry, T = cache.get(prompt.tolist()), len(prompt)
+            row.clear()
+            row.k[:, 0, :, :T], row.v[:, 0, :, :T] = entry.k, entry.v
+            row.commit(T)
             if observer is not None:
-                observer.scores = list(pre.observer.scores)
-            served.append(cache)
-            return pre.logits.clone()
-        return real(model, cache, tokens, lens, chunk, progress, observer)
+                observer.scores = list(entry.scores)
+            served.append(T)
+            return entry.logits
+        return real(m, row, prompt, chunk, observer)
 
-    monkeypatch.setattr(decode_mod, "prefill", prefill)
+    monkeypatch.setattr(model_draft_mod, "prefill_row", prefill_row)
     return served
 
 
@@ -120,20 +114,21 @@ CASES = [
     "name,reindex,gamma,budget", CASES, ids=[f"{n}-ri{int(r)}-g{g}-b{b}" for n, r, g, b in CASES]
 )
 def test_greedy_speculative_equals_autoregressive(
-    model, draft_model, pre, ar, eos, draft_prefill_reuses_target_prefill, name, reindex, gamma, budget
+    model, draft_model, prompts, ar, eos, cache, draft_prefill_from_cache, name, reindex, gamma, budget
 ):
     drafter = make_drafter(name, model, draft_model, gamma, budget, reindex)
-    outs, stats = decode(model, fresh(pre), SamplingParams(max_tokens=MAX_TOKENS), eos, drafter=drafter, gamma=gamma)
+    outs, stats = run(model, prompts, SamplingParams(max_tokens=MAX_TOKENS), eos, cache, drafter, gamma)
     for i, (s, a) in enumerate(zip(outs, ar)):
-        assert s.token_ids == a.token_ids, f"row {i} (prompt {LENGTHS[i][0]} tokens) differs from AR"
+        assert s.output_ids == a.output_ids, f"row {i} (prompt {LENGTHS[i][0]} tokens) differs from AR"
         assert s.finish_reason == a.finish_reason
         if a.finish_reason == "length":
-            assert len(s.token_ids) == MAX_TOKENS
+            assert len(s.output_ids) == MAX_TOKENS
     assert stats.gamma == gamma and len(stats.accepted_hist) == gamma + 1
-    assert stats.generated_tokens == sum(len(o.token_ids) for o in outs)
+    assert stats.generated_tokens == sum(len(o.output_ids) for o in outs)
+    assert sum(sum(o.accepted_hist) for o in outs) == stats.verify_steps
     full = stats.accepted_hist[gamma] / stats.verify_steps
     if name.startswith("model"):
-        assert draft_prefill_reuses_target_prefill, "the draft prefill was not served"
+        assert len(draft_prefill_from_cache) == len(prompts), "the draft prefill was not served"
     if name == "model-dense" or budget >= 2048:
         # the draft sees the target's whole context: it is the target, and (numerics aside) always right
         assert full >= 0.9, stats.accepted_hist
@@ -144,8 +139,8 @@ def test_greedy_speculative_equals_autoregressive(
 
 def test_reference_is_nontrivial(ar):
     """The AR reference ran to max_tokens on (at least most) rows, so equality above means something."""
-    assert sum(o.finish_reason == "length" and len(o.token_ids) == MAX_TOKENS for o in ar) >= 3
-    assert len({tuple(o.token_ids) for o in ar}) == len(ar)
+    assert sum(o.finish_reason == "length" and len(o.output_ids) == MAX_TOKENS for o in ar) >= 3
+    assert len({tuple(o.output_ids) for o in ar}) == len(ar)
 
 
 # --- EOS inside a draft -------------------------------------------------------------------------------------------
@@ -153,7 +148,7 @@ def pick_eos(ar, gamma: int) -> tuple[int, int, int]:
     """(row, k, token): a token the longest row emits first at position k, where k lands inside a draft
     (not the last draft token nor the bonus) when every draft is accepted: (k - 1) % (gamma + 1) < gamma - 1."""
     row = len(ar) - 1
-    ids = ar[row].token_ids
+    ids = ar[row].output_ids
     for k in range(3, len(ids) - 2):
         if (k - 1) % (gamma + 1) < gamma - 1 and ids[k] not in ids[:k]:
             return row, k, ids[k]
@@ -161,124 +156,142 @@ def pick_eos(ar, gamma: int) -> tuple[int, int, int]:
 
 
 @pytest.mark.parametrize("name,gamma,budget", [("model-dense", 5, 64), ("self-snapkv", 3, 64)])
-def test_eos_inside_a_draft(model, draft_model, pre, ar, draft_prefill_reuses_target_prefill, name, gamma, budget):
+def test_eos_inside_a_draft(monkeypatch, model, draft_model, prompts, ar, cache, draft_prefill_from_cache,
+                            name, gamma, budget):
     row, k, tok = pick_eos(ar, gamma)
     params = SamplingParams(max_tokens=MAX_TOKENS)
-    ar_eos, _ = decode(model, fresh(pre), params, [tok])
-    drafter = make_drafter(name, model, draft_model, gamma, budget, False)
+    ar_eos, _ = run(model, prompts, params, [tok], cache)
     rounds = []
-    accept = drafter.accept
+    real = runner_mod.accept_drafts
 
-    def record(n, nxt, live):
-        rounds.append((drafter.drafted.clone(), n.clone(), live.clone()))
-        accept(n, nxt, live)
+    def record(target, draft):
+        n, nxt = real(target, draft)
+        rounds.append((draft.clone(), n.clone()))
+        return n, nxt
 
-    drafter.accept = record
-    spec, _ = decode(model, fresh(pre), params, [tok], drafter=drafter, gamma=gamma)
-    assert ar_eos[row].token_ids == ar[row].token_ids[: k + 1] and ar_eos[row].finish_reason == "stop"
+    monkeypatch.setattr(runner_mod, "accept_drafts", record)
+    spec, _ = run(model, prompts, params, [tok], cache, make_drafter(name, model, draft_model, gamma, budget, False), gamma)
+    assert ar_eos[row].output_ids == ar[row].output_ids[: k + 1] and ar_eos[row].finish_reason == "stop"
     for s, a in zip(spec, ar_eos):
-        assert s.token_ids == a.token_ids and s.finish_reason == a.finish_reason
-        if tok in a.token_ids:
-            assert a.token_ids.index(tok) == len(a.token_ids) - 1 and a.finish_reason == "stop"
+        assert s.output_ids == a.output_ids and s.finish_reason == a.finish_reason
+        if tok in a.output_ids:
+            assert a.output_ids.index(tok) == len(a.output_ids) - 1 and a.finish_reason == "stop"
     if name == "model-dense":
         # the EOS really was accepted inside a draft with more drafted tokens after it, which were dropped
-        assert any(
-            (d[i, : n[i]] == tok).any() and int((d[i] == tok).nonzero()[0]) < gamma - 1
-            for d, n, live in rounds for i in range(len(n)) if live[i]
-        ), "the EOS never landed inside an accepted draft"
+        assert any((d[i, : n[i]] == tok).any() and int((d[i] == tok).nonzero()[0]) < gamma - 1
+                   for d, n in rounds for i in range(len(n))), "the EOS never landed inside an accepted draft"
 
 
 # --- stop strings -----------------------------------------------------------------------------------------------
-def test_stop_string_mid_round(model, draft_model, pre, ar, eos, default_model):
+def test_stop_string_mid_round(model, prompts, ar, eos, cache, default_model):
     tok = default_model.tokenizer
     row = 2
-    ids = ar[row].token_ids
+    ids = ar[row].output_ids
     # a stop string completed by a token in the middle of the output: the text of tokens 9..10
     stop = tok.decode(ids[9:11]).strip()
     assert stop and stop not in tok.decode(ids[:9])
-    stops = StopStrings((stop,), tok.decode)
     params = SamplingParams(max_tokens=MAX_TOKENS, stop=(stop,))
-    ar_stop, _ = decode(model, fresh(pre), params, eos, stop_strings=stops)
-    gamma = 3
-    drafter = SelfSpecDrafter(model, "streaming", 64, gamma, True)
-    spec, _ = decode(model, fresh(pre), params, eos, drafter=drafter, gamma=gamma, stop_strings=stops)
+    ar_stop, _ = run(model, prompts, params, eos, cache, tokenizer=tok)
+    spec, _ = run(model, prompts, params, eos, cache, SelfSpecDrafter(model, "streaming", 64, 3, True), 3, tokenizer=tok)
     for s, a, full in zip(spec, ar_stop, ar):
-        assert s.token_ids == a.token_ids and s.finish_reason == a.finish_reason
-        assert full.token_ids[: len(a.token_ids)] == a.token_ids
-    out = spec[row].token_ids
+        assert s.output_ids == a.output_ids and s.finish_reason == a.finish_reason
+        assert full.output_ids[: len(a.output_ids)] == a.output_ids
+    out = spec[row].output_ids
     assert spec[row].finish_reason == "stop" and len(out) <= 11
     assert stop in tok.decode(out) and stop not in tok.decode(out[:-1])  # cut at the completing token
 
 
 # --- max_tokens -------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("max_tokens", [1, 2, 5])
-def test_max_tokens_exact_when_a_round_overshoots(model, draft_model, pre, ar, eos, draft_prefill_reuses_target_prefill,
-                                                  max_tokens):
+def test_max_tokens_exact_when_a_round_overshoots(model, draft_model, prompts, ar, eos, cache,
+                                                  draft_prefill_from_cache, max_tokens):
     """gamma 5 with an always-right draft emits 6 tokens a round: the output must still stop at max_tokens."""
     drafter = ModelDrafter(draft_model, "dense", 64, 5, False)
-    outs, stats = decode(model, fresh(pre), SamplingParams(max_tokens=max_tokens), eos, drafter=drafter, gamma=5)
+    outs, stats = run(model, prompts, SamplingParams(max_tokens=max_tokens), eos, cache, drafter, 5)
     for s, a in zip(outs, ar):
-        assert len(a.token_ids) >= max_tokens and eos[0] not in a.token_ids[: max_tokens]
-        assert s.token_ids == a.token_ids[:max_tokens]
-        assert s.finish_reason == "length" and len(s.token_ids) == max_tokens
+        assert len(a.output_ids) >= max_tokens and eos[0] not in a.output_ids[:max_tokens]
+        assert s.output_ids == a.output_ids[:max_tokens]
+        assert s.finish_reason == "length" and len(s.output_ids) == max_tokens
     assert stats.steps == {1: 0, 2: 1}.get(max_tokens, stats.steps) and stats.steps <= max_tokens - 1
 
 
-def test_replanned_gamma_keeps_outputs_and_counts_drafts(llm, corpus_prompt):
-    """A re-planner changing the draft length every REPLAN_EVERY rounds (as `--draft auto` does while
-    the batch shrinks and contexts grow) leaves greedy outputs those of plain decoding."""
-    from magicdec.decode import REPLAN_EVERY
-    from magicdec.speculative import SpeculativeConfig
-
-    ids = [corpus_prompt(n, book=b, at=0.6) for n, b in ((300, 3), (80, 4), (150, 5))]
-    params = SamplingParams(max_tokens=160, ignore_eos=True)  # enough for three re-plans
-    plain = llm.generate(prompt_token_ids=ids, params=params)
+# --- a draft length chosen per step ------------------------------------------------------------------------------
+def test_per_step_draft_length_switches_to_plain_and_back(model, prompts, ar, eos, cache):
+    """A policy changing the draft length every step, down to plain decoding and back (the draft cache then
+    catches up on the tokens it missed, also more than its ring slack), keeps the outputs those of AR."""
+    schedule = [3, 3, 0, 0, 1, 9, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2, 4]  # 9 is capped to gamma 5
     calls = []
 
-    def replan(live: int, context: int) -> int:
+    def policy(live: int, context: int) -> int:
         calls.append((live, context))
-        return (1, 4, 2, 9)[min(len(calls) - 1, 3)]  # 9 is clamped to the drafter's gamma, 5
+        return schedule[min(len(calls) - 1, len(schedule) - 1)]
 
-    cfg = SpeculativeConfig("self-streaming", budget=64, gamma=5, replan=replan)
-    spec = llm.generate(prompt_token_ids=ids, params=params, speculative=cfg)
-    assert [s.token_ids for s in spec] == [p.token_ids for p in plain]
-    stats = llm.last_stats
-    assert stats.gamma_changes[:3] == [(0, 1), (REPLAN_EVERY, 4), (2 * REPLAN_EVERY, 2)]
-    assert calls[0][0] == 3 and all(1 <= live <= 3 for live, _ in calls)  # rows finish at their own pace
-    assert calls[0][1] == (300 + 80 + 150) // 3 and calls[1][1] > calls[0][1]  # contexts grow
-    assert len(stats.accepted_hist) == 6 and 0 < stats.acceptance_rate <= 1
-
-
-def test_replanner_can_end_speculation(llm, corpus_prompt):
-    """A re-planner returning 0 switches the run to plain decoding for good; outputs do not change."""
-    from magicdec.decode import REPLAN_EVERY
-    from magicdec.speculative import SpeculativeConfig
-
-    ids = [corpus_prompt(n, book=b, at=0.4) for n, b in ((200, 6), (90, 7))]
-    params = SamplingParams(max_tokens=3 * REPLAN_EVERY * 2, ignore_eos=True)
-    plain = llm.generate(prompt_token_ids=ids, params=params)
-    calls = []
-
-    def replan(live: int, context: int) -> int:
-        calls.append(live)
-        return 3 if len(calls) == 1 else 0
-
-    cfg = SpeculativeConfig("self-streaming", budget=64, gamma=3, replan=replan)
-    spec = llm.generate(prompt_token_ids=ids, params=params, speculative=cfg)
-    assert [s.token_ids for s in spec] == [p.token_ids for p in plain]
-    stats = llm.last_stats
-    assert stats.gamma_changes == [(0, 3), (REPLAN_EVERY, 0)]
-    assert len(calls) == 2  # no re-planning once speculation has ended
-    assert stats.verify_steps == 2 * REPLAN_EVERY  # speculative rounds: the first REPLAN_EVERY, both rows
-    assert stats.drafted_tokens == 3 * 2 * REPLAN_EVERY
-    assert stats.steps > REPLAN_EVERY
-    from magicdec.cli import format_stats
-
-    assert f"gamma 3 from round 0, none (plain decoding) from round {REPLAN_EVERY} (re-planned)" in format_stats(stats, "x")
+    drafter = SelfSpecDrafter(model, "streaming", 64, 5, True)
+    outs, stats = run(model, prompts, SamplingParams(max_tokens=MAX_TOKENS), eos, cache, drafter, policy=policy)
+    assert [o.output_ids for o in outs] == [a.output_ids for a in ar]
+    assert [g for _, g in stats.gamma_changes][:6] == [3, 0, 1, 5, 0, 2]
+    assert calls[0] == (4, sum(n for n, _ in LENGTHS) // 4) and calls[1][1] > calls[0][1]  # contexts grow
+    gammas = [min(schedule[min(i, len(schedule) - 1)], 5) for i in range(len(calls))]
+    assert stats.drafted_tokens == sum(g * live for g, (live, _) in zip(gammas, calls))
+    assert 0 < stats.acceptance_rate <= 1 and len(stats.accepted_hist) == 6
 
 
-# --- through the engine: real draft prefill, SpeculativeConfig --------------------------------------------------
-def test_engine_speculative_matches_plain(llm, default_path, corpus_prompt):
+# --- continuous batching ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("slots", [1, 2])
+def test_arrivals_mid_decoding_and_slot_reuse(model, prompts, ar, eos, cache, slots):
+    """Requests arriving while others decode, queued for a free slot, and slots reused after a finished
+    request: every output equals its AR reference, with speculation on."""
+    drafter = SelfSpecDrafter(model, "snapkv", 64, 3, True)
+    outs, stats = run(model, prompts, SamplingParams(max_tokens=MAX_TOKENS), eos, cache, drafter, 3, slots=slots,
+                      arrivals=[0, 4, 5, 11])
+    assert [o.output_ids for o in outs] == [a.output_ids for a in ar]
+    assert stats.max_batch == slots
+
+
+def test_chunked_prefill_interleaves_with_decoding(model, prompts, eos):
+    """A long prompt arriving while a request decodes is prefilled in chunks, and the running request keeps
+    producing a token every step meanwhile; outputs are unchanged by the chunking."""
+    from magicdec.engine import LLMEngine
+    from magicdec.runner import CACHE_SLACK
+
+    params = SamplingParams(max_tokens=MAX_TOKENS)
+    engine = LLMEngine(model, eos, slots=2, capacity=900 + MAX_TOKENS + CACHE_SLACK, prefill_chunk=128,
+                       max_prefill_tokens=128)
+    short = engine.add_request("short", prompts[0], params)
+    engine.step()  # the short prompt (40 tokens) prefills in one step
+    long = engine.add_request("long", prompts[3], params)
+    gained = []
+    while long.first_token_time is None:
+        before = len(short.output_ids)
+        engine.step()
+        gained.append(len(short.output_ids) - before)
+    assert len(gained) >= 900 // 128 and all(g == 1 for g in gained[:-1])
+    while engine.has_unfinished():
+        engine.step()
+    alone, _ = run_engine(model, [prompts[3]], params, eos=eos)
+    assert long.output_ids == alone[0].output_ids
+
+
+def test_abort_frees_the_slot(model, prompts, eos):
+    from magicdec.engine import LLMEngine
+    from magicdec.runner import CACHE_SLACK
+
+    params = SamplingParams(max_tokens=MAX_TOKENS)
+    engine = LLMEngine(model, eos, slots=1, capacity=200 + MAX_TOKENS + CACHE_SLACK)
+    first = engine.add_request("a", prompts[1], params)
+    second = engine.add_request("b", prompts[0], params)
+    engine.step()
+    engine.step()
+    engine.abort_request("a")
+    while engine.has_unfinished():
+        engine.step()
+    assert first.finish_reason == "abort" and 1 <= len(first.output_ids) < MAX_TOKENS
+    alone, _ = run_engine(model, [prompts[0]], params, eos=eos)
+    assert second.output_ids == alone[0].output_ids and engine.scheduler.slots == [None]
+
+
+# --- through the LLM API: real draft prefill, SpeculativeConfig ----------------------------------------------------
+def test_llm_speculative_matches_plain(llm, default_path, corpus_prompt):
     from magicdec.speculative import SpeculativeConfig
 
     ids = [corpus_prompt(n, book=b, at=0.35) for n, b in ((120, 0), (45, 1), (90, 2))]
@@ -295,3 +308,17 @@ def test_engine_speculative_matches_plain(llm, default_path, corpus_prompt):
         assert stats.gamma == cfg.gamma and stats.verify_steps > 0
         if cfg.draft_cache == "dense":  # the draft is the target with its whole context
             assert stats.accepted_hist[cfg.gamma] >= 0.9 * stats.verify_steps, stats.accepted_hist
+
+
+def test_seeded_sampling_alone_equals_in_a_crowd_with_speculation(llm, corpus_prompt):
+    """A seeded sampled request gives the same tokens alone, among others, and with speculation on."""
+    from magicdec.speculative import SpeculativeConfig
+
+    ids = [corpus_prompt(n, book=b, at=0.3) for n, b in ((200, 4), (60, 5), (130, 6))]
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, top_p=0.9, seed=1234, ignore_eos=True)
+    alone = llm.generate(prompt_token_ids=ids[:1], params=params)[0].token_ids
+    crowd = llm.generate(prompt_token_ids=ids, params=params)
+    spec = llm.generate(prompt_token_ids=ids, params=params, speculative=SpeculativeConfig("self-streaming", 64, 3))
+    assert crowd[0].token_ids == alone and spec[0].token_ids == alone
+    assert [s.token_ids for s in spec] == [c.token_ids for c in crowd]
+    assert llm.last_stats.verify_steps > 0
