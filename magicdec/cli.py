@@ -331,8 +331,11 @@ def cmd_serve(args) -> int:
         print(f"magicdec serve: ready on http://{args.host}:{args.port}/v1 (model {name}; {args.max_running} slots "
               f"x {max_len} tokens; draft {draft})", file=sys.stderr, flush=True)
 
+    def stopped() -> None:
+        print("magicdec serve: stopped", file=sys.stderr, flush=True)
+
     app = build_app(AsyncEngine(engine, metrics), llm.tokenizer, metrics, model_name=name, model_root=source,
-                    chat_template=chat_template(source), api_key=args.api_key, on_ready=ready)
+                    chat_template=chat_template(source), api_key=args.api_key, on_ready=ready, on_stopped=stopped)
     run_server(app, args.host, args.port, log_level=args.log_level)
     return 0
 

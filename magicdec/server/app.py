@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable, Sequence
 
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -88,8 +88,9 @@ class _Call:
 
 def build_app(engine: AsyncEngine, tokenizer: Tokenizer, metrics: ServerMetrics, *, model_name: str,
               model_root: str, chat_template: str | None = None, api_key: str | None = None,
-              on_ready: Callable[[], None] | None = None) -> FastAPI:
-    """The FastAPI app; it starts the engine thread on startup and stops it on shutdown."""
+              on_ready: Callable[[], None] | None = None, on_stopped: Callable[[], None] | None = None) -> FastAPI:
+    """The FastAPI app; it starts the engine thread on startup and stops it on shutdown (calling
+    `on_ready` and `on_stopped` after each)."""
     chat = ChatTemplate(chat_template, tokenizer) if chat_template else None
     created = int(time.time())
 
@@ -100,8 +101,17 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, metrics: ServerMetrics,
             on_ready()
         yield
         engine.stop()
+        if on_stopped is not None:
+            on_stopped()
+
+    async def check_api_key(request: Request) -> None:
+        """The /v1 routes' dependency (a dependency, not an HTTP middleware, which would hide disconnects)."""
+        given = request.headers.get("authorization", "")
+        if api_key is not None and not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+            raise ApiError(401, "missing or invalid API key (send `Authorization: Bearer <key>`)")
 
     app = FastAPI(title="magicdec", lifespan=lifespan)
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
 
     # --- errors --------------------------------------------------------------------------------------------
     @app.exception_handler(ApiError)
@@ -131,14 +141,6 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, metrics: ServerMetrics,
     @app.exception_handler(StarletteHTTPException)
     async def on_http(request: Request, e: StarletteHTTPException) -> JSONResponse:
         return _error(e.status_code, str(e.detail))
-
-    @app.middleware("http")
-    async def check_api_key(request: Request, call_next):
-        if api_key is not None and request.url.path.startswith("/v1"):
-            given = request.headers.get("authorization", "")
-            if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                return _error(401, "missing or invalid API key (send `Authorization: Bearer <key>`)")
-        return await call_next(request)
 
     # --- helpers ------------------------------------------------------------------------------------------
     def check_model(name: str | None) -> str:
@@ -178,7 +180,7 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, metrics: ServerMetrics,
                 for j in range(body.n):
                     choice = _Choice(p * body.n + j, f"{call.id}-{p * body.n + j}", len(prompt),
                                      IncrementalDetokenizer(tokenizer, stop))
-                    params = body.sampling_params(max_tokens or room, j)
+                    params = body.sampling_params(room if max_tokens is None else max_tokens, j)
                     await engine.add(choice.request_id, prompt, params, call.queue)
                     call.choices[choice.request_id] = choice
         except BaseException:
@@ -273,23 +275,26 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, metrics: ServerMetrics,
         return JSONResponse(result) if result is not None else Response(status_code=499)
 
     # --- routes ------------------------------------------------------------------------------------------
-    @app.post("/v1/completions")
+    @v1.post("/completions")
     async def completions(body: CompletionRequest, http: Request) -> Response:
         call = await start(body, completion_prompts(body.prompt), "text_completion", body.max_tokens)
         return await respond(http, body, call)
 
-    @app.post("/v1/chat/completions")
+    @v1.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, http: Request) -> Response:
         check_model(body.model)
         prompt = render_chat(body.messages, body.add_generation_prompt)
-        call = await start(body, [prompt], "chat.completion", body.max_completion_tokens or body.max_tokens)
+        max_tokens = body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
+        call = await start(body, [prompt], "chat.completion", max_tokens)
         return await respond(http, body, call)
 
-    @app.get("/v1/models")
+    @v1.get("/models")
     async def models() -> dict:
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
                                             "owned_by": "magicdec", "root": model_root, "parent": None,
                                             "max_model_len": engine.max_request_tokens}]}
+
+    app.include_router(v1)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:

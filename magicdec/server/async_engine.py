@@ -43,13 +43,16 @@ class Output:
 
 
 class StepObserver(Protocol):
-    """Told about every step on the engine thread (the server's metrics)."""
+    """Told on the engine thread about every step and every batch of commands (the server's metrics)."""
 
-    def observe_step(self, engine: LLMEngine, gained: Sequence[tuple[Request, int]]) -> None: ...
+    def observe_step(self, engine: LLMEngine, gained: Sequence[tuple[Request, int]]) -> None:
+        """After a step, with the requests it changed and how many tokens each gained."""
 
-    def observe_idle(self, engine: LLMEngine) -> None: ...
+    def observe_idle(self, engine: LLMEngine) -> None:
+        """After commands were applied (queue and slot use may have changed)."""
 
-    def observe_aborted(self, request_id: str) -> None: ...
+    def observe_aborted(self, request_id: str) -> None:
+        """A request's client went away before it finished."""
 
 
 @dataclass
@@ -131,7 +134,7 @@ class AsyncEngine:
     def _submit(self, command: _Add | _Abort) -> None:
         with self._cond:
             if self._dead or self._stopping:
-                raise EngineDeadError("the engine is not running")
+                raise EngineDeadError(f"the engine is not running ({self.error or 'stopped'})")
             self._commands.append(command)
             self._cond.notify()
 
@@ -148,10 +151,10 @@ class AsyncEngine:
                     commands, self._commands = self._commands, []
                 for command in commands:
                     self._apply(command)
-                if self._engine.has_unfinished():
-                    self._step()
                 if self._observer is not None:
                     self._observer.observe_idle(self._engine)
+                if self._engine.has_unfinished():
+                    self._step()
         except BaseException as e:  # the loop itself failed: nothing can run any more
             log.exception("the engine thread died")
             self.error = e
@@ -188,11 +191,10 @@ class AsyncEngine:
             log.exception("an engine step failed")
             self._fail_touched(f"the engine failed while running this request: {type(e).__name__}: {e}")
             return
-        gained = []
+        if self._observer is not None:  # before the clients hear of the step, so /metrics is never behind them
+            self._observer.observe_step(self._engine, [(r, len(r.output_ids) - self._sent(r)) for r in changed])
         for request in changed:
             stream = self._streams.get(request.request_id)
-            sent = stream.sent if stream is not None else len(request.output_ids)
-            gained.append((request, max(0, len(request.output_ids) - sent)))
             if stream is None:
                 continue  # aborted: nobody is listening
             new_ids = request.output_ids[stream.sent :]
@@ -202,8 +204,10 @@ class AsyncEngine:
                                                       self._engine.text_of(request)))
             elif new_ids:
                 self._push(request.request_id, Output(request.request_id, new_ids))
-        if self._observer is not None:
-            self._observer.observe_step(self._engine, gained)
+
+    def _sent(self, request: Request) -> int:
+        stream = self._streams.get(request.request_id)
+        return stream.sent if stream is not None else len(request.output_ids)
 
     def _fail_touched(self, message: str) -> None:
         """Abort every request a failed step may have touched (all that hold a slot) and tell their clients."""

@@ -83,7 +83,8 @@ class ServerMetrics:
         self.kv_usage.set(used / len(slots))
 
     def observe_step(self, engine: LLMEngine, gained: Sequence[tuple[Request, int]]) -> None:
-        """Token counters, latencies and speculation counters of one step."""
+        """Queue and slot gauges, token counters, latencies and speculation counters of one step."""
+        self.observe_idle(engine)
         now = time.monotonic()
         for request, n in gained:
             if not n:
