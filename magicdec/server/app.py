@@ -86,6 +86,21 @@ class _Call:
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
+class _CallStream(StreamingResponse):
+    """An SSE response that withdraws its requests however it ends: done, failed, or the client gone (even
+    before the first byte, when the event generator never starts and so cannot clean up itself)."""
+
+    def __init__(self, events: AsyncIterator[str], withdraw: Callable[[], None]):
+        super().__init__(events, media_type="text/event-stream")
+        self._withdraw = withdraw
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._withdraw()
+
+
 def build_app(engine: AsyncEngine, tokenizer: Tokenizer, metrics: ServerMetrics, *, model_name: str,
               model_root: str, chat_template: str | None = None, api_key: str | None = None,
               on_ready: Callable[[], None] | None = None, on_stopped: Callable[[], None] | None = None) -> FastAPI:
@@ -169,7 +184,6 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, metrics: ServerMetrics,
         """Queue every choice (n per prompt); on any refusal, withdraw those already queued."""
         body.check_supported()
         call = _Call(kind, check_model(body.model))
-        stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
         try:
             for p, prompt in enumerate(prompts):
                 room = engine.max_request_tokens - len(prompt)
@@ -179,15 +193,20 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, metrics: ServerMetrics,
                 call.prompt_tokens.append(len(prompt))
                 for j in range(body.n):
                     choice = _Choice(p * body.n + j, f"{call.id}-{p * body.n + j}", len(prompt),
-                                     IncrementalDetokenizer(tokenizer, stop))
+                                     IncrementalDetokenizer(tokenizer, body.stop_strings))
                     params = body.sampling_params(room if max_tokens is None else max_tokens, j)
+                    call.choices[choice.request_id] = choice  # before adding: a cancelled add is withdrawn too
                     await engine.add(choice.request_id, prompt, params, call.queue)
-                    call.choices[choice.request_id] = choice
         except BaseException:
-            for request_id in call.choices:
-                engine.abort(request_id)
+            withdraw(call)
             raise
         return call
+
+    def withdraw(call: _Call) -> None:
+        """Abort the call's unfinished requests (the engine ignores ids it no longer knows)."""
+        for choice in call.choices.values():
+            if choice.finish_reason is None:
+                engine.abort(choice.request_id)
 
     def chunk(call: _Call, choice: _Choice, text: str, finish_reason: str | None, usage: bool) -> dict:
         if call.kind == "chat.completion":
@@ -211,33 +230,30 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, metrics: ServerMetrics,
         return delta
 
     async def stream(call: _Call, include_usage: bool) -> AsyncIterator[str]:
+        """The SSE events of a call (its requests are withdrawn by _CallStream however the stream ends)."""
+        if call.kind == "chat.completion":
+            for choice in sorted(call.choices.values(), key=lambda c: c.index):
+                first = chunk(call, choice, "", None, include_usage)
+                first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
+                yield f"data: {json.dumps(first)}\n\n"
         pending = set(call.choices)
-        try:
-            if call.kind == "chat.completion":
-                for choice in sorted(call.choices.values(), key=lambda c: c.index):
-                    first = chunk(call, choice, "", None, include_usage)
-                    first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
-                    yield f"data: {json.dumps(first)}\n\n"
-            while pending:
-                out = await call.queue.get()
-                if out.error is not None:
-                    yield f"data: {json.dumps(error_body(500, out.error))}\n\n"
-                    break
-                if out.last:
-                    pending.discard(out.request_id)
-                choice = call.choices[out.request_id]
-                text = record(choice, out)
-                if text or out.last:
-                    yield f"data: {json.dumps(chunk(call, choice, text, choice.finish_reason, include_usage))}\n\n"
-            else:
-                if include_usage:
-                    usage = {"id": call.id, "object": call.chunk_kind, "created": call.created,
-                             "model": call.model, "choices": [], "usage": call.usage()}
-                    yield f"data: {json.dumps(usage)}\n\n"
-            yield "data: [DONE]\n\n"
-        finally:  # the client went away (or an engine error): free the slots of what is still running
-            for request_id in pending:
-                engine.abort(request_id)
+        while pending:
+            out = await call.queue.get()
+            if out.error is not None:
+                yield f"data: {json.dumps(error_body(500, out.error))}\n\n"
+                break
+            if out.last:
+                pending.discard(out.request_id)
+            choice = call.choices[out.request_id]
+            text = record(choice, out)
+            if text or out.last:
+                yield f"data: {json.dumps(chunk(call, choice, text, choice.finish_reason, include_usage))}\n\n"
+        else:
+            if include_usage:
+                usage = {"id": call.id, "object": call.chunk_kind, "created": call.created, "model": call.model,
+                         "choices": [], "usage": call.usage()}
+                yield f"data: {json.dumps(usage)}\n\n"
+        yield "data: [DONE]\n\n"
 
     async def collect(http: Request, call: _Call) -> dict | None:
         """Wait for every choice; None if the client disconnected first (its requests are aborted)."""
@@ -256,8 +272,7 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, metrics: ServerMetrics,
                 if out.last:
                     pending.discard(out.request_id)
         finally:
-            for request_id in pending:
-                engine.abort(request_id)
+            withdraw(call)
         choices = []
         for c in sorted(call.choices.values(), key=lambda c: c.index):
             if call.kind == "chat.completion":
@@ -270,7 +285,7 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, metrics: ServerMetrics,
 
     async def respond(http: Request, body: GenerationRequest, call: _Call) -> Response:
         if body.stream:
-            return StreamingResponse(stream(call, body.include_usage), media_type="text/event-stream")
+            return _CallStream(stream(call, body.include_usage), lambda: withdraw(call))
         result = await collect(http, call)
         return JSONResponse(result) if result is not None else Response(status_code=499)
 

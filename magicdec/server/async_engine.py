@@ -192,7 +192,8 @@ class AsyncEngine:
             self._fail_touched(f"the engine failed while running this request: {type(e).__name__}: {e}")
             return
         if self._observer is not None:  # before the clients hear of the step, so /metrics is never behind them
-            self._observer.observe_step(self._engine, [(r, len(r.output_ids) - self._sent(r)) for r in changed])
+            self._observer.observe_step(self._engine, [(r, max(0, len(r.output_ids) - self._sent(r)))
+                                                      for r in changed])
         for request in changed:
             stream = self._streams.get(request.request_id)
             if stream is None:

@@ -52,7 +52,6 @@ class GenerationRequest(BaseModel):
 
     def sampling_params(self, max_tokens: int, index: int) -> SamplingParams:
         """Parameters of choice `index` (seeded choices take seed + index, so n > 1 gives n different samples)."""
-        stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
         top_k = self.top_k or 0
         return SamplingParams(
             max_tokens=max_tokens,
@@ -60,9 +59,13 @@ class GenerationRequest(BaseModel):
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=0 if top_k == -1 else top_k,  # vLLM spells "off" -1
             seed=None if self.seed is None else self.seed + index,
-            stop=tuple(stop),
+            stop=self.stop_strings,
             ignore_eos=self.ignore_eos,
         )
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 
     @property
     def include_usage(self) -> bool:
