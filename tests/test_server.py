@@ -388,6 +388,16 @@ def test_sigterm_shuts_down_cleanly(server):
     assert log.rstrip().endswith("magicdec serve: stopped") and "Traceback" not in log
 
 
+def test_serve_refuses_what_does_not_fit_in_one_line():
+    cmd = [sys.executable, "-m", "magicdec", "serve", "--max-running", "100000", "--max-model-len", "8k", "--port",
+           str(free_port()), "--draft", "none"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=STARTUP_S, env=env, cwd=REPO)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.startswith("magicdec: error: 100000 slots x") and done.stderr.count("\n") == 1
+    assert "--max-running" in done.stderr
+
+
 # --- failure injection, in this process -------------------------------------------------------------------
 @contextmanager
 def local_server(llm, *, slots: int = 1, max_queued: int | None = None, chat_template: str | None = None,

@@ -353,7 +353,10 @@ def run_server(app: FastAPI, host: str, port: int, *, log_level: str = "info") -
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        sock.bind((host, port))
+        try:
+            sock.bind((host, port))
+        except OSError as e:
+            raise OSError(e.errno, f"cannot listen on {host}:{port}: {e.strerror}") from None
         sock.listen(2048)
         config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5)
         uvicorn.Server(config).run(sockets=[sock])
