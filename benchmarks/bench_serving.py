@@ -313,7 +313,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--request-rates", default="1,2,4,inf", help="requests per second, comma separated; inf = all at once")
     p.add_argument("--num-prompts", type=int, default=100, help="requests per rate")
     p.add_argument("--prompt-min", type=int, default=2048, help="shortest prompt, tokens")
-    p.add_argument("--prompt-max", type=int, default=8192, help="longest prompt, tokens")
+    p.add_argument("--prompt-max", type=int, default=8064,
+                   help="longest prompt, tokens (default 8k less the output: SmolLM2's context is 8192)")
     p.add_argument("--max-tokens", type=int, default=128, help="new tokens per request (EOS ignored)")
     p.add_argument("--goodput", nargs="*", default=[], metavar="SLO",
                    help="SLOs for goodput in milliseconds: ttft:MS tpot:MS e2el:MS")
