@@ -21,25 +21,32 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = ()):
         self.tokenizer, self.stop = tokenizer, tuple(stop)
         self.ids: list[int] = []
-        self.emitted = ""
+        self.text = ""  # the text of ids[:_read]
+        self._prefix = self._read = 0  # ids[_prefix:_read] are decoded again as context for the next ones
+        self.emitted = 0  # characters of `text` handed out
 
     def push(self, new_ids: Sequence[int]) -> str:
         """Add tokens; return the text that became final."""
         self.ids.extend(new_ids)
-        # Decoding everything again is quadratic in the output length, but a few microseconds per token at
-        # the output lengths served here, and it is exact where windowed decoding needs tokenizer care.
-        text = self.tokenizer.decode(self.ids)
-        end = len(text.rstrip(REPLACEMENT))
-        found = [text.find(s) for s in self.stop if s in text]
+        # Decode only the new tokens, with the previous ones as context (a tokenizer may render a token
+        # differently at the start of a text, e.g. without its leading space), as vLLM does: decoding
+        # everything each time would cost time quadratic in the output length.
+        context = self.tokenizer.decode(self.ids[self._prefix : self._read])
+        window = self.tokenizer.decode(self.ids[self._prefix :])
+        if not window.endswith(REPLACEMENT) and window.startswith(context):
+            self.text += window[len(context) :]
+            self._prefix, self._read = self._read, len(self.ids)
+        end = len(self.text)
+        found = [self.text.find(s) for s in self.stop if s in self.text]
         if found:
-            end = min(end, *found)
-        else:  # the longest tail that a stop string starts with
-            end -= max((k for s in self.stop for k in range(1, len(s)) if text[:end].endswith(s[:k])), default=0)
-        if end <= len(self.emitted):
+            end = min(found)
+        else:  # hold back the longest tail that a stop string starts with
+            end -= max((k for s in self.stop for k in range(1, len(s)) if self.text.endswith(s[:k])), default=0)
+        if end <= self.emitted:
             return ""
-        delta, self.emitted = text[len(self.emitted) : end], text[:end]
+        delta, self.emitted = self.text[self.emitted : end], end
         return delta
 
     def finish(self, final_text: str) -> str:
         """The rest of the request's final text (`LLMEngine.text_of`) after what was emitted."""
-        return final_text[len(self.emitted) :]
+        return final_text[self.emitted :]
