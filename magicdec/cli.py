@@ -88,7 +88,8 @@ def add_draft_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("speculative decoding")
     g.add_argument("--draft", default="none", choices=["none", "self-streaming", "self-snapkv", "model", "auto"],
                    help="drafter: none (plain decoding), the target over a StreamingLLM or SnapKV sparse cache, "
-                        "a standalone draft model, or auto (the planner picks, or turns speculation off)")
+                        "a standalone draft model, or auto (the planner picks, or turns speculation off; "
+                        "default %(default)s)")
     g.add_argument("--budget", type=positive_int, default=256, help="KV entries the draft reads per sequence (default 256)")
     g.add_argument("--gamma", type=positive_int, default=3, help="tokens drafted per verification (default 3)")
     g.add_argument("--draft-model", help="draft checkpoint for --draft model (same vocabulary as the target)")
