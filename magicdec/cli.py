@@ -46,6 +46,20 @@ def positive_int(text: str) -> int:
     return v
 
 
+def positive_size(text: str) -> int:
+    v = parse_size(text)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1: {text!r}")
+    return v
+
+
+def port_number(text: str) -> int:
+    v = positive_int(text)
+    if v > 65535:
+        raise argparse.ArgumentTypeError(f"not a TCP port (1-65535): {text!r}")
+    return v
+
+
 class Parser(argparse.ArgumentParser):
     """An argument parser whose errors are one line, `magicdec: error: ...`, and exit status 2, like the
     errors of the commands themselves (argparse's own print the usage first)."""
@@ -314,7 +328,7 @@ def cmd_serve(args) -> int:
     from magicdec.server.metrics import ServerMetrics
 
     llm = LLM(args.model, device=args.device, dtype=args.dtype, kv_dtype=args.kv_dtype, prefill_chunk=args.prefill_chunk)
-    max_len = args.max_model_len or llm.max_context
+    max_len = llm.max_context if args.max_model_len is None else args.max_model_len
     if max_len > llm.max_context:
         raise InvalidRequestError(f"--max-model-len {max_len} exceeds the model's context of {llm.max_context}")
     spec, plan = speculative_from_args(args, llm, args.max_running, max_len // 2)
@@ -431,11 +445,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_draft_args(s)
     s.set_defaults(draft="auto")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    s.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    s.add_argument("--port", type=port_number, default=8000, help="port (default 8000)")
     s.add_argument("--max-running", type=positive_int, default=8, help="requests decoded together: KV slots (default 8)")
     s.add_argument("--max-queued", type=positive_int, default=256,
                    help="requests waiting for a slot before new ones get 429 (default 256)")
-    s.add_argument("--max-model-len", type=parse_size, help="prompt + output tokens per request (default: the model's context)")
+    s.add_argument("--max-model-len", type=positive_size, help="prompt + output tokens per request (default: the model's context)")
     s.add_argument("--api-key", help="require `Authorization: Bearer <key>` on /v1 routes")
     s.add_argument("--served-model-name", help="the model name clients send (default: --model, or the default model's name)")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="uvicorn's log level")
