@@ -353,6 +353,7 @@ def test_load_every_request_answered_once_and_the_server_returns_to_idle(server,
     n_requests, n_clients = 32, 8
     prompts = [corpus_prompt(20 + 37 * (i % 7), book=i % 5, at=0.3) for i in range(n_requests)]
     cancel = {i for i in range(n_requests) if i % 5 == 3}
+    server.client().completions.create(model=model_name, prompt=prompts[0], max_tokens=2)  # warm, when run alone
     rss_idle = _rss_bytes(server.proc.pid)
     local = threading.local()
 
