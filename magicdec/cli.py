@@ -1,4 +1,4 @@
-"""`magicdec generate | bench | plan | calibrate`.
+"""`magicdec generate | bench | plan | calibrate | serve`.
 
 Every expected failure (bad path, bad value, too-long prompt, not enough memory) prints one line,
 `magicdec: error: ...`, and exits with status 2; nothing prints a traceback.
@@ -46,6 +46,20 @@ def positive_int(text: str) -> int:
     return v
 
 
+def positive_size(text: str) -> int:
+    v = parse_size(text)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1: {text!r}")
+    return v
+
+
+def port_number(text: str) -> int:
+    v = positive_int(text)
+    if v > 65535:
+        raise argparse.ArgumentTypeError(f"not a TCP port (1-65535): {text!r}")
+    return v
+
+
 class Parser(argparse.ArgumentParser):
     """An argument parser whose errors are one line, `magicdec: error: ...`, and exit status 2, like the
     errors of the commands themselves (argparse's own print the usage first)."""
@@ -88,7 +102,8 @@ def add_draft_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("speculative decoding")
     g.add_argument("--draft", default="none", choices=["none", "self-streaming", "self-snapkv", "model", "auto"],
                    help="drafter: none (plain decoding), the target over a StreamingLLM or SnapKV sparse cache, "
-                        "a standalone draft model, or auto (the planner picks, or turns speculation off)")
+                        "a standalone draft model, or auto (the planner picks, or turns speculation off; "
+                        "default %(default)s)")
     g.add_argument("--budget", type=positive_int, default=256, help="KV entries the draft reads per sequence (default 256)")
     g.add_argument("--gamma", type=positive_int, default=3, help="tokens drafted per verification (default 3)")
     g.add_argument("--draft-model", help="draft checkpoint for --draft model (same vocabulary as the target)")
@@ -129,8 +144,9 @@ def speculative_from_args(args, llm, batch: int, context: int):
     if args.draft == "auto":
         from magicdec.autoplan import choose
 
+        # `serve` has no temperature of its own (each request brings one) and plans for greedy requests.
         return choose(llm, batch, context, profile=args.hardware,
-                      mode="greedy" if args.temperature == 0 else "sampling")
+                      mode="greedy" if getattr(args, "temperature", 0) == 0 else "sampling")
     reindex = None if args.positions is None else args.positions == "reindex"
     return SpeculativeConfig(args.draft, budget=args.budget, gamma=args.gamma, draft_model=args.draft_model,
                              draft_cache=args.draft_cache, reindex=reindex), None
@@ -300,6 +316,45 @@ def cmd_calibrate(args) -> int:
     return 0
 
 
+# --- serve ------------------------------------------------------------------------------------------
+def cmd_serve(args) -> int:
+    from magicdec.autoplan import describe
+    from magicdec.engine import LLM
+    from magicdec.errors import InvalidRequestError, OutOfMemoryError
+    from magicdec.loading import chat_template
+    from magicdec.runner import CACHE_SLACK
+    from magicdec.server.app import build_app, run_server
+    from magicdec.server.async_engine import AsyncEngine
+    from magicdec.server.metrics import ServerMetrics
+
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, kv_dtype=args.kv_dtype, prefill_chunk=args.prefill_chunk)
+    max_len = llm.max_context if args.max_model_len is None else args.max_model_len
+    if max_len > llm.max_context:
+        raise InvalidRequestError(f"--max-model-len {max_len} exceeds the model's context of {llm.max_context}")
+    spec, plan = speculative_from_args(args, llm, args.max_running, max_len // 2)
+    draft = describe(plan) if plan is not None else spec.draft if spec is not None else "none"
+    try:
+        engine = llm.engine(args.max_running, max_len + CACHE_SLACK, spec, max_prefill_tokens=args.prefill_chunk,
+                            max_queued=args.max_queued)
+    except OutOfMemoryError as e:
+        raise OutOfMemoryError(f"{e} (or lower --max-running / --max-model-len)") from None
+    source = llm.loaded.source
+    name = args.served_model_name or args.model or Path(source).name.split(".")[0]
+    metrics = ServerMetrics(name, spec.draft if spec is not None else "none", spec.budget if spec is not None else None)
+
+    def ready() -> None:
+        print(f"magicdec serve: ready on http://{args.host}:{args.port}/v1 (model {name}; {args.max_running} slots "
+              f"x {max_len} tokens; draft {draft})", file=sys.stderr, flush=True)
+
+    def stopped() -> None:
+        print("magicdec serve: stopped", file=sys.stderr, flush=True)
+
+    app = build_app(AsyncEngine(engine, metrics), llm.tokenizer, metrics, model_name=name, model_root=source,
+                    chat_template=chat_template(source), api_key=args.api_key, on_ready=ready, on_stopped=stopped)
+    run_server(app, args.host, args.port, log_level=args.log_level)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(
         prog="magicdec",
@@ -381,6 +436,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="corpus for --acceptance")
     c.add_argument("--model", help="model for --acceptance (default: the embedded model)")
     c.set_defaults(func=cmd_calibrate)
+
+    s = sub.add_parser("serve", help="serve the OpenAI API (completions, chat, streaming, metrics) over HTTP",
+                       description="An OpenAI-compatible server as vLLM serves it: /v1/completions, "
+                                   "/v1/chat/completions, /v1/models, /tokenize, /detokenize, /health, /metrics. "
+                                   "Slots x max-model-len tokens of KV cache are allocated up front.")
+    add_model_args(s)
+    add_draft_args(s)
+    s.set_defaults(draft="auto")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    s.add_argument("--port", type=port_number, default=8000, help="port (default 8000)")
+    s.add_argument("--max-running", type=positive_int, default=8, help="requests decoded together: KV slots (default 8)")
+    s.add_argument("--max-queued", type=positive_int, default=256,
+                   help="requests waiting for a slot before new ones get 429 (default 256)")
+    s.add_argument("--max-model-len", type=positive_size, help="prompt + output tokens per request (default: the model's context)")
+    s.add_argument("--api-key", help="require `Authorization: Bearer <key>` on /v1 routes")
+    s.add_argument("--served-model-name", help="the model name clients send (default: --model, or the default model's name)")
+    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="uvicorn's log level")
+    s.set_defaults(func=cmd_serve)
     return p
 
 

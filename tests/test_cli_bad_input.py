@@ -95,6 +95,11 @@ CASES = [
     (["bench", "--model", NO_MODEL, "--corpus", str(DATA), "--out", "{bench_list.json}"], "expected a JSON object"),
     (["bench", "--model", NO_MODEL, "--corpus", str(DATA), "--out", "{bench_points.json}"], "'points' must map"),
     (["bench", "--model", NO_MODEL, "--corpus", "{latin1.jsonl}"], "not UTF-8 text"),
+    # serve (a too-large --max-running is tests/test_server.py's)
+    (["serve", "--port", "70000"], "argument --port: not a TCP port"),
+    (["serve", "--max-running", "0"], "argument --max-running"),
+    (["serve", "--max-model-len", "0"], "argument --max-model-len"),
+    (["serve", "--model", NO_MODEL], "does not exist"),
 ]
 
 

@@ -16,7 +16,9 @@ import torch
 
 from magicdec.config import ModelConfig
 from magicdec.errors import InvalidRequestError, ModelLoadError
+from magicdec.jsonfile import read_json_object
 from magicdec.loading.cache import load_gguf
+from magicdec.loading.gguf_file import gguf_metadata, read_gguf
 from magicdec.loading.hf import load_hf_state_dict, read_hf_config, to_magicdec_names
 from magicdec.loading.tokenizer import Tokenizer
 from magicdec.model import Transformer, rope_inv_freq
@@ -85,6 +87,27 @@ def _build(cfg: ModelConfig, sd: dict[str, torch.Tensor], device: torch.device, 
     model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
     model.inv_freq = model.inv_freq.to(device=device, dtype=torch.float32)  # fp32 whatever the dtype
     return model
+
+
+def chat_template(source: str | os.PathLike) -> str | None:
+    """The Jinja chat template of a model (a Hugging Face folder or GGUF file), or None if it has none.
+
+    Hugging Face folders keep it in `chat_template.jinja` or tokenizer_config.json's `chat_template`
+    (a string, or a list of named templates of which "default" is used); GGUF files in the metadata
+    key `tokenizer.chat_template`.
+    """
+    path = Path(source)
+    if path.suffix.lower() == ".gguf":
+        template = gguf_metadata(read_gguf(path)).get("tokenizer.chat_template")
+        return template if isinstance(template, str) else None
+    if (path / "chat_template.jinja").is_file():
+        return (path / "chat_template.jinja").read_text()
+    config = path / "tokenizer_config.json"
+    template = read_json_object(config, "tokenizer config", ModelLoadError).get("chat_template") \
+        if config.is_file() else None
+    if isinstance(template, list):
+        template = {t.get("name"): t.get("template") for t in template}.get("default")
+    return template if isinstance(template, str) else None
 
 
 def load_model(
