@@ -4,8 +4,8 @@ For every (batch, context) point, `batch` prompts of exactly `context` tokens ar
 PG-19 books at offsets well inside them, and both engines decode `--new-tokens` tokens greedily (EOS
 ignored, so every sequence has the same length). Only the decode phase is timed:
 
-* magicdec: `generate_ids(...)` reports `decode_s`, the wall time of the decode loop after prefill (the
-  first new token comes from the prefill logits). Decode tokens = batch x steps, steps = new_tokens - 1.
+* magicdec: the engine (`LLMEngine`, every prompt in its own slot) reports `decode_s`, the wall time of its
+  decode rounds (the first new token comes from the prefill logits). Decode tokens = batch x steps, steps = new_tokens - 1.
 * transformers: `model.generate(...)` on the same prompts (left-padded with an attention mask; prompts
   of one point have equal length, so nothing is actually padded), greedy, fp32, the same threads. A
   logits processor stamps the time of every step; its first call happens once the prefill forward is
@@ -41,8 +41,9 @@ sys.path.insert(0, str(ROOT))
 
 from magicdec.calibrate import machine_info  # noqa: E402
 from magicdec.corpus import cut_prompts  # noqa: E402
-from magicdec.decode import generate_ids  # noqa: E402
+from magicdec.engine import LLMEngine  # noqa: E402
 from magicdec.loading import default_model_path, load_model  # noqa: E402
+from magicdec.runner import CACHE_SLACK  # noqa: E402
 from magicdec.sampling import SamplingParams  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
@@ -83,8 +84,10 @@ def step_floor_bytes(model, batch: int, context: int, new_tokens: int) -> int:
 
 def bench_magicdec(model, prompts, new_tokens: int, prefill_chunk: int) -> dict:
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
-    outs, stats = generate_ids(model, prompts, params, (), prefill_chunk=prefill_chunk)
-    assert all(len(o.token_ids) == new_tokens for o in outs)
+    engine = LLMEngine(model, (), slots=len(prompts), capacity=max(map(len, prompts)) + new_tokens + CACHE_SLACK,
+                       prefill_chunk=prefill_chunk)
+    outs, stats = engine.generate(prompts, params), engine.stats
+    assert all(len(o.output_ids) == new_tokens for o in outs)
     tokens = len(prompts) * stats.steps
     return {
         "prefill_s": stats.prefill_s,
@@ -93,7 +96,7 @@ def bench_magicdec(model, prompts, new_tokens: int, prefill_chunk: int) -> dict:
         "decode_tokens": tokens,
         "tok_s": tokens / stats.decode_s,
         "step_ms": 1e3 * stats.decode_s / stats.steps,
-        "first_tokens": [o.token_ids[:8] for o in outs[:2]],
+        "first_tokens": [o.output_ids[:8] for o in outs[:2]],
     }
 
 

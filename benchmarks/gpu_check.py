@@ -17,13 +17,14 @@ import time
 import torch
 
 from magicdec.config import ModelConfig
-from magicdec.decode import generate_ids
 from magicdec.drafters import SelfSpecDrafter
+from magicdec.engine import LLMEngine
 from magicdec.errors import OutOfMemoryError
 from magicdec.kv import KVCache
 from magicdec.memory import check_fits
 from magicdec.model import Transformer
 from magicdec.planner import forward_cost, get_model_shape, get_profile
+from magicdec.runner import CACHE_SLACK
 from magicdec.sampling import SamplingParams
 
 LLAMA31_8B = ModelConfig(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
@@ -54,12 +55,15 @@ def check_lossless(device: str) -> bool:
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (300, 120, 700, 45)]
     params = SamplingParams(max_tokens=40, ignore_eos=True)
-    ar, _ = generate_ids(model, prompts, params, [])
+    capacity = max(map(len, prompts)) + params.max_tokens + CACHE_SLACK
+    ar = LLMEngine(model, [], slots=len(prompts), capacity=capacity).generate(prompts, params)
     ok = True
     for kind in ("streaming", "snapkv"):
         drafter = SelfSpecDrafter(model, kind, budget=64, gamma=3, reindex=kind == "streaming")
-        spec, stats = generate_ids(model, prompts, params, [], drafter=drafter, gamma=3)
-        same = all(a.token_ids == s.token_ids for a, s in zip(ar, spec))
+        engine = LLMEngine(model, [], slots=len(prompts), capacity=capacity, drafter=drafter,
+                           gamma_policy=lambda live, context: 3)
+        spec, stats = engine.generate(prompts, params), engine.stats
+        same = all(a.output_ids == s.output_ids for a, s in zip(ar, spec))
         print(f"lossless greedy, self-{kind}: {'OK' if same else 'MISMATCH'} (acceptance {stats.acceptance_rate:.2f})")
         ok &= same
     return ok

@@ -22,7 +22,6 @@ from magicdec.jsonfile import read_json_object
 if TYPE_CHECKING:
     from magicdec.speculative import SpeculativeConfig
 
-SAMPLING = {"temperature": 0.7, "top_p": 0.9}
 MODES = ("greedy", "sampling")
 DRAFTERS = ("none", "self-streaming", "self-snapkv", "auto")
 POSITIONS = (None, "reindex", "original")  # None: the default per cache kind
@@ -92,7 +91,7 @@ def run_bench(args, grid: BenchGrid) -> dict:
     from tqdm import tqdm
 
     from magicdec.autoplan import choose
-    from magicdec.calibrate import machine_info
+    from magicdec.calibrate import machine_info, sampling_params
     from magicdec.corpus import cut_prompts, load_texts
     from magicdec.engine import LLM
     from magicdec.kv import KVCache
@@ -103,12 +102,14 @@ def run_bench(args, grid: BenchGrid) -> dict:
     if grid.distinct_prompts and any(b % min(b, grid.distinct_prompts) for b in grid.batches):
         raise InvalidRequestError(f"every batch size must be a multiple of --distinct-prompts {grid.distinct_prompts}")
     out = Path(args.out)
+    sampled = sampling_params("sampling", 1)
     doc = load_results(out)
     texts = load_texts(args.corpus)[: grid.n_texts]
     llm = LLM(args.model, device=args.device, dtype=args.dtype, kv_dtype=args.kv_dtype, prefill_chunk=args.prefill_chunk)
     doc["machine"] = machine_info(llm.model.device)
     doc["settings"] = {**asdict(grid), "model": llm.loaded.source, "dtype": str(llm.model.dtype),
-                       "kv_dtype": str(llm.kv_dtype), "sampling": SAMPLING}
+                       "kv_dtype": str(llm.kv_dtype),
+                       "sampling": {k: getattr(sampled, k) for k in ("temperature", "top_p", "top_k")}}
     configs = grid.configs()
     total = len(grid.batches) * len(grid.contexts) * len(configs)
     bar = tqdm(total=total, desc="bench", unit="pt", file=sys.stderr)
@@ -144,8 +145,7 @@ def run_bench(args, grid: BenchGrid) -> dict:
         rows = [prompts[i % distinct] for i in range(batch)]
         for cfg in todo:
             bar.set_postfix_str(point_key(batch, context, cfg))
-            sampling = SAMPLING if cfg["mode"] == "sampling" else {}
-            params = [SamplingParams(max_tokens=grid.new_tokens, ignore_eos=True, seed=i, **sampling) for i in range(batch)]
+            params = [sampling_params(cfg["mode"], grid.new_tokens, seed=i) for i in range(batch)]
             spec, chosen = None, {}
             if cfg["draft"] == "auto":
                 spec, plan = choose(llm, batch, ctx + grid.new_tokens // 2, profile=getattr(args, "hardware", None),

@@ -169,14 +169,6 @@ def model_config_from_shape(shape: ModelShape, max_seq_len: int = 1 << 17) -> Mo
     )
 
 
-def shape_from_config(cfg: ModelConfig, name: str = "custom") -> ModelShape:
-    """The planner's view of a model config."""
-    return ModelShape(
-        name=name, n_layers=cfg.n_layers, dim=cfg.dim, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
-        head_dim=cfg.head_dim, ffn_dim=cfg.ffn_dim, vocab_size=cfg.vocab_size, tie_embeddings=cfg.tie_embeddings,
-    )
-
-
 def synthetic_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, seed: int = 0, random: bool = False):
     """A Transformer of `cfg` with placeholder weights, for timing only (its outputs mean nothing).
 
@@ -330,7 +322,9 @@ def measure_hardware(
         model = synthetic_model(model_config_from_shape(shape_default), dev, dtype)
         shape = shape_default
     else:
-        shape = shape_from_config(model.cfg, "model")
+        from magicdec.autoplan import target_shape
+
+        shape = target_shape(model.cfg)
     short = 16
     t_overhead = fixed + per_layer * shape.n_layers
     weight_bytes = shape.n_params_linear * es
@@ -438,9 +432,7 @@ def _decode_step_time(model, steps: int) -> float:
     times = []
     for _ in range(3):
         engine = LLMEngine(model, (), slots=1, capacity=16 + steps + 1 + CACHE_SLACK)
-        engine.add_request("0", [1] * 16, params)
-        while engine.has_unfinished():
-            engine.step()
+        engine.generate([[1] * 16], params)
         times.append(engine.stats.decode_s / engine.stats.steps)
     return statistics.median(times)
 

@@ -12,6 +12,7 @@ length), the runner executes on the model and caches, and the results update the
 
 from __future__ import annotations
 
+import itertools
 import os
 import random
 import time
@@ -28,7 +29,7 @@ from magicdec.memory import available_bytes, peak_bytes
 from magicdec.model import Transformer
 from magicdec.runner import CACHE_SLACK, ModelRunner, PromptCache
 from magicdec.sampling import SamplingParams
-from magicdec.scheduler import GammaPolicy, Request, Scheduler, fixed_gamma
+from magicdec.scheduler import GammaPolicy, Request, Scheduler, Status, cuda_row_bucket, fixed_gamma
 from magicdec.speculative import SpeculativeConfig
 from magicdec.stats import GenerationStats
 
@@ -97,8 +98,10 @@ class LLMEngine:
             policy = _capped(policy, drafter.gamma)
         self.scheduler = Scheduler(slots, prefill_chunk, policy, max_prefill_tokens=max_prefill_tokens or 1 << 62,
                                    max_queued=max_queued,
-                                   is_cached=(lambda p: p in prompt_cache) if prompt_cache is not None else lambda p: False)
+                                   is_cached=(lambda p: p in prompt_cache) if prompt_cache is not None else lambda p: False,
+                                   row_bucket=cuda_row_bucket if model.device.type == "cuda" else lambda n: n)
         self.requests: dict[str, Request] = {}
+        self._offline_ids = itertools.count()
         self.stats = GenerationStats(dtype=str(model.dtype).removeprefix("torch."))
 
     @property
@@ -133,6 +136,22 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
+                 progress: ProgressFn | None = None) -> list[Request]:
+        """The offline loop: queue every prompt (ids), step until all are done; the requests in prompt order.
+        `params` is one for all or one per prompt; `progress` gets (prompt + output tokens done, in all)."""
+        per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(per_prompt) != len(prompts) or not all(isinstance(p, SamplingParams) for p in per_prompt):
+            raise InvalidRequestError("params must be one SamplingParams or one per prompt")
+        requests = [self.add_request(f"offline-{next(self._offline_ids)}", p, sp) for p, sp in zip(prompts, per_prompt)]
+        total = sum(len(p) + sp.max_tokens for p, sp in zip(prompts, per_prompt))
+        while self.has_unfinished():
+            self.step()
+            if progress is not None:
+                progress(sum(len(r.prompt_ids) * (r.status is not Status.WAITING) + len(r.output_ids)
+                             for r in requests), total)
+        return requests
+
     def step(self) -> list[Request]:
         """Schedule, execute, update. Returns the requests that gained tokens or finished in this step."""
         step = self.scheduler.schedule()
@@ -140,10 +159,10 @@ class LLMEngine:
         changed = self.scheduler.update(step, result)
         s = self.stats
         s.prefill_s += result.prefill_s
-        if step.n_rows:
+        live = [n for n, k in zip(result.accepted, result.kept) if k]
+        if live:  # (a round can find every row gone: first tokens that were EOS)
             s.decode_s += result.decode_s
             s.draft_s += result.draft_s
-            live = [n for n, k in zip(result.accepted, result.kept) if k]
             s.decode_tokens += sum(result.kept)
             s.count_round(step.gamma, len(live), live)
         s.generated_tokens += len(result.first) + sum(result.kept)
@@ -282,13 +301,7 @@ class LLM:
                 )
         capacity = max(len(p) + sp.max_tokens for p, sp in zip(ids, per_prompt)) + CACHE_SLACK
         engine = self.engine(min(len(ids), self.max_num_seqs), capacity, speculative, fit_memory=True)
-        requests = [engine.add_request(str(i), p, sp) for i, (p, sp) in enumerate(zip(ids, per_prompt))]
-        total = sum(len(p) + sp.max_tokens for p, sp in zip(ids, per_prompt))
-        while engine.has_unfinished():
-            engine.step()
-            if progress is not None:
-                progress(sum(len(r.prompt_ids) * (r.status.value != "waiting") + len(r.output_ids)
-                             for r in requests), total)
+        requests = engine.generate(ids, per_prompt, progress)
         engine.stats.peak_memory_bytes = peak_bytes(self.model.device)
         self.last_stats = engine.stats
         return [RequestOutput(i, prompts[i] if prompts is not None else None, r.prompt_ids, engine.text_of(r),

@@ -66,13 +66,15 @@ class Scheduler:
 
     def __init__(self, slots: int, prefill_chunk: int, gamma_policy: GammaPolicy, *,
                  max_prefill_tokens: int | None = None, max_queued: int | None = None,
-                 is_cached: Callable[[list[int]], bool] = lambda prompt: False):
+                 is_cached: Callable[[list[int]], bool] = lambda prompt: False,
+                 row_bucket: Callable[[int], int] = lambda n: n):
         self.slots = [None] * slots  # type: list[Request | None]
         self.prefill_chunk = prefill_chunk
         self.max_prefill_tokens = max_prefill_tokens or prefill_chunk
         self.max_queued = max_queued
         self.gamma_policy = gamma_policy
         self.is_cached = is_cached  # prompts whose prefill is a copy from the prompt cache: no prefill budget
+        self.row_bucket = row_bucket  # decoded rows, rounded up to a shape a captured graph can replay
         self.waiting: deque[Request] = deque()
         self.prefilling: list[Request] = []
         self._release: list[int] = []
@@ -130,13 +132,13 @@ class Scheduler:
                 start, end, cached = request.chunks.popleft()
                 budget -= 0 if cached else end - start
                 step.prefills.append(PrefillWork(request.slot, start, end, final=not request.chunks, cached=cached))
-            if not request.chunks:
+            if not request.chunks and request.params.max_tokens > 1:  # else its first token ends it
                 joining.append(request)
             if budget <= 0:
                 break
         decoding = self.running + joining
         if decoding:
-            step.n_rows = 1 + max(r.slot for r in decoding)
+            step.n_rows = min(len(self.slots), self.row_bucket(1 + max(r.slot for r in decoding)))
             context = sum(r.context for r in decoding) // len(decoding)
             step.gamma = self.gamma_policy(len(decoding), context)
         return step
@@ -175,3 +177,9 @@ class QueueFullError(InvalidRequestError):
 def fixed_gamma(gamma: int) -> GammaPolicy:
     """A policy that always drafts `gamma` tokens (0: never speculate)."""
     return lambda live, context: gamma
+
+
+def cuda_row_bucket(n: int) -> int:
+    """Decoded rows rounded up to 1, 2, 4, 8, then multiples of 8: few distinct shapes, so a step can be
+    captured once per bucket (CUDA graphs) and replayed; the extra rows are idle slots."""
+    return 1 << (n - 1).bit_length() if n <= 8 else -(-n // 8) * 8

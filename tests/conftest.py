@@ -264,7 +264,8 @@ def run_engine(model, prompts, params, *, eos=(), drafter=None, gamma=0, policy=
                        gamma_policy=policy or ((lambda live, ctx: gamma) if drafter else None),
                        prompt_cache=prompt_cache, tokenizer=tokenizer, prefill_chunk=prefill_chunk,
                        max_prefill_tokens=max_prefill_tokens, kv_dtype=kv_dtype)
-    arrivals = arrivals or [0] * len(prompts)
+    if arrivals is None:
+        return engine.generate(prompts, params), engine.stats
     requests, step = [None] * len(prompts), 0
     while step <= max(arrivals) or engine.has_unfinished():
         for i, at in enumerate(arrivals):

@@ -10,7 +10,6 @@ import pytest
 import torch
 from conftest import tiny_llama_config
 
-from magicdec.decode import generate_ids
 from magicdec.errors import (
     InvalidRequestError,
     MagicDecError,
@@ -191,9 +190,16 @@ def test_stop_strings_are_kept_as_a_tuple(stop, kept):
 
 # --- requests --------------------------------------------------------------------------------------------------
 def test_kv_cache_too_big_is_refused_before_allocating(default_model):
-    """A batch whose KV cache cannot fit raises OutOfMemoryError up front (here: ~44 TiB of fp32 KV)."""
-    with pytest.raises(OutOfMemoryError, match="KV cache"):
-        generate_ids(default_model.model, [[1, 2, 3]], SamplingParams(max_tokens=10**9), (2,))
+    """Slots whose caches cannot fit raise OutOfMemoryError up front (here: ~44 TiB of fp32 KV), and so does a
+    draft cache that cannot fit beside the target's."""
+    from magicdec.drafters import SelfSpecDrafter
+    from magicdec.engine import LLMEngine
+
+    with pytest.raises(OutOfMemoryError, match="KV caches"):
+        LLMEngine(default_model.model, (2,), slots=1, capacity=10**9)
+    drafter = SelfSpecDrafter(default_model.model, "streaming", 10**11, 3, True)
+    with pytest.raises(OutOfMemoryError, match="draft cache"):
+        LLMEngine(default_model.model, (2,), slots=1, capacity=64, drafter=drafter, gamma_policy=lambda b, c: 3)
 
 
 @pytest.mark.parametrize(

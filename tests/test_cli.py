@@ -117,10 +117,10 @@ def test_plan_static_batch_against_steady_state(tmp_path, capsys):
 
 
 def test_out_of_memory_is_caught_up_front():
-    from magicdec.decode import prefill_prompts
+    from magicdec.engine import LLMEngine
     from magicdec.errors import OutOfMemoryError
     from magicdec.loading import load_model
 
     model = load_model().model
     with pytest.raises(OutOfMemoryError, match=r"needs [\d.]+ GiB but only [\d.]+ GiB is available"):
-        prefill_prompts(model, [[1] * 7000] * 400, 64)
+        LLMEngine(model, (), slots=400, capacity=7100)
