@@ -155,7 +155,12 @@ class LLMEngine:
     def step(self) -> list[Request]:
         """Schedule, execute, update. Returns the requests that gained tokens or finished in this step."""
         step = self.scheduler.schedule()
-        result = self.runner.execute(step)
+        try:
+            result = self.runner.execute(step)
+        except Exception:
+            # the runner may not have freed these slots; freeing is idempotent, so ask again next step
+            self.scheduler.retry_release(step.release)
+            raise
         changed = self.scheduler.update(step, result)
         s = self.stats
         s.prefill_s += result.prefill_s

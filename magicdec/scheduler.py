@@ -104,6 +104,10 @@ class Scheduler:
         self.slots[request.slot] = None
         self._release.append(request.slot)
 
+    def retry_release(self, slots: list[int]) -> None:
+        """Slots a failed step was to free: free them in the next step."""
+        self._release.extend(slots)
+
     @property
     def running(self) -> list[Request]:
         return [r for r in self.slots if r is not None and r.status is Status.RUNNING]
