@@ -309,6 +309,7 @@ class Scenario:
     arrivals: tuple[int, ...]
     slots: int
     plain_run: int = 0
+    temperatures: tuple[float, ...] = (0.0, 1.0)
 
     def policy(self, gamma: int) -> GammaPolicy:
         if not self.plain_run:
@@ -323,21 +324,31 @@ SCENARIOS = {
     # from a 19-token prompt to a 37-token one (which slot takes which request depends on the acceptances)
     "slot-reuse": Scenario((50, 19, 2, 37, 5), (6, MAX_TOKENS, MAX_TOKENS, 12, MAX_TOKENS), (0, 0, 0, 4, 10), slots=2),
     "plain-rounds": Scenario(PROMPT_LENS, (MAX_TOKENS,) * 4, (0,) * 4, slots=4, plain_run=8),
+    # a long prompt arrives at the end of a long plain run: the draft catches up 31 tokens beside its long
+    # context (sampled only: greedy drafts of the lone request that follows are all accepted)
+    "late-long-prompt": Scenario((20, 80), (60, 4), (0, 30), slots=2, plain_run=30, temperatures=(1.0,)),
 }
 
-# A library bug this test found (see the branch's report); strict, so that a fix makes it fail until removed.
+# Library bugs these tests found (see the branch's report); strict, so that a fix makes them fail until removed.
 SHORT_PROMPT_BUG = pytest.mark.xfail(
     strict=True, raises=AssertionError,
     reason="compress_into clamps the kept positions to the dense cache's capacity; ModelDrafter.admit prefills "
            "into a cache exactly the prompt's size, so for a prompt shorter than the budget the window entries "
            "alias its last position: StreamingLLM hides that entry, SnapKV starts its window one position early")
+DENSE_CATCH_UP_BUG = pytest.mark.xfail(
+    strict=True, raises=RuntimeError,
+    reason="Drafter._feed_limit allows a dense draft cache a catch-up forward of its whole capacity, but the "
+           "forward writes that many slots in every row: beside a long row it overflows the cache")
+
 
 def invariant_cases():
     for (name, reindex, gamma), (scenario, s) in itertools.product(DRAFTER_CASES, SCENARIOS.items()):
         marks = []
         if name in ("model-streaming", "model-snapkv") and min(s.prompt_lens) < BUDGET:
             marks.append(SHORT_PROMPT_BUG)
-        for temperature in (0.0, 1.0):
+        if name == "model-dense" and scenario == "late-long-prompt":
+            marks.append(DENSE_CATCH_UP_BUG)
+        for temperature in s.temperatures:
             case_id = f"{name}-ri{int(reindex)}-g{gamma}-{'sampled' if temperature else 'greedy'}-{scenario}"
             yield pytest.param(name, reindex, gamma, temperature, scenario, id=case_id, marks=marks)
 
@@ -584,6 +595,26 @@ def test_budget_covering_context_keeps_everything(target, kind, reindex):
     k_before = cache.k.clone()
     cache.evict()  # at the budget: a no-op
     assert torch.equal(cache.k, k_before) and torch.equal(cache.lens, dense.lens)
+
+
+@SHORT_PROMPT_BUG
+@pytest.mark.parametrize("kind", ["streaming", "snapkv"])
+def test_prompt_sized_dense_cache_compresses_a_short_prompt_whole(target, kind):
+    """A model drafter compresses its prefill from a dense cache of exactly the prompt's length: a prompt
+    shorter than the budget keeps every position, and its window then slides as the Python model says."""
+    cfg, inv_freq = target.cfg, target.inv_freq
+    budget, n = 16, 5
+    base = torch.randn(cfg.head_dim, generator=torch.Generator().manual_seed(0))
+    obs = SnapKVObserver(cfg.n_layers)
+    obs.scores = [torch.rand(1, cfg.n_kv_heads, n) for _ in range(cfg.n_layers)]
+    cache = compressed(marker_cache(cfg, [n], n, inv_freq, base), kind, budget, False, 5, inv_freq, obs)
+    n_prefix = min(n, cache.keep)
+    for length in range(n, 3 * budget):
+        check_slots(cache, 0, held_after(list(range(n_prefix)), list(range(n_prefix, length)), budget, cache.keep),
+                    base, inv_freq)
+        write_markers(cache, 1, base, inv_freq)
+        cache.commit(1)
+        cache.evict()
 
 
 def test_self_spec_with_budget_covering_context_drafts_like_the_target(target, prompts):
