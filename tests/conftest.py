@@ -266,11 +266,19 @@ def run_engine(model, prompts, params, *, eos=(), drafter=None, gamma=0, policy=
                        max_prefill_tokens=max_prefill_tokens, kv_dtype=kv_dtype)
     if arrivals is None:
         return engine.generate(prompts, params), engine.stats
+    return drive(engine, prompts, params, arrivals), engine.stats
+
+
+def drive(engine, prompts, params, arrivals, after_step=None):
+    """Add prompt i with params[i] before step arrivals[i] and step `engine` until every request is
+    finished, calling after_step() after each step; returns the requests."""
     requests, step = [None] * len(prompts), 0
     while step <= max(arrivals) or engine.has_unfinished():
         for i, at in enumerate(arrivals):
             if at == step:
                 requests[i] = engine.add_request(str(i), prompts[i], params[i])
         engine.step()
+        if after_step is not None:
+            after_step()
         step += 1
-    return requests, engine.stats
+    return requests

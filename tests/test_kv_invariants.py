@@ -1,34 +1,42 @@
-"""KV-cache invariants of speculative decoding, checked after every round on a tiny random model.
+"""KV-cache invariants of speculative decoding in the serving engine, checked every step on a tiny random model.
 
-* The target cache holds exactly prompt + emitted tokens minus the pending one, and its K/V for those
-  slots equal a one-shot (autoregressive-equivalent) forward of the same tokens, and those of a real AR run.
-* A sparse draft cache holds min(context, budget) slots after every round (never more than
-  budget + gamma + 1 while drafting); its slots are the sinks / SnapKV prefix and the most recent window,
-  checked position by position against a reference computed in Python (keys un-rotated when reindexed).
+* After every step (speculative or plain round), each running slot's target cache holds exactly prompt +
+  emitted tokens minus the last one, with the K/V of a one-shot forward of those tokens; they also equal
+  those of a real autoregressive run. A slot freed and not yet reused holds nothing.
+* A sparse draft cache holds min(context, budget) entries after every round (never more than budget + slack
+  while drafting, and budget + gamma + 1 when it had at most 2 tokens to read first); its entries are the
+  sinks / SnapKV prefix and the most recent window, checked position by position against a reference
+  computed in Python (keys un-rotated when reindexed). A dense draft cache holds its whole context.
+* These hold for a slot reused by later requests (a long prompt after a short one and back), and across
+  rounds of plain decoding, after which the draft cache catches up on more tokens than its ring's slack.
 * rotate_keys composes; eviction on synthetic K/V matches a Python model of StreamingLLM; SnapKV selects a
   valid top-k of pooled scores before its window; a budget covering the context keeps everything.
 """
 
 from __future__ import annotations
 
-import copy
-import dataclasses
+import collections
 import functools
-import inspect
+import itertools
 import random
+from dataclasses import dataclass
 
 import pytest
 import torch
+from conftest import drive, run_engine
 
 from magicdec.config import ModelConfig
-from magicdec.decode import decode, prefill_prompts
 from magicdec.drafters import ModelDrafter, SelfSpecDrafter
+from magicdec.engine import LLMEngine
 from magicdec.kv import KVCache
 from magicdec.kv.sparse import (
-    SNAPKV_KERNEL, SnapKVObserver, SparseKVCache, compress, rotate_keys, snapkv_index, snapkv_window,
+    SNAPKV_KERNEL, SnapKVObserver, SparseKVCache, compress_into, prefix_size, rotate_keys, snapkv_index,
+    snapkv_window,
 )
 from magicdec.model import Transformer, apply_rope, rope_cos_sin
+from magicdec.runner import CACHE_SLACK
 from magicdec.sampling import SamplingParams
+from magicdec.scheduler import GammaPolicy, Status, fixed_gamma
 
 V = 64
 BUDGET = 16
@@ -56,18 +64,14 @@ def draft_model() -> Transformer:
     return tiny_model(1)
 
 
+def random_prompts(lens: tuple[int, ...]) -> list[list[int]]:
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(0, V, (n,), generator=g).tolist() for n in lens]
+
+
 @pytest.fixture(scope="module")
 def prompts() -> list[list[int]]:
-    g = torch.Generator().manual_seed(3)
-    return [torch.randint(0, V, (n,), generator=g).tolist() for n in PROMPT_LENS]
-
-
-def clone_prefilled(pre):
-    """An independent copy of a Prefilled (its target cache is mutated by decoding)."""
-    cache = copy.copy(pre.cache)
-    for name in ("k", "v", "lens", "next_pos"):
-        setattr(cache, name, getattr(pre.cache, name).clone())
-    return dataclasses.replace(pre, cache=cache)
+    return random_prompts(PROMPT_LENS)
 
 
 @torch.inference_mode()
@@ -85,140 +89,154 @@ def make_drafter(name: str, target, draft_model, gamma: int, reindex: bool):
     return ModelDrafter(draft_model, cache_kind, BUDGET, gamma, reindex)
 
 
+def new_engine(model: Transformer, prompts, params, slots: int, drafter=None, policy: GammaPolicy | None = None):
+    """An engine whose slots fit every prompt with its max_tokens (no EOS)."""
+    capacity = max(len(p) + sp.max_tokens for p, sp in zip(prompts, params)) + CACHE_SLACK
+    return LLMEngine(model, (), slots=slots, capacity=capacity, drafter=drafter, gamma_policy=policy)
+
+
 # --- the per-round monitor ----------------------------------------------------------------------------------
 class Monitor:
-    """Wraps a drafter's prefill / propose / accept / select_rows and checks every cache after each call."""
+    """Wraps the engine's drafter (admit / propose / accept) and checks the caches of the engine's slots
+    against references computed from the runner's token buffer: after each admission, while drafting, after
+    each verified round, and after every step (`after_step`), plain-decoding rounds included."""
 
-    def __init__(self, drafter, target: Transformer, prompts: list[list[int]], gamma: int):
-        self.d, self.target, self.prompts, self.gamma = drafter, target, prompts, gamma
-        self.rounds = 0
-        self.rejections = 0  # verify steps (live rows) that rejected a draft token
-        self.max_context = 0  # longest draft context seen (to make sure eviction was exercised)
-        self.slots_checked = 0
-        for name in ("prefill", "propose", "accept", "select_rows"):
-            orig = getattr(drafter, name)
-            setattr(drafter, name, functools.partial(getattr(self, "_" + name), orig))
+    def __init__(self, engine: LLMEngine, target: Transformer):
+        self.engine, self.runner, self.d, self.target = engine, engine.runner, engine.drafter, target
+        self.kind = getattr(self.d, "kind", None) or self.d.cache_kind
+        self.sparse = isinstance(self.d.cache, SparseKVCache)
+        self.prompt_len: dict[int, int] = {}  # per slot, its request's prompt length
+        self.prefix0: dict[int, tuple] = {}  # per slot with a SnapKV-selected prefix: its K, V and base at admission
+        self.admissions: collections.Counter[int] = collections.Counter()  # per slot
+        self.drafting: tuple[int, torch.Tensor] | None = None  # (gamma, n_tokens) of the round being verified
+        self.rounds = self.rows_verified = self.rejections = 0
+        self.max_context = self.max_unseen = self.entries_checked = 0
+        for name in ("admit", "propose", "accept"):
+            setattr(self.d, name, functools.partial(getattr(self, "_" + name), getattr(self.d, name)))
 
     # wrappers
-    def _prefill(self, orig, *args, **kwargs):
-        bound = inspect.signature(orig).bind(*args, **kwargs)
-        orig(*args, **kwargs)
-        self.tc = bound.arguments["target_cache"]
-        first = bound.arguments["first"].tolist()
-        B = len(first)
-        self.rows = list(range(B))  # original index of each current row
-        self.seqs = [list(p) + [first[i]] for i, p in enumerate(self.prompts)]
-        self.sparse = isinstance(self.d.cache, SparseKVCache)
-        self.observer = None
-        if self.sparse and self.d.cache_kind_name == "snapkv" and self.d.model is self.target:
-            self.observer = bound.arguments["observer"]
-            lens = torch.tensor([len(p) for p in self.prompts])
-            self.index = snapkv_index(self.observer, lens, self.d.cache.budget, snapkv_window(self.d.cache.budget))
+    def _admit(self, orig, slot, prompt, target_row, observer):
+        orig(slot, prompt, target_row, observer)
+        c, P = self.d.cache, len(prompt)
+        self.admissions[slot] += 1
+        self.prompt_len[slot] = P
         if self.sparse:
-            c = self.d.cache
-            assert c.capacity == c.budget + self.gamma + 2
-            self.prefix0 = [(c.k[:, i, :, : c.keep].clone(), c.v[:, i, :, : c.keep].clone()) for i in range(B)]
-        self.check([1] * B, after_prefill=True)
+            assert c.capacity == c.budget + self.d.slack == c.budget + self.d.gamma + 2
+        if self.snap_prefix(P):
+            base = int(c.win_start[slot] - c.n_prefix[slot])
+            self.prefix0[slot] = (c.k[:, slot, :, : c.keep].clone(), c.v[:, slot, :, : c.keep].clone(), base)
+            self.check_snapkv_prefix(slot, prompt.tolist(), observer)
+        self.check(slot, prompt.tolist(), n_target=P)
 
-    def _propose(self, orig, gamma, *args, **kwargs):
+    def _propose(self, orig, n, gamma, seq, n_tokens, live, rows):
         c = self.d.cache
-        before, n_pending = c.lens.clone(), self.d.n_pending.clone()
-        out = orig(gamma, *args, **kwargs)
-        assert torch.equal(c.lens, before + n_pending + gamma - 1)
-        if self.sparse:
-            assert int(c.lens.max()) <= c.budget + gamma + 1
-        return out
+        lens0, pos0 = c.lens[:n].clone(), c.next_pos[:n].clone()
+        draft = orig(n, gamma, seq, n_tokens, live, rows)
+        self.drafting = gamma, n_tokens.clone()
+        for i in range(n):
+            if not live[i]:  # a slot not decoding keeps its draft row
+                assert c.lens[i] == lens0[i] and c.next_pos[i] == pos0[i]
+                continue
+            unseen, N, lens = int(n_tokens[i] - pos0[i]), int(n_tokens[i]) + gamma - 1, int(c.lens[i])
+            self.max_unseen = max(self.max_unseen, unseen)
+            assert int(c.next_pos[i]) == N
+            if unseen <= 2:  # the usual round: nothing evicted while drafting
+                assert lens == lens0[i] + unseen + gamma - 1
+            P = self.prompt_len[i]
+            settled = self.expected_positions(N, P)  # what eviction will leave
+            assert len(settled) <= lens <= len(settled) + self.d.slack
+            window = lens - min(P, c.keep) if self.sparse else None
+            tokens = seq[i, : n_tokens[i]].tolist() + draft[i, : gamma - 1].tolist()
+            self.check_draft_entries(i, tokens, self.expected_positions(N, P, window))
+        return draft
 
-    def _accept(self, orig, n, nxt, live):
-        drafted = self.d.drafted.tolist()
-        n_l, nxt_l, live_l = n.tolist(), nxt.tolist(), live.tolist()
-        for i, r in enumerate(self.rows):
-            if live_l[i]:
-                self.seqs[r] += drafted[i][: n_l[i]] + [nxt_l[i]]
-                self.rejections += n_l[i] < self.gamma
-        orig(n, nxt, live)
+    def _accept(self, orig, n, n_tokens, live):
+        orig(n, n_tokens, live)
+        gamma, before = self.drafting
         self.rounds += 1
-        self.check(live_l)
+        for i in live.nonzero()[:, 0].tolist():
+            self.rows_verified += 1
+            if n_tokens[i] == self.runner.limit[i]:  # finished: max_tokens may have cut its accepted drafts
+                continue
+            accepted = int(n_tokens[i] - before[i]) - 1
+            self.rejections += accepted < gamma
+            # the draft trails by the target's token, and by the last draft too when every draft was accepted
+            assert int(n_tokens[i] - self.d.cache.next_pos[i]) == (2 if accepted == gamma else 1)
 
-    def _select_rows(self, orig, rows):
-        orig(rows)
-        self.rows = [self.rows[i] for i in rows.tolist()]
+    def after_step(self) -> None:
+        """Every running slot's caches hold its tokens; a slot released and not reused holds nothing."""
+        runner = self.runner
+        for slot, request in enumerate(self.engine.scheduler.slots):
+            if request is not None and request.status is Status.RUNNING:
+                n = int(runner.n_tokens[slot])
+                tokens = runner.seq[slot, :n].tolist()
+                assert runner.live[slot] and tokens == request.prompt_ids + request.output_ids
+                self.check(slot, tokens, n_target=n - 1)  # the last emitted token is pending in the target too
+            elif request is None and not runner.live[slot]:
+                assert int(runner.cache.lens[slot]) == 0
 
     # the invariants
-    def expected_positions(self, N: int, P: int) -> list[int] | None:
-        """Positions held by the draft cache: the prefix, then the window (a SnapKV prefix is checked apart).
+    def snap_prefix(self, P: int) -> bool:
+        """Whether a prompt of P tokens gets a SnapKV-selected prefix (else the prefix is its first tokens)."""
+        return self.sparse and self.kind == "snapkv" and P > self.d.cache.budget
+
+    def expected_positions(self, N: int, P: int, window: int | None = None) -> list[int]:
+        """Positions held by the draft cache at context N: the prefix, then the window.
 
         The prefix holds the first min(P, keep) positions (a prompt shorter than the prefix leaves it
-        partly empty); the window holds at most budget - keep of the latest positions after it."""
+        partly empty); the window at most `window` (default budget - keep) of the latest positions after it."""
         c = self.d.cache
         if not self.sparse:
             return list(range(N))
         n_prefix = min(P, c.keep)
-        start = max(n_prefix, N - (c.budget - c.keep))
-        return list(range(n_prefix)) + list(range(start, N))
+        window = c.budget - c.keep if window is None else window
+        return list(range(n_prefix)) + list(range(max(n_prefix, N - window), N))
 
-    def check(self, live: list[int], after_prefill: bool = False) -> None:
-        tc, c = self.tc, self.d.cache
-        for i, r in enumerate(self.rows):
-            if not live[i]:
-                continue
-            seq, P = self.seqs[r], len(self.prompts[r])
-            committed = seq[:-1]  # the last emitted token is pending in the target too
-            # target: exactly prompt + emitted - 1 slots, with the K/V of those tokens
-            assert int(tc.lens[i]) == len(committed) == P + (len(seq) - P) - 1
-            assert int(tc.next_pos[i]) == len(committed)
-            Kt, Vt = kv_of(self.target, committed)
-            torch.testing.assert_close(tc.k[:, i, :, : len(committed)], Kt, **TOL)
-            torch.testing.assert_close(tc.v[:, i, :, : len(committed)], Vt, **TOL)
-            # draft: everything but its pending tokens (1, or 2 after a fully accepted round)
-            npend = int(self.d.n_pending[i])
-            assert npend in (1, 2) and self.d.pending[i, :npend].tolist() == seq[-npend:]
-            N = len(seq) - npend
-            self.max_context = max(self.max_context, N)
-            assert int(c.next_pos[i]) == N
-            lens = int(c.lens[i])
-            pos = self.expected_positions(N, P)
-            if self.sparse:
-                assert lens == len(pos) <= c.budget
-            else:
-                assert lens == N
-            Kd, Vd = (Kt, Vt) if self.d.model is self.target else kv_of(self.d.model, seq[:N])
-            first_slot = 0
-            snap_prefix = self.sparse and self.d.cache_kind_name == "snapkv" and P > c.budget
-            if snap_prefix:
-                first_slot = c.keep
-                pos = pos[c.keep :]
-                k0, v0 = self.prefix0[r]
-                # the selected prompt entries never move (re-indexing only rotates them along the window)
-                assert torch.equal(c.v[:, i, :, : c.keep], v0)
-                if not c.reindex:
-                    assert torch.equal(c.k[:, i, :, : c.keep], k0)
-                if after_prefill:
-                    self.check_snapkv_prefix(i, P, Kd, Vd)
-            if self.sparse:
-                slots, held_pos = c.held(i)
-                slots = slots[first_slot:]
-            else:
-                slots = held_pos = torch.arange(lens)
-            p = torch.tensor(pos, dtype=torch.long)
-            assert len(p) == len(slots)
-            if self.sparse and not snap_prefix:
-                assert torch.equal(held_pos, p)
-            k = c.k[:, i][:, :, slots]  # [L, KV, n, hd]
-            if getattr(c, "reindex", False):  # prefix entry j sits at position win_start - keep + j
-                virtual = torch.where(slots < c.keep, int(c.win_start[i] - c.n_prefix[i]) + slots, p)
-                k = rotate_keys(k, (p - virtual)[None, None, :], self.target.inv_freq)
-            v = c.v[:, i][:, :, slots]
-            # layer 0 K/V depend only on the token and its position; deeper layers on the (sparse) context,
-            # so those must match the dense reference only for prompt entries (cut from a dense cache)
-            torch.testing.assert_close(k[0], Kd[0][:, p], **TOL)
-            torch.testing.assert_close(v[0], Vd[0][:, p], **TOL)
-            in_prompt = p < P
-            torch.testing.assert_close(k[:, :, in_prompt], Kd[:, :, p[in_prompt]], **TOL)
-            torch.testing.assert_close(v[:, :, in_prompt], Vd[:, :, p[in_prompt]], **TOL)
-            self.slots_checked += len(p)
+    def check(self, slot: int, tokens: list[int], n_target: int) -> None:
+        """Between rounds: slot's target cache holds tokens[:n_target] and its draft cache a context of
+        N <= n_target of them (N < n_target after plain rounds), as its kind keeps it."""
+        tc, c = self.runner.cache, self.d.cache
+        assert int(tc.lens[slot]) == int(tc.next_pos[slot]) == n_target
+        Kt, Vt = kv_of(self.target, tokens[:n_target])
+        torch.testing.assert_close(tc.k[:, slot, :, :n_target], Kt, **TOL)
+        torch.testing.assert_close(tc.v[:, slot, :, :n_target], Vt, **TOL)
+        N = int(c.next_pos[slot])
+        assert N <= n_target
+        self.max_context = max(self.max_context, N)
+        self.check_draft_entries(slot, tokens[:N], self.expected_positions(N, self.prompt_len[slot]))
 
-    def check_snapkv_prefix(self, i: int, P: int, Kd, Vd) -> None:
+    def check_draft_entries(self, slot: int, tokens: list[int], positions: list[int]) -> None:
+        """The draft cache row of `slot` over the context `tokens` holds exactly the entries at `positions`.
+
+        Layer 0's K/V depend only on the token and its position, so they must equal those of a one-shot
+        draft-model forward of `tokens`; deeper layers depend on the (sparse) context, so only entries cut
+        from a dense prefill (prompt positions) or held by a dense cache must match at every layer.
+        A SnapKV-selected prefix is checked at admission (`check_snapkv_prefix`), and never changes after."""
+        c, P = self.d.cache, self.prompt_len[slot]
+        assert int(c.lens[slot]) == len(positions)
+        slots, held = c.held(slot) if self.sparse else (torch.arange(len(positions)),) * 2
+        if self.snap_prefix(P):
+            k0, v0, base0 = self.prefix0[slot]
+            # the selected prompt entries never move (re-indexing only rotates their keys along the window)
+            assert torch.equal(c.v[:, slot, :, : c.keep], v0)
+            shift = torch.tensor(int(c.win_start[slot] - c.n_prefix[slot]) - base0 if c.reindex else 0)
+            torch.testing.assert_close(c.k[:, slot, :, : c.keep], rotate_keys(k0, shift, self.target.inv_freq), **TOL)
+            slots, held, positions = slots[c.keep :], held[c.keep :], positions[c.keep :]
+        p = torch.tensor(positions, dtype=torch.long)
+        assert torch.equal(held, p), f"slot {slot} holds {held.tolist()}, want {positions}"
+        Kd, Vd = kv_of(self.d.model, tokens)
+        k, v = c.k[:, slot][:, :, slots], c.v[:, slot][:, :, slots]  # [L, KV, n, hd]
+        if self.sparse and c.reindex:  # prefix entry j sits at position win_start - n_prefix + j
+            virtual = torch.where(slots < c.keep, int(c.win_start[slot] - c.n_prefix[slot]) + slots, p)
+            k = rotate_keys(k, (p - virtual)[None, None, :], self.target.inv_freq)
+        torch.testing.assert_close(k[0], Kd[0][:, p], **TOL)
+        torch.testing.assert_close(v[0], Vd[0][:, p], **TOL)
+        exact = p < P if self.sparse else torch.ones_like(p, dtype=torch.bool)
+        torch.testing.assert_close(k[:, :, exact], Kd[:, :, p[exact]], **TOL)
+        torch.testing.assert_close(v[:, :, exact], Vd[:, :, p[exact]], **TOL)
+        self.entries_checked += len(p)
+
+    def check_snapkv_prefix(self, slot: int, prompt: list[int], observer: SnapKVObserver | None) -> None:
         """Each (layer, head)'s prefix slots hold distinct prompt entries before the window, in order.
 
         Self-speculation: the entries are those of a valid top-k of the pooled observed scores (checked
@@ -226,30 +244,32 @@ class Monitor:
         reindexed) and V. A model draft's observer is internal: its entries are identified by content,
         K and V together (only unambiguous without reindexing: layer-0 K/V then depend on the position).
         """
-        c = self.d.cache
+        c, P = self.d.cache, len(prompt)
+        Kd, Vd = kv_of(self.d.model, prompt)
         W = c.budget - c.keep
         L, KV = c.k.shape[0], c.k.shape[2]
         j = torch.arange(c.keep)
+        if self.d.model is self.target:
+            index = snapkv_index(observer, torch.tensor([P]), c.budget, snapkv_window(c.budget))[:, 0]
         for layer in range(L):
             for h in range(KV):
-                if self.observer is not None:
-                    s = self.observer.scores[layer][i, h]
-                    where = snapkv_reference_check(s, P, W, self.index[layer, i, h, : c.keep])
+                if self.d.model is self.target:
+                    where = snapkv_reference_check(observer.scores[layer][0, h], P, W, index[layer, h, : c.keep])
                 else:
                     assert not c.reindex
-                    k = c.k[layer, i, h, : c.keep, None, :]
-                    v = c.v[layer, i, h, : c.keep, None, :]
+                    k = c.k[layer, slot, h, : c.keep, None, :]
+                    v = c.v[layer, slot, h, : c.keep, None, :]
                     dk = (k - Kd[layer, h, None, : P - W]).abs().amax(-1)
                     dv = (v - Vd[layer, h, None, : P - W]).abs().amax(-1)
                     dist = torch.maximum(dk, dv)  # [keep, P-W]
                     best, where = dist.min(-1)
                     assert (best < 1e-4).all(), "a SnapKV prefix slot holds no prompt entry before the window"
                     assert (where[1:] > where[:-1]).all(), f"SnapKV prefix not in ascending position order: {where}"
-                k = c.k[layer, i, h, : c.keep]
+                k = c.k[layer, slot, h, : c.keep]
                 if c.reindex:
-                    k = rotate_keys(k, where - (int(c.win_start[i] - c.n_prefix[i]) + j), self.target.inv_freq)
+                    k = rotate_keys(k, where - (int(c.win_start[slot] - c.n_prefix[slot]) + j), self.target.inv_freq)
                 torch.testing.assert_close(k, Kd[layer, h, where], **TOL)
-                torch.testing.assert_close(c.v[layer, i, h, : c.keep], Vd[layer, h, where], **TOL)
+                torch.testing.assert_close(c.v[layer, slot, h, : c.keep], Vd[layer, h, where], **TOL)
 
 
 def snapkv_reference_check(scores: torch.Tensor, n: int, window: int, selected: torch.Tensor) -> torch.Tensor:
@@ -267,10 +287,6 @@ def snapkv_reference_check(scores: torch.Tensor, n: int, window: int, selected: 
     return selected
 
 
-def _kind(drafter) -> str:
-    return getattr(drafter, "kind", None) or getattr(drafter, "cache_kind", None)
-
-
 DRAFTER_CASES = [  # (drafter, reindex, gamma)
     ("self-streaming", True, 3),
     ("self-streaming", False, 1),
@@ -282,44 +298,104 @@ DRAFTER_CASES = [  # (drafter, reindex, gamma)
 ]
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
-@pytest.mark.parametrize("name,reindex,gamma", DRAFTER_CASES, ids=[f"{d}-ri{int(r)}-g{g}" for d, r, g in DRAFTER_CASES])
-def test_cache_invariants_every_round(target, draft_model, prompts, name, reindex, gamma, temperature):
+@dataclass(frozen=True)
+class Scenario:
+    """Requests (prompt lengths, max_tokens, arrival steps) over `slots` slots. With `plain_run`, the draft
+    length cycles through one round of drafting, `plain_run` rounds of plain decoding (more tokens than any
+    draft cache's slack to catch up on), one of a single draft token, then `plain_run` of gamma."""
+
+    prompt_lens: tuple[int, ...]
+    max_tokens: tuple[int, ...]
+    arrivals: tuple[int, ...]
+    slots: int
+    plain_run: int = 0
+    temperatures: tuple[float, ...] = (0.0, 1.0)
+
+    def policy(self, gamma: int) -> GammaPolicy:
+        if not self.plain_run:
+            return fixed_gamma(gamma)
+        steps = itertools.cycle([gamma] + [0] * self.plain_run + [1] + [gamma] * self.plain_run)
+        return lambda live, context: next(steps)
+
+
+SCENARIOS = {
+    "batch": Scenario(PROMPT_LENS, (MAX_TOKENS,) * 4, (0,) * 4, slots=4),
+    # requests end at different times: a slot goes from a 50-token prompt to one shorter than the sinks, another
+    # from a 19-token prompt to a 37-token one (which slot takes which request depends on the acceptances)
+    "slot-reuse": Scenario((50, 19, 2, 37, 5), (6, MAX_TOKENS, MAX_TOKENS, 12, MAX_TOKENS), (0, 0, 0, 4, 10), slots=2),
+    "plain-rounds": Scenario(PROMPT_LENS, (MAX_TOKENS,) * 4, (0,) * 4, slots=4, plain_run=8),
+    # a long prompt arrives at the end of a long plain run: the draft catches up 31 tokens beside its long
+    # context (sampled only: greedy drafts of the lone request that follows are all accepted)
+    "late-long-prompt": Scenario((20, 80), (60, 4), (0, 30), slots=2, plain_run=30, temperatures=(1.0,)),
+}
+
+# Library bugs these tests found (see the branch's report); strict, so that a fix makes them fail until removed.
+SHORT_PROMPT_BUG = pytest.mark.xfail(
+    strict=True, raises=AssertionError,
+    reason="compress_into clamps the kept positions to the dense cache's capacity; ModelDrafter.admit prefills "
+           "into a cache exactly the prompt's size, so for a prompt shorter than the budget the window entries "
+           "alias its last position: StreamingLLM hides that entry, SnapKV starts its window one position early")
+DENSE_CATCH_UP_BUG = pytest.mark.xfail(
+    strict=True, raises=RuntimeError,
+    reason="Drafter._feed_limit allows a dense draft cache a catch-up forward of its whole capacity, but the "
+           "forward writes that many slots in every row: beside a long row it overflows the cache")
+
+
+def invariant_cases():
+    for (name, reindex, gamma), (scenario, s) in itertools.product(DRAFTER_CASES, SCENARIOS.items()):
+        marks = []
+        if name in ("model-streaming", "model-snapkv") and min(s.prompt_lens) < BUDGET:
+            marks.append(SHORT_PROMPT_BUG)
+        if name == "model-dense" and scenario == "late-long-prompt":
+            marks.append(DENSE_CATCH_UP_BUG)
+        for temperature in s.temperatures:
+            case_id = f"{name}-ri{int(reindex)}-g{gamma}-{'sampled' if temperature else 'greedy'}-{scenario}"
+            yield pytest.param(name, reindex, gamma, temperature, scenario, id=case_id, marks=marks)
+
+
+@pytest.mark.parametrize("name,reindex,gamma,temperature,scenario", invariant_cases())
+def test_cache_invariants_every_round(target, draft_model, name, reindex, gamma, temperature, scenario):
+    s = SCENARIOS[scenario]
+    prompts = random_prompts(s.prompt_lens)
+    params = [SamplingParams(max_tokens=m, temperature=temperature, seed=7) for m in s.max_tokens]
     drafter = make_drafter(name, target, draft_model, gamma, reindex)
-    drafter.cache_kind_name = _kind(drafter)
-    mon = Monitor(drafter, target, prompts, gamma)
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=temperature, seed=7)
-    pre = prefill_prompts(target, prompts, MAX_TOKENS, observe=drafter.needs_target_attention)
-    outs, stats = decode(target, pre, params, (), drafter=drafter, gamma=gamma)
-    # the tracked sequences are the outputs: max_tokens exactly, from the emitted tokens
-    for r, (out, prompt) in enumerate(zip(outs, prompts)):
-        assert out.finish_reason == "length" and len(out.token_ids) == MAX_TOKENS
-        assert out.token_ids == mon.seqs[r][len(prompt) : len(prompt) + MAX_TOKENS]
-    assert mon.rounds == stats.steps > 0
+    engine = new_engine(target, prompts, params, s.slots, drafter, s.policy(gamma))
+    mon = Monitor(engine, target)
+    requests = drive(engine, prompts, params, list(s.arrivals), mon.after_step)
+    for request, sp in zip(requests, params):
+        assert request.finish_reason == "length" and len(request.output_ids) == sp.max_tokens
+    # every slot served, each request admitted once (a slot-reuse scenario reuses slots)
+    assert len(mon.admissions) == s.slots and sum(mon.admissions.values()) == len(prompts)
+    assert mon.rounds > 0 and mon.rows_verified == engine.stats.verify_steps
     assert mon.rejections > 0, "no draft was ever rejected: rollback untested"
+    # plain rounds happened exactly when the scenario asks, and the draft then caught up beyond its slack
+    assert (engine.stats.steps > mon.rounds) == (mon.max_unseen > drafter.slack) == (s.plain_run > 0)
     if mon.sparse:
         assert mon.max_context > BUDGET + 8, "eviction never exercised"
-    assert mon.slots_checked > 100
+    assert mon.entries_checked > 100
 
 
 # --- target cache vs a real autoregressive run ----------------------------------------------------------------
 @pytest.mark.parametrize("name,reindex,gamma", [("self-streaming", True, 4), ("model-snapkv", False, 2)])
 def test_target_cache_equals_autoregressive_run(target, draft_model, prompts, name, reindex, gamma):
+    """A few speculative steps, then plain steps until every slot has as many tokens: same tokens, same K/V."""
+    params = [SamplingParams(max_tokens=MAX_TOKENS)] * len(prompts)
     drafter = make_drafter(name, target, draft_model, gamma, reindex)
-    params = SamplingParams(max_tokens=MAX_TOKENS)
-    pre = prefill_prompts(target, prompts, MAX_TOKENS, observe=drafter.needs_target_attention)
-    ar_pre, spec_pre = clone_prefilled(pre), clone_prefilled(pre)
-    # reuse=True: rows are never dropped, so slot b of each cache is prompt b afterwards
-    ar, _ = decode(target, ar_pre, params, (), reuse=True)
-    spec, stats = decode(target, spec_pre, params, (), drafter=drafter, gamma=gamma, reuse=True)
-    assert stats.accepted_hist[gamma] < stats.verify_steps  # some rounds rolled back
-    for b, (a, s, prompt) in enumerate(zip(ar, spec, prompts)):
-        assert s.token_ids == a.token_ids
-        n = len(prompt) + len(a.token_ids) - 1
-        torch.testing.assert_close(spec_pre.cache.k[:, b, :, :n], ar_pre.cache.k[:, b, :, :n], **TOL)
-        torch.testing.assert_close(spec_pre.cache.v[:, b, :, :n], ar_pre.cache.v[:, b, :, :n], **TOL)
-    # reuse rolled both back to the prompts
-    assert torch.equal(spec_pre.cache.lens, pre.lens) and torch.equal(ar_pre.cache.lens, pre.lens)
+    spec = new_engine(target, prompts, params, len(prompts), drafter, fixed_gamma(gamma))
+    ar = new_engine(target, prompts, params, len(prompts))
+    for engine in (spec, ar):
+        for i, (prompt, sp) in enumerate(zip(prompts, params)):
+            engine.add_request(str(i), prompt, sp)
+    for _ in range(4):  # at most 1 + 4 * (gamma + 1) < MAX_TOKENS tokens: no slot finishes
+        spec.step()
+    while (ar.runner.n_tokens < spec.runner.n_tokens).any():
+        ar.step()
+    assert spec.stats.accepted_hist[gamma] < spec.stats.verify_steps  # some rounds rolled back
+    for b, n in enumerate(spec.runner.n_tokens.tolist()):
+        assert torch.equal(spec.runner.seq[b, :n], ar.runner.seq[b, :n])
+        assert int(spec.runner.cache.lens[b]) == n - 1
+        torch.testing.assert_close(spec.runner.cache.k[:, b, :, : n - 1], ar.runner.cache.k[:, b, :, : n - 1], **TOL)
+        torch.testing.assert_close(spec.runner.cache.v[:, b, :, : n - 1], ar.runner.cache.v[:, b, :, : n - 1], **TOL)
 
 
 # --- RoPE rotations compose --------------------------------------------------------------------------------------
@@ -366,6 +442,15 @@ def marker_cache(cfg: ModelConfig, lens: list[int], capacity: int, inv_freq: tor
     return cache
 
 
+def compressed(dense: KVCache, kind: str, budget: int, reindex: bool, slack: int, inv_freq: torch.Tensor,
+               observer: SnapKVObserver | None = None) -> SparseKVCache:
+    """A sparse cache of `kind` with every row of `dense` compressed into it."""
+    cache = SparseKVCache(dense.cfg, dense.batch, budget, prefix_size(kind, budget), slack, dense.dtype, dense.device,
+                          reindex, inv_freq)
+    compress_into(cache, dense, kind, observer)
+    return cache
+
+
 def check_slots(cache: SparseKVCache, b: int, positions: list[int], base: torch.Tensor, inv_freq) -> None:
     """Row b holds exactly `positions` (prefix first, then the window in order), each slot with the V
     marker of its position and its key rotated by its position (by its virtual position just before the
@@ -385,6 +470,21 @@ def check_slots(cache: SparseKVCache, b: int, positions: list[int], base: torch.
     torch.testing.assert_close(got_k, want_k.expand_as(got_k), atol=1e-4, rtol=1e-4)
 
 
+def write_markers(cache: SparseKVCache, q: int, base: torch.Tensor, inv_freq: torch.Tensor) -> None:
+    """Write q new tokens in every row as a forward would (uncommitted), with marker_cache's V and K."""
+    B, cfg = cache.batch, cache.cfg
+    mask = cache.attn_mask(q)
+    assert mask.shape[-1] == cache.capacity
+    newpos = cache.next_pos[:, None] + torch.arange(q)  # logical positions of the new tokens
+    rope = cache.rope_positions(q)
+    assert torch.equal(rope, newpos)  # queries and new keys keep their positions in both modes
+    v_new = (1000.0 * torch.arange(B)[:, None] + newpos).float()[:, None, :, None]
+    v_new = v_new.expand(B, cfg.n_kv_heads, q, cfg.head_dim)
+    k_new = rotate_keys(base.expand(B, cfg.n_kv_heads, q, -1), rope[:, None, :], inv_freq)
+    for layer in range(cfg.n_layers):
+        cache.update(layer, k_new, v_new)
+
+
 def held_after(prefix: list[int], window: list[int], budget: int, keep: int) -> list[int]:
     """The Python model of a sparse row: its prefix, then at most budget - keep latest window positions."""
     return prefix + window[max(0, len(window) - (budget - keep)) :]
@@ -397,7 +497,7 @@ def test_streaming_eviction_matches_python_reference(target, reindex):
     lens = [3, 12, 30]
     base = torch.randn(cfg.head_dim, generator=torch.Generator().manual_seed(0))
     dense = marker_cache(cfg, lens, 128, inv_freq, base)
-    cache = compress(dense, "streaming", budget, reindex, gamma + 2, inv_freq)
+    cache = compressed(dense, "streaming", budget, reindex, gamma + 2, inv_freq)
     assert cache.keep == sink and cache.capacity == budget + gamma + 2
     # the Python model: each row's prefix and window positions
     prefix = [list(range(min(n, sink))) for n in lens]
@@ -410,16 +510,7 @@ def test_streaming_eviction_matches_python_reference(target, reindex):
     for _ in range(25):
         # a round: write q new tokens (as a forward would), keep n of them, then evict
         q = rng.randint(1, gamma + 1)
-        mask = cache.attn_mask(q)
-        assert mask.shape[-1] == cache.capacity
-        newpos = cache.next_pos[:, None] + torch.arange(q)  # logical positions of the new tokens
-        rope = cache.rope_positions(q)
-        assert torch.equal(rope, newpos)  # queries and new keys keep their positions in both modes
-        v_new = (1000.0 * torch.arange(B)[:, None] + newpos).float()[:, None, :, None]
-        v_new = v_new.expand(B, cfg.n_kv_heads, q, cfg.head_dim)
-        k_new = rotate_keys(base.expand(B, cfg.n_kv_heads, q, -1), rope[:, None, :], inv_freq)
-        for layer in range(cfg.n_layers):
-            cache.update(layer, k_new, v_new)
+        write_markers(cache, q, base, inv_freq)
         before = cache.lens.clone()
         cache.commit(q)
         assert int(cache.lens.max()) <= budget + gamma + 1
@@ -448,7 +539,7 @@ def test_snapkv_selects_top_pooled_scores_before_window(target):
     obs = SnapKVObserver(cfg.n_layers)
     obs.scores = [torch.rand(len(lens), cfg.n_kv_heads, S, generator=g) for _ in range(cfg.n_layers)]
     obs.scores[0][1, 0, 20] = 50.0  # a standout prompt token: it and its pooled neighbours must be kept
-    cache = compress(dense, "snapkv", budget, False, gamma + 2, inv_freq, obs)
+    cache = compressed(dense, "snapkv", budget, False, gamma + 2, inv_freq, obs)
     assert cache.keep == keep
     for b, n in enumerate(lens):
         if n <= budget:
@@ -494,7 +585,7 @@ def test_budget_covering_context_keeps_everything(target, kind, reindex):
     dense = marker_cache(cfg, lens, 40, inv_freq, base)
     obs = SnapKVObserver(cfg.n_layers)
     obs.scores = [torch.rand(3, cfg.n_kv_heads, max(lens)) for _ in range(cfg.n_layers)]
-    cache = compress(dense, kind, 16, reindex, 5, inv_freq, obs)
+    cache = compressed(dense, kind, 16, reindex, 5, inv_freq, obs)
     assert torch.equal(cache.lens, dense.lens) and torch.equal(cache.next_pos, dense.next_pos)
     for b, n in enumerate(lens):
         slots, held = cache.held(b)
@@ -506,14 +597,33 @@ def test_budget_covering_context_keeps_everything(target, kind, reindex):
     assert torch.equal(cache.k, k_before) and torch.equal(cache.lens, dense.lens)
 
 
+@SHORT_PROMPT_BUG
+@pytest.mark.parametrize("kind", ["streaming", "snapkv"])
+def test_prompt_sized_dense_cache_compresses_a_short_prompt_whole(target, kind):
+    """A model drafter compresses its prefill from a dense cache of exactly the prompt's length: a prompt
+    shorter than the budget keeps every position, and its window then slides as the Python model says."""
+    cfg, inv_freq = target.cfg, target.inv_freq
+    budget, n = 16, 5
+    base = torch.randn(cfg.head_dim, generator=torch.Generator().manual_seed(0))
+    obs = SnapKVObserver(cfg.n_layers)
+    obs.scores = [torch.rand(1, cfg.n_kv_heads, n) for _ in range(cfg.n_layers)]
+    cache = compressed(marker_cache(cfg, [n], n, inv_freq, base), kind, budget, False, 5, inv_freq, obs)
+    n_prefix = min(n, cache.keep)
+    for length in range(n, 3 * budget):
+        check_slots(cache, 0, held_after(list(range(n_prefix)), list(range(n_prefix, length)), budget, cache.keep),
+                    base, inv_freq)
+        write_markers(cache, 1, base, inv_freq)
+        cache.commit(1)
+        cache.evict()
+
+
 def test_self_spec_with_budget_covering_context_drafts_like_the_target(target, prompts):
     """Nothing is evicted, so the draft is the target: (almost) every draft is accepted."""
     gamma = 3
     drafter = SelfSpecDrafter(target, "streaming", 256, gamma, True)
-    pre = prefill_prompts(target, prompts, MAX_TOKENS)
-    outs, stats = decode(target, pre, SamplingParams(max_tokens=MAX_TOKENS), (), drafter=drafter, gamma=gamma)
+    requests, stats = run_engine(target, prompts, SamplingParams(max_tokens=MAX_TOKENS), drafter=drafter, gamma=gamma)
     assert stats.accepted_hist[gamma] >= 0.9 * stats.verify_steps
-    assert all(len(o.token_ids) == MAX_TOKENS for o in outs)
+    assert all(len(r.output_ids) == MAX_TOKENS for r in requests)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

@@ -10,10 +10,10 @@ from conftest import rel_err, tiny_llama_config
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from magicdec.decode import pad_prompts, prefill
 from magicdec.errors import UnsupportedModelError
 from magicdec.kv import KVCache
 from magicdec.loading import load_model
+from magicdec.prefill import prefill_row
 
 TOL = 1e-4  # max|ours - ref| / max|ref|
 
@@ -40,13 +40,12 @@ def test_default_model_logits_match_transformers_long_prompt(default_model, hf_m
 
 
 def test_default_model_prefill_chunked_equals_one_shot_ragged(default_model, corpus_prompt):
-    """decode.prefill with small chunks on a ragged batch == each prompt's one-shot last logits alone."""
+    """prefill_row with small chunks into the rows of one cache == each prompt's one-shot last logits alone."""
     model = default_model.model
     prompts = [corpus_prompt(n, book=b, at=0.6) for n, b in ((300, 2), (45, 3), (170, 4))]
-    tokens, lens = pad_prompts(prompts, torch.device("cpu"))
-    cache = KVCache(model.cfg, len(prompts), tokens.shape[1], torch.float32, "cpu")
+    cache = KVCache(model.cfg, len(prompts), 300, torch.float32, "cpu")
     with torch.inference_mode():
-        last = prefill(model, cache, tokens, lens, chunk=64)
+        last = [prefill_row(model, cache.row(i), torch.tensor(p), chunk=64)[0] for i, p in enumerate(prompts)]
     assert cache.lens.tolist() == [300, 45, 170]
     for i, p in enumerate(prompts):
         alone = forward_all(model, torch.tensor([p]), logits_at=torch.tensor([[len(p) - 1]]))[0, 0]
@@ -192,7 +191,8 @@ def test_cache_per_row_commit_and_truncate_roll_back(tiny_llama):
         assert rel_err(nxt[b], want) < TOL, b
 
 
-def test_cache_select_rows_and_overflow(tiny_llama):
+def test_cache_row_views_share_state_and_overflow(tiny_llama):
+    """head(n) / row(i) views write into the cache's storage and per-row state; the other rows stay as they were."""
     model = tiny_llama[0].model
     g = torch.Generator().manual_seed(8)
     x = torch.randint(0, 320, (3, 6), generator=g)
@@ -200,16 +200,25 @@ def test_cache_select_rows_and_overflow(tiny_llama):
     with torch.inference_mode():
         model(x, cache)
         cache.commit(torch.tensor([6, 3, 5]))
-        cache.select_rows(torch.tensor([2, 0]))
-        assert cache.batch == 2 and cache.lens.tolist() == [5, 6] and cache.max_len == 6
-        nxt = torch.tensor([[11], [12]])
-        got = model(nxt, cache)[:, 0]
-        for i, (row, n) in enumerate([(2, 5), (0, 6)]):
-            want = forward_all(model, torch.cat((x[row, :n], nxt[i]))[None])[0, -1]
+        k_before = cache.k.clone()
+        row = cache.row(2)
+        assert row.batch == 1 and row.lens.tolist() == [5] and row.max_len == 5
+        got = model(torch.tensor([[11]]), row)[0, 0]
+        row.commit(1)
+        assert cache.lens.tolist() == [6, 3, 6] and cache.next_pos.tolist() == [6, 3, 6]
+        assert torch.equal(cache.k[:, :2], k_before[:, :2])  # rows 0 and 1 untouched
+        assert rel_err(got, forward_all(model, torch.cat((x[2, :5], torch.tensor([11])))[None])[0, -1]) < TOL
+        head = cache.head(2)
+        assert head.batch == 2 and head.max_len == 6
+        nxt = torch.tensor([[12], [13]])
+        got = model(nxt, head)[:, 0]
+        head.commit(1)
+        assert cache.lens.tolist() == [7, 4, 6]
+        for i, n in enumerate([6, 3]):
+            want = forward_all(model, torch.cat((x[i, :n], nxt[i]))[None])[0, -1]
             assert rel_err(got[i], want) < TOL
-        cache.commit(1)
         with pytest.raises(RuntimeError, match="overflow"):
-            model(torch.zeros(2, 2, dtype=torch.long), cache)  # 7 + 2 slots > capacity 8
+            model(torch.zeros(1, 2, dtype=torch.long), cache.row(0))  # 7 + 2 slots > capacity 8
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
