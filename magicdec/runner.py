@@ -201,6 +201,8 @@ class ModelRunner:
         length no longer widens the attention of the slots decoded with it."""
         self.live[slot] = False
         self.cache.row(slot).clear()
+        if self.drafter is not None:
+            self.drafter.release(slot)
 
     # --- one step -------------------------------------------------------------------------------------------
     @torch.inference_mode()

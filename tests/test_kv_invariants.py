@@ -329,28 +329,11 @@ SCENARIOS = {
     "late-long-prompt": Scenario((20, 80), (60, 4), (0, 30), slots=2, plain_run=30, temperatures=(1.0,)),
 }
 
-# Library bugs these tests found (see the branch's report); strict, so that a fix makes them fail until removed.
-SHORT_PROMPT_BUG = pytest.mark.xfail(
-    strict=True, raises=AssertionError,
-    reason="compress_into clamps the kept positions to the dense cache's capacity; ModelDrafter.admit prefills "
-           "into a cache exactly the prompt's size, so for a prompt shorter than the budget the window entries "
-           "alias its last position: StreamingLLM hides that entry, SnapKV starts its window one position early")
-DENSE_CATCH_UP_BUG = pytest.mark.xfail(
-    strict=True, raises=RuntimeError,
-    reason="Drafter._feed_limit allows a dense draft cache a catch-up forward of its whole capacity, but the "
-           "forward writes that many slots in every row: beside a long row it overflows the cache")
-
-
 def invariant_cases():
     for (name, reindex, gamma), (scenario, s) in itertools.product(DRAFTER_CASES, SCENARIOS.items()):
-        marks = []
-        if name in ("model-streaming", "model-snapkv") and min(s.prompt_lens) < BUDGET:
-            marks.append(SHORT_PROMPT_BUG)
-        if name == "model-dense" and scenario == "late-long-prompt":
-            marks.append(DENSE_CATCH_UP_BUG)
         for temperature in s.temperatures:
             case_id = f"{name}-ri{int(reindex)}-g{gamma}-{'sampled' if temperature else 'greedy'}-{scenario}"
-            yield pytest.param(name, reindex, gamma, temperature, scenario, id=case_id, marks=marks)
+            yield pytest.param(name, reindex, gamma, temperature, scenario, id=case_id)
 
 
 @pytest.mark.parametrize("name,reindex,gamma,temperature,scenario", invariant_cases())
@@ -597,7 +580,6 @@ def test_budget_covering_context_keeps_everything(target, kind, reindex):
     assert torch.equal(cache.k, k_before) and torch.equal(cache.lens, dense.lens)
 
 
-@SHORT_PROMPT_BUG
 @pytest.mark.parametrize("kind", ["streaming", "snapkv"])
 def test_prompt_sized_dense_cache_compresses_a_short_prompt_whole(target, kind):
     """A model drafter compresses its prefill from a dense cache of exactly the prompt's length: a prompt

@@ -49,10 +49,16 @@ class Drafter(ABC):
     def admit(self, slot: int, prompt: Tensor, target: KVCache, observer: SnapKVObserver | None) -> None:
         """Build slot's draft cache for prompt [T], which the target has prefilled into `target` (a row view)."""
 
-    def _feed_limit(self, cache: KVCache) -> int:
-        """Most tokens one forward may write without a sparse ring overwriting entries it still shows."""
+    def release(self, slot: int) -> None:
+        """The slot's request is gone: empty its row (a stale long row would widen every forward's writes)."""
+        self.cache.row(slot).clear()
+
+    @staticmethod
+    def _feed_limit(cache: KVCache) -> int:
+        """Most tokens one forward may write: a sparse ring must not overwrite entries it still shows, and a
+        dense cache must hold q more slots in its longest row (every row writes q)."""
         budget = getattr(cache, "budget", None)
-        return cache.capacity if budget is None else cache.capacity - budget
+        return cache.capacity - cache.max_len if budget is None else cache.capacity - budget
 
     def _feed(self, cache: KVCache, seq: Tensor, start: Tensor, count: Tensor, live: Tensor) -> Tensor:
         """Run seq[b, start[b] : start[b] + count[b]] through the draft model (count >= 1 for live rows);
@@ -75,9 +81,8 @@ class Drafter(ABC):
         live_n = live.long()
         start = cache.next_pos.clone()
         unseen = torch.where(live, n_tokens - start, 1)
-        # catch up (after plain-decoding rounds) in forwards the ring can hold, leaving room for the drafts
-        last_limit = self._feed_limit(cache) - gamma + 1
-        while int(unseen.max()) > last_limit:
+        # catch up (after plain-decoding rounds) in forwards the cache can hold, leaving room for the drafts
+        while int(unseen.max()) > (last_limit := self._feed_limit(cache) - gamma + 1):
             count = (unseen - last_limit).clamp(0, self._feed_limit(cache))
             self._feed(cache, seq, start, count.clamp_min(1), live & (count > 0))
             self.evict(cache)

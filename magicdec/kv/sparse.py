@@ -92,12 +92,13 @@ class SparseKVCache(KVCache):
         of `index` must be the row's last positions, in order.
         """
         L, B, KV, _, hd = src.k.shape
-        idx = index.expand(L, B, KV, -1)
-        K = idx.shape[-1]
-        valid = torch.arange(K, device=idx.device)[None, :] < n[:, None]  # [B, K]
+        K = index.shape[-1]
+        valid = torch.arange(K, device=index.device)[None, :] < n[:, None]  # [B, K]
+        # entries past a short row's end stand at its next position, whose ring slot no held entry uses
+        idx = torch.where(valid[None, :, None, :], index, src.next_pos[None, :, None, None]).expand(L, B, KV, -1)
         window_pos = idx[0, :, 0, self.keep :]  # [B, K - keep], the same for all layers and heads
         dest = torch.cat((torch.arange(self.keep, device=idx.device).expand(B, -1), self._slots_of(window_pos)), 1)
-        gidx = idx[..., None].expand(L, B, KV, K, hd)
+        gidx = idx.clamp_max(src.capacity - 1)[..., None].expand(L, B, KV, K, hd)
         didx = dest[None, :, None, :, None].expand(L, B, KV, K, hd)
         self.k.scatter_(3, didx, src.k.gather(3, gidx).to(self.k.dtype))
         self.v.scatter_(3, didx, src.v.gather(3, gidx).to(self.v.dtype))
@@ -231,4 +232,4 @@ def compress_into(sparse: SparseKVCache, dense: KVCache, kind: str, observer: Sn
         index = snapkv_index(observer, lens, budget, budget - sparse.keep)
     else:
         raise ValueError(f"unknown sparse cache kind {kind!r}; choose from {SPARSE_KINDS}")
-    sparse.load_slots(dense, index.clamp_max(dense.capacity - 1), lens.clamp_max(budget))
+    sparse.load_slots(dense, index, lens.clamp_max(budget))
