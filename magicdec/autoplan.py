@@ -204,8 +204,10 @@ def choose(
 
     @functools.lru_cache(maxsize=4096)
     def planned(live: int, context: int) -> int:
-        return plan(shape, hw, live, context, table, budgets=[best.budget], gammas=gammas,
-                    dtype_bytes=weight_bytes, kv_dtype_bytes=kv_bytes, mode=mode, strategies=replan_strategies).gamma
+        # steady state (rows=1): one step's tokens are its rows' mean acceptance; slower rows stay on to be
+        # re-planned as the batch they leave behind shrinks
+        return plan(shape, hw, live, context, table, budgets=[best.budget], gammas=gammas, dtype_bytes=weight_bytes,
+                    kv_dtype_bytes=kv_bytes, mode=mode, strategies=replan_strategies, rows=1).gamma
 
     def gamma_for(live: int, mean_context: int) -> int:
         """The best draft length for the chosen drafter and budget at the live batch and mean context
