@@ -79,6 +79,7 @@ def run_bench(args, grid: BenchGrid) -> dict:
     doc.setdefault("points", {})
     doc["machine"] = machine_info(llm.model.device)
     doc["settings"] = {**asdict(grid), "model": llm.loaded.source, "dtype": str(llm.model.dtype),
+                       "dtype_choice": str(llm.loaded.dtype_choice),
                        "kv_dtype": str(llm.kv_dtype), "sampling": SAMPLING}
     texts = load_texts(args.corpus)[: grid.n_texts]
     configs = grid.configs()

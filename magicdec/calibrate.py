@@ -39,6 +39,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 
 from magicdec.config import ModelConfig
+from magicdec.cpu import auto_dtype, reported_flags
 from magicdec.memory import available_bytes
 from magicdec.planner import AcceptanceTable, HardwareProfile, ModelShape, forward_cost
 from magicdec.planner.models import MODEL_PRESETS
@@ -112,11 +113,6 @@ def _element_size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def default_compute_dtype(device: torch.device) -> torch.dtype:
-    """The dtype `LLM` computes in on `device`: fp32 on CPU, bf16 elsewhere."""
-    return torch.float32 if device.type == "cpu" else torch.bfloat16
-
-
 def device_memory_bytes(device: torch.device) -> float:
     """Device memory (CUDA) or physical memory (CPU), bytes."""
     if device.type == "cuda":
@@ -143,11 +139,13 @@ def _cpu_model() -> str:
 
 
 def machine_info(device: str | torch.device = "cpu") -> dict[str, Any]:
-    """What the measurements were taken on: device, threads, CPU model, memory, load, versions."""
+    """What the measurements were taken on: device, threads, CPU model and the flags that pick its kernels
+    (AMX, AVX512-BF16, ...), memory, load, versions."""
     dev = torch.device(device)
     info: dict[str, Any] = {
         "device": str(dev),
         "cpu": _cpu_model(),
+        "cpu_flags": reported_flags(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "memory_bytes": device_memory_bytes(torch.device("cpu")),
@@ -262,12 +260,12 @@ def measure_hardware(
 
     `model`: a magicdec Transformer to time whole forwards of (default: a randomly initialised model
     with the default model's shape, SmolLM2-135M). `dtype`: the compute dtype (default: the model's,
-    else fp32 on CPU and bf16 on GPU). Quick mode takes seconds; the full one a few minutes.
+    else what `dtype="auto"` picks on this device); the profile records it. Quick mode takes seconds; the full one a few minutes.
     """
     dev = torch.device(device)
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
-    dtype = dtype or (model.dtype if model is not None else default_compute_dtype(dev))
+    dtype = dtype or (model.dtype if model is not None else auto_dtype(dev).dtype)
     es = _element_size(dtype)
     gpu = dev.type == "cuda"
     reps = 2 if quick else 7

@@ -44,7 +44,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--model", help="Hugging Face model folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
     g.add_argument("--device", help="cpu or cuda[:N] (default: cuda if available)")
-    g.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help="compute dtype (default: fp32 on CPU, bf16 on CUDA)")
+    g.add_argument("--dtype", choices=["auto", "fp32", "bf16", "fp16"], default="auto",
+                   help="weights, activations and KV dtype (default auto: bf16 on CUDA and on CPUs with AMX-BF16 "
+                        "or AVX512-BF16, fp32 on other CPUs)")
     g.add_argument("--kv-dtype", choices=["fp32", "bf16", "fp16"], help="KV cache storage dtype (default: the compute dtype)")
     g.add_argument("--prefill-chunk", type=positive_int, default=512, help="prompt tokens per prefill forward (default 512)")
 
@@ -157,6 +159,12 @@ def format_stats(stats, label: str) -> str:
     return line
 
 
+def dtype_line(llm) -> str:
+    """The dtypes a run computes and caches in, and why (printed with the run's stats)."""
+    kv = str(llm.kv_dtype).removeprefix("torch.")
+    return f"dtype {llm.loaded.dtype_choice}; KV cache {kv}"
+
+
 def cmd_generate(args) -> int:
     from magicdec.engine import LLM
     from magicdec.sampling import SamplingParams
@@ -189,6 +197,8 @@ def cmd_generate(args) -> int:
             all_stats.append(llm.last_stats)
             if not args.json:
                 print(format_stats(llm.last_stats, label), file=sys.stderr)
+        if not args.json:
+            print(f"[{label}] {dtype_line(llm)}", file=sys.stderr)
         results[label] = outs
         runs.append({"mode": label, "speculative": cfg.__dict__ if cfg else None,
                      "stats": [s.as_dict() for s in all_stats]})
@@ -205,7 +215,8 @@ def cmd_generate(args) -> int:
             print(summary, file=sys.stderr)
     if args.json:
         doc = {"outputs": [{"text": o.text, "token_ids": o.token_ids, "finish_reason": o.finish_reason,
-                            "prompt_tokens": len(o.prompt_token_ids)} for o in final], "runs": runs}
+                            "prompt_tokens": len(o.prompt_token_ids)} for o in final], "runs": runs,
+               "dtype": dtype_line(llm)}
         json.dump(doc, sys.stdout, indent=1)
         print()
     else:
@@ -260,7 +271,8 @@ def cmd_calibrate(args) -> int:
     from magicdec.corpus import load_texts
     from magicdec.engine import LLM
 
-    llm = LLM(args.model, device=args.device)
+    llm = LLM(args.model, device=args.device, dtype=args.dtype)
+    print(dtype_line(llm), file=sys.stderr)
 
     def progress(done: int, total: int, label: str) -> None:
         print(f"[{done}/{total}] {label}", file=sys.stderr)
@@ -361,6 +373,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--corpus", default=str(Path(__file__).resolve().parents[2] / "shared/data/pg19_dev.jsonl"),
                    help="corpus for --acceptance")
     c.add_argument("--model", help="model for --acceptance (default: the embedded model)")
+    c.add_argument("--dtype", choices=["auto", "fp32", "bf16", "fp16"], default="auto",
+                   help="dtype to measure in (default auto, as `generate` picks it)")
     c.set_defaults(func=cmd_calibrate)
     return p
 

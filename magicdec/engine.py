@@ -20,17 +20,18 @@ from magicdec.loading import LoadedModel, load_model
 from magicdec.sampling import SamplingParams
 from magicdec.speculative import SpeculativeConfig
 
-DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+DTYPES = {"auto": None, "fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
           "fp16": torch.float16, "float16": torch.float16}
 
 
 def parse_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
+    """A dtype name -> torch dtype; None and "auto" -> None (the loader decides, `magicdec.cpu.auto_dtype`)."""
     if name is None or isinstance(name, torch.dtype):
         return name
     try:
         return DTYPES[name.lower()]
     except KeyError:
-        raise InvalidRequestError(f"unknown dtype {name!r}; choose from fp32, bf16, fp16") from None
+        raise InvalidRequestError(f"unknown dtype {name!r}; choose from auto, fp32, bf16, fp16") from None
 
 
 @dataclass

@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer as HFTokenizer
 
 from magicdec.config import ModelConfig
+from magicdec.cpu import DtypeChoice, auto_dtype
 from magicdec.errors import ModelLoadError
 from magicdec.loading.gguf_file import config_from_gguf, gguf_metadata, load_gguf_state_dict, read_gguf
 from magicdec.loading.hf import load_hf_state_dict, read_hf_config, to_magicdec_names
@@ -35,6 +36,7 @@ class LoadedModel:
     model: Transformer
     tokenizer: Tokenizer
     source: str
+    dtype_choice: DtypeChoice  # the compute dtype and why it was picked
 
 
 def default_model_path() -> Path:
@@ -52,11 +54,6 @@ def default_model_path() -> Path:
 
 def cache_root() -> Path:
     return Path(os.environ.get("MAGICDEC_CACHE", Path.home() / ".cache" / "magicdec"))
-
-
-def default_dtype(device: torch.device) -> torch.dtype:
-    """fp32 on CPU (bf16 matmuls are slow without AVX512-BF16), bf16 on accelerators."""
-    return torch.float32 if device.type == "cpu" else torch.bfloat16
 
 
 def _converted_gguf(path: Path) -> Path:
@@ -112,9 +109,13 @@ def load_model(
     device: str | torch.device | None = None,
     dtype: torch.dtype | None = None,
 ) -> LoadedModel:
-    """Load a Hugging Face folder or a GGUF file (None: the embedded default model)."""
+    """Load a Hugging Face folder or a GGUF file (None: the embedded default model).
+
+    `dtype` None is "auto": bf16 on accelerators and on CPUs that multiply bf16 natively, else fp32
+    (see `magicdec.cpu.auto_dtype`).
+    """
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = dtype or default_dtype(dev)
+    choice = DtypeChoice(dtype, "requested") if dtype is not None else auto_dtype(dev)
     path = default_model_path() if model is None else Path(model)
     if not path.exists():
         raise ModelLoadError(f"model path does not exist: {path}")
@@ -133,4 +134,4 @@ def load_model(
         tok = Tokenizer(HFTokenizer.from_file(str(folder / "tokenizer.json")), cfg.bos_token_id, cfg.eos_token_ids, add_bos)
     else:
         raise ModelLoadError(f"{path}: expected a Hugging Face model folder or a .gguf file")
-    return LoadedModel(_build(cfg, sd, dev, dtype), tok, str(path))
+    return LoadedModel(_build(cfg, sd, dev, choice.dtype), tok, str(path), choice)
