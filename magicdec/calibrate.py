@@ -39,7 +39,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 
 from magicdec.config import ModelConfig
-from magicdec.cpu import auto_dtype, reported_flags
+from magicdec.cpu import auto_dtype, cpu_kind, dtype_name, reported_flags
 from magicdec.memory import available_bytes
 from magicdec.planner import AcceptanceTable, HardwareProfile, ModelShape, forward_cost
 from magicdec.planner.models import MODEL_PRESETS
@@ -60,9 +60,10 @@ def _device_key(device: str | torch.device) -> str:
     return str(device).replace(":", "-").replace("/", "-")
 
 
-def default_profile_path(device: str | torch.device = "cpu") -> Path:
-    """Where `magicdec calibrate` saves the profile of `device`: <cache>/hardware-<device>.json."""
-    return cache_dir() / f"hardware-{_device_key(device)}.json"
+def default_profile_path(device: str | torch.device, dtype: str) -> Path:
+    """Where `magicdec calibrate` saves the profile of `device` measured in `dtype` (fp32, bf16):
+    <cache>/hardware-<device>-<dtype>.json."""
+    return cache_dir() / f"hardware-{_device_key(device)}-{dtype}.json"
 
 
 def default_acceptance_path(model_name: str) -> Path:
@@ -238,7 +239,9 @@ class HardwareCalibration:
 
     def save(self, path: str | os.PathLike[str] | None = None) -> Path:
         """Write the profile to `path` (default: `default_profile_path`) and the measurements beside it."""
-        path = Path(path) if path is not None else default_profile_path(self.measurements.get("device", "cpu"))
+        if path is None:
+            path = default_profile_path(self.measurements.get("device", "cpu"), self.profile.dtype or "fp32")
+        path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         self.profile.to_json(path)
         with open(path.with_suffix(".measurements.json"), "w") as f:
@@ -269,7 +272,7 @@ def measure_hardware(
     es = _element_size(dtype)
     gpu = dev.type == "cuda"
     reps = 2 if quick else 7
-    m: dict[str, Any] = {"device": str(device), "dtype": str(dtype).removeprefix("torch."), "quick": quick,
+    m: dict[str, Any] = {"device": str(device), "dtype": dtype_name(dtype), "quick": quick,
                          "machine": machine_info(dev)}
     stages = ["bandwidth", "matmul", "overhead", "linear", "attention", "check"]
 
@@ -281,15 +284,17 @@ def measure_hardware(
     stage(0, "read bandwidth")
     nbytes = (2 * GiB if gpu else 512 * 2**20) if quick else (4 * GiB if gpu else 1 * GiB)
     x = torch.empty(nbytes // es, dtype=dtype, device=dev).fill_(0.5)  # values do not change the speed
-    t_sum = _best(lambda: x.sum(dtype=torch.float32), dev, reps)
+    # the bytes seen as fp32: a bf16 .sum() on CPU converts as it reads, at a fraction of the bandwidth
+    x32 = x.view(torch.float32)
+    t_sum = _best(lambda: x32.sum(), dev, reps)
     cols = 4096
     xm = x[: x.numel() // cols * cols].view(-1, cols)
     ones = torch.ones(cols, dtype=dtype, device=dev)
     t_mv = _best(lambda: torch.mv(xm, ones), dev, reps)
-    read_bw = {"sum": x.numel() * es / t_sum, "mv": xm.numel() * es / t_mv}
+    read_bw = {"sum": nbytes / t_sum, "mv": xm.numel() * es / t_mv}
     peak_bandwidth = max(read_bw.values())
     m["read_bandwidth"] = {**read_bw, "bytes": nbytes}
-    del x, xm
+    del x, x32, xm
 
     # 2. peak matmul rate: large square products
     stage(1, "matmul")
@@ -368,7 +373,7 @@ def measure_hardware(
     flops = max(peak_flops, best_linear_flops, att_flops)
     bandwidth = max(peak_bandwidth, linear_rates[0][1], attention_rates[0][1])
     profile = HardwareProfile(
-        name=name or _default_name(dev), flops_per_s=flops, mem_bandwidth=bandwidth,
+        name=name or _default_name(dev, dtype), dtype=dtype_name(dtype), flops_per_s=flops, mem_bandwidth=bandwidth,
         mem_bytes=device_memory_bytes(dev), matmul_efficiency=best_linear_flops / flops,
         bandwidth_efficiency=linear_rates[0][1] / bandwidth, attention_efficiency=att_flops / flops,
         # a decode step is a forward plus the loop's own work: the planner sees it as fixed overhead
@@ -447,11 +452,12 @@ def _median_forward(model, batch: int, q: int, kv_len: int, reps: int) -> float:
     return time_forward(model, batch, q, kv_len, reps=reps)
 
 
-def _default_name(device: torch.device) -> str:
+def _default_name(device: torch.device, dtype: torch.dtype) -> str:
+    """calibrated-<GPU>-<dtype>, or calibrated-cpu-<matmul hardware>-<threads>t-<dtype> (as CPU presets)."""
     if device.type == "cuda":
         gpu = torch.cuda.get_device_name(device).lower().replace("nvidia", "").strip().replace(" ", "-")
-        return f"calibrated-{gpu}"
-    return f"calibrated-cpu-{torch.get_num_threads()}t"
+        return f"calibrated-{gpu}-{dtype_name(dtype)}"
+    return f"calibrated-cpu-{cpu_kind()}-{torch.get_num_threads()}t-{dtype_name(dtype)}"
 
 
 # --- acceptance ----------------------------------------------------------------------------------------

@@ -296,6 +296,8 @@ def cmd_calibrate(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from magicdec.planner import PRESETS
+
     p = argparse.ArgumentParser(
         prog="magicdec",
         description="Fast long-context, large-batch generation with sparse-KV speculative decoding (MagicDec).",
@@ -345,12 +347,13 @@ def build_parser() -> argparse.ArgumentParser:
                                     "prints strategy, budget, gamma and predicted speedup per point.")
     pl.add_argument("--model", default="llama-3.1-8b", help="model preset name, config.json or HF folder (default llama-3.1-8b)")
     pl.add_argument("--draft-model", help="standalone draft model preset or config (e.g. tinyllama-1.1b)")
-    pl.add_argument("--hardware", default="h100", help="hardware preset (a100-80gb, h100, h200, l40s, l40, cpu-zen3-2core) or profile JSON")
+    pl.add_argument("--hardware", default="h100", help=f"hardware preset ({', '.join(PRESETS)}) or profile JSON")
     pl.add_argument("--batch", type=size_list, default=[1, 8, 32, 128], help="batch sizes (default 1,8,32,128)")
     pl.add_argument("--context", type=size_list, default=[1024, 8192, 32768, 131072], help="contexts (default 1k,8k,32k,128k)")
     pl.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel degree (default 1)")
     pl.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16",
-                    help="weight and KV dtype (default bf16, as on GPUs; fp32 as magicdec runs on CPUs)")
+                    help="weight and KV dtype (default bf16, as on GPUs and CPUs with AMX-BF16 or AVX512-BF16; "
+                         "fp32 as magicdec runs on other CPUs)")
     pl.add_argument("--mode", choices=["greedy", "sampling"], default="greedy", help="acceptance regime")
     pl.add_argument("--acceptance", help="acceptance table JSON (default: the paper's StreamingLLM numbers)")
     pl.add_argument("--steady-state", action="store_true",

@@ -43,6 +43,21 @@ def reported_flags(flags: frozenset[str] | None = None) -> list[str]:
     return [f for f in REPORTED_FLAGS if f in flags]
 
 
+def cpu_kind(flags: frozenset[str] | None = None) -> str:
+    """The CPU's fastest matmul hardware, as presets and calibrated profiles are named:
+    amx, avx512bf16, avx512, avx2 or generic."""
+    flags = cpu_flags() if flags is None else flags
+    for flag, kind in (("amx_bf16", "amx"), ("avx512_bf16", "avx512bf16"), ("avx512f", "avx512"), ("avx2", "avx2")):
+        if flag in flags:
+            return kind
+    return "generic"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """fp32, bf16 or fp16: the short name the CLI, profiles and presets use."""
+    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+
+
 @functools.cache
 def bf16_matmul_speedup() -> float:
     """fp32 time over bf16 time of a small linear layer (32 x 576 -> 1536), timed side by side.
@@ -72,7 +87,7 @@ class DtypeChoice:
 
     @property
     def name(self) -> str:
-        return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[self.dtype]
+        return dtype_name(self.dtype)
 
     def __str__(self) -> str:
         return f"{self.name} ({self.reason})"
