@@ -10,7 +10,8 @@ and budget stay as chosen at the start; where plain decoding is the better choic
 (say, few sequences at a short context), that step decodes plainly, and drafting resumes when it pays.
 
 The model's shape and dtypes come from the `LLM`; the hardware profile is the one `magicdec calibrate`
-saved for the device (else a preset); the acceptance rates are the ones measured for this model (else
+saved for the device and the dtype in use (else the preset measured in that dtype, on this kind of CPU
+where there is one); the acceptance rates are the ones measured for this model (else
 the table shipped with the package, measured on SmolLM2-135M with PG-19 text).
 """
 
@@ -24,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from magicdec.errors import InvalidRequestError
 from magicdec.planner import PRESETS, AcceptanceTable, HardwareProfile, ModelShape, Plan, get_profile, plan
+from magicdec.planner.hardware import CPU_PRESETS
 
 if TYPE_CHECKING:
     from magicdec.speculative import SpeculativeConfig
@@ -38,7 +40,6 @@ BUILTIN_ACCEPTANCE = "acceptance_smollm2.json"
 
 #: GPU name fragments (lower case) -> preset, for devices without a calibrated profile.
 _GPU_PRESETS = (("h200", "h200"), ("h100", "h100"), ("a100", "a100-80gb"), ("l40s", "l40s"), ("l40", "l40"))
-CPU_PRESET = "cpu-zen3-2core"
 #: Contexts the per-step re-planner distinguishes (plans are cached per live batch and context bucket).
 REPLAN_GRANULARITY = 64
 FALLBACK_GPU_PRESET = "a100-80gb"
@@ -58,6 +59,12 @@ def _dtype_bytes(dtype: Any) -> float:
     if key in names:
         return float(names[key])
     raise ValueError(f"unknown dtype {dtype!r}")
+
+
+def _dtype_name(dtype: Any) -> str | None:
+    """fp32, bf16 or fp16 for a torch dtype or a name; None for anything else (a byte count, None)."""
+    names = {"float32": "fp32", "fp32": "fp32", "bfloat16": "bf16", "bf16": "bf16", "float16": "fp16", "fp16": "fp16"}
+    return names.get(str(dtype).lower().removeprefix("torch."))
 
 
 def target_shape(model: Any) -> ModelShape:
@@ -85,10 +92,14 @@ def _device_of(model: Any) -> str | None:
     return None if device is None else str(device)
 
 
-def preset_for_device(device: str) -> HardwareProfile:
-    """The preset standing in for an uncalibrated device: the CPU one, or the GPU matching its name."""
+def preset_for_device(device: str, dtype: str | None = None) -> HardwareProfile:
+    """The preset standing in for an uncalibrated device: for a CPU, the measured preset of the same
+    dtype (fp32, bf16), from the same kind of CPU where there is one; for a GPU, the one matching its name."""
     if not device.startswith("cuda"):
-        return PRESETS[CPU_PRESET]
+        from magicdec.cpu import cpu_kind
+
+        kind = cpu_kind()
+        return PRESETS[min(CPU_PRESETS, key=lambda n: (PRESETS[n].dtype != dtype, not n.startswith(f"cpu-{kind}-")))]
     try:
         import torch
 
@@ -101,14 +112,17 @@ def preset_for_device(device: str) -> HardwareProfile:
     return PRESETS[FALLBACK_GPU_PRESET]
 
 
-def load_profile(device: str = "cpu") -> HardwareProfile:
-    """The profile `magicdec calibrate` saved for `device`, else `preset_for_device`."""
+def load_profile(device: str = "cpu", dtype: str | None = None) -> HardwareProfile:
+    """The profile `magicdec calibrate` saved for `device` in `dtype` (default: fp32 on CPU, bf16 on
+    GPUs), else `preset_for_device`."""
     from magicdec.calibrate import default_profile_path
 
-    for path in dict.fromkeys((default_profile_path(device), default_profile_path(device.split(":")[0]))):
+    dtype = dtype or ("bf16" if device.startswith("cuda") else "fp32")
+    for dev in dict.fromkeys((device, device.split(":")[0])):
+        path = default_profile_path(dev, dtype)
         if path.is_file():
             return _read_calibrated(HardwareProfile.from_json, path)
-    return preset_for_device(device)
+    return preset_for_device(device, dtype)
 
 
 def _read_calibrated(read: Callable[[Path], Any], path: Path) -> Any:
@@ -156,7 +170,7 @@ def choose(
     Returns (SpeculativeConfig, plan), or (None, plan) when plain autoregressive decoding is predicted
     to be at least as fast. `llm` is an `LLM` (or a Transformer, ModelConfig or planner ModelShape, to
     plan for a model or machine you do not have). `profile`: a HardwareProfile, preset name or JSON
-    path (default: the calibrated profile of the model's device, else a preset). `acceptance`: a table
+    path (default: the calibrated profile of the model's device and dtype, else a preset). `acceptance`: a table
     or its JSON path (default: the one measured for this model, else the built-in table). `mode`:
     "greedy" or "sampling" (temperature > 0). `dtype`/`kv_dtype` (torch dtypes or byte counts)
     default to the LLM's; without an LLM, to 4 bytes on a CPU profile and 2 on others.
@@ -167,9 +181,11 @@ def choose(
     strategies = tuple(strategies)
     shape = target_shape(llm)
     device = _device_of(llm)
+    if dtype is None:
+        dtype = getattr(getattr(llm, "model", llm), "dtype", None)  # an LLM's or a Transformer's
     try:
         if profile is None:
-            hw = load_profile(device or "cpu")
+            hw = load_profile(device or "cpu", _dtype_name(dtype))
         elif isinstance(profile, HardwareProfile):
             hw = profile
         else:
@@ -183,10 +199,8 @@ def choose(
     except (ValueError, OSError) as e:
         raise InvalidRequestError(str(e)) from None
 
-    if dtype is None:
-        dtype = getattr(getattr(llm, "model", llm), "dtype", None)  # an LLM's or a Transformer's
-        if dtype is None:  # planning from a config or shape: the compute dtype the device would use
-            dtype = 4 if _is_cpu_profile(hw) else 2
+    if dtype is None:  # planning from a config or shape: the profile's dtype, else the device's usual one
+        dtype = hw.dtype or (4 if _is_cpu_profile(hw) else 2)
     if kv_dtype is None:
         kv_dtype = getattr(llm, "kv_dtype", None) or dtype
     weight_bytes, kv_bytes = _dtype_bytes(dtype), _dtype_bytes(kv_dtype)
@@ -223,15 +237,16 @@ def choose(
 def describe(plan_: Plan) -> str:
     """One line saying what was chosen and why, for logs and `--draft auto`."""
     if plan_.strategy == "ar":
-        return (f"auto: autoregressive ({plan_.predicted_throughput:.1f} tok/s predicted; "
-                f"speculation does not pay here, step dominated by {plan_.verify_dominant})")
+        return (f"auto: autoregressive ({plan_.predicted_throughput:.1f} tok/s predicted with profile "
+                f"{plan_.hardware}; speculation does not pay here, step dominated by {plan_.verify_dominant})")
     return (f"auto: {plan_.strategy} budget {plan_.budget} gamma {plan_.gamma} "
-            f"(alpha {plan_.alpha:.2f}, {plan_.predicted_throughput:.1f} tok/s predicted, "
-            f"{plan_.predicted_speedup:.2f}x over AR; verify dominated by {plan_.verify_dominant})")
+            f"(alpha {plan_.alpha:.2f}, {plan_.predicted_throughput:.1f} tok/s predicted with profile "
+            f"{plan_.hardware}, {plan_.predicted_speedup:.2f}x over AR; verify dominated by {plan_.verify_dominant})")
 
 
 __all__ = [
     "BUILTIN_ACCEPTANCE",
+    "CPU_PRESETS",
     "builtin_acceptance",
     "choose",
     "describe",

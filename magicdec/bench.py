@@ -108,7 +108,7 @@ def run_bench(args, grid: BenchGrid) -> dict:
     llm = LLM(args.model, device=args.device, dtype=args.dtype, kv_dtype=args.kv_dtype, prefill_chunk=args.prefill_chunk)
     doc["machine"] = machine_info(llm.model.device)
     doc["settings"] = {**asdict(grid), "model": llm.loaded.source, "dtype": str(llm.model.dtype),
-                       "kv_dtype": str(llm.kv_dtype),
+                       "dtype_choice": str(llm.loaded.dtype_choice), "kv_dtype": str(llm.kv_dtype),
                        "sampling": {k: getattr(sampled, k) for k in ("temperature", "top_p", "top_k")}}
     configs = grid.configs()
     total = len(grid.batches) * len(grid.contexts) * len(configs)

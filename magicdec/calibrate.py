@@ -40,6 +40,7 @@ import torch
 
 from magicdec.config import ModelConfig
 from magicdec.loading.cache import cache_root
+from magicdec.cpu import auto_dtype, cpu_kind, dtype_name, reported_flags
 from magicdec.memory import available_bytes
 from magicdec.runner import synchronize
 from magicdec.planner import AcceptanceTable, HardwareProfile, ModelShape, forward_cost
@@ -61,9 +62,10 @@ def _device_key(device: str | torch.device) -> str:
     return str(device).replace(":", "-").replace("/", "-")
 
 
-def default_profile_path(device: str | torch.device = "cpu") -> Path:
-    """Where `magicdec calibrate` saves the profile of `device`: <cache>/hardware-<device>.json."""
-    return cache_dir() / f"hardware-{_device_key(device)}.json"
+def default_profile_path(device: str | torch.device, dtype: str) -> Path:
+    """Where `magicdec calibrate` saves the profile of `device` measured in `dtype` (fp32, bf16):
+    <cache>/hardware-<device>-<dtype>.json."""
+    return cache_dir() / f"hardware-{_device_key(device)}-{dtype}.json"
 
 
 def default_acceptance_path(model_name: str) -> Path:
@@ -109,11 +111,6 @@ def _element_size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def default_compute_dtype(device: torch.device) -> torch.dtype:
-    """The dtype `LLM` computes in on `device`: fp32 on CPU, bf16 elsewhere."""
-    return torch.float32 if device.type == "cpu" else torch.bfloat16
-
-
 def device_memory_bytes(device: torch.device) -> float:
     """Device memory (CUDA) or physical memory (CPU), bytes."""
     if device.type == "cuda":
@@ -140,11 +137,13 @@ def _cpu_model() -> str:
 
 
 def machine_info(device: str | torch.device = "cpu") -> dict[str, Any]:
-    """What the measurements were taken on: device, threads, CPU model, memory, load, versions."""
+    """What the measurements were taken on: device, threads, CPU model and the flags that pick its kernels
+    (AMX, AVX512-BF16, ...), memory, load, versions."""
     dev = torch.device(device)
     info: dict[str, Any] = {
         "device": str(dev),
         "cpu": _cpu_model(),
+        "cpu_flags": reported_flags(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "memory_bytes": device_memory_bytes(torch.device("cpu")),
@@ -229,7 +228,9 @@ class HardwareCalibration:
 
     def save(self, path: str | os.PathLike[str] | None = None) -> Path:
         """Write the profile to `path` (default: `default_profile_path`) and the measurements beside it."""
-        path = Path(path) if path is not None else default_profile_path(self.measurements.get("device", "cpu"))
+        if path is None:
+            path = default_profile_path(self.measurements.get("device", "cpu"), self.profile.dtype or "fp32")
+        path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         self.profile.to_json(path)
         with open(path.with_suffix(".measurements.json"), "w") as f:
@@ -251,16 +252,16 @@ def measure_hardware(
 
     `model`: a magicdec Transformer to time whole forwards of (default: a randomly initialised model
     with the default model's shape, SmolLM2-135M). `dtype`: the compute dtype (default: the model's,
-    else fp32 on CPU and bf16 on GPU). Quick mode takes seconds; the full one a few minutes.
+    else what `dtype="auto"` picks on this device); the profile records it. Quick mode takes seconds; the full one a few minutes.
     """
     dev = torch.device(device)
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
-    dtype = dtype or (model.dtype if model is not None else default_compute_dtype(dev))
+    dtype = dtype or (model.dtype if model is not None else auto_dtype(dev).dtype)
     es = _element_size(dtype)
     gpu = dev.type == "cuda"
     reps = 2 if quick else 7
-    m: dict[str, Any] = {"device": str(device), "dtype": str(dtype).removeprefix("torch."), "quick": quick,
+    m: dict[str, Any] = {"device": str(device), "dtype": dtype_name(dtype), "quick": quick,
                          "machine": machine_info(dev)}
     stages = ["bandwidth", "matmul", "overhead", "linear", "attention", "check"]
 
@@ -272,15 +273,17 @@ def measure_hardware(
     stage(0, "read bandwidth")
     nbytes = (2 * GiB if gpu else 512 * 2**20) if quick else (4 * GiB if gpu else 1 * GiB)
     x = torch.empty(nbytes // es, dtype=dtype, device=dev).fill_(0.5)  # values do not change the speed
-    t_sum = _best(lambda: x.sum(dtype=torch.float32), dev, reps)
+    # the bytes seen as fp32: a bf16 .sum() on CPU converts as it reads, at a fraction of the bandwidth
+    x32 = x.view(torch.float32)
+    t_sum = _best(lambda: x32.sum(), dev, reps)
     cols = 4096
     xm = x[: x.numel() // cols * cols].view(-1, cols)
     ones = torch.ones(cols, dtype=dtype, device=dev)
     t_mv = _best(lambda: torch.mv(xm, ones), dev, reps)
-    read_bw = {"sum": x.numel() * es / t_sum, "mv": xm.numel() * es / t_mv}
+    read_bw = {"sum": nbytes / t_sum, "mv": xm.numel() * es / t_mv}
     peak_bandwidth = max(read_bw.values())
     m["read_bandwidth"] = {**read_bw, "bytes": nbytes}
-    del x, xm
+    del x, x32, xm
 
     # 2. peak matmul rate: large square products
     stage(1, "matmul")
@@ -361,7 +364,7 @@ def measure_hardware(
     flops = max(peak_flops, best_linear_flops, att_flops)
     bandwidth = max(peak_bandwidth, linear_rates[0][1], attention_rates[0][1])
     profile = HardwareProfile(
-        name=name or _default_name(dev), flops_per_s=flops, mem_bandwidth=bandwidth,
+        name=name or _default_name(dev, dtype), dtype=dtype_name(dtype), flops_per_s=flops, mem_bandwidth=bandwidth,
         mem_bytes=device_memory_bytes(dev), matmul_efficiency=best_linear_flops / flops,
         bandwidth_efficiency=linear_rates[0][1] / bandwidth, attention_efficiency=att_flops / flops,
         # a decode step is a forward plus the loop's own work: the planner sees it as fixed overhead
@@ -441,11 +444,12 @@ def _median_forward(model, batch: int, q: int, kv_len: int, reps: int) -> float:
     return time_forward(model, batch, q, kv_len, reps=reps)
 
 
-def _default_name(device: torch.device) -> str:
+def _default_name(device: torch.device, dtype: torch.dtype) -> str:
+    """calibrated-<GPU>-<dtype>, or calibrated-cpu-<matmul hardware>-<threads>t-<dtype> (as CPU presets)."""
     if device.type == "cuda":
         gpu = torch.cuda.get_device_name(device).lower().replace("nvidia", "").strip().replace(" ", "-")
-        return f"calibrated-{gpu}"
-    return f"calibrated-cpu-{torch.get_num_threads()}t"
+        return f"calibrated-{gpu}-{dtype_name(dtype)}"
+    return f"calibrated-cpu-{cpu_kind()}-{torch.get_num_threads()}t-{dtype_name(dtype)}"
 
 
 # --- acceptance ----------------------------------------------------------------------------------------

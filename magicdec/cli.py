@@ -73,7 +73,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--model", help="Hugging Face model folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
     g.add_argument("--device", help="cpu or cuda[:N] (default: cuda if available)")
-    g.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help="compute dtype (default: fp32 on CPU, bf16 on CUDA)")
+    g.add_argument("--dtype", choices=["auto", "fp32", "bf16", "fp16"], default="auto",
+                   help="weights, activations and KV dtype (default auto: bf16 on CUDA and on CPUs with AMX-BF16 "
+                        "or AVX512-BF16, fp32 on other CPUs)")
     g.add_argument("--kv-dtype", choices=["fp32", "bf16", "fp16"], help="KV cache storage dtype (default: the compute dtype)")
     g.add_argument("--prefill-chunk", type=positive_int, default=512, help="prompt tokens per prefill forward (default 512)")
 
@@ -186,6 +188,12 @@ def format_stats(stats, label: str) -> str:
     return line
 
 
+def dtype_line(llm) -> str:
+    """The dtypes a run computes and caches in, and why (printed with the run's stats)."""
+    kv = str(llm.kv_dtype).removeprefix("torch.")
+    return f"dtype {llm.loaded.dtype_choice}; KV cache {kv}"
+
+
 def cmd_generate(args) -> int:
     from magicdec.engine import LLM
     from magicdec.kv import KVCache
@@ -220,6 +228,7 @@ def cmd_generate(args) -> int:
         stats = llm.last_stats
         if not args.json:
             print(format_stats(stats, label), file=sys.stderr)
+            print(f"[{label}] {dtype_line(llm)}", file=sys.stderr)
         runs.append({"mode": label, "speculative": _config_dict(cfg), "stats": stats.as_dict()})
     final = results[modes[-1][0]]
     if len(runs) == 2:
@@ -232,7 +241,8 @@ def cmd_generate(args) -> int:
                   f"identical outputs: {same}/{len(final)}", file=sys.stderr)
     if args.json:
         doc = {"outputs": [{"index": o.index, "text": o.text, "token_ids": o.token_ids, "finish_reason": o.finish_reason,
-                            "prompt_tokens": len(o.prompt_token_ids)} for o in final], "runs": runs}
+                            "prompt_tokens": len(o.prompt_token_ids)} for o in final], "runs": runs,
+               "dtype": dtype_line(llm)}
         json.dump(doc, sys.stdout, indent=1)
         print()
     else:
@@ -293,7 +303,8 @@ def cmd_calibrate(args) -> int:
     from magicdec.engine import LLM
 
     texts = load_texts(args.corpus) if args.acceptance else []  # checked before minutes of measuring
-    llm = LLM(args.model, device=args.device)
+    llm = LLM(args.model, device=args.device, dtype=args.dtype)
+    print(dtype_line(llm), file=sys.stderr)
 
     def progress(done: int, total: int, label: str) -> None:
         print(f"[{done}/{total}] {label}", file=sys.stderr)
@@ -356,6 +367,8 @@ def cmd_serve(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from magicdec.planner import PRESETS
+
     p = Parser(
         prog="magicdec",
         description="Fast long-context, large-batch generation with sparse-KV speculative decoding (MagicDec).",
@@ -407,12 +420,13 @@ def build_parser() -> argparse.ArgumentParser:
                                     "prints strategy, budget, gamma and predicted speedup per point.")
     pl.add_argument("--model", default="llama-3.1-8b", help="model preset name, config.json or HF folder (default llama-3.1-8b)")
     pl.add_argument("--draft-model", help="standalone draft model preset or config (e.g. tinyllama-1.1b)")
-    pl.add_argument("--hardware", default="h100", help="hardware preset (a100-80gb, h100, h200, l40s, l40, cpu-zen3-2core) or profile JSON")
+    pl.add_argument("--hardware", default="h100", help=f"hardware preset ({', '.join(PRESETS)}) or profile JSON")
     pl.add_argument("--batch", type=size_list, default=[1, 8, 32, 128], help="batch sizes (default 1,8,32,128)")
     pl.add_argument("--context", type=size_list, default=[1024, 8192, 32768, 131072], help="contexts (default 1k,8k,32k,128k)")
     pl.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel degree (default 1)")
     pl.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16",
-                    help="weight and KV dtype (default bf16, as on GPUs; fp32 as magicdec runs on CPUs)")
+                    help="weight and KV dtype (default bf16, as on GPUs and CPUs with AMX-BF16 or AVX512-BF16; "
+                         "fp32 as magicdec runs on other CPUs)")
     pl.add_argument("--mode", choices=["greedy", "sampling"], default="greedy", help="acceptance regime")
     pl.add_argument("--acceptance", help="acceptance table JSON (default: the paper's StreamingLLM numbers)")
     pl.add_argument("--steady-state", action="store_true",
@@ -435,6 +449,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--corpus", default=str(Path(__file__).resolve().parents[2] / "shared/data/pg19_dev.jsonl"),
                    help="corpus for --acceptance")
     c.add_argument("--model", help="model for --acceptance (default: the embedded model)")
+    c.add_argument("--dtype", choices=["auto", "fp32", "bf16", "fp16"], default="auto",
+                   help="dtype to measure in (default auto, as `generate` picks it)")
     c.set_defaults(func=cmd_calibrate)
 
     s = sub.add_parser("serve", help="serve the OpenAI API (completions, chat, streaming, metrics) over HTTP",

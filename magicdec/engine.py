@@ -33,7 +33,7 @@ from magicdec.scheduler import GammaPolicy, Request, Scheduler, Status, cuda_row
 from magicdec.speculative import SpeculativeConfig
 from magicdec.stats import GenerationStats
 
-DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+DTYPES = {"auto": None, "fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
           "fp16": torch.float16, "float16": torch.float16}
 
 #: Progress of a long run: (units done, units in all), in prompt + output tokens.
@@ -41,12 +41,13 @@ ProgressFn = Callable[[int, int], None]
 
 
 def parse_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
+    """A dtype name -> torch dtype; None and "auto" -> None (the loader decides, `magicdec.cpu.auto_dtype`)."""
     if name is None or isinstance(name, torch.dtype):
         return name
     try:
         return DTYPES[name.lower()]
     except KeyError:
-        raise InvalidRequestError(f"unknown dtype {name!r}; choose from fp32, bf16, fp16") from None
+        raise InvalidRequestError(f"unknown dtype {name!r}; choose from auto, fp32, bf16, fp16") from None
 
 
 @dataclass

@@ -58,13 +58,35 @@ def rope_cos_sin(inv_freq: Tensor, positions: Tensor, dtype: torch.dtype) -> tup
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
-def attention_bias(mask: Tensor, groups: int, dtype: torch.dtype) -> Tensor:
+def matmul_attention(device: torch.device, kv_dtype: torch.dtype) -> bool:
+    """Whether `attend` uses two matmuls (a bf16 cache on CPU) rather than SDPA.
+
+    Over a bf16 cache on CPU, two matmuls with the softmax between them in fp32 run 2-4x faster than
+    SDPA's flash kernel at decode (q=1) and mostly 15-40% faster at verification (q=4-9); over an fp32
+    cache SDPA is the faster one (1.4x), as it is on GPUs (benchmarks/README.md, "Attention over a bf16
+    cache").
+    """
+    return device.type == "cpu" and kv_dtype == torch.bfloat16
+
+
+def attention_bias(mask: Tensor, groups: int, kv_dtype: torch.dtype) -> Tensor:
     """Bool mask [B, 1, q, L] -> additive bias [B, 1, groups*q, L] (0 or -inf) for grouped queries.
 
-    Built once per forward; an additive bias is markedly faster than a bool mask in SDPA on CPU.
+    Built once per forward, in the dtype `attend` adds it in: fp32 scores for the matmul path, the
+    cache's dtype for SDPA (where an additive bias is markedly faster than a bool mask on CPU).
     """
+    dtype = torch.float32 if matmul_attention(mask.device, kv_dtype) else kv_dtype
     bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
     return bias.repeat(1, 1, groups, 1) if groups > 1 else bias
+
+
+def attend(xq: Tensor, keys: Tensor, values: Tensor, bias: Tensor) -> Tensor:
+    """Attention of queries [B, KV, G*q, hd] over K/V [B, KV, L, hd] with an additive bias from
+    `attention_bias`; returns [B, KV, G*q, hd]."""
+    if matmul_attention(keys.device, keys.dtype):
+        scores = torch.matmul(xq, keys.transpose(-1, -2)).float().mul_(xq.shape[-1] ** -0.5).add_(bias)
+        return torch.matmul(scores.softmax(-1).to(values.dtype), values)
+    return F.scaled_dot_product_attention(xq, keys, values, attn_mask=bias)
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -113,7 +135,7 @@ class Attention(nn.Module):
         # Grouped-query attention without repeating K/V: the G query heads of a KV head become G*q rows
         # of one attention over that head, so each cached K/V element is read once.
         xq = xq.reshape(B, KV, (H // KV) * q, hd).to(keys.dtype)
-        out = F.scaled_dot_product_attention(xq, keys, values, attn_mask=bias)  # [B, KV, G*q, hd]
+        out = attend(xq, keys, values, bias)  # [B, KV, G*q, hd]
         out = out.to(x.dtype).reshape(B, H, q, hd).transpose(1, 2).reshape(B, q, H * hd)
         return self.wo(out)
 

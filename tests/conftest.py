@@ -79,9 +79,17 @@ def corpus_prompt(corpus_texts, default_model) -> Callable[..., list[int]]:
 # --- the default model: ours and the reference ------------------------------------------------------------
 @pytest.fixture(scope="session")
 def default_model():
+    """The default model in fp32, the reference dtype (`dtype="auto"` may pick bf16 on this CPU)."""
     from magicdec.loading import load_model
 
-    return load_model(device="cpu")
+    return load_model(device="cpu", dtype=torch.float32)
+
+
+@pytest.fixture(scope="session")
+def default_model_bf16():
+    from magicdec.loading import load_model
+
+    return load_model(device="cpu", dtype=torch.bfloat16)
 
 
 @pytest.fixture(scope="session")
@@ -108,10 +116,10 @@ def hf_model(default_path):
 
 @pytest.fixture(scope="session")
 def llm():
-    """The engine over the default model."""
+    """The engine over the default model, in fp32."""
     from magicdec.engine import LLM
 
-    return LLM(device="cpu")
+    return LLM(device="cpu", dtype="fp32")
 
 
 # --- tiny random Hugging Face checkpoints -------------------------------------------------------------

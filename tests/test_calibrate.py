@@ -22,7 +22,15 @@ from magicdec.calibrate import (
     row_spread,
 )
 from magicdec.corpus import cut_prompts
-from magicdec.autoplan import builtin_acceptance, choose, describe, load_profile, target_shape
+from magicdec.autoplan import (
+    CPU_PRESETS,
+    builtin_acceptance,
+    choose,
+    describe,
+    load_profile,
+    preset_for_device,
+    target_shape,
+)
 from magicdec.planner import (
     MODEL_PRESETS,
     PRESETS,
@@ -64,22 +72,51 @@ def test_quick_calibration_is_valid(quick_calibration, tmp_path, monkeypatch):
 
     # JSON round trip, at the default path under $MAGICDEC_CACHE, and through get_profile
     monkeypatch.setenv("MAGICDEC_CACHE", str(tmp_path))
-    path = default_profile_path("cpu")
-    assert path == tmp_path / "hardware-cpu.json"
+    path = default_profile_path("cpu", "fp32")
+    assert path == tmp_path / "hardware-cpu-fp32.json"
+    assert hw.dtype == "fp32" and hw.name.endswith("t-fp32")  # measured in the model's dtype, and named so
     saved = cal.save()
     assert saved == path and path.is_file()
     assert path.with_suffix(".measurements.json").is_file()
     assert HardwareProfile.from_json(path) == hw
     assert get_profile(str(path)) == hw
-    assert load_profile("cpu") == hw  # autoplan finds the calibrated profile
+    assert load_profile("cpu") == load_profile("cpu", "fp32") == hw  # autoplan finds the calibrated profile
+    assert load_profile("cpu", "bf16") != hw  # but not for another dtype
+
+
+@pytest.mark.slow
+def test_calibration_in_bf16_is_what_auto_plans_with(default_model_bf16, tmp_path, monkeypatch):
+    """A bf16 model is timed in bf16; the profile says so, and `choose` for a bf16 model picks it up."""
+    monkeypatch.setenv("MAGICDEC_CACHE", str(tmp_path))
+    model = default_model_bf16.model
+    assert choose(model, 32, 8192)[1].hardware == load_profile("cpu", "bf16").name  # before: the bf16 preset
+    assert PRESETS[load_profile("cpu", "bf16").name].dtype == "bf16"
+    cal = measure_hardware("cpu", quick=True, model=model)
+    assert cal.profile.dtype == cal.measurements["dtype"] == "bf16" and cal.profile.name.endswith("t-bf16")
+    assert cal.save() == tmp_path / "hardware-cpu-bf16.json"
+    assert choose(model, 32, 8192)[1].hardware == cal.profile.name
+    assert choose(default_model_bf16, 32, 8192, dtype="fp32")[1].hardware != cal.profile.name
 
 
 def test_default_paths(tmp_path, monkeypatch):
     monkeypatch.setenv("MAGICDEC_CACHE", str(tmp_path))
-    assert default_profile_path("cuda:1") == tmp_path / "hardware-cuda-1.json"
+    assert default_profile_path("cuda:1", "bf16") == tmp_path / "hardware-cuda-1-bf16.json"
     assert default_acceptance_path("SmolLM2-135M-Instruct.Q4_1") == tmp_path / "acceptance-SmolLM2-135M-Instruct.Q4_1.json"
-    # nothing calibrated: the CPU preset
-    assert load_profile("cpu") == PRESETS["cpu-zen3-2core"]
+    # nothing calibrated: the CPU preset measured in that dtype
+    for dtype in ("fp32", "bf16"):
+        assert load_profile("cpu", dtype).dtype == dtype and load_profile("cpu", dtype).name.startswith("cpu-")
+
+
+@pytest.mark.parametrize("kind", ["amx", "avx512bf16", "avx2"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_cpu_preset_follows_dtype_then_cpu_kind(monkeypatch, kind, dtype):
+    import magicdec.cpu
+
+    monkeypatch.setattr(magicdec.cpu, "cpu_kind", lambda: kind)
+    hw = preset_for_device("cpu", dtype)
+    assert hw.dtype == dtype  # the dtype decides the rates most (bytes per weight and KV element)
+    same_kind = [n for n in CPU_PRESETS if n.startswith(f"cpu-{kind}-") and PRESETS[n].dtype == dtype]
+    assert hw.name == (same_kind[0] if same_kind else hw.name)
 
 
 # --- acceptance -----------------------------------------------------------------------------------------------
@@ -174,7 +211,7 @@ def test_calibrate_acceptance_small(llm, corpus_texts):
 
 # --- autoplan.choose ------------------------------------------------------------------------------------------
 @pytest.mark.slow
-@pytest.mark.parametrize("profile", ["cpu-zen3-2core", "calibrated"])
+@pytest.mark.parametrize("profile", ["cpu-amx-2t-fp32", "calibrated"])
 def test_choose_ar_at_batch_1_short_context_on_cpu(llm, profile, request):
     if profile == "calibrated":
         profile = request.getfixturevalue("quick_calibration").profile
@@ -216,7 +253,7 @@ def test_choose_without_a_model():
     assert spec.replan(1, 100) == 0
     forced, _ = choose(SMOL, 128, 32768, profile="h100", strategies=[spec.draft])
     assert forced.replan(1, 100) >= 1  # AR not allowed: the best draft length instead
-    spec, plan = choose(SMOL, 1, 1024, profile="cpu-zen3-2core")
+    spec, plan = choose(SMOL, 1, 1024, profile="cpu-amx-2t-fp32")
     assert spec is None
     # an explicit table and profile file
     table = AcceptanceTable()

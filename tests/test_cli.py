@@ -38,7 +38,7 @@ def test_argparse_errors_exit_2_without_traceback():
 def test_generate_json_with_speculation(capsys):
     code, out, err = run(["generate", "--corpus", str(DATA), "--num-prompts", "2", "--prompt-tokens", "300",
                           "--max-tokens", "12", "--draft", "self-streaming", "--budget", "64", "--gamma", "2",
-                          "--compare-ar", "--json"], capsys)
+                          "--compare-ar", "--json", "--dtype", "fp32"], capsys)
     assert code == 0, err
     doc = json.loads(out)
     assert len(doc["outputs"]) == 2
@@ -52,6 +52,7 @@ def test_generate_text_prints_stats(capsys):
     code, out, err = run(["generate", "--prompt", "The capital of France is", "--max-tokens", "5"], capsys)
     assert code == 0
     assert "decode" in err and "tok/s" in err and "peak memory" in err
+    assert "dtype " in err and "(auto: " in err and "KV cache" in err  # the dtype auto chose, and why
     assert out.startswith("--- [0]")
 
 

@@ -81,7 +81,7 @@ def test_tiny_checkpoint_logits_match_transformers(name, tmp_path, tiny_checkpoi
     if shard:
         assert (tmp_path / "model.safetensors.index.json").exists()
         assert len(list(tmp_path.glob("model-*.safetensors"))) > 1
-    loaded = load_model(tmp_path, device="cpu")
+    loaded = load_model(tmp_path, device="cpu", dtype=torch.float32)
     cfg = loaded.model.cfg
     assert cfg.tie_embeddings == config.tie_word_embeddings
     assert cfg.qkv_bias == (name == "qwen2-qkv-bias")
@@ -102,7 +102,7 @@ def test_llama31_legacy_rope_scaling_config(tmp_path, tiny_checkpoint):
     raw["rope_theta"] = params.pop("rope_theta")
     raw["rope_scaling"] = params
     (tmp_path / "config.json").write_text(json.dumps(raw))
-    loaded = load_model(tmp_path, device="cpu")
+    loaded = load_model(tmp_path, device="cpu", dtype=torch.float32)
     assert loaded.model.cfg.rope_theta == 500000.0 and loaded.model.cfg.rope_scaling["factor"] == 8.0
     x = torch.randint(0, 320, (1, 160), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
@@ -121,7 +121,7 @@ def test_sliding_window_is_honoured_or_rejected(family, tmp_path, tiny_checkpoin
               else Qwen2Config(**common, use_sliding_window=True, max_window_layers=0))
     ref = tiny_checkpoint(tmp_path, config, seed=5)
     try:
-        loaded = load_model(tmp_path, device="cpu")
+        loaded = load_model(tmp_path, device="cpu", dtype=torch.float32)
     except UnsupportedModelError:
         return
     T = 64 if loaded.model.cfg.max_seq_len > 16 else 16  # a capped context need only be right within it

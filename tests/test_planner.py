@@ -249,9 +249,9 @@ def _high_acceptance_table(alpha=0.9):
 
 
 def test_plan_picks_ar_when_speculation_cannot_win():
-    # Short context, batch 1, fp32 on the CPU: the weights and the 20 ms overhead dominate a
-    # draft step as much as a target step, so even 90% acceptance cannot pay for drafting.
-    cpu = get_profile("cpu-zen3-2core")
+    # Short context, batch 1, fp32 on the CPU: the weights dominate a draft step as much as a
+    # target step, so even 90% acceptance cannot pay for drafting.
+    cpu = get_profile("cpu-amx-2t-fp32")
     table = _high_acceptance_table()
     best = plan(TINYLLAMA, cpu, batch=1, context=512, acceptance=table, dtype_bytes=4, kv_dtype_bytes=4)
     assert best.strategy == "ar"
@@ -319,9 +319,16 @@ def test_planner_does_not_import_torch():
 
 
 def test_presets_are_consistent():
-    assert set(PRESETS) == {"a100-80gb", "h100", "h200", "l40s", "l40", "cpu-zen3-2core"}
+    from magicdec.autoplan import CPU_PRESETS
+
+    assert set(PRESETS) == {"a100-80gb", "h100", "h200", "l40s", "l40", *CPU_PRESETS}
     for name, profile in PRESETS.items():
         assert profile.name == name
+    # CPU presets are measured profiles, named after what they measured: cpu-<kind>-<threads>t-<dtype>
+    for name in CPU_PRESETS:
+        kind, threads, dtype = name.split("-")[1:]
+        assert kind in ("amx", "avx512bf16", "avx512", "avx2", "generic") and threads.endswith("t")
+        assert PRESETS[name].dtype == dtype and PRESETS[name].linear_rates and PRESETS[name].attention_rates
     # Datasheet ratios the analysis depends on: H100 and H200 share compute, H200 has more bandwidth.
     assert PRESETS["h200"].flops_per_s == PRESETS["h100"].flops_per_s
     assert PRESETS["h200"].mem_bandwidth > PRESETS["h100"].mem_bandwidth

@@ -62,7 +62,7 @@ def draft_model(default_path):
     """The default GGUF loaded a second time, as a standalone draft model (a distinct Transformer)."""
     from magicdec.loading import load_model
 
-    return load_model(default_path, device="cpu").model
+    return load_model(default_path, device="cpu", dtype=torch.float32).model
 
 
 @pytest.fixture

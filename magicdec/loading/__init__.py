@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from magicdec.config import ModelConfig
+from magicdec.cpu import DtypeChoice, auto_dtype
 from magicdec.errors import InvalidRequestError, ModelLoadError
 from magicdec.jsonfile import read_json_object
 from magicdec.loading.cache import load_gguf
@@ -32,6 +33,7 @@ class LoadedModel:
     model: Transformer
     tokenizer: Tokenizer
     source: str
+    dtype_choice: DtypeChoice  # the compute dtype and why it was picked
 
 
 def default_model_path() -> Path:
@@ -65,11 +67,6 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     if dev.index is not None and dev.index >= torch.cuda.device_count():
         raise InvalidRequestError(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     return dev
-
-
-def default_dtype(device: torch.device) -> torch.dtype:
-    """fp32 on CPU (bf16 matmuls are slow without AVX512-BF16), bf16 on accelerators."""
-    return torch.float32 if device.type == "cpu" else torch.bfloat16
 
 
 def _build(cfg: ModelConfig, sd: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype) -> Transformer:
@@ -115,9 +112,13 @@ def load_model(
     device: str | torch.device | None = None,
     dtype: torch.dtype | None = None,
 ) -> LoadedModel:
-    """Load a Hugging Face folder or a GGUF file (None: the embedded default model)."""
+    """Load a Hugging Face folder or a GGUF file (None: the embedded default model).
+
+    `dtype` None is "auto": bf16 on accelerators and on CPUs that multiply bf16 natively, else fp32
+    (see `magicdec.cpu.auto_dtype`).
+    """
     dev = resolve_device(device)
-    dtype = dtype or default_dtype(dev)
+    choice = DtypeChoice(dtype, "requested") if dtype is not None else auto_dtype(dev)
     path = default_model_path() if model is None else Path(model)
     if not path.exists():
         raise ModelLoadError(f"model path does not exist: {path}")
@@ -130,4 +131,4 @@ def load_model(
         cfg, sd, tok = converted.cfg, converted.state_dict, converted.tokenizer
     else:
         raise ModelLoadError(f"{path}: expected a Hugging Face model folder or a .gguf file")
-    return LoadedModel(_build(cfg, sd, dev, dtype), tok, str(path))
+    return LoadedModel(_build(cfg, sd, dev, choice.dtype), tok, str(path), choice)

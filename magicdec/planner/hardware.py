@@ -7,6 +7,7 @@ import json
 import math
 import os
 from dataclasses import dataclass
+from importlib import resources
 
 from magicdec.jsonfile import read_json_object
 
@@ -47,6 +48,8 @@ class HardwareProfile:
     attention_rates: tuple[tuple[float, float], ...] | None = None
     """Measured (new tokens per sequence, KV bytes/s) pairs of attention, ascending; when given
     they replace attention's roofline."""
+    dtype: str | None = None
+    """Compute dtype the rates were measured in ("fp32", "bf16"); None for datasheet figures."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str):
@@ -149,16 +152,24 @@ PRESETS: dict[str, HardwareProfile] = {
         name="l40", flops_per_s=181 * TFLOPS, mem_bandwidth=864 * GB, mem_bytes=48 * GB,
         ici_bandwidth=32 * GB, **_GPU_EFFICIENCY,
     ),
-    # Placeholder for this project's 2-core AMD Zen 3 machine until `magicdec calibrate`
-    # measures it: 2 cores x 2 FMA pipes x 8 fp32 lanes x 2 flops x ~2.1 GHz = 137 GFLOP/s
-    # fp32; ~28 GB/s of DRAM bandwidth; 24 GiB RAM. Eager PyTorch on CPU spends tens of
-    # milliseconds per forward outside the math, hence the large fixed overhead.
-    "cpu-zen3-2core": HardwareProfile(
-        name="cpu-zen3-2core", flops_per_s=137e9, mem_bandwidth=28 * GB, mem_bytes=24 * 2**30,
-        matmul_efficiency=0.6, bandwidth_efficiency=0.7, attention_efficiency=0.3,
-        fixed_overhead_s=0.02,
-    ),
 }
+
+#: CPU presets: profiles `magicdec calibrate` measured on this project's machines (package data), each
+#: named after what it measured: cpu-<matmul hardware (`magicdec.cpu.cpu_kind`)>-<threads>t-<dtype>.
+CPU_PRESET_FILES = (
+    "hardware-cpu-amx-2t-fp32.json",  # 2-core Intel Xeon VM (AMX-BF16, AVX512-BF16), 2 threads, fp32
+    "hardware-cpu-avx512bf16-1t-bf16.json",  # 2-core AMD EPYC Zen 4 VM (AVX512-BF16, no AMX), 1 thread, bf16
+)
+
+
+def _packaged_profile(file: str) -> HardwareProfile:
+    with resources.as_file(resources.files("magicdec") / "data" / file) as path:
+        return HardwareProfile.from_json(path)
+
+
+_CPU_PROFILES = tuple(map(_packaged_profile, CPU_PRESET_FILES))
+CPU_PRESETS = tuple(p.name for p in _CPU_PROFILES)
+PRESETS.update((p.name, p) for p in _CPU_PROFILES)
 
 
 def get_profile(name_or_path: str | os.PathLike[str]) -> HardwareProfile:

@@ -41,6 +41,8 @@ class Plan:
     """Dominant cost term of a draft step; None for AR."""
     fits_in_memory: bool
     """Whether weights plus KV caches (target and draft) fit in device memory."""
+    hardware: str = ""
+    """Name of the hardware profile the plan was made with."""
 
 
 @dataclass(frozen=True)
@@ -146,7 +148,7 @@ def plan(
 
     if "ar" in chosen and (best is None or best[0] <= ar_throughput):
         decode = forward_cost(target, hw, batch, 1, context, dtype_bytes, kv_dtype_bytes, tp)
-        return Plan("ar", None, 0, None, None, ar_throughput, 1.0, decode.dominant, None, ar_fits)
+        return Plan("ar", None, 0, None, None, ar_throughput, 1.0, decode.dominant, None, ar_fits, hw.name)
     if best is None:
         raise ValueError(
             f"no speculative candidate among {sorted(chosen)}: none has an acceptance rate in {mode} "
@@ -158,7 +160,7 @@ def plan(
     drafting = forward_cost(d.shape, hw, batch, 1, kv_len, dtype_bytes, kv_dtype_bytes, d.tp)
     return Plan(
         d.strategy, d.budget, g, d.cache, alpha, throughput, throughput / ar_throughput,
-        verify.dominant, drafting.dominant, fits,
+        verify.dominant, drafting.dominant, fits, hw.name,
     )
 
 

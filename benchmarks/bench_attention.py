@@ -1,0 +1,137 @@
+"""Attention over a bf16 KV cache on CPU: formulations side by side, in GB/s of K/V read.
+
+    PYTHONPATH=. python benchmarks/bench_attention.py [--batches 1,8,32,64] [--contexts 1024,4096,8192]
+                                                     [--q 1,4,9] [--threads 1] [--out PATH]
+
+The shapes are the default model's (SmolLM2-135M: 9 query heads over 3 KV heads of 64, 30 layers). A
+cache of all 30 layers is allocated as magicdec's KVCache stores it ([layers, B, KV, capacity, hd], so
+no layer's K/V sits in cache when it is read), and one "step" runs attention once per layer, as a
+forward does. Every row has its own length (the last row is 64 tokens short), so masks are real.
+Each variant is timed interleaved with the others (median of --repeats) and reported as K/V bytes per
+second, beside a `.sum()` over the same bytes (the read-bandwidth baseline). Results go to
+benchmarks/results/attention.json with the machine info.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench_dtype import interleaved  # noqa: E402
+from magicdec.calibrate import machine_info  # noqa: E402
+
+LAYERS, KV, G, HD = 30, 3, 3, 64
+
+
+def make_case(batch: int, context: int, q: int, dtype: torch.dtype):
+    """Queries per layer [B, KV, G*q, hd], the cache's K/V [layers, B, KV, L, hd] and the visibility mask."""
+    L = context + q
+    k = torch.randn(LAYERS, batch, KV, L, HD).to(dtype)
+    v = torch.randn(LAYERS, batch, KV, L, HD).to(dtype)
+    xq = torch.randn(batch, KV, G * q, HD).to(dtype)
+    lens = torch.full((batch,), context)
+    lens[-1] -= min(64, context // 2)  # ragged rows
+    slots = lens[:, None] + torch.arange(q)  # [B, q]
+    mask = torch.arange(L)[None, None, None, :] <= slots[:, None, :, None]  # [B, 1, q, L]
+    return xq, k, v, mask.repeat(1, 1, G, 1)  # [B, 1, G*q, L], one row per grouped query
+
+
+def additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, float("-inf"))
+
+
+def matmul_attention(xq, k, v, bias):
+    """Scores, softmax and the weighted sum as three ops; scores and softmax in fp32."""
+    s = torch.matmul(xq, k.transpose(-1, -2)).float().mul_(1 / math.sqrt(xq.shape[-1])).add_(bias)
+    return torch.matmul(s.softmax(-1).to(v.dtype), v)
+
+
+def variants(xq, k, v, mask, dtype, skip: tuple[str, ...] = ()):
+    bias = additive(mask, dtype)
+    bias32 = additive(mask, torch.float32)
+    out = {
+        "sdpa additive bias": lambda i: F.scaled_dot_product_attention(xq, k[i], v[i], attn_mask=bias),
+        "sdpa bool mask": lambda i: F.scaled_dot_product_attention(xq, k[i], v[i], attn_mask=mask),
+        "sdpa no mask (not ragged-correct)": lambda i: F.scaled_dot_product_attention(xq, k[i], v[i]),
+        "matmul, fp32 softmax": lambda i: matmul_attention(xq, k[i], v[i], bias32),
+    }
+    compiled = torch.compile(matmul_attention, dynamic=False)
+    out["torch.compile(matmul)"] = lambda i: compiled(xq, k[i], v[i], bias32)
+    if "flex" in skip:
+        return out
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        B, _, Gq, L = mask.shape
+        lens = mask[:, 0].sum(-1)  # [B, Gq] visible keys per query row
+        block = create_block_mask(lambda b, h, qi, ki: ki < lens[b, qi], B, None, Gq, L, device="cpu")
+        flex = torch.compile(flex_attention, dynamic=False)
+        out["flex_attention (inductor)"] = lambda i: flex(xq, k[i], v[i], block_mask=block)
+    except Exception as e:  # noqa: BLE001 - report any reason flex attention is unavailable
+        print(f"  flex_attention unavailable: {type(e).__name__}: {str(e).splitlines()[0][:120]}", file=sys.stderr)
+    return out
+
+
+def check(fns, reference: str, atol: float) -> list[str]:
+    """Names of variants whose output differs from the reference's (layer 0) by more than atol."""
+    ref = fns[reference](0).float()
+    return [n for n, f in fns.items() if "not ragged" not in n and (f(0).float() - ref).abs().max() > atol]
+
+
+def bench_point(batch: int, context: int, q: int, dtype: torch.dtype, repeats: int, skip: tuple[str, ...]) -> dict:
+    torch._dynamo.reset()  # past 8 shapes dynamo stops compiling and the compiled variants would run eagerly
+    xq, k, v, mask = make_case(batch, context, q, dtype)
+    fns = variants(xq, k, v, mask, dtype, skip)
+    # bf16 .sum() converts as it reads and runs far below bandwidth: sum the same bytes seen as fp32
+    kf, vf = (k, v) if dtype == torch.float32 else (k.view(torch.float32), v.view(torch.float32))
+    fns["read baseline: .sum() of K and V"] = lambda i: (kf[i].sum(), vf[i].sum())
+    wrong = check({n: f for n, f in fns.items() if not n.startswith("read")}, "matmul, fp32 softmax", 0.05)
+    with torch.inference_mode():  # one step: every layer once (the first call also compiles)
+        times = interleaved({n: (lambda f=f: [f(i) for i in range(LAYERS)]) for n, f in fns.items()}, repeats)
+    kv_bytes = 2 * k[0].numel() * k.element_size() * LAYERS
+    res = {n: {"seconds": t, "gb_per_s": kv_bytes / t / 1e9} for n, t in times.items()}
+    return {"batch": batch, "context": context, "q": q, "dtype": str(dtype).removeprefix("torch."),
+            "kv_bytes": kv_bytes, "variants": res, "mismatched": wrong, "loadavg": list(os.getloadavg())}
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batches", default="1,8,32,64")
+    p.add_argument("--contexts", default="1024,4096,8192")
+    p.add_argument("--q", default="1,4,9", help="query tokens per row: 1 (decode), gamma+1 (verification)")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--no-flex", action="store_true", help="skip flex_attention (slow to compile and to run)")
+    p.add_argument("--max-gib", type=float, default=4.0, help="skip points whose cache exceeds this")
+    p.add_argument("--out", default=str(Path(__file__).parent / "results/attention.json"))
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
+    results = {"machine": machine_info("cpu"), "points": []}
+    for batch in map(int, args.batches.split(",")):
+        for context in map(int, args.contexts.split(",")):
+            if 2 * LAYERS * batch * KV * context * HD * dtype.itemsize > args.max_gib * 2**30:
+                continue
+            for q in map(int, args.q.split(",")):
+                pt = bench_point(batch, context, q, dtype, args.repeats, ("flex",) if args.no_flex else ())
+                results["points"].append(pt)
+                base = pt["variants"]["read baseline: .sum() of K and V"]["gb_per_s"]
+                print(f"B={batch} L={context} q={q} (load {pt['loadavg'][0]:.1f}, read {base:.1f} GB/s)"
+                      + (f" mismatched: {pt['mismatched']}" if pt["mismatched"] else ""), flush=True)
+                for n, r in pt["variants"].items():
+                    print(f"  {n:36s} {r['seconds'] * 1e3:8.1f} ms {r['gb_per_s']:6.1f} GB/s", flush=True)
+                Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+                Path(args.out).write_text(json.dumps(results, indent=1) + "\n")  # after every point
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""How often verifying gamma+1 tokens in one forward picks a different greedy token than one-token steps.
+
+    PYTHONPATH=. python benchmarks/bf16_flips.py [--rows 8] [--batch 8] [--prompt 1024] [--positions 96] [--q 2,4,9]
+
+Greedy speculative decoding is lossless only as far as the target's verify forward (q = gamma+1 new
+tokens per row) and its plain step (q = 1) compute the same argmax. In fp32 they agree; in bf16 the
+matmuls round differently for different row counts, and a near-tie between the two most likely
+tokens can flip. This measures it teacher-forced on real text: `--rows` PG-19 excerpts of `--prompt`
+tokens are prefilled, `--batch` of them per batch; then, for each block of q true next tokens, one forward of the block (not
+committed, as a verification) and q one-token steps over the same tokens (committed, as plain decoding)
+each give the argmax at every position, and the two are compared. For every flip the fp32 model's logit
+gap between the two tokens is recorded (how close to a tie it was). Writes
+benchmarks/results/bf16_flips.json with the machine info.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from magicdec.calibrate import machine_info  # noqa: E402
+from magicdec.decode import prefill_prompts  # noqa: E402
+from magicdec.loading import load_model  # noqa: E402
+
+
+def excerpts(tok, path: Path, rows: int, n_tokens: int) -> list[list[int]]:
+    """`rows` runs of n_tokens ids from the middle of different books."""
+    books = [json.loads(line)["text"] for line in path.open() if line.strip()]
+    out = []
+    for text in books[:rows]:
+        start = text.find(" ", int(len(text) * 0.5)) + 1
+        out.append(tok.tok.encode(text[start : start + 8 * n_tokens + 1000], add_special_tokens=False).ids[:n_tokens])
+    return out
+
+
+def flips(model, ref, texts: list[list[int]], prompt: int, positions: int, q: int) -> dict:
+    """Teacher-forced verify-vs-step argmax comparison over `positions` tokens after `prompt` tokens."""
+    pre = prefill_prompts(model, [t[:prompt] for t in texts], positions + q)
+    cache, B = pre.cache, len(texts)
+    true = torch.tensor([t[prompt : prompt + positions] for t in texts])
+    found, compared = [], 0
+    with torch.inference_mode():
+        for start in range(0, positions - q + 1, q):
+            block = true[:, start : start + q]
+            verify = model(block, cache).argmax(-1)  # [B, q], nothing committed
+            for j in range(q):
+                step = model(block[:, j : j + 1], cache)[:, 0].argmax(-1)
+                cache.commit(1)
+                for b in torch.nonzero(step != verify[:, j]).flatten().tolist():
+                    found.append({"row": b, "position": prompt + start + j,
+                                  "tokens": [int(step[b]), int(verify[b, j])]})
+            compared += B * q
+    for f in found:  # how close to a tie the two tokens are in fp32, on the same true prefix
+        ids = texts[f["row"]][: f["position"] + 1]
+        with torch.inference_mode():
+            logits = one_shot_last(ref, ids)
+        a, b = f["tokens"]
+        f["fp32_gap"] = float(logits[a] - logits[b])
+    return {"compared": compared, "cases": found}
+
+
+def one_shot_last(model, ids: list[int]) -> torch.Tensor:
+    """The last position's logits of one prefill of `ids`."""
+    pre = prefill_prompts(model, [ids], 1)
+    return pre.logits[0].float()
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", type=int, default=8)
+    p.add_argument("--batch", type=int, default=8, help="rows per batch (1: each text alone)")
+    p.add_argument("--prompt", type=int, default=1024)
+    p.add_argument("--positions", type=int, default=96)
+    p.add_argument("--q", default="2,4,9", help="tokens per verification (gamma + 1)")
+    p.add_argument("--dtypes", default="bf16,fp32")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--data", default=str(Path(__file__).resolve().parents[2] / "shared/data/pg19_dev.jsonl"))
+    p.add_argument("--out", default=str(Path(__file__).parent / "results/bf16_flips.json"))
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    ref = load_model(device="cpu", dtype=torch.float32)
+    texts = excerpts(ref.tokenizer, Path(args.data), args.rows, args.prompt + args.positions)
+    dtypes = {"bf16": torch.bfloat16, "fp32": torch.float32}
+    results = {"machine": machine_info("cpu"), "rows": args.rows, "batch": args.batch, "prompt": args.prompt,
+               "positions": args.positions, "runs": []}
+    batches = [texts[i : i + args.batch] for i in range(0, len(texts), args.batch)]
+    for name in args.dtypes.split(","):
+        model = ref.model if name == "fp32" else load_model(device="cpu", dtype=dtypes[name]).model
+        for q in map(int, args.q.split(",")):
+            parts = [flips(model, ref.model, b, args.prompt, args.positions, q) for b in batches]
+            compared, cases = sum(r["compared"] for r in parts), [c for r in parts for c in r["cases"]]
+            r = {"dtype": name, "q": q, "compared": compared, "flips": len(cases), "rate": len(cases) / compared,
+                 "cases": cases, "loadavg": list(os.getloadavg())}
+            results["runs"].append(r)
+            gaps = sorted(abs(c["fp32_gap"]) for c in r["cases"])
+            print(f"{name} q={q}: {r['flips']} flips in {r['compared']} tokens ({100 * r['rate']:.2f}%); "
+                  f"fp32 logit gaps of the flipped pairs: {[round(g, 3) for g in gaps]}", flush=True)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
