@@ -25,8 +25,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from magicdec.calibrate import machine_info  # noqa: E402
-from magicdec.decode import prefill_prompts  # noqa: E402
+from magicdec.kv import KVCache  # noqa: E402
 from magicdec.loading import load_model  # noqa: E402
+from magicdec.prefill import prefill_row  # noqa: E402
 
 
 def excerpts(tok, path: Path, rows: int, n_tokens: int) -> list[list[int]]:
@@ -39,10 +40,18 @@ def excerpts(tok, path: Path, rows: int, n_tokens: int) -> list[list[int]]:
     return out
 
 
+def prefilled(model, prompts: list[list[int]], room: int) -> tuple[KVCache, torch.Tensor]:
+    """A cache holding each prompt in its own row, with `room` more slots, and each prompt's last logits."""
+    cache = KVCache(model.cfg, len(prompts), max(map(len, prompts)) + room, model.dtype, "cpu")
+    with torch.inference_mode():
+        logits = [prefill_row(model, cache.row(i), torch.tensor(p), 512) for i, p in enumerate(prompts)]
+    return cache.head(len(prompts)), torch.cat(logits)  # the view sees the rows' lengths
+
+
 def flips(model, ref, texts: list[list[int]], prompt: int, positions: int, q: int) -> dict:
     """Teacher-forced verify-vs-step argmax comparison over `positions` tokens after `prompt` tokens."""
-    pre = prefill_prompts(model, [t[:prompt] for t in texts], positions + q)
-    cache, B = pre.cache, len(texts)
+    cache, _ = prefilled(model, [t[:prompt] for t in texts], positions + q)
+    B = len(texts)
     true = torch.tensor([t[prompt : prompt + positions] for t in texts])
     found, compared = [], 0
     with torch.inference_mode():
@@ -67,8 +76,7 @@ def flips(model, ref, texts: list[list[int]], prompt: int, positions: int, q: in
 
 def one_shot_last(model, ids: list[int]) -> torch.Tensor:
     """The last position's logits of one prefill of `ids`."""
-    pre = prefill_prompts(model, [ids], 1)
-    return pre.logits[0].float()
+    return prefilled(model, [ids], 1)[1][0].float()
 
 
 def main(argv=None) -> None:

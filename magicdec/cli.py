@@ -234,11 +234,13 @@ def cmd_generate(args) -> int:
     if len(runs) == 2:
         ar_tok_s, sp_tok_s = runs[0]["stats"]["decode_tok_s"], runs[1]["stats"]["decode_tok_s"]
         same = sum(a.token_ids == b.token_ids for a, b in zip(results["ar"], results["spec"]))
-        speedup = sp_tok_s / ar_tok_s if ar_tok_s else float("nan")
+        speedup = sp_tok_s / ar_tok_s if ar_tok_s and sp_tok_s else None  # None: no decode rounds (max_tokens 1)
         runs.append({"speedup": speedup, "identical": same})
         if not args.json:
-            print(f"speedup over autoregressive decoding: {speedup:.2f}x ({sp_tok_s:.1f} vs {ar_tok_s:.1f} decode tok/s); "
-                  f"identical outputs: {same}/{len(final)}", file=sys.stderr)
+            measured = (f"{speedup:.2f}x ({sp_tok_s:.1f} vs {ar_tok_s:.1f} decode tok/s)" if speedup is not None
+                        else "none measured (no decode rounds: every token came from the prefill)")
+            print(f"speedup over autoregressive decoding: {measured}; identical outputs: {same}/{len(final)}",
+                  file=sys.stderr)
     if args.json:
         doc = {"outputs": [{"index": o.index, "text": o.text, "token_ids": o.token_ids, "finish_reason": o.finish_reason,
                             "prompt_tokens": len(o.prompt_token_ids)} for o in final], "runs": runs,

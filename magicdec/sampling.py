@@ -136,7 +136,7 @@ def _on_cpu_with_many(probs: Tensor) -> bool:
 def _floor_of_sorted(sorted_p: Tensor, top_p: Tensor) -> Tensor:
     # keep a token unless the tokens more probable than it already hold top_p of the mass (the top one stays)
     n_keep = ((sorted_p.cumsum(dim=-1) - sorted_p) < top_p).sum(dim=-1, keepdim=True)
-    return sorted_p.gather(-1, n_keep - 1)
+    return sorted_p.gather(-1, n_keep.clamp_min(1) - 1)  # NaN rows (idle slots' garbage) keep one
 
 
 def _nucleus_floor(probs: Tensor, top_p: Tensor) -> Tensor:

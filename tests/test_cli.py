@@ -44,8 +44,18 @@ def test_generate_json_with_speculation(capsys):
     assert len(doc["outputs"]) == 2
     assert all(len(o["token_ids"]) <= 12 and o["prompt_tokens"] == 300 for o in doc["outputs"])
     assert doc["runs"][-1]["identical"] == 2  # greedy speculative == greedy autoregressive
-    spec = doc["runs"][1]["stats"][0]
+    assert [o["index"] for o in doc["outputs"]] == [0, 1]
+    spec = doc["runs"][1]["stats"]
     assert spec["gamma"] == 2 and 0 <= spec["acceptance_rate"] <= 1
+    assert doc["runs"][0]["stats"]["prefill_s"] > 10 * spec["prefill_s"]  # the second run copies the first's prefill
+
+
+def test_compare_ar_with_one_token_reports_no_speedup(capsys):
+    """max_tokens 1: every token comes from the prefill, so there is no decode throughput to compare."""
+    code, out, err = run(["generate", "--prompt", "The capital of France is", "--max-tokens", "1", "--draft",
+                          "self-streaming", "--budget", "8", "--compare-ar", "--dtype", "fp32"], capsys)
+    assert code == 0, err
+    assert "speedup over autoregressive decoding: none measured" in err and "0.0 tok/s" in err
 
 
 def test_generate_text_prints_stats(capsys):

@@ -107,7 +107,7 @@ def server(tmp_path_factory) -> Iterator[Server]:
     log = tmp_path_factory.mktemp("serve") / "server.log"
     cmd = [sys.executable, "-m", "magicdec", "serve", "--port", str(port), "--max-running", "4",
            "--max-model-len", str(MAX_LEN), "--draft", "self-streaming", "--budget", "64", "--gamma", "3",
-           "--api-key", KEY, "--log-level", "warning"]
+           "--api-key", KEY, "--log-level", "warning", "--dtype", "fp32"]  # fp32: the offline reference's dtype
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": str(torch.get_num_threads())}
     with log.open("w") as out:

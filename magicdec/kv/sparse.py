@@ -145,6 +145,8 @@ class SparseKVCache(KVCache):
     def clear(self) -> None:
         super().clear()
         self.slot_pos.fill_(-1)
+        self.win_start.zero_()  # a stale window start would hide every entry from a new query
+        self.n_prefix.zero_()
         self.max_len = self.capacity
 
     def _view(self, rows: slice) -> "SparseKVCache":
