@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import warnings
 from pathlib import Path
 
-from magicdec.errors import MagicDecError
+from magicdec.errors import DistributedError, MagicDecError
 
 EXIT_USAGE = 2
+#: A tensor-parallel rank lost its peers (one died, hung past the timeout, or cannot be reached).
+EXIT_DISTRIBUTED = 3
 
 
 def parse_size(text: str) -> int:
@@ -327,6 +330,8 @@ def cmd_serve(args) -> int:
     from magicdec.server.async_engine import AsyncEngine
     from magicdec.server.metrics import ServerMetrics
 
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise InvalidRequestError("serve does not run under tensor parallelism yet: start it as one process")
     llm = LLM(args.model, device=args.device, dtype=args.dtype, kv_dtype=args.kv_dtype, prefill_chunk=args.prefill_chunk)
     max_len = llm.max_context if args.max_model_len is None else args.max_model_len
     if max_len > llm.max_context:
@@ -464,19 +469,34 @@ def print_warning(message, category, filename, lineno, file=None, line=None) -> 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # Under torchrun every rank runs the same command; only rank 0 prints results and writes files, the
+    # others keep their errors, which name the rank (torchrun interleaves the ranks' output).
+    launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    rank = int(os.environ.get("RANK", "0")) if launched else 0
+    err, prefix = sys.stderr, f"[rank {rank}] " if rank else ""
+    if rank:
+        sys.stdout = sys.stderr = open(os.devnull, "w")
     try:
         with warnings.catch_warnings():
             warnings.showwarning = print_warning
-            return args.func(args)
+            status = args.func(args)
+    except DistributedError as e:  # its message names the rank
+        print(f"magicdec: error: {e}", file=err, flush=True)
+        os._exit(EXIT_DISTRIBUTED)  # without tearing the process group down: with a dead peer that can block
     except MagicDecError as e:
-        print(f"magicdec: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
+        print(f"magicdec: error: {prefix}{e}", file=err)
+        status = EXIT_USAGE
     except OSError as e:
-        print(f"magicdec: error: {e.strerror or e}: {e.filename or ''}".rstrip(": "), file=sys.stderr)
-        return EXIT_USAGE
+        print(f"magicdec: error: {prefix}{e.strerror or e}: {e.filename or ''}".rstrip(": "), file=err)
+        status = EXIT_USAGE
     except KeyboardInterrupt:
-        print("magicdec: interrupted", file=sys.stderr)
-        return 130
+        print("magicdec: interrupted", file=err)
+        status = 130
+    if launched:
+        from magicdec.distributed import shutdown_tp
+
+        shutdown_tp()
+    return status
 
 
 if __name__ == "__main__":
