@@ -295,6 +295,8 @@ def cmd_calibrate(args) -> int:
     from magicdec.corpus import load_texts
     from magicdec.engine import LLM
 
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return calibrate_allreduce(args)
     texts = load_texts(args.corpus) if args.acceptance else []  # checked before minutes of measuring
     llm = LLM(args.model, device=args.device)
 
@@ -302,6 +304,11 @@ def cmd_calibrate(args) -> int:
         print(f"[{done}/{total}] {label}", file=sys.stderr)
 
     cal = calibrate.measure_hardware(llm.model.device, quick=args.quick, progress=progress, model=llm.model)
+    print("all-reduce between local processes (for tensor parallelism)", file=sys.stderr)
+    allreduce = calibrate.measure_local_allreduce(llm.model.device)
+    if allreduce is not None:
+        cal.profile = calibrate.with_allreduce(cal.profile, allreduce)
+        cal.measurements["allreduce"] = allreduce
     path = cal.save(args.output)
     print(json.dumps(cal.profile.__dict__, indent=1, default=str))
     check = cal.measurements["check"]
@@ -316,6 +323,31 @@ def cmd_calibrate(args) -> int:
         out.parent.mkdir(parents=True, exist_ok=True)
         table.to_json(out)
         print(f"acceptance table written to {out}", file=sys.stderr)
+    return 0
+
+
+def calibrate_allreduce(args) -> int:
+    """`calibrate` under torchrun: measure the all-reduce of the launched ranks (any number of nodes) and
+    write its latency and bandwidth into the profile that `magicdec calibrate` made on one process."""
+    from magicdec import calibrate
+    from magicdec.distributed import init_tp
+    from magicdec.errors import InvalidRequestError
+    from magicdec.planner import HardwareProfile
+
+    tp = init_tp(args.device)
+    path = Path(args.output) if args.output else calibrate.default_profile_path(tp.device.type)
+    if not path.is_file():
+        raise InvalidRequestError(f"no hardware profile at {path}: run `magicdec calibrate` as one process first")
+    result = calibrate.measure_allreduce(tp)
+    if tp.is_main:
+        try:
+            profile = calibrate.with_allreduce(HardwareProfile.from_json(path), result)
+        except ValueError as e:
+            raise InvalidRequestError(str(e)) from None
+        profile.to_json(path)
+        print(json.dumps(result, indent=1))
+        print(f"all-reduce over {tp.world_size} ranks ({tp.backend}): {result['latency_s'] * 1e6:.0f} us + "
+              f"{result['bus_bandwidth'] / 1e9:.2f} GB/s bus bandwidth, written to {path}", file=sys.stderr)
     return 0
 
 
@@ -431,8 +463,11 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("calibrate", help="measure this machine (and acceptance) for the planner",
                        description="Measures peak FLOP/s and read bandwidth, the fixed per-forward overhead, and the "
                                    "model's linear-layer and attention rates against batch x new tokens (the shapes "
-                                   "draft and verify steps take), checks the result on a grid of forwards, and saves "
-                                   "a hardware profile the planner loads.")
+                                   "draft and verify steps take), checks the result on a grid of forwards, measures the "
+                                   "all-reduce between local processes (gloo on CPU, NCCL between GPUs) for "
+                                   "tensor parallelism, and saves a hardware profile the planner loads. Under "
+                                   "torchrun it measures only the all-reduce of the launched ranks (across nodes "
+                                   "too) and writes it into the saved profile.")
     c.add_argument("--device", help="cpu or cuda (default cpu)")
     c.add_argument("--quick", action="store_true", help="a few seconds instead of a few minutes")
     c.add_argument("--output", help="profile JSON path (default: the user cache folder)")
