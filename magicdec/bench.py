@@ -103,12 +103,13 @@ def run_bench(args, grid: BenchGrid) -> dict:
     if grid.distinct_prompts and any(b % min(b, grid.distinct_prompts) for b in grid.batches):
         raise InvalidRequestError(f"every batch size must be a multiple of --distinct-prompts {grid.distinct_prompts}")
     out = Path(args.out)
+    doc = load_results(out)
     texts = load_texts(args.corpus)[: grid.n_texts]
     llm = LLM(args.model, device=args.device, dtype=args.dtype, kv_dtype=args.kv_dtype, prefill_chunk=args.prefill_chunk)
-    # Under tensor parallelism every rank runs the same points, as rank 0 reads them from --out, and only
-    # rank 0 writes results.
+    # Under tensor parallelism every rank runs the points left in rank 0's --out, and only rank 0 writes.
     tp = llm.model.tp
-    doc = load_results(out) if tp is None else tp.gather(load_results(out) if tp.is_main else None)[0]
+    if tp is not None:
+        doc = tp.gather(doc if tp.is_main else None)[0]
     save = _save if tp is None or tp.is_main else lambda path, doc: None
     doc["machine"] = machine_info(llm.model.device)
     doc["settings"] = {**asdict(grid), "model": llm.loaded.source, "dtype": str(llm.model.dtype),
