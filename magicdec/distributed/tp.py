@@ -72,7 +72,7 @@ def _shard_linear(linear: nn.Linear, style: str, ranges: list[tuple[int, int]]) 
         linear.in_features = n
 
 
-def _shard_attention(attn: Attention, full: ModelConfig, local: ModelConfig, kv0: int, tp: TPGroup) -> None:
+def _shard_attention(attn: Attention, full: ModelConfig, local: ModelConfig, kv0: int) -> None:
     hd, groups = full.head_dim, full.n_heads // full.n_kv_heads
     q = (kv0 * groups * hd, (kv0 * groups + local.n_heads) * hd)
     k = (full.n_heads * hd + kv0 * hd, full.n_heads * hd + (kv0 + local.n_kv_heads) * hd)
@@ -80,13 +80,11 @@ def _shard_attention(attn: Attention, full: ModelConfig, local: ModelConfig, kv0
     _shard_linear(attn.wqkv, "colwise", [q, k, v])
     _shard_linear(attn.wo, "rowwise", [q])
     attn.n_heads, attn.n_kv = local.n_heads, local.n_kv_heads
-    attn.register_forward_hook(lambda _module, _input, output: tp.all_reduce_(output))
 
 
-def _shard_ffn(ffn: FeedForward, full: ModelConfig, f0: int, f1: int, tp: TPGroup) -> None:
+def _shard_ffn(ffn: FeedForward, full: ModelConfig, f0: int, f1: int) -> None:
     _shard_linear(ffn.w13, "colwise", [(f0, f1), (full.ffn_dim + f0, full.ffn_dim + f1)])  # gate, up
     _shard_linear(ffn.w2, "rowwise", [(f0, f1)])
-    ffn.register_forward_hook(lambda _module, _input, output: tp.all_reduce_(output))
 
 
 def apply_tp(model: Transformer, tp: TPGroup) -> None:
@@ -101,6 +99,17 @@ def apply_tp(model: Transformer, tp: TPGroup) -> None:
     kv0, _ = shard_range(full.n_kv_heads, tp.world_size, tp.rank)
     f0, f1 = shard_range(full.ffn_dim, tp.world_size, tp.rank)
     for block in model.layers:
-        _shard_attention(block.attention, full, local, kv0, tp)
-        _shard_ffn(block.feed_forward, full, f0, f1, tp)
-    model.cfg, model.full_cfg, model.tp = local, full, tp
+        _shard_attention(block.attention, full, local, kv0)
+        _shard_ffn(block.feed_forward, full, f0, f1)
+    model.cfg = local
+    add_all_reduces(model, tp, full)
+
+
+def add_all_reduces(model: Transformer, tp: TPGroup, full: ModelConfig) -> None:
+    """Join a rank's share of the model (`model.cfg` is local) with the others: all-reduce the output of every
+    attention and MLP. Separate from the sharding so that a benchmark can build a local-shaped model of
+    placeholder weights directly (magicdec.calibrate.synthetic_model) instead of slicing a whole one."""
+    for block in model.layers:
+        block.attention.register_forward_hook(lambda _module, _input, output: tp.all_reduce_(output))
+        block.feed_forward.register_forward_hook(lambda _module, _input, output: tp.all_reduce_(output))
+    model.full_cfg, model.tp = full, tp
