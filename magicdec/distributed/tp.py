@@ -7,10 +7,14 @@ in place so that each rank holds its share of every layer and one all-reduce joi
   rank's output is a partial sum over its heads, all-reduced.
 - MLP: the fused w13 keeps the rank's columns of the gate half and of the up half; w2 its rows; one
   all-reduce of the output.
-- The token embedding and the LM head are replicated. Sampling needs the whole distribution on every
-  rank (each rank samples the same token from identical logits, with no broadcast), so a vocab-parallel
-  head would add an all-gather of B x q x vocab logits per forward; and the embedding is a row gather
-  that costs next to nothing. The measured price of the replicated head is in benchmarks/bench_tp.py.
+- The token embedding and the LM head are replicated. The embedding is a row gather that costs next to
+  nothing. The head is kept whole because sampling needs the whole distribution on every rank (each rank
+  samples the same token from identical logits, with no broadcast): a vocab-parallel head would compute
+  1/tp of the logits and all-gather B x q x vocab of them per forward. Replicated is the simpler choice,
+  not the fastest one: on the 2-core CPU (benchmarks/results/tp.json, SmolLM2-135M, 4 and 16
+  rows) the replicated head took 46 and 68 ms a forward, half of it 21 and 36 ms plus 1 and 3 ms of
+  all-gather, so a vocab-parallel head would save about a sixth of a TP=2 decode step there. It is the
+  next step (see the planner's TP cost, which models the head as built: replicated).
 
 Splits need not be even: KV heads (and the MLP's columns) go out as evenly as they divide, the first
 ranks taking one more (SmolLM2-135M's 3 KV heads over 2 ranks: 2 + 1, query heads 6 + 3). Each rank's
