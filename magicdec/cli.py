@@ -362,8 +362,6 @@ def cmd_serve(args) -> int:
     from magicdec.server.async_engine import AsyncEngine
     from magicdec.server.metrics import ServerMetrics
 
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise InvalidRequestError("serve does not run under tensor parallelism yet: start it as one process")
     llm = LLM(args.model, device=args.device, dtype=args.dtype, kv_dtype=args.kv_dtype, prefill_chunk=args.prefill_chunk)
     max_len = llm.max_context if args.max_model_len is None else args.max_model_len
     if max_len > llm.max_context:
@@ -375,6 +373,12 @@ def cmd_serve(args) -> int:
                             max_queued=args.max_queued)
     except OutOfMemoryError as e:
         raise OutOfMemoryError(f"{e} (or lower --max-running / --max-model-len)") from None
+    tp = llm.model.tp
+    if tp is not None and not tp.is_main:  # rank 0 serves; the others follow its engine turn by turn
+        from magicdec.distributed.serving import follow
+
+        follow(engine, tp)
+        return 0
     source = llm.loaded.source
     name = args.served_model_name or args.model or Path(source).name.split(".")[0]
     metrics = ServerMetrics(name, spec.draft if spec is not None else "none", spec.budget if spec is not None else None)
@@ -386,7 +390,12 @@ def cmd_serve(args) -> int:
     def stopped() -> None:
         print("magicdec serve: stopped", file=sys.stderr, flush=True)
 
-    app = build_app(AsyncEngine(engine, metrics), llm.tokenizer, metrics, model_name=name, model_root=source,
+    mirror = None
+    if tp is not None:
+        from magicdec.distributed.serving import StepMirror
+
+        mirror = StepMirror(tp)
+    app = build_app(AsyncEngine(engine, metrics, mirror), llm.tokenizer, metrics, model_name=name, model_root=source,
                     chat_template=chat_template(source), api_key=args.api_key, on_ready=ready, on_stopped=stopped)
     run_server(app, args.host, args.port, log_level=args.log_level)
     return 0

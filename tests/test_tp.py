@@ -35,15 +35,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(args: list[list[str]], env: dict[str, str] | None = None, timeout: float = 120, grace: float = 10):
-    """Start one worker per entry of `args` as the ranks of one group (torchrun's environment); wait for
-    rank 0 and return (every rank's Popen, rank 0's stderr, seconds rank 0 took). The others are killed
-    if they outlive rank 0 by `grace` seconds (a rank hung on purpose)."""
+def start(args: list[list[str]], env: dict[str, str] | None = None) -> list[subprocess.Popen]:
+    """Start one worker per entry of `args` as the ranks of one group, with torchrun's environment."""
     base = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(len(args)), **(env or {})}
-    procs = [subprocess.Popen([sys.executable, str(WORKER), *a], env={**base, "RANK": str(r), "LOCAL_RANK": str(r)},
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-             for r, a in enumerate(args)]
+    return [subprocess.Popen([sys.executable, str(WORKER), *a], env={**base, "RANK": str(r), "LOCAL_RANK": str(r)},
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            for r, a in enumerate(args)]
+
+
+def launch(args: list[list[str]], env: dict[str, str] | None = None, timeout: float = 120, grace: float = 10):
+    """Run the ranks of `args` (see `start`); wait for rank 0 and return (every rank's Popen, rank 0's stderr,
+    seconds rank 0 took). The others are killed if they outlive rank 0 by `grace` seconds (a rank hung on
+    purpose)."""
+    procs = start(args, env)
     t0 = time.monotonic()
     try:
         _, err = procs[0].communicate(timeout=timeout)
@@ -137,3 +142,39 @@ def test_more_ranks_than_kv_heads_is_refused():
     check_shardable(cfg, 3)
     with pytest.raises(InvalidRequestError, match="at least 4 KV heads.*has 3"):
         check_shardable(cfg, 4)
+
+
+def test_serve_under_tp_answers_as_one_process_and_stops_every_rank(tiny):
+    """Rank 0 serves HTTP and sends each turn to rank 1; idle longer than the heartbeat; SIGTERM to rank 0
+    (as torchrun would send) ends it gracefully and rank 1 with it."""
+    import signal
+    import urllib.request
+
+    from magicdec.engine import LLM
+    from magicdec.sampling import SamplingParams
+
+    port = free_port()
+    procs = start([["serve", tiny[0], str(port)]] * 2, env={"MAGICDEC_TP_TIMEOUT": "20"})
+    try:
+        want = LLM(tiny[0], device="cpu", tp=False).generate(["a b c"], SamplingParams(max_tokens=8, ignore_eos=True))
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                break
+            except OSError:
+                assert time.monotonic() < deadline and procs[0].poll() is None, procs[0].stderr.read()
+                time.sleep(0.5)
+        time.sleep(22)  # idle past the timeout: only the heartbeats (every 20 s / 4) keep the follower waiting
+        body = json.dumps({"prompt": "a b c", "max_tokens": 8, "temperature": 0, "ignore_eos": True}).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
+                                         {"content-type": "application/json"})
+        answer = json.loads(urllib.request.urlopen(request, timeout=60).read())
+        assert answer["choices"][0]["text"] == want[0].text
+        procs[0].send_signal(signal.SIGTERM)
+        assert procs[0].wait(timeout=30) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal after shutting down
+        assert procs[1].wait(timeout=30) == 0  # told by rank 0 that serving is over
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()

@@ -3,6 +3,7 @@
 
     python tests/tp_worker.py run MODEL DRAFT_MODEL OUT.json RUNS MAX_TOKENS  # logits, tokens of each run
     python tests/tp_worker.py die|hang MODEL                    # rank 1 dies / hangs in its 3rd step
+    python tests/tp_worker.py serve MODEL PORT                  # `magicdec serve`, plain decoding
 
 `run` writes this rank's results to OUT.json.rank<R>; `die` and `hang` run `magicdec generate` through the
 CLI, so the test sees the exit status and the error line a user would.
@@ -84,8 +85,17 @@ def fail_in_step(mode: str, model: str) -> int:
                  "--ignore-eos"])
 
 
+def serve(model: str, port: str) -> int:
+    from magicdec.cli import main
+
+    return main(["serve", "--model", model, "--device", "cpu", "--port", port, "--draft", "none", "--max-running", "2",
+                 "--max-model-len", "128", "--log-level", "warning"])
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "run":
         run(*sys.argv[2:6], int(sys.argv[6]))
+    elif sys.argv[1] == "serve":
+        sys.exit(serve(sys.argv[2], sys.argv[3]))
     else:
         sys.exit(fail_in_step(sys.argv[1], sys.argv[2]))

@@ -98,9 +98,18 @@ class TPGroup:
         """The smallest of the ranks' values (e.g. the slots that fit on every device)."""
         return min(self.gather(int(value)))
 
+    def share(self, value: Any) -> Any:
+        """Rank 0's `value` (a picklable object; the others pass anything) on every rank."""
+        box = [value]
+        try:
+            dist.broadcast_object_list(box, src=0)
+        except RuntimeError as e:
+            raise self._failed(e) from None
+        return box[0]
+
     def shared_seed(self) -> int:
         """A random seed drawn on rank 0 and given to every rank."""
-        return self.gather(random.getrandbits(63))[0]
+        return self.share(random.getrandbits(63) if self.is_main else None)
 
 
 def _device_for(device: str | None, local_rank: int) -> torch.device:
