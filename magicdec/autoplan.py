@@ -17,6 +17,7 @@ the table shipped with the package, measured on SmolLM2-135M with PG-19 text).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from importlib import resources
@@ -175,6 +176,9 @@ def choose(
     "greedy" or "sampling" (temperature > 0). `dtype`/`kv_dtype` (torch dtypes or byte counts)
     default to the LLM's; without an LLM, to 4 bytes on a CPU profile and 2 on others.
     Raises InvalidRequestError when the profile or the acceptance table cannot be found or read.
+    Under tensor parallelism (an LLM loaded as one rank) the ranks must use the same profile, and the plan
+    is for the whole model over the ranks when the profile knows the all-reduce (`magicdec calibrate`),
+    else for this rank's share alone.
     """
     from magicdec.speculative import SpeculativeConfig
 
@@ -183,6 +187,7 @@ def choose(
     device = _device_of(llm)
     if dtype is None:
         dtype = getattr(getattr(llm, "model", llm), "dtype", None)  # an LLM's or a Transformer's
+    group = getattr(getattr(llm, "model", llm), "tp", None)  # a rank of a tensor-parallel run
     try:
         if profile is None:
             hw = load_profile(device or "cpu", _dtype_name(dtype))
@@ -198,6 +203,12 @@ def choose(
             table = AcceptanceTable.from_json(acceptance)
     except (ValueError, OSError) as e:
         raise InvalidRequestError(str(e)) from None
+    tp = 1
+    if group is not None:
+        # Every rank must take the same decisions: a profile that differs between machines would not.
+        group.agree("the hardware profile for --draft auto", dataclasses.asdict(hw))
+        if hw.ici_bandwidth is not None:  # plan the whole model over the ranks; else each rank's share alone
+            shape, tp = target_shape(llm.model.full_cfg if hasattr(llm, "model") else llm.full_cfg), group.world_size
 
     if dtype is None:  # planning from a config or shape: the profile's dtype, else the device's usual one
         dtype = hw.dtype or (4 if _is_cpu_profile(hw) else 2)
@@ -209,7 +220,7 @@ def choose(
     gammas = [g for g in gammas if 1 <= g <= 16]
     budgets = [b for b in budgets if b >= 8]
     best = plan(shape, hw, batch, context, table, budgets=budgets, gammas=gammas, dtype_bytes=weight_bytes,
-                kv_dtype_bytes=kv_bytes, mode=mode, strategies=strategies)
+                kv_dtype_bytes=kv_bytes, mode=mode, strategies=strategies, tp=tp)
     if best.strategy == "ar":
         return None, best
 
@@ -220,8 +231,9 @@ def choose(
     def planned(live: int, context: int) -> int:
         # steady state (rows=1): one step's tokens are its rows' mean acceptance; slower rows stay on to be
         # re-planned as the batch they leave behind shrinks
-        return plan(shape, hw, live, context, table, budgets=[best.budget], gammas=gammas, dtype_bytes=weight_bytes,
-                    kv_dtype_bytes=kv_bytes, mode=mode, strategies=replan_strategies, rows=1).gamma
+        return plan(shape, hw, live, context, table, budgets=[best.budget], gammas=gammas, tp=tp,
+                    dtype_bytes=weight_bytes, kv_dtype_bytes=kv_bytes, mode=mode, strategies=replan_strategies,
+                    rows=1).gamma
 
     def gamma_for(live: int, mean_context: int) -> int:
         """The best draft length for the chosen drafter and budget at the live batch and mean context

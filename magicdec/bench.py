@@ -95,7 +95,7 @@ def run_bench(args, grid: BenchGrid) -> dict:
     from magicdec.corpus import cut_prompts, load_texts
     from magicdec.engine import LLM
     from magicdec.kv import KVCache
-    from magicdec.memory import check_fits
+    from magicdec.memory import available_bytes, check_fits
     from magicdec.runner import CACHE_SLACK, ModelRunner, PromptCache
     from magicdec.sampling import SamplingParams
 
@@ -106,6 +106,11 @@ def run_bench(args, grid: BenchGrid) -> dict:
     doc = load_results(out)
     texts = load_texts(args.corpus)[: grid.n_texts]
     llm = LLM(args.model, device=args.device, dtype=args.dtype, kv_dtype=args.kv_dtype, prefill_chunk=args.prefill_chunk)
+    # Under tensor parallelism every rank runs the points left in rank 0's --out, and only rank 0 writes.
+    tp = llm.model.tp
+    if tp is not None:
+        doc = tp.gather(doc if tp.is_main else None)[0]
+    save = _save if tp is None or tp.is_main else lambda path, doc: None
     doc["machine"] = machine_info(llm.model.device)
     doc["settings"] = {**asdict(grid), "model": llm.loaded.source, "dtype": str(llm.model.dtype),
                        "dtype_choice": str(llm.loaded.dtype_choice), "kv_dtype": str(llm.kv_dtype),
@@ -125,9 +130,11 @@ def run_bench(args, grid: BenchGrid) -> dict:
         distinct = min(batch, grid.distinct_prompts or batch)
         try:
             capacity = ctx + grid.new_tokens + CACHE_SLACK
-            check_fits(ModelRunner.memory_bytes(llm.model, batch, capacity, llm.kv_dtype, None, llm.prefill_chunk)
-                       + KVCache.nbytes(llm.model.cfg, distinct, ctx, llm.kv_dtype),
-                       llm.model.device, f"batch {batch} x {ctx} tokens")
+            needed = (ModelRunner.memory_bytes(llm.model, batch, capacity, llm.kv_dtype, None, llm.prefill_chunk)
+                      + KVCache.nbytes(llm.model.cfg, distinct, ctx, llm.kv_dtype))
+            if tp is not None and not tp.min_int(needed <= available_bytes(llm.model.device)):
+                raise OutOfMemoryError(f"batch {batch} x {ctx} tokens does not fit on every rank")  # skip on all
+            check_fits(needed, llm.model.device, f"batch {batch} x {ctx} tokens")
             if prefilled_key != (ctx, distinct):
                 bar.set_postfix_str(f"prefill {distinct} x {ctx}")
                 prompts = cut_prompts(llm.tokenizer, texts, distinct, ctx)
@@ -140,7 +147,7 @@ def run_bench(args, grid: BenchGrid) -> dict:
             for c in todo:
                 doc["points"][point_key(batch, context, c)] = {"skipped": str(e)}
             bar.update(len(todo))
-            _save(out, doc)
+            save(out, doc)
             continue
         rows = [prompts[i % distinct] for i in range(batch)]
         for cfg in todo:
@@ -165,12 +172,14 @@ def run_bench(args, grid: BenchGrid) -> dict:
                 "prefill_s": prefill_s, "distinct_prompts": distinct, "peak_memory_gib": stats.peak_memory_bytes / 1024**3,
                 "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
             }
-            _save(out, doc)
+            save(out, doc)
             bar.update(1)
     llm.prompt_cache = None
     bar.close()
     add_speedups(doc)
-    _save(out, doc)
+    save(out, doc)
+    if tp is not None and not tp.is_main:
+        return doc
     print(format_results(doc))
     plot_dir = Path(args.plots) if args.plots else out.parent
     for p in plot_results(doc, plot_dir, out.stem):

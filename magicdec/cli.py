@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import warnings
 from pathlib import Path
 
-from magicdec.errors import MagicDecError
+from magicdec.errors import DistributedError, MagicDecError
 
 EXIT_USAGE = 2
+#: A tensor-parallel rank lost its peers (one died, hung past the timeout, or cannot be reached).
+EXIT_DISTRIBUTED = 3
 
 
 def parse_size(text: str) -> int:
@@ -304,6 +307,8 @@ def cmd_calibrate(args) -> int:
     from magicdec.corpus import load_texts
     from magicdec.engine import LLM
 
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return calibrate_allreduce(args)
     texts = load_texts(args.corpus) if args.acceptance else []  # checked before minutes of measuring
     llm = LLM(args.model, device=args.device, dtype=args.dtype)
     print(dtype_line(llm), file=sys.stderr)
@@ -312,6 +317,11 @@ def cmd_calibrate(args) -> int:
         print(f"[{done}/{total}] {label}", file=sys.stderr)
 
     cal = calibrate.measure_hardware(llm.model.device, quick=args.quick, progress=progress, model=llm.model)
+    print("all-reduce between local processes (for tensor parallelism)", file=sys.stderr)
+    allreduce = calibrate.measure_local_allreduce(llm.model.device)
+    if allreduce is not None:
+        cal.profile = calibrate.with_allreduce(cal.profile, allreduce)
+        cal.measurements["allreduce"] = allreduce
     path = cal.save(args.output)
     print(json.dumps(cal.profile.__dict__, indent=1, default=str))
     check = cal.measurements["check"]
@@ -326,6 +336,31 @@ def cmd_calibrate(args) -> int:
         out.parent.mkdir(parents=True, exist_ok=True)
         table.to_json(out)
         print(f"acceptance table written to {out}", file=sys.stderr)
+    return 0
+
+
+def calibrate_allreduce(args) -> int:
+    """`calibrate` under torchrun: measure the all-reduce of the launched ranks (any number of nodes) and
+    write its latency and bandwidth into the profile that `magicdec calibrate` made on one process."""
+    from magicdec import calibrate
+    from magicdec.distributed import init_tp
+    from magicdec.errors import InvalidRequestError
+    from magicdec.planner import HardwareProfile
+
+    tp = init_tp(args.device)
+    path = Path(args.output) if args.output else calibrate.default_profile_path(tp.device.type)
+    if not path.is_file():
+        raise InvalidRequestError(f"no hardware profile at {path}: run `magicdec calibrate` as one process first")
+    result = calibrate.measure_allreduce(tp)
+    if tp.is_main:
+        try:
+            profile = calibrate.with_allreduce(HardwareProfile.from_json(path), result)
+        except ValueError as e:
+            raise InvalidRequestError(str(e)) from None
+        profile.to_json(path)
+        print(json.dumps(result, indent=1))
+        print(f"all-reduce over {tp.world_size} ranks ({tp.backend}): {result['latency_s'] * 1e6:.0f} us + "
+              f"{result['bus_bandwidth'] / 1e9:.2f} GB/s bus bandwidth, written to {path}", file=sys.stderr)
     return 0
 
 
@@ -351,6 +386,12 @@ def cmd_serve(args) -> int:
                             max_queued=args.max_queued)
     except OutOfMemoryError as e:
         raise OutOfMemoryError(f"{e} (or lower --max-running / --max-model-len)") from None
+    tp = llm.model.tp
+    if tp is not None and not tp.is_main:  # rank 0 serves; the others follow its engine turn by turn
+        from magicdec.distributed.serving import follow
+
+        follow(engine, tp)
+        return 0
     source = llm.loaded.source
     name = args.served_model_name or args.model or Path(source).name.split(".")[0]
     metrics = ServerMetrics(name, spec.draft if spec is not None else "none", spec.budget if spec is not None else None)
@@ -362,7 +403,12 @@ def cmd_serve(args) -> int:
     def stopped() -> None:
         print("magicdec serve: stopped", file=sys.stderr, flush=True)
 
-    app = build_app(AsyncEngine(engine, metrics), llm.tokenizer, metrics, model_name=name, model_root=source,
+    mirror = None
+    if tp is not None:
+        from magicdec.distributed.serving import StepMirror
+
+        mirror = StepMirror(tp)
+    app = build_app(AsyncEngine(engine, metrics, mirror), llm.tokenizer, metrics, model_name=name, model_root=source,
                     chat_template=chat_template(source), api_key=args.api_key, on_ready=ready, on_stopped=stopped)
     run_server(app, args.host, args.port, log_level=args.log_level)
     return 0
@@ -442,8 +488,11 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("calibrate", help="measure this machine (and acceptance) for the planner",
                        description="Measures peak FLOP/s and read bandwidth, the fixed per-forward overhead, and the "
                                    "model's linear-layer and attention rates against batch x new tokens (the shapes "
-                                   "draft and verify steps take), checks the result on a grid of forwards, and saves "
-                                   "a hardware profile the planner loads.")
+                                   "draft and verify steps take), checks the result on a grid of forwards, measures the "
+                                   "all-reduce between local processes (gloo on CPU, NCCL between GPUs) for "
+                                   "tensor parallelism, and saves a hardware profile the planner loads. Under "
+                                   "torchrun it measures only the all-reduce of the launched ranks (across nodes "
+                                   "too) and writes it into the saved profile.")
     c.add_argument("--device", help="cpu or cuda (default cpu)")
     c.add_argument("--quick", action="store_true", help="a few seconds instead of a few minutes")
     c.add_argument("--output", help="profile JSON path (default: the user cache folder)")
@@ -482,19 +531,34 @@ def print_warning(message, category, filename, lineno, file=None, line=None) -> 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # Under torchrun every rank runs the same command; only rank 0 prints results and writes files, the
+    # others keep their errors, which name the rank (torchrun interleaves the ranks' output).
+    launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    rank = int(os.environ.get("RANK", "0")) if launched else 0
+    err, prefix = sys.stderr, f"[rank {rank}] " if rank else ""
+    if rank:
+        sys.stdout = sys.stderr = open(os.devnull, "w")
     try:
         with warnings.catch_warnings():
             warnings.showwarning = print_warning
-            return args.func(args)
+            status = args.func(args)
+    except DistributedError as e:  # its message names the rank
+        print(f"magicdec: error: {e}", file=err, flush=True)
+        os._exit(EXIT_DISTRIBUTED)  # without tearing the process group down: with a dead peer that can block
     except MagicDecError as e:
-        print(f"magicdec: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
+        print(f"magicdec: error: {prefix}{e}", file=err)
+        status = EXIT_USAGE
     except OSError as e:
-        print(f"magicdec: error: {e.strerror or e}: {e.filename or ''}".rstrip(": "), file=sys.stderr)
-        return EXIT_USAGE
+        print(f"magicdec: error: {prefix}{e.strerror or e}: {e.filename or ''}".rstrip(": "), file=err)
+        status = EXIT_USAGE
     except KeyboardInterrupt:
-        print("magicdec: interrupted", file=sys.stderr)
-        return 130
+        print("magicdec: interrupted", file=err)
+        status = 130
+    if launched:
+        from magicdec.distributed import shutdown_tp
+
+        shutdown_tp()
+    return status
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from magicdec.distributed import init_tp, launched_world_size
 from magicdec.drafters.base import Drafter
 from magicdec.errors import InvalidRequestError
 from magicdec.loading import LoadedModel, load_model
@@ -103,6 +104,10 @@ class LLMEngine:
                                    row_bucket=cuda_row_bucket if model.device.type == "cuda" else lambda n: n)
         self.requests: dict[str, Request] = {}
         self._offline_ids = itertools.count()
+        # Seeds of unseeded requests. Under tensor parallelism every rank must sample with the same seeds
+        # (identical logits then give identical tokens with no broadcast), so the generator is seeded from
+        # rank 0 once; the ranks add the same requests in the same order and so draw the same seeds.
+        self._seeds = random.Random(model.tp.shared_seed() if model.tp is not None else random.getrandbits(63))
         self.stats = GenerationStats(dtype=str(model.dtype).removeprefix("torch."))
 
     @property
@@ -120,7 +125,7 @@ class LLMEngine:
                 f"the prompt has {len(prompt_ids)} tokens; with max_tokens={params.max_tokens} it exceeds "
                 f"the context of {self.max_request_tokens} tokens"
             )
-        seed = params.seed if params.seed is not None else random.getrandbits(63)
+        seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         request = Request(request_id, prompt_ids, params, seed)
         self.scheduler.add(request)
         self.requests[request_id] = request
@@ -236,12 +241,18 @@ class LLM:
         prefill_chunk: int = 512,
         max_num_seqs: int = 256,
         prompt_cache_bytes: int = 0,
+        tp: bool | None = None,
     ):
+        """`tp`: run this process as one rank of a tensor-parallel group that torchrun launched (see
+        magicdec.distributed); None: when the launcher started more than one process. Every rank must then
+        make the same calls with the same arguments; each returns the same outputs."""
         if prefill_chunk < 1:
             raise InvalidRequestError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         if max_num_seqs < 1:
             raise InvalidRequestError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
-        self.loaded: LoadedModel = load_model(model, device=device, dtype=parse_dtype(dtype))
+        tp = launched_world_size() > 1 if tp is None else tp
+        group = init_tp(device) if tp else None
+        self.loaded: LoadedModel = load_model(model, device=device, dtype=parse_dtype(dtype), tp=group)
         self.model = self.loaded.model
         self.tokenizer = self.loaded.tokenizer
         self.kv_dtype = parse_dtype(kv_dtype) or self.model.dtype
@@ -272,6 +283,8 @@ class LLM:
         if fit_memory:
             per_slot = ModelRunner.memory_bytes(self.model, 1, capacity, self.kv_dtype, drafter, self.prefill_chunk)
             slots = max(1, min(slots, int(0.9 * available_bytes(self.model.device)) // per_slot))
+            if self.model.tp is not None:  # the ranks must run the same batch: the fewest that fit on every one
+                slots = self.model.tp.min_int(slots)
         return LLMEngine(self.model, self.tokenizer.eos_ids, slots=slots, capacity=capacity, kv_dtype=self.kv_dtype,
                          tokenizer=self.tokenizer, drafter=drafter, gamma_policy=policy,
                          prefill_chunk=self.prefill_chunk, prompt_cache=self.prompt_cache, **kwargs)

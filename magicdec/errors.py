@@ -21,5 +21,9 @@ class OutOfMemoryError(MagicDecError):
     """A batch cannot fit in the memory of the device; raised before anything is allocated."""
 
 
+class DistributedError(MagicDecError):
+    """A tensor-parallel collective failed or timed out: another rank died, hung, or cannot be reached."""
+
+
 class MagicDecWarning(UserWarning):
     """Something worked, but not as well as it should (e.g. the converted-weights cache is not writable)."""

@@ -170,6 +170,10 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
+        # Under tensor parallelism `cfg` is this rank's share and these hold the whole model's shape and the
+        # process group (set by magicdec.distributed.apply_tp).
+        self.full_cfg = cfg
+        self.tp = None
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)

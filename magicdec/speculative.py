@@ -56,7 +56,8 @@ class SpeculativeConfig:
         if self.draft == "model":
             from magicdec.loading import load_model
 
-            draft = load_model(self.draft_model, device=target.device, dtype=target.dtype)
+            # under tensor parallelism the draft model is sharded over the same ranks as the target
+            draft = load_model(self.draft_model, device=target.device, dtype=target.dtype, tp=target.tp)
             if draft.model.cfg.vocab_size != target.cfg.vocab_size:
                 raise InvalidRequestError(
                     f"draft vocabulary ({draft.model.cfg.vocab_size}) differs from the target's "

@@ -125,13 +125,16 @@ def test_forward_cost_compute_bound_and_tensor_parallel_by_hand():
     cost = forward_cost(LLAMA2, TOY_HW, batch=256, q=8, kv_len=0)
     assert cost.time == pytest.approx(2 * 2048 * 6_607_077_376 / 50e12 + 1e-3)
     assert cost.dominant == "compute"
-    # tp=2 halves every byte and flop, and adds 2 all-reduces per layer of
-    # 2048 tokens * 4096 * 2 bytes = 16 MiB, each moving 2 * (2-1)/2 = 1x of it at 100 GB/s:
-    # 64 * 16,777,216 / 100e9 = 10.74 ms.
+    # tp=2 halves every byte and flop but the LM head's (replicated: 4096 * 32000 = 131,072,000 params),
+    # and adds 2 all-reduces per layer of 2048 tokens * 4096 * 2 bytes = 16 MiB, each moving
+    # 2 * (2-1)/2 = 1x of it at 100 GB/s: 64 * 16,777,216 / 100e9 = 10.74 ms.
     cost_tp = forward_cost(LLAMA2, TOY_HW, batch=256, q=8, kv_len=0, tp=2)
-    assert cost_tp.flops_linear == cost.flops_linear / 2
+    assert cost_tp.flops_linear == 2 * 2048 * ((6_607_077_376 - 131_072_000) / 2 + 131_072_000)
     assert cost_tp.t_comm == pytest.approx(64 * 16_777_216 / 100e9)
-    assert cost_tp.time == pytest.approx((cost.time - 1e-3) / 2 + cost_tp.t_comm + 1e-3)
+    assert cost_tp.time == pytest.approx(cost_tp.flops_linear / 50e12 + cost_tp.t_comm + 1e-3)
+    # each all-reduce also pays the measured latency
+    slow = dataclasses.replace(TOY_HW, allreduce_latency_s=20e-6)
+    assert forward_cost(LLAMA2, slow, batch=256, q=8, kv_len=0, tp=2).t_comm == pytest.approx(cost_tp.t_comm + 64 * 20e-6)
     with pytest.raises(ValueError, match="ici_bandwidth"):
         forward_cost(LLAMA2, dataclasses.replace(TOY_HW, ici_bandwidth=None), 1, 1, 0, tp=2)
 

@@ -7,6 +7,7 @@ so later loads memory-map fp32 safetensors instead of parsing and dequantizing t
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ import torch
 
 from magicdec.config import ModelConfig
 from magicdec.cpu import DtypeChoice, auto_dtype
+from magicdec.distributed import TPGroup, apply_tp, check_shardable
 from magicdec.errors import InvalidRequestError, ModelLoadError
 from magicdec.jsonfile import read_json_object
 from magicdec.loading.cache import load_gguf
@@ -69,7 +71,8 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return dev
 
 
-def _build(cfg: ModelConfig, sd: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype) -> Transformer:
+def _build(cfg: ModelConfig, sd: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
+           tp: TPGroup | None) -> Transformer:
     with torch.device("meta"):
         model = Transformer(cfg)
     if cfg.tie_embeddings:
@@ -81,6 +84,8 @@ def _build(cfg: ModelConfig, sd: dict[str, torch.Tensor], device: torch.device, 
     if cfg.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight
     model.inv_freq = rope_inv_freq(cfg)
+    if tp is not None:
+        apply_tp(model, tp)  # before the move to the device: a rank copies only its share
     model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
     model.inv_freq = model.inv_freq.to(device=device, dtype=torch.float32)  # fp32 whatever the dtype
     return model
@@ -111,19 +116,25 @@ def load_model(
     model: str | os.PathLike | None = None,
     device: str | torch.device | None = None,
     dtype: torch.dtype | None = None,
+    tp: TPGroup | None = None,
 ) -> LoadedModel:
     """Load a Hugging Face folder or a GGUF file (None: the embedded default model).
 
     `dtype` None is "auto": bf16 on accelerators and on CPUs that multiply bf16 natively, else fp32
-    (see `magicdec.cpu.auto_dtype`).
+    (see `magicdec.cpu.auto_dtype`). With `tp`, this rank's share of the model (see
+    magicdec.distributed.apply_tp) on tp.device; every rank must load the same model, which is checked.
     """
-    dev = resolve_device(device)
+    dev = tp.device if tp is not None else resolve_device(device)
     choice = DtypeChoice(dtype, "requested") if dtype is not None else auto_dtype(dev)
+    if tp is not None:
+        choice = tp.share(choice)  # rank 0's: a timing-based choice could differ between ranks
     path = default_model_path() if model is None else Path(model)
     if not path.exists():
         raise ModelLoadError(f"model path does not exist: {path}")
     if path.is_dir():
         cfg = read_hf_config(path)
+        if tp is not None:
+            check_shardable(cfg, tp.world_size, path.name)  # before reading the weights
         sd = to_magicdec_names(load_hf_state_dict(path), cfg)
         tok = Tokenizer.from_hf_folder(path, cfg.bos_token_id, cfg.eos_token_ids)
     elif path.suffix.lower() == ".gguf":
@@ -131,4 +142,8 @@ def load_model(
         cfg, sd, tok = converted.cfg, converted.state_dict, converted.tokenizer
     else:
         raise ModelLoadError(f"{path}: expected a Hugging Face model folder or a .gguf file")
-    return LoadedModel(_build(cfg, sd, dev, choice.dtype), tok, str(path), choice)
+    if tp is not None:
+        check_shardable(cfg, tp.world_size, path.name)
+        # the config and a few weights: a model that differs between ranks would run, producing garbage
+        tp.agree("the model", (dataclasses.asdict(cfg), float(sd["tok_embeddings.weight"][:4].double().sum())))
+    return LoadedModel(_build(cfg, sd, dev, choice.dtype, tp), tok, str(path), choice)

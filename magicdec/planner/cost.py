@@ -99,8 +99,10 @@ def forward_cost(
 ) -> ForwardCost:
     """Cost of one forward pass of `batch` sequences, `q` new tokens each, attending `kv_len` keys.
 
-    With `tp` > 1 weights, KV cache and flops are split evenly over `tp` devices, and each
-    layer adds two ring all-reduces of the B*q*dim hidden states over `hw.ici_bandwidth`.
+    With `tp` > 1 the layers' weights, KV cache and flops are split evenly over `tp` devices (the
+    LM head is replicated on every device, as magicdec.distributed runs it), and each layer adds two
+    ring all-reduces of the B*q*dim hidden states: `hw.allreduce_latency_s` each plus the bytes over
+    `hw.ici_bandwidth`.
     """
     if batch < 1 or q < 1 or kv_len < 0 or tp < 1:
         raise ValueError(f"need batch >= 1, q >= 1, kv_len >= 0, tp >= 1; got {batch}, {q}, {kv_len}, {tp}")
@@ -108,10 +110,11 @@ def forward_cost(
     # Activations stay in the compute dtype (16-bit at least) even when weights are quantized.
     act_dtype_bytes = max(weight_dtype_bytes, 2)
 
-    bytes_weights = shape.n_params_linear * weight_dtype_bytes / tp
+    head = shape.dim * shape.vocab_size  # replicated under TP
+    bytes_weights = ((shape.n_params_linear - head) / tp + head) * weight_dtype_bytes
     bytes_kv = batch * kv_len * shape.kv_bytes_per_token(kv_dtype_bytes) / tp
     bytes_activations = tokens * _activation_elements_per_token(shape) * act_dtype_bytes / tp
-    flops_linear = 2 * tokens * shape.n_params_linear / tp
+    flops_linear = 2 * tokens * ((shape.n_params_linear - head) / tp + head)
     flops_attention = 4 * tokens * kv_len * shape.n_layers * shape.n_heads * shape.head_dim / tp
 
     bandwidth = hw.mem_bandwidth * hw.bandwidth_efficiency
@@ -132,7 +135,7 @@ def forward_cost(
             raise ValueError(f"profile {hw.name!r} has no ici_bandwidth; cannot model tp={tp}")
         # A ring all-reduce sends and receives 2 (tp-1)/tp of the message on each device.
         message = tokens * shape.dim * act_dtype_bytes
-        t_comm = 2 * shape.n_layers * 2 * (tp - 1) / tp * message / hw.ici_bandwidth
+        t_comm = 2 * shape.n_layers * (hw.allreduce_latency_s + 2 * (tp - 1) / tp * message / hw.ici_bandwidth)
     t_overhead = hw.fixed_overhead_s + hw.per_layer_overhead_s * shape.n_layers
 
     shares = {"weights": 0.0, "kv": 0.0, "compute": 0.0, "overhead": t_overhead + t_comm}

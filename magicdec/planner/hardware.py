@@ -39,7 +39,12 @@ class HardwareProfile:
     per_layer_overhead_s: float = 0.0
     """Extra fixed time per layer per forward pass (e.g. all-reduce latency under TP)."""
     ici_bandwidth: float | None = None
-    """Per-direction interconnect bandwidth per device, bytes/s (NVLink, PCIe); None if unknown."""
+    """Per-direction interconnect bandwidth per device, bytes/s (NVLink, PCIe); None if unknown. From
+    `magicdec calibrate`: the all-reduce's measured bus bandwidth (the message's bytes per second times
+    2 (tp - 1) / tp, what a ring moves over each link)."""
+    allreduce_latency_s: float = 0.0
+    """Seconds an all-reduce takes beyond its bytes (launch, synchronization, the ring's steps); under
+    TP a forward pays it twice per layer."""
     linear_rates: tuple[tuple[float, float], ...] | None = None
     """Measured (tokens per forward, weight bytes/s) pairs of the linear layers, ascending in tokens.
     When given they replace the linear layers' roofline: small-matrix kernels do not follow
@@ -55,7 +60,7 @@ class HardwareProfile:
         if not isinstance(self.name, str):
             raise ValueError(f"name must be a string, got {self.name!r}")
         numbers = ["flops_per_s", "mem_bandwidth", "mem_bytes", "matmul_efficiency", "bandwidth_efficiency",
-                   "attention_efficiency", "fixed_overhead_s", "per_layer_overhead_s"]
+                   "attention_efficiency", "fixed_overhead_s", "per_layer_overhead_s", "allreduce_latency_s"]
         for field in numbers + (["ici_bandwidth"] if self.ici_bandwidth is not None else []):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
@@ -79,7 +84,7 @@ class HardwareProfile:
             value = getattr(self, field)
             if not 0 < value <= 1:
                 raise ValueError(f"{field} must be in (0, 1], got {value}")
-        if self.fixed_overhead_s < 0 or self.per_layer_overhead_s < 0:
+        if self.fixed_overhead_s < 0 or self.per_layer_overhead_s < 0 or self.allreduce_latency_s < 0:
             raise ValueError("overheads must be non-negative")
         if self.ici_bandwidth is not None and self.ici_bandwidth <= 0:
             raise ValueError(f"ici_bandwidth must be positive or None, got {self.ici_bandwidth}")

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
 from magicdec.engine import LLMEngine
-from magicdec.errors import MagicDecError
+from magicdec.errors import DistributedError, MagicDecError
 from magicdec.sampling import SamplingParams
 from magicdec.scheduler import Request, Status
 
@@ -55,6 +55,22 @@ class StepObserver(Protocol):
         """A request's client went away before it finished."""
 
 
+class Mirror(Protocol):
+    """Under tensor parallelism, what the engine thread tells the other ranks (magicdec.distributed.serving)."""
+
+    heartbeat_s: float
+    """The longest the thread may sit idle without a turn (the others would take silence for a hang)."""
+
+    def send(self, turn: list[tuple]) -> None:
+        """The commands of a turn, before they are applied (possibly none: a heartbeat)."""
+
+    def stop(self) -> None:
+        """Serving is over."""
+
+    def lost(self, error: DistributedError) -> None:
+        """A collective failed: the other ranks cannot be trusted to be in step any more."""
+
+
 @dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
@@ -71,9 +87,16 @@ class _Add:
     done: asyncio.Future = field(repr=False)
 
 
+    def mirrored(self) -> tuple:
+        return ("add", self.request_id, self.prompt_ids, self.params)
+
+
 @dataclass
 class _Abort:
     request_id: str
+
+    def mirrored(self) -> tuple:
+        return ("abort", self.request_id)
 
 
 def _resolve(future: asyncio.Future, error: BaseException | None) -> None:
@@ -89,9 +112,10 @@ def _resolve(future: asyncio.Future, error: BaseException | None) -> None:
 class AsyncEngine:
     """Runs an LLMEngine on a dedicated thread; `add` and `abort` are safe to call from the asyncio loop."""
 
-    def __init__(self, engine: LLMEngine, observer: StepObserver | None = None):
+    def __init__(self, engine: LLMEngine, observer: StepObserver | None = None, mirror: Mirror | None = None):
         self._engine = engine
         self._observer = observer
+        self._mirror = mirror
         self.max_request_tokens = engine.max_request_tokens  # fixed at construction: safe to read anywhere
         self._cond = threading.Condition()
         self._commands: list[_Add | _Abort] = []
@@ -145,10 +169,13 @@ class AsyncEngine:
             while True:
                 with self._cond:
                     while not (self._commands or self._stopping or self._engine.has_unfinished()):
-                        self._cond.wait()
+                        if not self._cond.wait(self._mirror.heartbeat_s if self._mirror is not None else None):
+                            break  # idle for a heartbeat: an empty turn tells the other ranks we are alive
                     if self._stopping:
                         break
                     commands, self._commands = self._commands, []
+                if self._mirror is not None:
+                    self._mirror.send([command.mirrored() for command in commands])
                 for command in commands:
                     self._apply(command)
                 if self._observer is not None:
@@ -156,10 +183,14 @@ class AsyncEngine:
                 if self._engine.has_unfinished():
                     self._step()
         except BaseException as e:  # the loop itself failed: nothing can run any more
+            if isinstance(e, DistributedError) and self._mirror is not None:
+                self._mirror.lost(e)
             log.exception("the engine thread died")
             self.error = e
             reason = f"the engine stopped: {type(e).__name__}: {e}"
         finally:
+            if self._mirror is not None:
+                self._mirror.stop()
             with self._cond:
                 self._dead = True
                 pending, self._commands = self._commands, []
@@ -187,6 +218,8 @@ class AsyncEngine:
     def _step(self) -> None:
         try:
             changed = self._engine.step()
+        except DistributedError:
+            raise  # not this step's fault: the ranks are out of step, the loop ends
         except Exception as e:  # a bug or a device error: fail this step's requests, keep serving others
             log.exception("an engine step failed")
             self._fail_touched(f"the engine failed while running this request: {type(e).__name__}: {e}")
