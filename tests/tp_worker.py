@@ -89,7 +89,7 @@ def serve(model: str, port: str) -> int:
     from magicdec.cli import main
 
     return main(["serve", "--model", model, "--device", "cpu", "--port", port, "--draft", "none", "--max-running", "2",
-                 "--max-model-len", "128", "--log-level", "warning"])
+                 "--max-model-len", "128", "--log-level", "warning", "--dtype", "fp32"])
 
 
 if __name__ == "__main__":
