@@ -204,7 +204,8 @@ def test_kv_cache_too_big_is_refused_before_allocating(default_model):
 
 @pytest.mark.parametrize(
     "call",
-    ["empty text", "no prompts", "empty ids", "single string", "non-string", "ids out of vocab", "negative id"],
+    ["empty text", "no prompts", "empty ids", "single string", "non-string", "ids out of vocab", "negative id",
+     "float ids", "string ids", "bool ids", "ids as a string", "both kinds", "params per prompt miscounted"],
 )
 def test_invalid_prompts(llm, call):
     params = SamplingParams(max_tokens=4)
@@ -216,9 +217,16 @@ def test_invalid_prompts(llm, call):
         "non-string": dict(prompts=["ok", 42]),
         "ids out of vocab": dict(prompt_token_ids=[[1, 49152]]),
         "negative id": dict(prompt_token_ids=[[-1, 5]]),
+        "float ids": dict(prompt_token_ids=[[1.0, 5.0]]),
+        "string ids": dict(prompt_token_ids=[["1", "5"]]),
+        "bool ids": dict(prompt_token_ids=[[True, 5]]),
+        "ids as a string": dict(prompt_token_ids=["15"]),
+        "both kinds": dict(prompts=["a"], prompt_token_ids=[[1, 5]]),  # which would label which?
+        "params per prompt miscounted": dict(prompts=["a", "b"], params=[SamplingParams()]),
     }[call]
+    kwargs.setdefault("params", params)
     with pytest.raises(InvalidRequestError):
-        llm.generate(params=params, **kwargs)
+        llm.generate(**kwargs)
 
 
 def test_prompt_longer_than_context(llm):

@@ -62,8 +62,9 @@ CASES = [
     (["generate", "--prompt", "ab", "--draft", "auto", "--hardware", "nosuch"], "unknown hardware profile 'nosuch'"),
     (["generate", "--prompt", "ab", "--draft", "auto", "--hardware", "{profile_lacks.json}"], "lacks mem_bytes"),
     # ... the cache holds a corrupt profile of the CPU and a corrupt acceptance table of the tiny model
-    (["generate", "--prompt", "ab", "--draft", "auto", "--device", "cpu"], "hardware-cpu.json: not a valid hardware profile"),
-    (["generate", "--prompt", "ab", "--draft", "auto", "--hardware", "cpu-zen3-2core"],
+    (["generate", "--prompt", "ab", "--draft", "auto", "--device", "cpu", "--dtype", "fp32"],
+     "hardware-cpu-fp32.json: not a valid hardware profile"),
+    (["generate", "--prompt", "ab", "--draft", "auto", "--hardware", "cpu-amx-2t-fp32"],
      "acceptance-tiny.json: not a valid acceptance table"),
     # calibrate
     pytest.param(["calibrate", "--device", "cuda"], "no CUDA device", marks=NO_CUDA),
@@ -109,7 +110,7 @@ def files(tmp_path, monkeypatch) -> dict[str, str]:
     cache = tmp_path / "cache"
     cache.mkdir()
     monkeypatch.setenv("MAGICDEC_CACHE", str(cache))
-    for name in ("hardware-cpu.json", "acceptance-tiny.json"):
+    for name in ("hardware-cpu-fp32.json", "acceptance-tiny.json"):
         (cache / name).write_text("{")
     for name, content in FILES.items():
         (tmp_path / name).write_bytes(content)
