@@ -38,6 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from magicdec import calibrate  # noqa: E402
+from magicdec.autoplan import target_shape  # noqa: E402
 from magicdec.config import ModelConfig  # noqa: E402
 from magicdec.planner import HardwareProfile, forward_cost, get_model_shape, get_profile  # noqa: E402
 from magicdec.planner.cost import draft_time  # noqa: E402
@@ -68,7 +69,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def build_model(args):
     """This rank's model (sharded under torchrun) and its EOS ids."""
     from magicdec.distributed import add_all_reduces, init_tp, launched_world_size, local_config
-    from magicdec.loading import default_dtype, load_model, resolve_device
+    from magicdec.cpu import auto_dtype
+    from magicdec.loading import load_model, resolve_device
 
     tp = init_tp(args.device) if launched_world_size() > 1 else None
     device = tp.device if tp is not None else resolve_device(args.device)
@@ -76,7 +78,8 @@ def build_model(args):
         return load_model(args.model, device=device, tp=tp).model, ()
     full = calibrate.model_config_from_shape(get_model_shape(args.shape), args.context + args.max_tokens + 64)
     cfg = local_config(full, tp.world_size, tp.rank) if tp is not None else full
-    model = calibrate.synthetic_model(cfg, device, default_dtype(device))
+    choice = auto_dtype(device) if tp is None else tp.share(auto_dtype(device))  # the ranks must agree
+    model = calibrate.synthetic_model(cfg, device, choice.dtype)
     if tp is not None:
         add_all_reduces(model, tp, full)
     return model, ()
@@ -193,7 +196,7 @@ def main(argv: list[str] | None = None) -> None:
            "allreduce": allreduce, "profiles": {th: p.name for th, p in profiles.items()}, "runs": []}
     for tp, threads in runs:
         result = run_config(args, tp, threads)
-        shape = calibrate.shape_from_config(ModelConfig(**result.pop("full_config")), args.shape or "model")
+        shape = target_shape(ModelConfig(**result.pop("full_config")))
         hw = profiles[threads] if allreduce is None else calibrate.with_allreduce(profiles[threads], allreduce)
         predicted = predict(shape, hw, args, tp, result["spec"]["tokens_per_step"])
         doc["runs"].append({"tp": tp, "threads_per_rank": threads, **result, "predicted": predicted})
