@@ -91,6 +91,23 @@ class PromptCache:
         self.entries.move_to_end(key)
         return self.entries[key]
 
+    def load(self, prompt: Sequence[int], row: KVCache, observer: SnapKVObserver | None) -> Tensor:
+        """Fill `row` (one cache row) with the cached prefill of `prompt`; returns its last logits."""
+        entry, T = self.get(prompt), len(prompt)
+        row.clear()
+        row.k[:, 0, :, :T] = entry.k
+        row.v[:, 0, :, :T] = entry.v
+        row.commit(T)
+        if observer is not None:
+            observer.scores = list(entry.scores)
+        return entry.logits
+
+    def store(self, prompt: Sequence[int], row: KVCache, logits: Tensor, observer: SnapKVObserver) -> None:
+        """Keep the prefill of `prompt` that `row` now holds (with its last logits and SnapKV observation)."""
+        T = len(prompt)
+        self.put(prompt, _Prefilled(row.k[:, 0, :, :T].clone(), row.v[:, 0, :, :T].clone(), logits.clone(),
+                                    observer.scores))
+
     def put(self, prompt: Sequence[int], entry: _Prefilled) -> None:
         key = tuple(prompt)
         if key in self.entries or entry.nbytes > self.max_bytes:
@@ -175,7 +192,7 @@ class ModelRunner:
         self.live = torch.zeros(slots, dtype=torch.bool, device=device)  # slots that are decoding
         self.rows = RowParams(slots, device)
         self.eos = torch.tensor(list(eos_ids), dtype=torch.long, device=device)
-        self.prompt_len = [0] * slots
+        self.prompts: list[list[int]] = [[] for _ in range(slots)]  # each slot's prompt ids
 
     @staticmethod
     def memory_bytes(model: Transformer, slots: int, capacity: int, kv_dtype: torch.dtype,
@@ -194,7 +211,7 @@ class ModelRunner:
         self.use_eos[slot] = not a.params.ignore_eos
         self.live[slot] = False
         self.rows.set(slot, a.params, a.seed)
-        self.prompt_len[slot] = n
+        self.prompts[slot] = a.prompt
 
     def _release(self, slot: int) -> None:
         """The slot's request is done (or aborted): stop decoding it and empty its cache row, so that its
@@ -236,25 +253,25 @@ class ModelRunner:
     def _prefill(self, work: PrefillWork) -> Tensor | None:
         """Run one prefill chunk; after the last one, sample the first token and start decoding the slot.
         Returns (first token, finish code) [2] after the last chunk, else None."""
-        slot, T = work.slot, self.prompt_len[work.slot]
+        slot, ids = work.slot, self.prompts[work.slot]
+        T = len(ids)
         row, prompt = self.cache.row(slot), self.seq[slot, :T]
         observer = None
         if work.final and (self.prompt_cache is not None or
                            (self.drafter is not None and self.drafter.needs_target_attention)):
             observer = SnapKVObserver(self.model.cfg.n_layers)
-        if work.cached and prompt.tolist() in self.prompt_cache:
-            logits = self._copy_prefilled(row, prompt, observer)
+        if work.cached and ids in self.prompt_cache:
+            logits = self.prompt_cache.load(ids, row, observer)
         elif work.cached:  # evicted since it was scheduled
             logits = prefill_row(self.model, row, prompt, work.end, observer)
         else:
             logits = prefill_chunk(self.model, row, prompt, work.start, work.end, observer)
             if work.final and self.prompt_cache is not None:
-                self.prompt_cache.put(prompt.tolist(), _Prefilled(row.k[:, 0, :, :T].clone(), row.v[:, 0, :, :T].clone(),
-                                                                  logits.clone(), observer.scores))
+                self.prompt_cache.store(ids, row, logits, observer)
         if not work.final:
             return None
         if self.drafter is not None:
-            self.drafter.admit(slot, self.seq[slot, :T], row, observer)
+            self.drafter.admit(slot, prompt, row, observer)
         pos = torch.full((1, 1), T, dtype=torch.long, device=self.device)
         first = sample_tokens(logits[:, None], self.rows.row(slot), pos)  # [1, 1]
         one = slice(slot, slot + 1)
@@ -262,17 +279,6 @@ class ModelRunner:
         _, finish = self._emit(one, first, torch.ones(1, dtype=torch.long, device=self.device))
         self.live[slot] = finish[0] == RUNNING
         return torch.cat((first[0], finish))
-
-    def _copy_prefilled(self, row: KVCache, prompt: Tensor, observer: SnapKVObserver | None) -> Tensor:
-        """Fill `row` from the prompt cache; returns the prompt's last logits."""
-        entry, T = self.prompt_cache.get(prompt.tolist()), len(prompt)
-        row.clear()
-        row.k[:, 0, :, :T] = entry.k
-        row.v[:, 0, :, :T] = entry.v
-        row.commit(T)
-        if observer is not None:
-            observer.scores = list(entry.scores)
-        return entry.logits
 
     def _decode(self, n: int, gamma: int) -> tuple[Tensor, Tensor, Tensor, Tensor, float]:
         """One round over slots [0, n): plain decoding (gamma 0) or draft, verify and commit."""

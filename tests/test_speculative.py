@@ -75,14 +75,8 @@ def draft_prefill_from_cache(monkeypatch, draft_model, cache):
 
     def prefill_row(m, row, prompt, chunk, observer=None):
         if m is draft_model and prompt.tolist() in cache:
-            entry, T = cache.get(prompt.tolist()), len(prompt)
-            row.clear()
-            row.k[:, 0, :, :T], row.v[:, 0, :, :T] = entry.k, entry.v
-            row.commit(T)
-            if observer is not None:
-                observer.scores = list(entry.scores)
-            served.append(T)
-            return entry.logits
+            served.append(len(prompt))
+            return cache.load(prompt.tolist(), row, observer)
         return real(m, row, prompt, chunk, observer)
 
     monkeypatch.setattr(model_draft_mod, "prefill_row", prefill_row)
