@@ -263,7 +263,7 @@ def measure_hardware(
     reps = 2 if quick else 7
     m: dict[str, Any] = {"device": str(device), "dtype": dtype_name(dtype), "quick": quick,
                          "machine": machine_info(dev)}
-    stages = ["bandwidth", "matmul", "overhead", "linear", "attention", "check"]
+    stages = ["bandwidth", "matmul", "overhead", "sampling", "linear", "attention", "check"]
 
     def stage(i: int, label: str) -> None:
         if progress is not None:
@@ -317,6 +317,10 @@ def measure_hardware(
     m["overhead"] = {"tiny_forwards": overhead, "fixed_s": fixed, "per_layer_s": per_layer,
                      "decode_loop_step_s": loop_step, "decode_loop_extra_s": loop_extra}
 
+    stage(3, "sampling")
+    vocab = model.cfg.vocab_size if model is not None else shape_default.vocab_size
+    m["sampling"] = measure_sampling(vocab, dev, reps=5 if quick else 15)
+
     # 4. whole forwards of a real-sized model. The linear layers' rate against tokens per forward:
     #    batch m, one new token each, over a cache too short for attention to count. Attention's rate
     #    against new tokens per sequence: a long cache less the same forward over the short one.
@@ -331,7 +335,7 @@ def measure_hardware(
     short = 16
     t_overhead = fixed + per_layer * shape.n_layers
     weight_bytes = shape.n_params_linear * es
-    stage(3, "linear layers")
+    stage(4, "linear layers")
     if quick:
         tokens = (1, 4, 16, 64) if not gpu else (1, 64, 512)
     else:
@@ -339,7 +343,7 @@ def measure_hardware(
                   else (1, 4, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192))
     linear = [{"tokens": n, "seconds": _median_forward(model, n, 1, short, reps=reps)} for n in tokens]
     set_linear_rates(linear, weight_bytes, t_overhead)
-    stage(4, "attention")
+    stage(5, "attention")
     # the longest context the model takes (the score rows per query grow with it and fall out of cache)
     att_batch = 8 if not gpu else 32
     att_len = min(8192 if not gpu else 16384, model.cfg.max_seq_len - 16)
@@ -354,7 +358,7 @@ def measure_hardware(
 
     # 5. the profile: measured rates, and the roofline numbers they imply (for reports and for work
     #    beyond the measured shapes); then the forwards of a batch x q x context grid as its check
-    stage(5, "check")
+    stage(6, "check")
     linear_rates = tuple((r["tokens"], r["weight_bytes_per_s"]) for r in linear)
     attention_rates = tuple((r["q"], r["kv_bytes_per_s"]) for r in attention)
     best_linear_flops = max(2 * r["tokens"] * shape.n_params_linear / max(r["seconds"] - t_overhead, 1e-9)
@@ -370,6 +374,7 @@ def measure_hardware(
         # a decode step is a forward plus the loop's own work: the planner sees it as fixed overhead
         fixed_overhead_s=fixed + loop_extra, per_layer_overhead_s=per_layer,
         linear_rates=linear_rates, attention_rates=attention_rates,
+        sampling_s_per_token=m["sampling"]["seconds_per_token"],
     )
     if quick:
         grid = [(1, 1, 2048), (1, 5, 2048), (8, 3, 1024)]
@@ -391,7 +396,7 @@ def measure_hardware(
     m["model_shape"] = dataclasses.asdict(shape)
     m["check"] = {"median_relative_error": statistics.median(abs(f["predicted"] / f["seconds"] - 1) for f in forwards),
                   "worst_relative_error": max(abs(f["predicted"] / f["seconds"] - 1) for f in forwards)}
-    stage(6, "done")
+    stage(7, "done")
     return HardwareCalibration(profile, m)
 
 
@@ -423,6 +428,25 @@ def nondecreasing(values: Sequence[float]) -> list[float]:
             blocks[-1][0] += total
             blocks[-1][1] += count
     return [total / count for total, count in blocks for _ in range(int(count))]
+
+
+def measure_sampling(vocab: int, device: torch.device, reps: int, batch: int = 32) -> dict[str, Any]:
+    """Seconds per token that drawing with the sampling preset (T 0.7, top-p 0.9) adds to a greedy argmax.
+
+    The logits are shaped like a language model's at these settings: most rows peaked (a nucleus of a few
+    tokens), some wide (SmolLM2 on PG-19: nucleus past 64 tokens at ~11% of positions, past 1024 at 1-3%),
+    as 28 rows of N(0, 6^2) logits, 3 of N(0, 3^2) (nuclei of 100-260 tokens) and 1 of N(0, 1)
+    (over 20k tokens)."""
+    from magicdec.sampling import RowParams, sample_tokens
+
+    scale = torch.tensor([6.0] * (batch - 4) + [3.0] * 3 + [1.0])[:, None, None]
+    logits = (torch.randn(batch, 1, vocab, generator=torch.Generator().manual_seed(0)) * scale).to(device)
+    position = torch.zeros(batch, 1, dtype=torch.long, device=device)
+    sampled = RowParams.of([sampling_params("sampling", 1)] * batch, range(batch), device)
+    t_sampled = _median(lambda: sample_tokens(logits, sampled, position), device, reps)
+    t_greedy = _median(lambda: sample_tokens(logits, RowParams(batch, device), position), device, reps)
+    return {"batch": batch, "vocab": vocab, "seconds_sampled": t_sampled, "seconds_greedy": t_greedy,
+            "seconds_per_token": max(0.0, t_sampled - t_greedy) / batch}
 
 
 def _decode_step_time(model, steps: int) -> float:

@@ -34,6 +34,7 @@ MAX_GAMMA = 16
 CACHE_SLACK = MAX_GAMMA + 2
 
 RUNNING, STOPPED, LENGTH = 0, 1, 2  # per-slot finish codes of a step's results
+GREEDY = SamplingParams()
 
 
 def synchronize(device: torch.device) -> None:
@@ -217,6 +218,7 @@ class ModelRunner:
         """The slot's request is done (or aborted): stop decoding it and empty its cache row, so that its
         length no longer widens the attention of the slots decoded with it."""
         self.live[slot] = False
+        self.rows.set(slot, GREEDY, 0)  # an idle row rides along: keep it off the sampler's work
         self.cache.row(slot).clear()
         if self.drafter is not None:
             self.drafter.release(slot)

@@ -11,7 +11,7 @@ at position t of a sequence is argmax_x p_t(x) / E_t(x), with E_t(x) an exponent
   plain decoding with the same seed (greedy rows are the special case of no noise). A drafter can make
   generation faster, never different, for sampled requests too.
 * Noise can be computed for any subset of the vocabulary: on CPU, rows whose (top-p / top-k filtered)
-  distribution lies within their CPU_CANDIDATES most probable tokens draw noise for those alone.
+  distribution lies within their few most probable tokens (CPU_CANDIDATES) draw noise for those alone.
 
 Against Leviathan-style rejection sampling, the shared-noise coupling accepts slightly fewer draft
 tokens (SmolLM2 self-speculation on PG-19, T 0.7, top-p 0.9: 0.775 against 0.804 per token) and needs
@@ -122,37 +122,14 @@ def normalize_seed(seed: int) -> int:
 
 
 # --- logits -> distribution -----------------------------------------------------------------------------------
-#: Candidates examined before the whole vocabulary on CPU. A nucleus or a filtered distribution rarely
-#: reaches past them, and sorting (or drawing noise for) a 50k-128k vocabulary per row dominates a CPU
-#: decode step at batch 32; rows that do reach past them take the full path. On CUDA the full sort
-#: is fast, and the per-row check would cost a host sync.
-CPU_CANDIDATES = 256
-
-
-def _on_cpu_with_many(probs: Tensor) -> bool:
-    return probs.device.type == "cpu" and probs.shape[-1] > CPU_CANDIDATES
-
-
-def _floor_of_sorted(sorted_p: Tensor, top_p: Tensor) -> Tensor:
-    # keep a token unless the tokens more probable than it already hold top_p of the mass (the top one stays)
-    n_keep = ((sorted_p.cumsum(dim=-1) - sorted_p) < top_p).sum(dim=-1, keepdim=True)
-    return sorted_p.gather(-1, n_keep.clamp_min(1) - 1)  # NaN rows (idle slots' garbage) keep one
-
-
 def _nucleus_floor(probs: Tensor, top_p: Tensor) -> Tensor:
     """The smallest probability in each row's top-p nucleus, [..., 1] (tokens tied with it stay in).
 
-    probs [B, q, V], top_p [B, 1, 1]."""
-    if not _on_cpu_with_many(probs):
-        return _floor_of_sorted(probs.sort(dim=-1, descending=True).values, top_p)
-    top = probs.topk(CPU_CANDIDATES, dim=-1).values  # sorted, largest first
-    floor = _floor_of_sorted(top, top_p)
-    row_p = top_p[..., 0].expand(top.shape[:-1])  # [B, q]
-    wide = (top.sum(dim=-1) < row_p) & (row_p < 1)  # the nucleus reaches past the candidates
-    if wide.any():
-        at = wide.nonzero(as_tuple=True)
-        floor[at] = _floor_of_sorted(probs[at].sort(dim=-1, descending=True).values, row_p[at][:, None])
-    return floor
+    probs [..., V] (rows sorted or not), top_p [..., 1]: keep a token unless the tokens more probable than it
+    already hold top_p of the mass (the most probable one always stays; NaN rows keep one)."""
+    sorted_p = probs.sort(dim=-1, descending=True).values
+    n_keep = ((sorted_p.cumsum(dim=-1) - sorted_p) < top_p).sum(dim=-1, keepdim=True)
+    return sorted_p.gather(-1, n_keep.clamp_min(1) - 1)
 
 
 class RowParams:
@@ -191,9 +168,13 @@ class RowParams:
         """Row i alone (tensor views)."""
         return self._view(slice(i, i + 1))
 
-    def _view(self, rows: slice) -> "RowParams":
+    def select(self, index: Tensor) -> "RowParams":
+        """The rows at index [n] (copies), in that order."""
+        return self._view(index)
+
+    def _view(self, rows: slice | Tensor) -> "RowParams":
         view = object.__new__(RowParams)
-        view.params = self.params[rows]
+        view.params = self.params[rows] if isinstance(rows, slice) else [self.params[i] for i in rows.tolist()]
         for name in ("greedy", "temperature", "top_k", "top_p", "seed"):
             setattr(view, name, getattr(self, name)[rows])
         return view
@@ -201,6 +182,10 @@ class RowParams:
     @property
     def all_greedy(self) -> bool:
         return all(p.greedy for p in self.params)
+
+    @property
+    def any_greedy(self) -> bool:
+        return any(p.greedy for p in self.params)
 
     @property
     def max_top_k(self) -> int:
@@ -237,28 +222,82 @@ def _race(probs: Tensor, seed: Tensor, position: Tensor, token: Tensor) -> Tenso
 
 
 def sample_probs(probs: Tensor, seed: Tensor, position: Tensor) -> Tensor:
-    """One token per row and position of probs [B, q, V] -> [B, q], keyed by (seed [B], position [B, q]).
+    """One token per row and position of probs [B, q, V] -> [B, q], keyed by (seed [B], position [B, q])."""
+    return _race(probs, seed, position, torch.arange(probs.shape[-1], device=probs.device))
 
-    On CPU, rows whose positive probabilities all lie among their CPU_CANDIDATES largest draw noise
-    for those candidates only; the draw is the same as over the whole vocabulary, because the noise of
-    a token depends on its id alone and tokens of probability 0 can never win."""
-    V = probs.shape[-1]
-    if not _on_cpu_with_many(probs):
-        return _race(probs, seed, position, torch.arange(V, device=probs.device))
-    top, index = probs.topk(CPU_CANDIDATES, dim=-1)
-    tokens = index.gather(-1, _race(top, seed, position, index)[..., None]).squeeze(-1)
-    wide = top[..., -1] > 0  # [B, q]: positive probability beyond the candidates
-    if wide.any():
-        b, t = wide.nonzero(as_tuple=True)
-        full = _race(probs[b, t][:, None], seed[b], position[b, t][:, None], torch.arange(V, device=probs.device))
-        tokens[b, t] = full[:, 0]
-    return tokens
+
+#: Candidate counts the CPU sampler tries in turn before the whole vocabulary. On CPU, sorting (or drawing
+#: noise for) a 50k-128k vocabulary per row and position costs more than a draft forward at batch 32,
+#: while a top-p nucleus or top-k support rarely reaches past a few dozen tokens (SmolLM2 on PG-19, T 0.7,
+#: top-p 0.9: past 64 at 11% of positions, past 1024 at under 1%).
+CPU_CANDIDATES = (64, 1024)
+
+
+def _sample_candidates(
+    probs: Tensor, logits: Tensor, top_k: Tensor, top_p: Tensor, seed: Tensor, position: Tensor, k: int
+) -> tuple[Tensor, Tensor]:
+    """Draw from each row's k most probable tokens, where that is the same draw as over the whole vocabulary.
+
+    probs [n, V] (softmax at the row's temperature), logits [n, V], top_k / top_p / seed / position [n].
+    Returns (done [n] bool, tokens [n]): a row is done when every token its filters keep is a candidate, so
+    the race below (noise keyed by token id, as in `sample_probs`) picks what the full race would.
+    """
+    index = logits.topk(k, dim=-1).indices  # [n, k], most probable first
+    p = probs.gather(-1, index)
+    in_top_k = (top_k[:, None] == 0) | (torch.arange(k, device=p.device) < top_k[:, None])
+    p = p * in_top_k
+    k_fits = (top_k > 0) & (top_k <= k)  # the whole top-k support is here: renormalize over it
+    p = p / torch.where(k_fits, p.sum(dim=-1), 1.0)[:, None]
+    n_keep = ((p.cumsum(dim=-1) - p) < top_p[:, None]).sum(dim=-1, keepdim=True).clamp_min(1)
+    floor = torch.where(top_p[:, None] < 1, p.gather(-1, n_keep - 1), 0.0)  # [n, 1]
+    # tokens beyond the candidates are no more probable than the last one
+    done = k_fits | ((top_p < 1) & (top_k == 0) & (p[:, -1] < floor[:, 0]))
+    kept = p.masked_fill(p < floor, 0.0)
+    tokens = index.gather(-1, _race(kept[:, None], seed, position[:, None], index[:, None]))  # [n, 1]
+    return done, tokens[:, 0]
+
+
+def _sample_cpu(logits: Tensor, rows: RowParams, position: Tensor) -> Tensor:
+    """`sample_tokens` for the sampled rows of a CPU batch, trying CPU_CANDIDATES before the full path.
+
+    logits [B, q, V] -> [B, q]; greedy rows get token 0 (the caller puts their argmax there)."""
+    B, q, V = logits.shape
+    sampled = (~rows.greedy).repeat_interleave(q)  # [B * q]
+    flat_logits = logits.reshape(B * q, V)
+    todo = sampled.nonzero()[:, 0]
+    everything = len(todo) == B * q
+    logits_todo = flat_logits if everything else flat_logits[todo]
+    row_of = todo // q
+    temperature, top_k, top_p, seed = (getattr(rows, name)[row_of] for name in ("temperature", "top_k", "top_p", "seed"))
+    pos = position.reshape(-1)[todo]
+    probs = (logits_todo / temperature[:, None]).softmax(dim=-1)
+    tokens = torch.zeros(B * q, dtype=torch.long, device=logits.device)
+    for k in CPU_CANDIDATES:
+        if not len(todo) or k >= V:
+            break
+        done, drawn = _sample_candidates(probs, logits_todo, top_k, top_p, seed, pos, k)
+        tokens[todo[done]] = drawn[done]
+        left = ~done
+        todo, row_of, probs, logits_todo = todo[left], row_of[left], probs[left], logits_todo[left]
+        top_k, top_p, seed, pos = top_k[left], top_p[left], seed[left], pos[left]
+    if len(todo):  # nuclei or supports wider than the candidates: the full path
+        wide = rows.select(row_of)
+        drawn = sample_probs(probs_from_logits(logits_todo[:, None], wide), wide.seed, pos[:, None])
+        tokens[todo] = drawn[:, 0]
+    return tokens.view(B, q)
 
 
 def sample_tokens(logits: Tensor, rows: RowParams, position: Tensor) -> Tensor:
-    """The tokens at sequence positions position [B, q] given logits [B, q, V] predicting them."""
-    best = logits.argmax(dim=-1)
+    """The tokens at sequence positions position [B, q] given logits [B, q, V] predicting them.
+
+    On CPU the sampled rows take `_sample_cpu` (the same draws as the full path, most of them from a few
+    dozen candidates); on CUDA the full path, whose sort is fast and which needs no per-row host checks."""
     if rows.all_greedy:
-        return best
-    drawn = sample_probs(probs_from_logits(logits, rows), rows.seed, position)
-    return torch.where(rows.greedy[:, None], best, drawn)
+        return logits.argmax(dim=-1)
+    if logits.device.type == "cpu":
+        drawn = _sample_cpu(logits, rows, position)
+    else:
+        drawn = sample_probs(probs_from_logits(logits, rows), rows.seed, position)
+    if not rows.any_greedy:
+        return drawn
+    return torch.where(rows.greedy[:, None], logits.argmax(dim=-1), drawn)

@@ -231,9 +231,7 @@ def _mixed_logits(vocab: int = 3000) -> torch.Tensor:
     return (torch.randn(4, vocab, generator=g) * scale)[:, None]
 
 
-def test_top_p_on_cpu_candidates_equals_the_full_sort():
-    from magicdec.sampling import CPU_CANDIDATES
-
+def test_top_p_matches_a_reference_nucleus():
     logits = _mixed_logits()
     params = SamplingParams(temperature=0.8, top_p=0.9)
     probs = (logits / params.temperature).softmax(-1)
@@ -242,10 +240,33 @@ def test_top_p_on_cpu_candidates_equals_the_full_sort():
     ref = probs.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), 0.0)
     ref = ref / ref.sum(-1, keepdim=True)
     got = probs_from_logits(logits, rows_of(params, 4))
-    support = (got > 0).sum(-1)
-    assert (support <= CPU_CANDIDATES).any() and (support > CPU_CANDIDATES).any()  # both paths ran
     assert torch.equal(got > 0, ref > 0)
     torch.testing.assert_close(got, ref)
+
+
+CPU_CASES = {
+    "top_p": [SamplingParams(temperature=0.8, top_p=0.9)],
+    "top_k": [SamplingParams(temperature=1.0, top_k=40), SamplingParams(temperature=1.0, top_k=2000)],
+    "top_k+top_p": [SamplingParams(temperature=1.2, top_k=300, top_p=0.95)],
+    "temperature only": [SamplingParams(temperature=0.7)],
+    "mixed with greedy": [SamplingParams(temperature=0.8, top_p=0.9), SamplingParams(), SamplingParams(top_p=0.5),
+                          SamplingParams(temperature=1.0, top_k=5)],
+}
+
+
+@pytest.mark.parametrize("case", CPU_CASES)
+def test_cpu_candidate_sampler_draws_what_the_full_path_draws(case):
+    """On CPU sampled rows are drawn from their 64 / 1024 most probable tokens when the filters keep nothing
+    else; the tokens equal the full-vocabulary race's, for peaked rows (few candidates) and flat ones
+    (nuclei past 1024 tokens: the full path)."""
+    n = 64
+    logits = _mixed_logits().expand(4, n, -1).reshape(4 * n, 1, -1).contiguous()  # each row n times
+    params = [CPU_CASES[case][i % len(CPU_CASES[case])] for i in range(4 * n)]
+    rows = RowParams.of(params, list(range(4 * n)), "cpu")
+    position = torch.arange(4 * n)[:, None] % 7
+    full = sample_probs(probs_from_logits(logits, rows), rows.seed, position)
+    full = torch.where(rows.greedy[:, None], logits.argmax(-1), full)
+    assert torch.equal(sample_tokens(logits, rows, position), full)
 
 
 def test_per_row_filters_match_one_row_at_a_time():
@@ -260,16 +281,20 @@ def test_per_row_filters_match_one_row_at_a_time():
     assert ((together[0] > 0).sum(-1) <= 7).all() and ((together[0] > 0).sum(-1) >= 1).all()
 
 
-def test_sampling_on_cpu_candidates_follows_the_distribution():
+def test_cpu_candidate_sampler_follows_the_distribution():
+    """Peaked rows (drawn from candidates) and flat rows (nucleus past the candidates) both follow the
+    filtered distribution (chi-square over 20000 seeds)."""
     from magicdec.sampling import CPU_CANDIDATES
 
-    probs = probs_from_logits(_mixed_logits(), rows_of(SamplingParams(temperature=1.0, top_p=0.95), 4))[:, 0]
-    assert ((probs > 0).sum(-1) > CPU_CANDIDATES).any() and ((probs > 0).sum(-1) <= CPU_CANDIDATES).any()
+    params = SamplingParams(temperature=1.0, top_p=0.95)
+    logits = _mixed_logits()
+    probs = probs_from_logits(logits, rows_of(params, 4))[:, 0]
+    support = (probs > 0).sum(-1)
+    assert (support > CPU_CANDIDATES[-1]).any() and (support <= CPU_CANDIDATES[0]).any()
     n = 20000
-    seeds = torch.arange(n)
     for row in range(probs.shape[0]):
-        tokens = sample_probs(probs[row].expand(n, 1, -1), seeds, torch.zeros(n, 1, dtype=torch.long))[:, 0]
-        assert chi_square(torch.bincount(tokens, minlength=probs.shape[1]), probs[row])[0] > P_MIN, row
+        tokens = sample_tokens(logits[row].expand(n, 1, -1), rows_of(params, n), torch.zeros(n, 1, dtype=torch.long))
+        assert chi_square(torch.bincount(tokens[:, 0], minlength=probs.shape[1]), probs[row])[0] > P_MIN, row
 
 
 def test_noise_is_independent_across_positions_and_seeds():

@@ -288,6 +288,27 @@ def test_best_gamma_grows_with_batch_at_long_context():
     assert speedups == sorted(speedups)
 
 
+def test_sampling_work_is_charged_per_token_drawn():
+    """In sampling mode a plain step draws one token per row and a round 2 gamma + 1; greedy mode is free."""
+    hw = dataclasses.replace(get_profile("h100"), sampling_s_per_token=1e-4)
+    table = AcceptanceTable()
+    for mode in ("greedy", "sampling"):
+        for budget in (256, 512, 1024):
+            table.add("self-streaming", 0.8, budget=budget, mode=mode)
+    args = dict(batch=128, context=32768, acceptance=table, tp=8, strategies=["self-streaming"])
+    greedy = plan(LLAMA3, hw, **args)
+    assert greedy == plan(LLAMA3, dataclasses.replace(hw, sampling_s_per_token=0.0), **args)
+    sampled = plan(LLAMA3, hw, mode="sampling", **args, gammas=[greedy.gamma], budgets=[greedy.budget])
+    t_round = (draft_time(LLAMA3, hw, 128, 32768, greedy.budget, greedy.gamma, tp=8)
+               + verify_step_time(LLAMA3, hw, 128, 32768, greedy.gamma, tp=8) + (2 * greedy.gamma + 1) * 128e-4)
+    assert sampled.predicted_throughput == pytest.approx(128 * expected_tokens(sampled.alpha, greedy.gamma) / t_round)
+    ar = 128 / (decode_step_time(LLAMA3, hw, 128, 32768, tp=8) + 128e-4)
+    assert sampled.predicted_speedup == pytest.approx(sampled.predicted_throughput / ar)
+    # dear enough sampling makes plain decoding (one draw per token) the better choice
+    costly = dataclasses.replace(hw, sampling_s_per_token=1e-2)
+    assert plan(LLAMA3, costly, 128, 32768, table, tp=8, mode="sampling").strategy == "ar"
+
+
 def test_plan_with_draft_model_uses_fewer_devices_for_few_kv_heads():
     best = plan(LLAMA2, get_profile("a100-80gb"), 64, 8000, AcceptanceTable.paper_default(),
                 draft=TINYLLAMA, tp=8, strategies=["model"])

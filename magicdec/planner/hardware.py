@@ -55,12 +55,17 @@ class HardwareProfile:
     they replace attention's roofline."""
     dtype: str | None = None
     """Compute dtype the rates were measured in ("fp32", "bf16"); None for datasheet figures."""
+    sampling_s_per_token: float = 0.0
+    """Seconds to draw one sampled token (one row, one position) from the logits at temperature 0.7 and
+    top-p 0.9, beyond a greedy argmax; the planner charges it per token drawn in sampling mode (a plain
+    step draws one per row, a speculative round 2 gamma + 1). 0 for datasheet figures."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str):
             raise ValueError(f"name must be a string, got {self.name!r}")
         numbers = ["flops_per_s", "mem_bandwidth", "mem_bytes", "matmul_efficiency", "bandwidth_efficiency",
-                   "attention_efficiency", "fixed_overhead_s", "per_layer_overhead_s", "allreduce_latency_s"]
+                   "attention_efficiency", "fixed_overhead_s", "per_layer_overhead_s", "allreduce_latency_s",
+                   "sampling_s_per_token"]
         for field in numbers + (["ici_bandwidth"] if self.ici_bandwidth is not None else []):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
@@ -84,7 +89,8 @@ class HardwareProfile:
             value = getattr(self, field)
             if not 0 < value <= 1:
                 raise ValueError(f"{field} must be in (0, 1], got {value}")
-        if self.fixed_overhead_s < 0 or self.per_layer_overhead_s < 0 or self.allreduce_latency_s < 0:
+        if min(self.fixed_overhead_s, self.per_layer_overhead_s, self.allreduce_latency_s,
+               self.sampling_s_per_token) < 0:
             raise ValueError("overheads must be non-negative")
         if self.ici_bandwidth is not None and self.ici_bandwidth <= 0:
             raise ValueError(f"ici_bandwidth must be positive or None, got {self.ici_bandwidth}")

@@ -97,8 +97,10 @@ def plan(
     over `gammas`, for `batch` sequences at `context` tokens. Drafters the acceptance table
     has no rate for are skipped. Speculation must beat AR strictly to be chosen.
 
-    Throughput(spec) = B * E[tokens] / (T_draft(gamma) + T_verify(gamma + 1)), T_draft from `draft_time`;
-    Throughput(AR) = B / T_decode. E[tokens] uses the acceptance rate of the slowest of `rows`
+    Throughput(spec) = B * E[tokens] / (T_draft(gamma) + T_verify(gamma + 1) + (2 gamma + 1) B t_s),
+    T_draft from `draft_time`; Throughput(AR) = B / (T_decode + B t_s), with t_s the profile's
+    `sampling_s_per_token` in sampling mode (every draft and every verified position draws a token) and
+    0 in greedy mode. E[tokens] uses the acceptance rate of the slowest of `rows`
     distinct sequences (default: `batch`), since a static batch runs until its slowest sequence
     is done; `rows=1` gives the steady-state rate of a continuously refilled batch. Candidates that do not fit in memory are skipped, unless
     even AR does not fit (then the search ignores memory and `fits_in_memory` is False).
@@ -126,7 +128,8 @@ def plan(
 
     target_memory = memory(target, context, tp, weights=True)
     ar_fits = target_memory <= hw.mem_bytes
-    ar_throughput = batch / decode_step_time(target, hw, batch, context, dtype_bytes, kv_dtype_bytes, tp)
+    t_sample = batch * hw.sampling_s_per_token if mode == "sampling" else 0.0  # per token drawn per row
+    ar_throughput = batch / (decode_step_time(target, hw, batch, context, dtype_bytes, kv_dtype_bytes, tp) + t_sample)
     t_verify = {g: verify_step_time(target, hw, batch, context, g, dtype_bytes, kv_dtype_bytes, tp) for g in gammas}
 
     best: tuple[float, _Drafter, int, float, bool] | None = None
@@ -142,7 +145,7 @@ def plan(
             continue
         for g in gammas:
             t_draft = draft_time(d.shape, hw, batch, context, d.budget, g, dtype_bytes, kv_dtype_bytes, d.tp)
-            throughput = batch * expected_tokens(alpha, g) / (t_draft + t_verify[g])
+            throughput = batch * expected_tokens(alpha, g) / (t_draft + t_verify[g] + (2 * g + 1) * t_sample)
             if best is None or throughput > best[0]:
                 best = (throughput, d, g, alpha, fits)
 
