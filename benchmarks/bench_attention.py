@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from magicdec.model import attend  # noqa: E402
 from bench_dtype import interleaved  # noqa: E402
 from magicdec.calibrate import machine_info  # noqa: E402
 
@@ -63,6 +64,8 @@ def variants(xq, k, v, mask, dtype, skip: tuple[str, ...] = ()):
         "sdpa no mask (not ragged-correct)": lambda i: F.scaled_dot_product_attention(xq, k[i], v[i]),
         "matmul, fp32 softmax": lambda i: matmul_attention(xq, k[i], v[i], bias32),
     }
+    if dtype == torch.bfloat16:
+        out["matmul, bf16 softmax (magicdec)"] = lambda i: attend(xq, k[i], v[i], bias)
     compiled = torch.compile(matmul_attention, dynamic=False)
     out["torch.compile(matmul)"] = lambda i: compiled(xq, k[i], v[i], bias32)
     if "flex" in skip:

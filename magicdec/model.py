@@ -61,22 +61,22 @@ def rope_cos_sin(inv_freq: Tensor, positions: Tensor, dtype: torch.dtype) -> tup
 def matmul_attention(device: torch.device, kv_dtype: torch.dtype) -> bool:
     """Whether `attend` uses two matmuls (a bf16 cache on CPU) rather than SDPA.
 
-    Over a bf16 cache on CPU, two matmuls with the softmax between them in fp32 run 2-4x faster than
-    SDPA's flash kernel at decode (q=1) and mostly 15-40% faster at verification (q=4-9); over an fp32
-    cache SDPA is the faster one (1.4x), as it is on GPUs (benchmarks/README.md, "Attention over a bf16
-    cache").
+    Over a bf16 cache on CPU, two bf16 matmuls with a bf16 softmax between them (the kernel computes in
+    fp32 inside) run 1.2-2.7x faster than with the scores converted to fp32 for the softmax, with the
+    same output but for rare one-ulp roundings (the QK^T product is already rounded to bf16, and a
+    power-of-two scale and a 0 / -inf bias add no rounding), and 1.4-1.7x faster than SDPA's flash
+    kernel (B=8 x 8k, q=1..8);
+    over an fp32 cache SDPA is the faster one (1.4x), as it is on GPUs (benchmarks/README.md,
+    "Attention over a bf16 cache").
     """
     return device.type == "cpu" and kv_dtype == torch.bfloat16
 
 
 def attention_bias(mask: Tensor, groups: int, kv_dtype: torch.dtype) -> Tensor:
-    """Bool mask [B, 1, q, L] -> additive bias [B, 1, groups*q, L] (0 or -inf) for grouped queries.
-
-    Built once per forward, in the dtype `attend` adds it in: fp32 scores for the matmul path, the
-    cache's dtype for SDPA (where an additive bias is markedly faster than a bool mask on CPU).
-    """
-    dtype = torch.float32 if matmul_attention(mask.device, kv_dtype) else kv_dtype
-    bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+    """Bool mask [B, 1, q, L] -> additive bias [B, 1, groups*q, L] (0 or -inf) for grouped queries, in the
+    cache's dtype (on CPU an additive bias is markedly faster than a bool mask for SDPA). Built once per
+    forward."""
+    bias = torch.zeros(mask.shape, dtype=kv_dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
     return bias.repeat(1, 1, groups, 1) if groups > 1 else bias
 
 
@@ -84,8 +84,8 @@ def attend(xq: Tensor, keys: Tensor, values: Tensor, bias: Tensor) -> Tensor:
     """Attention of queries [B, KV, G*q, hd] over K/V [B, KV, L, hd] with an additive bias from
     `attention_bias`; returns [B, KV, G*q, hd]."""
     if matmul_attention(keys.device, keys.dtype):
-        scores = torch.matmul(xq, keys.transpose(-1, -2)).float().mul_(xq.shape[-1] ** -0.5).add_(bias)
-        return torch.matmul(scores.softmax(-1).to(values.dtype), values)
+        scores = torch.matmul(xq, keys.transpose(-1, -2)).mul_(xq.shape[-1] ** -0.5).add_(bias)
+        return torch.matmul(scores.softmax(-1), values)
     return F.scaled_dot_product_attention(xq, keys, values, attn_mask=bias)
 
 

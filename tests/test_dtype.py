@@ -93,6 +93,22 @@ def test_bf16_attention_matches_sdpa_in_fp32(q):
     assert rel_err(out, ref) < 0.01  # measured 0.003-0.005; a lost mask or scale gives ~1
 
 
+def test_bf16_softmax_is_the_fp32_softmax_rounded():
+    """The matmul path's softmax runs on bf16 scores (fp32 inside the kernel): its output is that of converting
+    the scores to fp32 for the softmax and rounding the probabilities back (hd 64: the scale is a power of two),
+    but for a one-ulp rounding of a few probabilities in 10^5 at some lengths (here 500 keys)."""
+    g = torch.Generator().manual_seed(0)
+    B, KV, G, q, L, hd = 2, 3, 3, 4, 500, 64
+    xq, k, v = (torch.randn(B, KV, n, hd, generator=g).bfloat16() for n in (G * q, L, L))
+    mask = (torch.arange(L)[None, None, None, :] <= (torch.tensor([L - q, 200])[:, None] + torch.arange(q))[:, None, :, None])
+    scores = torch.matmul(xq, k.transpose(-1, -2)).float().mul_(hd ** -0.5)
+    scores = scores.masked_fill_(~mask.repeat(1, 1, G, 1), float("-inf"))
+    ref = torch.matmul(scores.softmax(-1).bfloat16(), v)
+    out = attend(xq, k, v, attention_bias(mask, G, torch.bfloat16))
+    assert (out != ref).float().mean() < 1e-3  # measured 2e-4
+    assert rel_err(out, ref) < 1e-3
+
+
 # --- bf16 against fp32 on the real model -------------------------------------------------------------------
 def chunked_logits(model, ids: list[int], chunk: int) -> torch.Tensor:
     """Logits at every position of one prompt, prefilled in chunks of `chunk` tokens."""
