@@ -169,7 +169,7 @@ PRESETS: dict[str, HardwareProfile] = {
 #: named after what it measured: cpu-<matmul hardware (`magicdec.cpu.cpu_kind`)>-<threads>t-<dtype>.
 CPU_PRESET_FILES = (
     "hardware-cpu-amx-2t-fp32.json",  # 2-core Intel Xeon VM (AMX-BF16, AVX512-BF16), 2 threads, fp32
-    "hardware-cpu-avx512bf16-1t-bf16.json",  # 2-core AMD EPYC Zen 4 VM (AVX512-BF16, no AMX), 1 thread, bf16
+    "hardware-cpu-avx512bf16-2t-bf16.json",  # 2-core AMD EPYC Zen 4 VM (AVX512-BF16, no AMX), 2 threads, bf16
 )
 
 
