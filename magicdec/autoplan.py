@@ -24,6 +24,7 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
+from magicdec import dtypes
 from magicdec.errors import InvalidRequestError
 from magicdec.planner import PRESETS, AcceptanceTable, HardwareProfile, ModelShape, Plan, get_profile, plan
 from magicdec.planner.hardware import CPU_PRESETS
@@ -44,28 +45,6 @@ _GPU_PRESETS = (("h200", "h200"), ("h100", "h100"), ("a100", "a100-80gb"), ("l40
 #: Contexts the per-step re-planner distinguishes (plans are cached per live batch and context bucket).
 REPLAN_GRANULARITY = 64
 FALLBACK_GPU_PRESET = "a100-80gb"
-
-
-def _dtype_bytes(dtype: Any) -> float:
-    """Bytes per element of a torch dtype (or a number of bytes, or a name like "bf16")."""
-    if dtype is None:
-        raise ValueError("dtype is None")
-    if isinstance(dtype, (int, float)):
-        return float(dtype)
-    itemsize = getattr(dtype, "itemsize", None)
-    if itemsize is not None:  # torch.dtype
-        return float(itemsize)
-    names = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp8": 1, "int8": 1}
-    key = str(dtype).lower().removeprefix("torch.")
-    if key in names:
-        return float(names[key])
-    raise ValueError(f"unknown dtype {dtype!r}")
-
-
-def _dtype_name(dtype: Any) -> str | None:
-    """fp32, bf16 or fp16 for a torch dtype or a name; None for anything else (a byte count, None)."""
-    names = {"float32": "fp32", "fp32": "fp32", "bfloat16": "bf16", "bf16": "bf16", "float16": "fp16", "fp16": "fp16"}
-    return names.get(str(dtype).lower().removeprefix("torch."))
 
 
 def target_shape(model: Any) -> ModelShape:
@@ -190,7 +169,7 @@ def choose(
     group = getattr(getattr(llm, "model", llm), "tp", None)  # a rank of a tensor-parallel run
     try:
         if profile is None:
-            hw = load_profile(device or "cpu", _dtype_name(dtype))
+            hw = load_profile(device or "cpu", dtypes.short_name(dtype))
         elif isinstance(profile, HardwareProfile):
             hw = profile
         else:
@@ -214,7 +193,7 @@ def choose(
         dtype = hw.dtype or (4 if _is_cpu_profile(hw) else 2)
     if kv_dtype is None:
         kv_dtype = getattr(llm, "kv_dtype", None) or dtype
-    weight_bytes, kv_bytes = _dtype_bytes(dtype), _dtype_bytes(kv_dtype)
+    weight_bytes, kv_bytes = dtypes.nbytes(dtype), dtypes.nbytes(kv_dtype)
 
     # The decode loop caps gamma (MAX_GAMMA) and sparse budgets must be >= 8 (SpeculativeConfig).
     gammas = [g for g in gammas if 1 <= g <= 16]

@@ -13,6 +13,7 @@ import sys
 import warnings
 from pathlib import Path
 
+from magicdec import dtypes
 from magicdec.errors import DistributedError, MagicDecError
 
 EXIT_USAGE = 2
@@ -285,7 +286,7 @@ def cmd_plan(args) -> int:
         acceptance = AcceptanceTable.from_json(args.acceptance) if args.acceptance else AcceptanceTable.paper_default()
     except ValueError as e:  # the planner is torch-free and raises ValueError; OSError is main's
         raise InvalidRequestError(str(e)) from None
-    nbytes = {"bf16": 2, "fp16": 2, "fp32": 4}[args.dtype]
+    nbytes = dtypes.BYTES[args.dtype]
     rows = plan_table(target, hw, args.batch, args.context, acceptance, draft=draft, tp=args.tp,
                       mode="greedy" if args.mode == "greedy" else "sampling", dtype_bytes=nbytes,
                       kv_dtype_bytes=nbytes, rows=1 if args.steady_state else None)

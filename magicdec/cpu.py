@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from magicdec import dtypes
+
 #: Flags of a CPU that multiplies bf16 natively (any one suffices).
 BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 #: Flags recorded with benchmark results: the ones that decide which kernels torch runs.
@@ -55,7 +57,10 @@ def cpu_kind(flags: frozenset[str] | None = None) -> str:
 
 def dtype_name(dtype: torch.dtype) -> str:
     """fp32, bf16 or fp16: the short name the CLI, profiles and presets use."""
-    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+    name = dtypes.short_name(dtype)
+    if name is None:
+        raise ValueError(f"no short name for {dtype}")
+    return name
 
 
 @functools.cache

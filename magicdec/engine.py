@@ -15,7 +15,6 @@ from __future__ import annotations
 import itertools
 import os
 import random
-import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -27,6 +26,7 @@ from magicdec.errors import InvalidRequestError
 from magicdec.loading import LoadedModel, load_model
 from magicdec.loading.tokenizer import Tokenizer
 from magicdec.memory import available_bytes, peak_bytes
+from magicdec import dtypes
 from magicdec.model import Transformer
 from magicdec.runner import CACHE_SLACK, ModelRunner, PromptCache
 from magicdec.sampling import SamplingParams
@@ -34,21 +34,18 @@ from magicdec.scheduler import GammaPolicy, Request, Scheduler, Status, cuda_row
 from magicdec.speculative import SpeculativeConfig
 from magicdec.stats import GenerationStats
 
-DTYPES = {"auto": None, "fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-          "fp16": torch.float16, "float16": torch.float16}
-
 #: Progress of a long run: (units done, units in all), in prompt + output tokens.
 ProgressFn = Callable[[int, int], None]
 
 
 def parse_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
     """A dtype name -> torch dtype; None and "auto" -> None (the loader decides, `magicdec.cpu.auto_dtype`)."""
-    if name is None or isinstance(name, torch.dtype):
-        return name
-    try:
-        return DTYPES[name.lower()]
-    except KeyError:
-        raise InvalidRequestError(f"unknown dtype {name!r}; choose from auto, fp32, bf16, fp16") from None
+    if name is None or isinstance(name, torch.dtype) or name.lower() == "auto":
+        return None if name is None or isinstance(name, str) else name
+    short = dtypes.short_name(name)
+    if short is None:
+        raise InvalidRequestError(f"unknown dtype {name!r}; choose from auto, {', '.join(dtypes.BYTES)}")
+    return getattr(torch, dtypes.TORCH_NAMES[short])
 
 
 @dataclass
