@@ -618,9 +618,13 @@ def test_update_writes_each_row_at_its_own_slots(target, dtype):
     k = torch.randn(3, cfg.n_kv_heads, q, cfg.head_dim)
     v = torch.randn(3, cfg.n_kv_heads, q, cfg.head_dim)
     keys, values = cache.update(1, k, v)
-    assert keys.shape == (3, cfg.n_kv_heads, 7 + q, cfg.head_dim)
+    assert keys.shape == (3, cfg.n_kv_heads, 12, cfg.head_dim)  # 10 of 12 filled: the contiguous whole buffer
     for row, start in enumerate((0, 4, 7)):
         assert torch.equal(cache.k[1, row, :, start : start + q], k[row].to(dtype))
         assert torch.equal(cache.v[1, row, :, start : start + q], v[row].to(dtype))
         assert not cache.k[1, row, :, :start].any() and not cache.k[1, row, :, start + q :].any()
     assert not cache.k[0].any()  # other layers untouched
+    short = KVCache(cfg, 3, 40, dtype, "cpu")
+    short.commit(torch.tensor([0, 4, 7]))
+    short.attn_mask(q)
+    assert short.update(1, k, v)[0].shape == (3, cfg.n_kv_heads, 7 + q, cfg.head_dim)  # under half: the prefix

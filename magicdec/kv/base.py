@@ -91,8 +91,14 @@ class KVCache:
         return kc[:, :, :L], vc[:, :, :L]
 
     def attended_slots(self, q: int) -> int:
-        """How many leading slots a forward of q new tokens attends over (the rest are never filled)."""
-        return self.max_len + q
+        """How many leading slots a forward of q new tokens attends over (the rest are never filled).
+
+        On CPU, every slot once the filled prefix reaches half the capacity: a prefix of each row is a
+        strided view, which the matmuls (and SDPA) copy before multiplying, while the whole buffer is
+        contiguous; reading it costs at most twice the bytes and made a decode step 1.9x faster in bf16
+        (B=8 x 4k: 250 -> 133 ms) and 1.25x in fp32 (B=8 x 2k). The unfilled slots are masked."""
+        n = self.max_len + q
+        return self.capacity if self.device.type == "cpu" and 2 * n >= self.capacity else n
 
     # --- what the engine calls -------------------------------------------------------------------
     def commit(self, n: Tensor | int) -> None:
