@@ -7,6 +7,7 @@ Every expected failure (bad path, bad value, too-long prompt, not enough memory)
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -100,6 +101,9 @@ def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
     g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
     g.add_argument("--seed", type=int, help="random seed for sampling")
+    g.add_argument("--n", type=positive_int, default=1,
+                   help="completions per prompt, as OpenAI's n (default 1): sampled ones get seeds --seed, "
+                        "--seed + 1, ... (or random ones); each prompt is prefilled once and copied")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
 
@@ -209,6 +213,12 @@ def cmd_generate(args) -> int:
     llm = LLM(args.model, device=args.device, dtype=args.dtype, kv_dtype=args.kv_dtype, prefill_chunk=args.prefill_chunk,
               max_num_seqs=args.batch_size or 256)
     texts, ids = collect_prompts(args, llm.tokenizer)
+    unique = ids
+    if args.n > 1:  # row i is sample i % n of prompt i // n
+        ids = [p for p in ids for _ in range(args.n)]
+        texts = texts and [t for t in texts for _ in range(args.n)]
+        params = [dataclasses.replace(params, seed=None if args.seed is None else args.seed + i % args.n)
+                  for i in range(len(ids))]
     show = sys.stderr.isatty() and not args.json
     batch = min(args.batch_size or len(ids), len(ids))
     spec, plan = speculative_from_args(args, llm, batch, max(map(len, ids)) + args.max_tokens // 2)
@@ -219,9 +229,10 @@ def cmd_generate(args) -> int:
     modes = [("spec" if spec else "ar", spec)]
     if args.compare_ar and spec is not None:
         modes.insert(0, ("ar", None))
-        # both runs decode the same prompts: the second copies the first one's prefill
-        llm.prompt_cache = PromptCache(sum(KVCache.nbytes(llm.model.cfg, 1, len(p), llm.kv_dtype) for p in ids)
-                                       + len(ids) * PromptCache.extra_bytes(llm.model.cfg, max(map(len, ids))))
+    if len(modes) > 1 or args.n > 1:
+        # every prompt is prefilled once: its repeats (--n) and the second run copy that prefill
+        llm.prompt_cache = PromptCache(sum(KVCache.nbytes(llm.model.cfg, 1, len(p), llm.kv_dtype) for p in unique)
+                                       + len(unique) * PromptCache.extra_bytes(llm.model.cfg, max(map(len, unique))))
     results, runs = {}, []
     for label, cfg in modes:
         update, close = progress_bar(f"{label}", show)

@@ -97,7 +97,7 @@ class LLMEngine:
             policy = _capped(policy, drafter.gamma)
         self.scheduler = Scheduler(slots, prefill_chunk, policy, max_prefill_tokens=max_prefill_tokens or 1 << 62,
                                    max_queued=max_queued,
-                                   is_cached=(lambda p: p in prompt_cache) if prompt_cache is not None else lambda p: False,
+                                   is_cached=(lambda p: p in prompt_cache) if prompt_cache is not None else None,
                                    row_bucket=cuda_row_bucket if model.device.type == "cuda" else lambda n: n)
         self.requests: dict[str, Request] = {}
         self._offline_ids = itertools.count()

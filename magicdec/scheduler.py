@@ -3,8 +3,10 @@
 Requests wait in arrival order until a slot is free (slots are preallocated, so a free slot is memory
 for the request's whole cache). An admitted request's prompt is prefilled in chunks, at most
 `max_prefill_tokens` per step across requests, interleaved with the decode rounds of the running ones,
-so a long arrival does not stall the streams already running. Each step decodes the slots below the
-highest running one, with the draft length the speculation policy picks for the live batch.
+so a long arrival does not stall the streams already running. With a prompt cache, a request whose
+prompt is being prefilled for another waits for that prefill and is then copied from the cache (n samples
+of one prompt cost one prefill). Each step decodes the slots below the highest running one, with the
+draft length the speculation policy picks for the live batch.
 """
 
 from __future__ import annotations
@@ -66,14 +68,15 @@ class Scheduler:
 
     def __init__(self, slots: int, prefill_chunk: int, gamma_policy: GammaPolicy, *,
                  max_prefill_tokens: int | None = None, max_queued: int | None = None,
-                 is_cached: Callable[[list[int]], bool] = lambda prompt: False,
+                 is_cached: Callable[[list[int]], bool] | None = None,
                  row_bucket: Callable[[int], int] = lambda n: n):
         self.slots = [None] * slots  # type: list[Request | None]
         self.prefill_chunk = prefill_chunk
         self.max_prefill_tokens = max_prefill_tokens or prefill_chunk
         self.max_queued = max_queued
         self.gamma_policy = gamma_policy
-        self.is_cached = is_cached  # prompts whose prefill is a copy from the prompt cache: no prefill budget
+        # prompts whose prefill is a copy from the prompt cache (no prefill budget); None: no prompt cache
+        self.is_cached = is_cached
         self.row_bucket = row_bucket  # decoded rows, rounded up to a shape a captured graph can replay
         self.waiting: deque[Request] = deque()
         self.prefilling: list[Request] = []
@@ -116,15 +119,32 @@ class Scheduler:
         return bool(self.waiting) or any(r is not None for r in self.slots) or bool(self._release)
 
     # --- one step -------------------------------------------------------------------------------------------
+    def _next_admissible(self, in_flight: set[tuple[int, ...]]) -> Request | None:
+        """The first waiting request whose prompt is not being prefilled for another (such a request waits
+        for that prefill to reach the prompt cache; `in_flight` is empty without a prompt cache)."""
+        for i, request in enumerate(self.waiting):
+            if not in_flight or tuple(request.prompt_ids) not in in_flight:
+                del self.waiting[i]
+                return request
+        return None
+
     def schedule(self) -> ScheduledStep:
         step = ScheduledStep(release=self._release)
         self._release = []
+        in_flight = set()  # prompts being prefilled (not copied): their repeats wait
+        if self.is_cached is not None:
+            in_flight = {tuple(r.prompt_ids) for r in self.prefilling if not (r.chunks and r.chunks[0][2])}
         for slot, holder in enumerate(self.slots):
             if holder is None and self.waiting:
-                request = self.waiting.popleft()
+                request = self._next_admissible(in_flight)
+                if request is None:
+                    break
                 request.slot, request.status = slot, Status.PREFILLING
                 n = len(request.prompt_ids)
-                request.chunks = deque([(0, n, True)] if self.is_cached(request.prompt_ids) else
+                cached = self.is_cached is not None and self.is_cached(request.prompt_ids)
+                if self.is_cached is not None and not cached:
+                    in_flight.add(tuple(request.prompt_ids))
+                request.chunks = deque([(0, n, True)] if cached else
                                        [(s, e, False) for s, e in prefill_chunks(n, self.prefill_chunk)])
                 self.slots[slot] = request
                 self.prefilling.append(request)

@@ -50,6 +50,21 @@ def test_generate_json_with_speculation(capsys):
     assert doc["runs"][0]["stats"]["prefill_s"] > 10 * spec["prefill_s"]  # the second run copies the first's prefill
 
 
+def test_generate_n_samples_per_prompt_share_one_prefill(capsys):
+    """--n 3: three sampled completions of each prompt, seeded --seed + i, sampled speculatively exactly as
+    plainly (test_generate.py checks that each prompt is prefilled once)."""
+    code, out, err = run(["generate", "--corpus", str(DATA), "--num-prompts", "2", "--prompt-tokens", "300",
+                          "--max-tokens", "10", "--n", "3", "--temperature", "0.8", "--top-p", "0.9", "--seed", "7",
+                          "--draft", "self-streaming", "--budget", "64", "--gamma", "2", "--compare-ar", "--json",
+                          "--dtype", "fp32"], capsys)
+    assert code == 0, err
+    doc = json.loads(out)
+    outs = doc["outputs"]
+    assert [o["index"] for o in outs] == list(range(6)) and all(o["prompt_tokens"] == 300 for o in outs)
+    assert doc["runs"][-1]["identical"] == 6  # seeded: speculative sampling draws what plain sampling draws
+    assert len({tuple(o["token_ids"]) for o in outs[:3]}) > 1  # three different samples of prompt 0
+
+
 def test_compare_ar_with_one_token_reports_no_speedup(capsys):
     """max_tokens 1: every token comes from the prefill, so there is no decode throughput to compare."""
     code, out, err = run(["generate", "--prompt", "The capital of France is", "--max-tokens", "1", "--draft",

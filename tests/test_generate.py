@@ -91,6 +91,26 @@ def test_prompt_cache_hits_decode_like_computed_prefills(tiny_llama):
     assert torch.equal(cache.get(prompts[1]).k, k_before) and stats.max_batch == 6
 
 
+def test_repeated_prompts_are_prefilled_once(tiny_llama, monkeypatch):
+    """With a prompt cache, repeats of a prompt in one batch wait for its prefill and copy it (as `--n` runs):
+    one prefill per distinct prompt, and the same tokens as prefilling each."""
+    import magicdec.runner as runner_mod
+
+    model = tiny_llama[0].model
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (40, 25)]
+    rows = [prompts[0]] * 3 + [prompts[1]] + [prompts[0]]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    separate, _ = run_engine(model, rows, params)
+    chunks = []
+    real = runner_mod.prefill_chunk
+    monkeypatch.setattr(runner_mod, "prefill_chunk", lambda m, row, prompt, *a: chunks.append(len(prompt)) or real(m, row, prompt, *a))
+    shared, stats = run_engine(model, rows, params, prompt_cache=PromptCache(1 << 24), prefill_chunk=16)
+    # one prefill per distinct prompt: 40 tokens as 8 + the 32-token observation window, 25 in one forward
+    assert sorted(chunks) == [25, 40, 40]
+    assert [o.output_ids for o in shared] == [o.output_ids for o in separate]
+
+
 def test_batch_invariance(default_model, batch_greedy, long_prompts):
     """Each sequence's greedy tokens alone equal its tokens in the ragged batch (and in another order)."""
     batch_outs, _ = batch_greedy
