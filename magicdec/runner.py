@@ -106,8 +106,8 @@ class PromptCache:
     def store(self, prompt: Sequence[int], row: KVCache, logits: Tensor, observer: SnapKVObserver) -> None:
         """Keep the prefill of `prompt` that `row` now holds (with its last logits and SnapKV observation)."""
         T = len(prompt)
-        self.put(prompt, _Prefilled(row.k[:, 0, :, :T].clone(), row.v[:, 0, :, :T].clone(), logits.clone(),
-                                    observer.scores))
+        scores = [s[..., :T] for s in observer.scores]  # attention may have spanned the row's unfilled slots
+        self.put(prompt, _Prefilled(row.k[:, 0, :, :T].clone(), row.v[:, 0, :, :T].clone(), logits.clone(), scores))
 
     def put(self, prompt: Sequence[int], entry: _Prefilled) -> None:
         key = tuple(prompt)
