@@ -45,6 +45,10 @@ _GPU_PRESETS = (("h200", "h200"), ("h100", "h100"), ("a100", "a100-80gb"), ("l40
 #: Contexts the per-step re-planner distinguishes (plans are cached per live batch and context bucket).
 REPLAN_GRANULARITY = 64
 FALLBACK_GPU_PRESET = "a100-80gb"
+#: How much faster than plain decoding speculation must be predicted before `--draft auto` drafts: a
+#: calibrated profile predicts forwards within ~9% (median), and a choice made on a closer call can lose
+#: (SmolLM2 bf16 at B=1 x 8k: 1.05x predicted, 0.92x measured).
+MIN_PREDICTED_SPEEDUP = 1.06
 
 
 def target_shape(model: Any) -> ModelShape:
@@ -199,7 +203,7 @@ def choose(
     gammas = [g for g in gammas if 1 <= g <= 16]
     budgets = [b for b in budgets if b >= 8]
     best = plan(shape, hw, batch, context, table, budgets=budgets, gammas=gammas, dtype_bytes=weight_bytes,
-                kv_dtype_bytes=kv_bytes, mode=mode, strategies=strategies, tp=tp)
+                kv_dtype_bytes=kv_bytes, mode=mode, strategies=strategies, tp=tp, margin=MIN_PREDICTED_SPEEDUP)
     if best.strategy == "ar":
         return None, best
 
@@ -212,7 +216,7 @@ def choose(
         # re-planned as the batch they leave behind shrinks
         return plan(shape, hw, live, context, table, budgets=[best.budget], gammas=gammas, tp=tp,
                     dtype_bytes=weight_bytes, kv_dtype_bytes=kv_bytes, mode=mode, strategies=replan_strategies,
-                    rows=1).gamma
+                    rows=1, margin=MIN_PREDICTED_SPEEDUP).gamma
 
     def gamma_for(live: int, mean_context: int) -> int:
         """The best draft length for the chosen drafter and budget at the live batch and mean context

@@ -288,6 +288,14 @@ def test_best_gamma_grows_with_batch_at_long_context():
     assert speedups == sorted(speedups)
 
 
+def test_margin_keeps_plain_decoding_on_close_calls():
+    args = dict(batch=128, context=32768, acceptance=AcceptanceTable.paper_default(), tp=8)
+    best = plan(LLAMA3, get_profile("h100"), **args)
+    assert best.strategy != "ar"
+    assert plan(LLAMA3, get_profile("h100"), **args, margin=best.predicted_speedup * 0.99) == best
+    assert plan(LLAMA3, get_profile("h100"), **args, margin=best.predicted_speedup * 1.01).strategy == "ar"
+
+
 def test_sampling_work_is_charged_per_token_drawn():
     """In sampling mode a plain step draws one token per row and a round 2 gamma + 1; greedy mode is free."""
     hw = dataclasses.replace(get_profile("h100"), sampling_s_per_token=1e-4)

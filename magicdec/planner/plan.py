@@ -89,6 +89,7 @@ def plan(
     mode: str = "greedy",
     strategies: Iterable[str] | None = None,
     rows: int | None = None,
+    margin: float = 1.0,
 ) -> Plan:
     """Pick the strategy, budget and gamma with the highest predicted throughput.
 
@@ -106,7 +107,8 @@ def plan(
     even AR does not fit (then the search ignores memory and `fits_in_memory` is False).
 
     `strategies` restricts the search (default: all of STRATEGIES); leaving "ar" out returns
-    the best speculative plan even when it is slower than AR.
+    the best speculative plan even when it is slower than AR. With "ar" in it, speculation is chosen only
+    when predicted faster than `margin` times AR (a margin above 1 allows for the cost model's error).
     """
     chosen = set(STRATEGIES if strategies is None else strategies)
     if not chosen or not chosen <= set(STRATEGIES):
@@ -149,7 +151,7 @@ def plan(
             if best is None or throughput > best[0]:
                 best = (throughput, d, g, alpha, fits)
 
-    if "ar" in chosen and (best is None or best[0] <= ar_throughput):
+    if "ar" in chosen and (best is None or best[0] <= margin * ar_throughput):
         decode = forward_cost(target, hw, batch, 1, context, dtype_bytes, kv_dtype_bytes, tp)
         return Plan("ar", None, 0, None, None, ar_throughput, 1.0, decode.dominant, None, ar_fits, hw.name)
     if best is None:
