@@ -1,0 +1,109 @@
+"""llama.cpp's `llama-batched-bench` on the same model and cells as magicdec's CPU grid, as a ratio.
+
+    python benchmarks/bench_llamacpp.py --bin PATH/llama-batched-bench [--batches 1,8,32]
+        [--contexts 1024,4096,8192] [--new-tokens 32] [--threads 2] [--magicdec benchmarks/results/cpu_grid_bf16.json]
+
+llama.cpp runs two GGUFs of the default model: a BF16 copy of the shipped Q4_1 (`gguf_bf16.py`: the weights
+magicdec computes with) with flash attention on and off and BF16 and F16 KV caches, and the Q4_1 file itself
+(what a llama.cpp user would run) with flash attention and an F16 cache. Every sequence gets its own KV stream (`-no-kvu`), and the
+prompt is prefilled once and copied into every stream (`-pps`), so the decode of B sequences reads B full
+caches as magicdec's does, without B prefills. Decode throughput is llama.cpp's S_TG (generated tokens per
+second over the batch). Writes benchmarks/results/llamacpp.json (machine info included) and prints, per cell,
+llama.cpp's best configuration against magicdec's plain (AR) and `--draft auto` decoding read from --magicdec
+(`magicdec bench` output, bf16, greedy; see cpu_grid.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from magicdec.calibrate import machine_info  # noqa: E402
+from magicdec.loading import default_model_path  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+#: (weights, flash attention, KV cache type): BF16 weights in every attention / KV setting, and the shipped
+#: Q4_1 file (a quarter of the weight bytes) with flash attention and an F16 cache.
+CONFIGS = [("bf16", fa, kv) for fa in ("on", "off") for kv in ("bf16", "f16")] + [("q4_1", "on", "f16")]
+
+
+def sizes(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")]
+
+
+def run_batched_bench(binary: str, gguf: str, batches: list[int], contexts: list[int], new_tokens: int,
+                      threads: int, flash: str, kv: str) -> list[dict]:
+    n_ctx = max(batches) * (max(contexts) + new_tokens + 64)
+    cmd = [binary, "-m", gguf, "-c", str(n_ctx), "-npp", ",".join(map(str, contexts)), "-ntg", str(new_tokens),
+           "-npl", ",".join(map(str, batches)), "-pps", "-no-kvu", "-t", str(threads), "-fa", flash,
+           "-ctk", kv, "-ctv", kv, "--output-format", "jsonl"]
+    print(" ".join(cmd), flush=True)
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+
+def magicdec_cells(path: Path) -> dict[tuple[int, int], dict[str, float]]:
+    """(batch, context) -> decode tok/s of plain and auto decoding, greedy, from `magicdec bench` JSON."""
+    cells: dict[tuple[int, int], dict[str, float]] = {}
+    for r in json.loads(path.read_text())["points"].values():
+        if r["mode"] == "greedy" and r["draft"] in ("none", "auto"):
+            cells.setdefault((r["batch"], r["context"]), {})[r["draft"]] = r["throughput"]
+    return cells
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--bin", required=True, help="llama-batched-bench binary")
+    p.add_argument("--batches", type=sizes, default=[1, 8, 32])
+    p.add_argument("--contexts", type=sizes, default=[1024, 4096, 8192])
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--build", default="", help="how the binary was built (recorded in the JSON)")
+    p.add_argument("--magicdec", type=Path, default=HERE / "results" / "cpu_grid_bf16.json")
+    p.add_argument("--out", type=Path, default=HERE / "results" / "llamacpp.json")
+    args = p.parse_args()
+
+    bf16 = Path("/tmp/magicdec-smollm2-bf16.gguf")
+    if not bf16.exists():
+        subprocess.run([sys.executable, str(HERE / "gguf_bf16.py"), str(bf16)], check=True)
+    runs = []
+    ggufs = {"bf16": bf16, "q4_1": default_model_path()}
+    for weights, flash, kv in CONFIGS:
+        t0 = time.perf_counter()
+        for r in run_batched_bench(args.bin, str(ggufs[weights]), args.batches, args.contexts, args.new_tokens,
+                                   args.threads, flash, kv):
+            runs.append({"weights": weights, "flash_attn": flash, "kv": kv, **r})
+        print(f"  {weights} fa={flash} kv={kv}: {time.perf_counter() - t0:.0f} s", flush=True)
+    ours = magicdec_cells(args.magicdec) if args.magicdec.exists() else {}
+    table = []
+    for b in args.batches:
+        for s in args.contexts:
+            cell = [r for r in runs if r["pl"] == b and r["pp"] == s]
+            best = max(cell, key=lambda r: r["speed_tg"])
+            row = {"batch": b, "context": s, "llamacpp_best_tok_s": best["speed_tg"],
+                   "llamacpp_best": f"{best['weights']} weights, fa {best['flash_attn']}, {best['kv']} kv",
+                   "llamacpp_bf16_best_tok_s": max(r["speed_tg"] for r in cell if r["weights"] == "bf16")}
+            for draft in ("none", "auto"):
+                if draft in ours.get((b, s), {}):
+                    row[f"magicdec_{draft}_tok_s"] = ours[(b, s)][draft]
+                    row[f"magicdec_{draft}_over_llamacpp"] = ours[(b, s)][draft] / best["speed_tg"]
+            table.append(row)
+    args.out.write_text(json.dumps({"machine": machine_info("cpu"), "build": args.build,
+                                    "new_tokens": args.new_tokens, "threads": args.threads,
+                                    "runs": runs, "table": table}, indent=1) + "\n")
+    print("\n| B | S | llama.cpp best tok/s (config) | magicdec AR | magicdec auto | auto / llama.cpp |")
+    print("| ---: | ---: | --- | ---: | ---: | ---: |")
+    for r in table:
+        print(f"| {r['batch']} | {r['context']} | {r['llamacpp_best_tok_s']:.1f} ({r['llamacpp_best']}) | "
+              f"{r.get('magicdec_none_tok_s', float('nan')):.1f} | {r.get('magicdec_auto_tok_s', float('nan')):.1f} | "
+              f"{r.get('magicdec_auto_over_llamacpp', float('nan')):.2f}x |")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
