@@ -64,6 +64,8 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--build", default="", help="how the binary was built (recorded in the JSON)")
+    p.add_argument("--configs", type=sizes, default=list(range(len(CONFIGS))),
+                   help="indices into CONFIGS to run (default: all; each takes minutes: one prefill per cell)")
     p.add_argument("--magicdec", type=Path, default=HERE / "results" / "cpu_grid_bf16.json")
     p.add_argument("--out", type=Path, default=HERE / "results" / "llamacpp.json")
     args = p.parse_args()
@@ -71,13 +73,17 @@ def main() -> None:
     bf16 = Path("/tmp/magicdec-smollm2-bf16.gguf")
     if not bf16.exists():
         subprocess.run([sys.executable, str(HERE / "gguf_bf16.py"), str(bf16)], check=True)
-    runs = []
+    # resumable: configurations already in --out are kept, the others run and are saved one by one
+    runs = json.loads(args.out.read_text())["runs"] if args.out.exists() else []
     ggufs = {"bf16": bf16, "q4_1": default_model_path()}
-    for weights, flash, kv in CONFIGS:
+    for weights, flash, kv in [CONFIGS[i] for i in args.configs]:
+        if any((r["weights"], r["flash_attn"], r["kv"]) == (weights, flash, kv) for r in runs):
+            continue
         t0 = time.perf_counter()
         for r in run_batched_bench(args.bin, str(ggufs[weights]), args.batches, args.contexts, args.new_tokens,
                                    args.threads, flash, kv):
-            runs.append({"weights": weights, "flash_attn": flash, "kv": kv, **r})
+            runs.append({**r, "weights": weights, "flash_attn": flash, "kv": kv})  # ours over its 0/1 flash_attn
+        args.out.write_text(json.dumps({"runs": runs}, indent=1) + "\n")
         print(f"  {weights} fa={flash} kv={kv}: {time.perf_counter() - t0:.0f} s", flush=True)
     ours = magicdec_cells(args.magicdec) if args.magicdec.exists() else {}
     table = []
