@@ -391,7 +391,10 @@ def cmd_serve(args) -> int:
     max_len = llm.max_context if args.max_model_len is None else args.max_model_len
     if max_len > llm.max_context:
         raise InvalidRequestError(f"--max-model-len {max_len} exceeds the model's context of {llm.max_context}")
-    spec, plan = speculative_from_args(args, llm, args.max_running, max_len // 2)
+    # Planned where the KV cache weighs most (every slot full at the longest context): if drafting pays
+    # anywhere within the server's limits it pays there; each step then re-plans for its live batch and
+    # context (plain decoding where drafting does not pay).
+    spec, plan = speculative_from_args(args, llm, args.max_running, max_len)
     draft = describe(plan) if plan is not None else spec.draft if spec is not None else "none"
     try:
         engine = llm.engine(args.max_running, max_len + CACHE_SLACK, spec, max_prefill_tokens=args.prefill_chunk,
