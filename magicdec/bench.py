@@ -138,8 +138,7 @@ def run_bench(args, grid: BenchGrid) -> dict:
             if prefilled_key != (ctx, distinct):
                 bar.set_postfix_str(f"prefill {distinct} x {ctx}")
                 prompts = cut_prompts(llm.tokenizer, texts, distinct, ctx)
-                llm.prompt_cache = PromptCache(KVCache.nbytes(llm.model.cfg, distinct, ctx, llm.kv_dtype)
-                                               + distinct * PromptCache.extra_bytes(llm.model.cfg, ctx))
+                llm.prompt_cache = PromptCache.sized_for(llm.model.cfg, [ctx] * distinct, llm.kv_dtype)
                 t0 = time.perf_counter()
                 llm.generate(prompt_token_ids=prompts, params=SamplingParams(max_tokens=1))
                 prefill_s, prefilled_key = time.perf_counter() - t0, (ctx, distinct)

@@ -537,7 +537,6 @@ def calibrate_acceptance(
     `records`, when given, receives one dict per decode (histogram, alpha, timings).
     """
     from magicdec.corpus import cut_prompts
-    from magicdec.kv import KVCache
     from magicdec.runner import CACHE_SLACK, PromptCache
     from magicdec.speculative import SpeculativeConfig
 
@@ -559,8 +558,7 @@ def calibrate_acceptance(
         if progress is not None:
             progress(done, len(jobs), f"prefill {n_prompts} x {ctx}")
         prompts = cut_prompts(llm.tokenizer, texts, n_prompts, ctx)
-        llm.prompt_cache = PromptCache(KVCache.nbytes(llm.model.cfg, n_prompts, ctx, llm.kv_dtype)
-                                       + n_prompts * PromptCache.extra_bytes(llm.model.cfg, ctx))
+        llm.prompt_cache = PromptCache.sized_for(llm.model.cfg, [ctx] * n_prompts, llm.kv_dtype)
         llm.generate(prompt_token_ids=prompts, params=sampling_params("greedy", 1))
         for drafter_name, budget, mode in todo:
             if progress is not None:

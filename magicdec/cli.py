@@ -204,7 +204,6 @@ def dtype_line(llm) -> str:
 
 def cmd_generate(args) -> int:
     from magicdec.engine import LLM
-    from magicdec.kv import KVCache
     from magicdec.runner import PromptCache
     from magicdec.sampling import SamplingParams
 
@@ -231,8 +230,7 @@ def cmd_generate(args) -> int:
         modes.insert(0, ("ar", None))
     if len(modes) > 1 or args.n > 1:
         # every prompt is prefilled once: its repeats (--n) and the second run copy that prefill
-        llm.prompt_cache = PromptCache(sum(KVCache.nbytes(llm.model.cfg, 1, len(p), llm.kv_dtype) for p in unique)
-                                       + len(unique) * PromptCache.extra_bytes(llm.model.cfg, max(map(len, unique))))
+        llm.prompt_cache = PromptCache.sized_for(llm.model.cfg, [len(p) for p in unique], llm.kv_dtype)
     results, runs = {}, []
     for label, cfg in modes:
         update, close = progress_bar(f"{label}", show)

@@ -84,6 +84,11 @@ class PromptCache:
         """Bytes of an entry beyond its K/V: the logits and SnapKV's observation (fp32)."""
         return 4 * (cfg.vocab_size + cfg.n_layers * cfg.n_kv_heads * n_tokens)
 
+    @classmethod
+    def sized_for(cls, cfg, lengths: Sequence[int], kv_dtype: torch.dtype) -> "PromptCache":
+        """A cache that holds exactly one entry per prompt of these lengths (tokens)."""
+        return cls(sum(KVCache.nbytes(cfg, 1, n, kv_dtype) + cls.extra_bytes(cfg, n) for n in lengths))
+
     def __contains__(self, prompt: Sequence[int]) -> bool:
         return tuple(prompt) in self.entries
 

@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from conftest import run_engine
-from magicdec.kv import KVCache
 from magicdec.runner import PromptCache
 from magicdec.sampling import SamplingParams
 
@@ -84,8 +83,7 @@ def test_prompt_cache_hits_decode_like_computed_prefills(tiny_llama):
     prompts = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (9, 30)]
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     # sized as the benchmarks size it: exactly the two entries
-    cache = PromptCache(sum(KVCache.nbytes(model.cfg, 1, len(p), torch.float32) + PromptCache.extra_bytes(model.cfg, len(p))
-                            for p in prompts))
+    cache = PromptCache.sized_for(model.cfg, [len(p) for p in prompts], torch.float32)
     computed, _ = run_engine(model, prompts, params, prompt_cache=cache)
     assert all(p in cache for p in prompts)
     k_before = cache.get(prompts[1]).k.clone()
