@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from magicdec.model import attend  # noqa: E402
+from magicdec import kernels  # noqa: E402
 from bench_dtype import interleaved  # noqa: E402
 from magicdec.calibrate import machine_info  # noqa: E402
 
@@ -55,6 +55,12 @@ def matmul_attention(xq, k, v, bias):
     return torch.matmul(s.softmax(-1).to(v.dtype), v)
 
 
+def bf16_matmul_attention(xq, k, v, bias):
+    """Scores, softmax and the weighted sum with the softmax on the bf16 scores (magicdec's torch path)."""
+    s = torch.matmul(xq, k.transpose(-1, -2)).mul_(xq.shape[-1] ** -0.5).add_(bias)
+    return torch.matmul(s.softmax(-1), v)
+
+
 def variants(xq, k, v, mask, dtype, skip: tuple[str, ...] = ()):
     bias = additive(mask, dtype)
     bias32 = additive(mask, torch.float32)
@@ -65,9 +71,12 @@ def variants(xq, k, v, mask, dtype, skip: tuple[str, ...] = ()):
         "matmul, fp32 softmax": lambda i: matmul_attention(xq, k[i], v[i], bias32),
     }
     if dtype == torch.bfloat16:
-        out["matmul, bf16 softmax (magicdec)"] = lambda i: attend(xq, k[i], v[i], bias)
-    compiled = torch.compile(matmul_attention, dynamic=False)
-    out["torch.compile(matmul)"] = lambda i: compiled(xq, k[i], v[i], bias32)
+        out["matmul, bf16 softmax"] = lambda i: bf16_matmul_attention(xq, k[i], v[i], bias)
+        if kernels.takes(xq, k[0], v[0], bias):
+            out["native kernel (magicdec)"] = lambda i: kernels.decode_attention(xq, k[i], v[i], bias)
+    if "compile" not in skip:
+        compiled = torch.compile(matmul_attention, dynamic=False)
+        out["torch.compile(matmul)"] = lambda i: compiled(xq, k[i], v[i], bias32)
     if "flex" in skip:
         return out
     try:
@@ -114,6 +123,7 @@ def main(argv=None) -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--no-flex", action="store_true", help="skip flex_attention (slow to compile and to run)")
+    p.add_argument("--no-compile", action="store_true", help="skip torch.compile of the matmuls")
     p.add_argument("--max-gib", type=float, default=4.0, help="skip points whose cache exceeds this")
     p.add_argument("--out", default=str(Path(__file__).parent / "results/attention.json"))
     args = p.parse_args(argv)
@@ -125,7 +135,8 @@ def main(argv=None) -> None:
             if 2 * LAYERS * batch * KV * context * HD * dtype.itemsize > args.max_gib * 2**30:
                 continue
             for q in map(int, args.q.split(",")):
-                pt = bench_point(batch, context, q, dtype, args.repeats, ("flex",) if args.no_flex else ())
+                skip = ("flex",) * args.no_flex + ("compile",) * args.no_compile
+                pt = bench_point(batch, context, q, dtype, args.repeats, skip)
                 results["points"].append(pt)
                 base = pt["variants"]["read baseline: .sum() of K and V"]["gb_per_s"]
                 print(f"B={batch} L={context} q={q} (load {pt['loadavg'][0]:.1f}, read {base:.1f} GB/s)"

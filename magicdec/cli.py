@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import os
 import sys
 import warnings
@@ -199,7 +200,7 @@ def format_stats(stats, label: str) -> str:
 def dtype_line(llm) -> str:
     """The dtypes a run computes and caches in, and why (printed with the run's stats)."""
     kv = str(llm.kv_dtype).removeprefix("torch.")
-    return f"dtype {llm.loaded.dtype_choice}; KV cache {kv}"
+    return f"dtype {llm.loaded.dtype_choice}; KV cache {kv}; attention {llm.attention}"
 
 
 def cmd_generate(args) -> int:
@@ -551,6 +552,13 @@ def main(argv: list[str] | None = None) -> int:
     err, prefix = sys.stderr, f"[rank {rank}] " if rank else ""
     if rank:
         sys.stdout = sys.stderr = open(os.devnull, "w")
+    # the library's notices (a native kernel being compiled, server errors) on stderr
+    logger = logging.getLogger("magicdec")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("magicdec: %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
     try:
         with warnings.catch_warnings():
             warnings.showwarning = print_warning

@@ -27,7 +27,7 @@ from magicdec.loading import LoadedModel, load_model
 from magicdec.loading.tokenizer import Tokenizer
 from magicdec.memory import available_bytes, peak_bytes
 from magicdec import dtypes
-from magicdec.model import Transformer
+from magicdec.model import Transformer, attention_path
 from magicdec.runner import CACHE_SLACK, ModelRunner, PromptCache
 from magicdec.sampling import SamplingParams
 from magicdec.scheduler import GammaPolicy, Request, Scheduler, Status, cuda_row_bucket, fixed_gamma
@@ -253,6 +253,7 @@ class LLM:
         self.model = self.loaded.model
         self.tokenizer = self.loaded.tokenizer
         self.kv_dtype = parse_dtype(kv_dtype) or self.model.dtype
+        self.attention = attention_path(self.model.device, self.kv_dtype)  # builds a native kernel now, not mid-run
         self.prefill_chunk = prefill_chunk
         self.max_num_seqs = max_num_seqs
         # prefilled prompts kept across generate calls (0: off); see runner.PromptCache

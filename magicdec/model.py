@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from magicdec import kernels
 from magicdec.config import ModelConfig
 
 # Called with (layer index, rotated queries [B, H, q, hd], keys [B, KV, L, hd], mask [B, 1, q, L]).
@@ -59,7 +60,8 @@ def rope_cos_sin(inv_freq: Tensor, positions: Tensor, dtype: torch.dtype) -> tup
 
 
 def matmul_attention(device: torch.device, kv_dtype: torch.dtype) -> bool:
-    """Whether `attend` uses two matmuls (a bf16 cache on CPU) rather than SDPA.
+    """Whether `attend` uses two matmuls (a bf16 cache on CPU) rather than SDPA where the native kernel
+    does not run (a CPU without AVX512-BF16, prefill chunks).
 
     Over a bf16 cache on CPU, two bf16 matmuls with a bf16 softmax between them (the kernel computes in
     fp32 inside) run 1.2-2.7x faster than with the scores converted to fp32 for the softmax, with the
@@ -70,6 +72,14 @@ def matmul_attention(device: torch.device, kv_dtype: torch.dtype) -> bool:
     "Attention over a bf16 cache").
     """
     return device.type == "cpu" and kv_dtype == torch.bfloat16
+
+
+def attention_path(device: torch.device, kv_dtype: torch.dtype) -> str:
+    """How decode and verification attention run over a cache of this dtype: "native" (the AVX512-BF16
+    kernel of magicdec.kernels, built here on the first call), "matmul" or "sdpa"."""
+    if kernels.supported(device, kv_dtype):
+        return "native"
+    return "matmul" if matmul_attention(device, kv_dtype) else "sdpa"
 
 
 def attention_bias(mask: Tensor, groups: int, kv_dtype: torch.dtype) -> Tensor:
@@ -83,6 +93,8 @@ def attention_bias(mask: Tensor, groups: int, kv_dtype: torch.dtype) -> Tensor:
 def attend(xq: Tensor, keys: Tensor, values: Tensor, bias: Tensor) -> Tensor:
     """Attention of queries [B, KV, G*q, hd] over K/V [B, KV, L, hd] with an additive bias from
     `attention_bias`; returns [B, KV, G*q, hd]."""
+    if kernels.takes(xq, keys, values, bias):
+        return kernels.decode_attention(xq, keys, values, bias)
     if matmul_attention(keys.device, keys.dtype):
         scores = torch.matmul(xq, keys.transpose(-1, -2)).mul_(xq.shape[-1] ** -0.5).add_(bias)
         return torch.matmul(scores.softmax(-1), values)

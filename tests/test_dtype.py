@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from conftest import rel_err
 
-from magicdec import cpu
+from magicdec import cpu, kernels
 from magicdec.kv import KVCache
 from magicdec.model import attend, attention_bias
 from magicdec.sampling import SamplingParams
@@ -79,8 +79,14 @@ def test_machine_info_records_cpu_flags(monkeypatch):
 
 
 # --- bf16 attention -------------------------------------------------------------------------------------
+@pytest.fixture
+def torch_attention(monkeypatch):
+    """Attention on torch's operators (the path where the native kernel does not run)."""
+    monkeypatch.setattr(kernels, "takes", lambda *args: False)
+
+
 @pytest.mark.parametrize("q", [1, 4, 9])
-def test_bf16_attention_matches_sdpa_in_fp32(q):
+def test_bf16_attention_matches_sdpa_in_fp32(q, torch_attention):
     """The matmul path over a bf16 cache (ragged rows) against fp32 SDPA over the same values."""
     g = torch.Generator().manual_seed(q)
     B, KV, G, L, hd = 3, 3, 3, 300, 64
@@ -93,7 +99,7 @@ def test_bf16_attention_matches_sdpa_in_fp32(q):
     assert rel_err(out, ref) < 0.01  # measured 0.003-0.005; a lost mask or scale gives ~1
 
 
-def test_bf16_softmax_is_the_fp32_softmax_rounded():
+def test_bf16_softmax_is_the_fp32_softmax_rounded(torch_attention):
     """The matmul path's softmax runs on bf16 scores (fp32 inside the kernel): its output is that of converting
     the scores to fp32 for the softmax and rounding the probabilities back (hd 64: the scale is a power of two),
     but for a one-ulp rounding of a few probabilities in 10^5 at some lengths (here 500 keys)."""

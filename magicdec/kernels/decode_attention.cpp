@@ -1,0 +1,258 @@
+// Decode and verification attention over a bf16 KV cache, for CPUs with AVX512-BF16.
+//
+// Queries q [B, KV, M, D] (M = query heads per KV head x new tokens per row; bf16) attend over K/V
+// [B, KV, L, D] (bf16; any strides but a contiguous last dim) with an additive bias [B, 1, M, L]
+// (bf16, 0 / -inf). The context is split into chunks (flash-decoding). A task takes one chunk of one
+// (row, KV head), 16 cached positions at a time: it transposes the K tile so that `vdpbf16ps` forms
+// 16 scores per instruction for each query, takes a chunk-local softmax and accumulates P @ V with the
+// V tile interleaved by position pairs, so every K and V element is read from memory once however many
+// queries there are. Chunks are merged by their maxima. Each query row is computed with the same
+// arithmetic whatever M is: a verification forward attends exactly as a one-token step does. Tiles
+// the bias hides entirely (unfilled cache slots) are skipped.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kTile = 16;  // cached positions per tile: one zmm of fp32 scores
+constexpr uint16_t kBf16NegInf = 0xFF80;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// exp(x) for x <= 0 (Cephes expf: range reduction by ln 2, degree-6 polynomial); 0 where x is -inf.
+inline __m512 exp16(__m512 x) {
+  const __mmask16 finite = _mm512_cmp_ps_mask(x, _mm512_set1_ps(kNegInf), _CMP_NEQ_OQ);
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_maskz_mov_ps(finite, _mm512_scalef_ps(p, n));
+}
+
+inline __m512 bf16_to_fp32(__m256i x) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16));
+}
+
+// In-place transpose of a 16 x 16 matrix of 32-bit words held in 16 registers.
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
+    t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+    r[i + 4] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0x88);
+    r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+    r[i + 12] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xdd);
+  }
+}
+
+struct Strided {  // a [B, H, L, D] tensor with a contiguous last dim, as raw bf16 bits
+  const uint16_t* data;
+  int64_t sb, sh, sl;
+  const uint16_t* at(int64_t b, int64_t h, int64_t l) const { return data + b * sb + h * sh + l * sl; }
+};
+
+Strided strided(const torch::Tensor& t) {
+  return {reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()), t.stride(0), t.stride(1), t.stride(2)};
+}
+
+template <int D>
+struct Task {
+  static constexpr int P = D / 2;  // bf16 pairs per row: the dot-product unit of vdpbf16ps
+  const uint32_t* q;               // [M, P] this head's queries as bf16 pairs
+  int64_t M;
+  Strided K, V, bias;
+  float scale;
+
+  // Scores of queries [M] against tile positions [l, l + 16) (n of them real), into s[m * 16 + i].
+  void score_tile(int64_t b, int64_t h, int64_t l, int64_t n, float* s) const {
+    alignas(64) __m512i kt[P];  // kt[p] lane i: pair p of position l + i
+    for (int half = 0; half < P / 16; ++half) {
+      __m512i r[16];
+      for (int i = 0; i < 16; ++i)
+        r[i] = i < n ? _mm512_loadu_si512(K.at(b, h, l + i) + 32 * half) : _mm512_setzero_si512();
+      transpose16(r);
+      for (int p = 0; p < 16; ++p) kt[16 * half + p] = r[p];
+    }
+    for (int64_t m = 0; m < M; ++m) {
+      // Four independent accumulator chains: vdpbf16ps has a latency of several cycles.
+      __m512 acc4[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+      const uint32_t* qm = q + m * P;
+      for (int p = 0; p < P; p += 4)
+        for (int u = 0; u < 4; ++u)
+          acc4[u] = _mm512_dpbf16_ps(acc4[u], (__m512bh)_mm512_set1_epi32(qm[p + u]), (__m512bh)kt[p + u]);
+      const __m512 acc = _mm512_add_ps(_mm512_add_ps(acc4[0], acc4[1]), _mm512_add_ps(acc4[2], acc4[3]));
+      const __mmask16 real = (__mmask16)((1u << n) - 1);
+      const __m512 bias_m = bf16_to_fp32(_mm256_mask_loadu_epi16(
+          _mm256_set1_epi16(kBf16NegInf), real, bias.at(b, 0, m) + l));
+      _mm512_storeu_ps(s + m * kTile, _mm512_fmadd_ps(acc, _mm512_set1_ps(scale), bias_m));
+    }
+  }
+
+  bool tile_visible(int64_t b, int64_t l, int64_t n) const {
+    const __mmask16 real = (__mmask16)((1u << n) - 1);
+    for (int64_t m = 0; m < M; ++m) {
+      const __m256i bm = _mm256_maskz_loadu_epi16(real, bias.at(b, 0, m) + l);
+      if (_mm256_mask_cmpneq_epi16_mask(real, bm, _mm256_set1_epi16(kBf16NegInf))) return true;
+    }
+    return false;
+  }
+
+  // Positions [l0, l1) of (b, h): the chunk's maxima [M], softmax sums [M] and unnormalized out [M, D].
+  void run(int64_t b, int64_t h, int64_t l0, int64_t l1, std::vector<float>& scores,
+           std::vector<uint16_t>& probs, float* row_max, float* row_sum, float* out) const {
+    const int64_t tiles = (l1 - l0 + kTile - 1) / kTile;
+    scores.resize(tiles * M * kTile);
+    probs.resize(M * tiles * kTile);
+    std::vector<char> visible(tiles);
+    for (int64_t t = 0; t < tiles; ++t) {
+      const int64_t l = l0 + t * kTile, n = std::min<int64_t>(kTile, l1 - l);
+      visible[t] = tile_visible(b, l, n);
+      if (visible[t]) score_tile(b, h, l, n, scores.data() + t * M * kTile);
+    }
+    // Chunk-local softmax numerators, rounded to bf16 as P @ V consumes them; sums of the rounded values.
+    for (int64_t m = 0; m < M; ++m) {
+      __m512 mx = _mm512_set1_ps(kNegInf);
+      for (int64_t t = 0; t < tiles; ++t)
+        if (visible[t]) mx = _mm512_max_ps(mx, _mm512_loadu_ps(scores.data() + (t * M + m) * kTile));
+      const float mxs = _mm512_reduce_max_ps(mx);
+      row_max[m] = mxs;
+      __m512 sum = _mm512_setzero_ps();
+      uint16_t* pm = probs.data() + m * tiles * kTile;
+      for (int64_t t = 0; t < tiles; ++t) {
+        __m256i pb = _mm256_setzero_si256();
+        if (visible[t] && mxs != kNegInf) {
+          const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(scores.data() + (t * M + m) * kTile), _mm512_set1_ps(mxs)));
+          pb = (__m256i)_mm512_cvtneps_pbh(e);
+          sum = _mm512_add_ps(sum, bf16_to_fp32(pb));
+        }
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pm + t * kTile), pb);
+      }
+      row_sum[m] = _mm512_reduce_add_ps(sum);
+    }
+    // out[m] += sum_i p[m, i] V[i], two positions per vdpbf16ps: V rows interleaved element-wise.
+    std::fill(out, out + M * D, 0.0f);
+    const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                        39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+    alignas(64) __m512i vt[kTile / 2][D / 16];  // vt[j][k] lane i: (V[2j][16k + i], V[2j + 1][16k + i])
+    for (int64_t t = 0; t < tiles; ++t) {
+      const int64_t l = l0 + t * kTile, n = std::min<int64_t>(kTile, l1 - l);
+      if (!visible[t]) continue;
+      for (int64_t j = 0; j < kTile / 2; ++j) {
+        for (int c = 0; c < D / 32; ++c) {
+          const __m512i a = 2 * j < n ? _mm512_loadu_si512(V.at(b, h, l + 2 * j) + 32 * c) : _mm512_setzero_si512();
+          const __m512i z = 2 * j + 1 < n ? _mm512_loadu_si512(V.at(b, h, l + 2 * j + 1) + 32 * c) : _mm512_setzero_si512();
+          vt[j][2 * c] = _mm512_permutex2var_epi16(a, lo, z);
+          vt[j][2 * c + 1] = _mm512_permutex2var_epi16(a, hi, z);
+        }
+      }
+      for (int64_t m = 0; m < M; ++m) {
+        const uint32_t* pairs = reinterpret_cast<const uint32_t*>(probs.data() + m * tiles * kTile + t * kTile);
+        __m512 acc[D / 16];
+        for (int k = 0; k < D / 16; ++k) acc[k] = _mm512_loadu_ps(out + m * D + 16 * k);
+        for (int64_t j = 0; j < kTile / 2; ++j) {
+          const __m512bh pj = (__m512bh)_mm512_set1_epi32(pairs[j]);
+          for (int k = 0; k < D / 16; ++k) acc[k] = _mm512_dpbf16_ps(acc[k], pj, (__m512bh)vt[j][k]);
+        }
+        for (int k = 0; k < D / 16; ++k) _mm512_storeu_ps(out + m * D + 16 * k, acc[k]);
+      }
+    }
+  }
+};
+
+template <int D>
+torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                     const torch::Tensor& bias, int64_t chunk) {
+  const int64_t B = q.size(0), H = q.size(1), M = q.size(2), L = k.size(2);
+  const int64_t C = (L + chunk - 1) / chunk;
+  auto qb = q.to(torch::kBFloat16).contiguous();
+  auto opts = q.options().dtype(torch::kFloat);
+  auto part_out = torch::empty({B * H * C, M, D}, opts);
+  auto part_max = torch::empty({B * H * C, M}, opts);
+  auto part_sum = torch::empty({B * H * C, M}, opts);
+  const uint32_t* qp = reinterpret_cast<const uint32_t*>(qb.data_ptr<at::BFloat16>());
+  float* po = part_out.data_ptr<float>();
+  float* pm = part_max.data_ptr<float>();
+  float* ps = part_sum.data_ptr<float>();
+  const Strided K = strided(k), V = strided(v), Bias = strided(bias);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  at::parallel_for(0, B * H * C, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    std::vector<uint16_t> probs;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t c = task % C, bh = task / C, h = bh % H, b = bh / H;
+      const Task<D> work{qp + bh * M * (D / 2), M, K, V, Bias, scale};
+      work.run(b, h, c * chunk, std::min(L, (c + 1) * chunk), scores, probs, pm + task * M, ps + task * M,
+               po + task * M * D);
+    }
+  });
+  auto out = torch::empty({B, H, M, D}, opts);
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, B * H * M, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t m = i % M, bh = i / M;
+      float mx = kNegInf;
+      for (int64_t c = 0; c < C; ++c) mx = std::max(mx, pm[(bh * C + c) * M + m]);
+      float denom = 0.0f, acc[D] = {0.0f};
+      for (int64_t c = 0; c < C; ++c) {
+        const float cm = pm[(bh * C + c) * M + m];
+        if (cm == kNegInf) continue;
+        const float w = std::exp(cm - mx);
+        denom += w * ps[(bh * C + c) * M + m];
+        const float* o = po + ((bh * C + c) * M + m) * D;
+        for (int d = 0; d < D; ++d) acc[d] += w * o[d];
+      }
+      for (int d = 0; d < D; ++d) op[i * D + d] = acc[d] / denom;
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                               const torch::Tensor& bias, int64_t chunk) {
+  TORCH_CHECK(k.scalar_type() == torch::kBFloat16 && v.scalar_type() == torch::kBFloat16 &&
+                  bias.scalar_type() == torch::kBFloat16, "decode_attention: K, V and bias must be bf16");
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && bias.dim() == 4, "decode_attention: 4-d tensors");
+  TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1 && bias.stride(3) == 1, "decode_attention: last dims must be contiguous");
+  TORCH_CHECK(chunk > 0 && chunk % kTile == 0, "decode_attention: chunk must be a positive multiple of 16");
+  switch (q.size(3)) {
+    case 64: return attend<64>(q, k, v, bias, chunk);
+    case 128: return attend<128>(q, k, v, bias, chunk);
+    default: TORCH_CHECK(false, "decode_attention: head dim ", q.size(3), " is not 64 or 128");
+  }
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("decode_attention", &decode_attention, "Decode/verification attention over a bf16 KV cache (AVX512-BF16)");
+}
