@@ -14,6 +14,7 @@ waiting requests, sampled from /metrics).
     PYTHONPATH=. python benchmarks/bench_serving.py --num-prompts 6 --prompt-min 512 --prompt-max 512 \\
         --max-tokens 16 --request-rates inf --max-running 4 --out /tmp/smoke.json    # a smoke test
     PYTHONPATH=. python benchmarks/bench_serving.py --base-url http://127.0.0.1:8000 --configs external
+    PYTHONPATH=. python benchmarks/bench_serving.py --external llama-server=http://127.0.0.1:8080  # and a peer
 
 Each configuration's server is started here (`python -m magicdec serve` on 127.0.0.1, extra flags via
 --server-args) unless --base-url points at a running one. Writes JSON with machine info
@@ -80,12 +81,21 @@ def post(url: str, body: dict) -> dict:
         return json.loads(r.read())
 
 
+#: Running and waiting requests as /metrics names them: magicdec (vLLM's names), llama-server (--metrics).
+RUNNING = ("magicdec:num_requests_running", "llamacpp:requests_processing")
+WAITING = ("magicdec:num_requests_waiting", "llamacpp:requests_deferred")
+
+
 def scrape(base: str) -> dict[str, float]:
-    """Sum of each /metrics sample by name (labels folded)."""
+    """Sum of each /metrics sample by name (labels folded); empty where the server has no /metrics."""
     from prometheus_client.parser import text_string_to_metric_families
 
+    try:
+        text = get(f"{base}/metrics")
+    except OSError:
+        return {}
     totals: dict[str, float] = {}
-    for family in text_string_to_metric_families(get(f"{base}/metrics")):
+    for family in text_string_to_metric_families(text):
         for s in family.samples:
             totals[s.name] = totals.get(s.name, 0.0) + s.value
     return totals
@@ -127,13 +137,21 @@ def started_server(draft: str, args) -> Iterator[str]:
 
 
 class RemoteTokenizer:
-    """The server's own tokenizer through /tokenize: cuts prompts for any model without loading it here."""
+    """The server's own tokenizer through /tokenize: cuts prompts for any model without loading it here.
+    vLLM-style servers (magicdec's) take {"prompt": text}, llama.cpp's llama-server {"content": text}."""
 
     def __init__(self, base: str):
         self.base = base
+        self.field = "prompt"
 
     def encode(self, text: str) -> list[int]:
-        return post(f"{self.base}/tokenize", {"prompt": text})["tokens"]
+        try:
+            return post(f"{self.base}/tokenize", {self.field: text})["tokens"]
+        except (OSError, KeyError):
+            if self.field == "content":
+                raise
+            self.field = "content"
+            return self.encode(text)
 
 
 def make_prompts(base: str, args) -> list[list[int]]:
@@ -147,6 +165,7 @@ def make_prompts(base: str, args) -> list[list[int]]:
 async def one_request(client, model: str, prompt: list[int], max_tokens: int) -> RequestResult:
     result = RequestResult(len(prompt))
     start = last = time.perf_counter()
+    chunks = 0  # a server that reports no usage streams one token per chunk (llama-server)
     try:
         stream = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
                                                  stream=True, stream_options={"include_usage": True},
@@ -154,6 +173,7 @@ async def one_request(client, model: str, prompt: list[int], max_tokens: int) ->
         async for chunk in stream:
             now = time.perf_counter()
             if chunk.choices and chunk.choices[0].text:
+                chunks += 1
                 if result.ttft == 0.0:
                     result.ttft = now - start
                 else:
@@ -161,6 +181,7 @@ async def one_request(client, model: str, prompt: list[int], max_tokens: int) ->
                 last = now
             if chunk.usage is not None:
                 result.output_tokens = chunk.usage.completion_tokens
+        result.output_tokens = result.output_tokens or chunks
         result.e2e = time.perf_counter() - start
     except Exception as e:  # a failed request is counted, not fatal
         result.error = f"{type(e).__name__}: {e}"
@@ -171,8 +192,8 @@ async def sample_batch(base: str, t0: float, samples: list[tuple[float, float, f
     """(seconds since t0, running, waiting) every SAMPLE_EVERY_S until `done`."""
     while not done.is_set():
         m = await asyncio.to_thread(scrape, base)
-        samples.append((time.perf_counter() - t0, m.get("magicdec:num_requests_running", 0.0),
-                        m.get("magicdec:num_requests_waiting", 0.0)))
+        samples.append((time.perf_counter() - t0, sum(m.get(n, 0.0) for n in RUNNING),
+                        sum(m.get(n, 0.0) for n in WAITING)))
         try:
             await asyncio.wait_for(done.wait(), SAMPLE_EVERY_S)
         except TimeoutError:
@@ -307,6 +328,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--configs", default="auto,none",
                    help="comma-separated --draft values to start servers with (or `external` with --base-url)")
     p.add_argument("--base-url", help="benchmark a running server instead of starting one per config")
+    p.add_argument("--external", action="append", default=[], metavar="NAME=URL",
+                   help="also benchmark a running OpenAI-compatible server (e.g. llama.cpp's llama-server) "
+                        "after the configs, with the same requests; repeatable")
     p.add_argument("--model", help="--model for the servers started here (default: the embedded SmolLM2)")
     p.add_argument("--server-args", default="", help="extra flags for `magicdec serve`, e.g. '--budget 512'")
     p.add_argument("--max-running", type=int, default=16, help="--max-running of the servers started here")
@@ -350,6 +374,12 @@ def main(argv: list[str] | None = None) -> int:
         else:
             with started_server(config, args) as base:
                 new, prompts = bench_config(base, config, args, prompts)
+        rows += new
+    for item in args.external:
+        name, _, url = item.partition("=")
+        if not url:
+            raise SystemExit(f"--external takes NAME=URL, got {item!r}")
+        new, prompts = bench_config(url.rstrip("/"), name, args, prompts)
         rows += new
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

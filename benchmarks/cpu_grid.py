@@ -27,12 +27,13 @@ def tok_s(doc: dict, batch: int, context: int, mode: str, draft: str) -> float |
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--bf16", type=Path, default=RESULTS / "cpu_grid_bf16.json")
-    p.add_argument("--fp32", type=Path, default=RESULTS / "cpu_grid_fp32.json")
+    p.add_argument("--fp32", type=Path, default=RESULTS / "cpu_grid_fp32.json", help="fp32 AR points ('-': none)")
     p.add_argument("--calibration", type=Path, default=RESULTS / "hardware-cpu-avx512bf16-2t-bf16.measurements.json")
     p.add_argument("--bandwidth", type=float, help="read bandwidth for the floor, GB/s (default: calibrated)")
+    p.add_argument("--out", type=Path, default=RESULTS / "cpu_grid.json")
     args = p.parse_args()
     bf16 = json.loads(args.bf16.read_text())
-    fp32 = json.loads(args.fp32.read_text()) if args.fp32.exists() else {"points": {}}
+    fp32 = json.loads(args.fp32.read_text()) if str(args.fp32) != "-" else {"points": {}}
     cal = json.loads(args.calibration.read_text())
     bandwidth = args.bandwidth * 1e9 if args.bandwidth else cal["read_bandwidth"]["sum"]
     s = cal["model_shape"]
@@ -69,7 +70,7 @@ def main() -> None:
         print(f"| {b} | {c} | {f('ar_greedy')} | {f('auto_greedy')} ({f('auto_over_ar_greedy', '{:.2f}')}) | "
               f"{f('ar_sampling')} | {f('auto_sampling')} ({f('auto_over_ar_sampling', '{:.2f}')}) | "
               f"{f('fp32_ar_greedy')} | {f('bf16_over_fp32', '{:.2f}x')} | {f('ar_step_over_floor', '{:.2f}')} |")
-    (RESULTS / "cpu_grid.json").write_text(json.dumps({"bandwidth": bandwidth, "weight_bytes": weight_bytes,
+    args.out.write_text(json.dumps({"bandwidth": bandwidth, "weight_bytes": weight_bytes,
                                                        "machine": bf16.get("machine"), "rows": rows}, indent=1) + "\n")
 
 
