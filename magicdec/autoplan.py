@@ -20,9 +20,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import warnings
 from importlib import resources
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 from magicdec import dtypes
 from magicdec.errors import InvalidRequestError
@@ -49,6 +50,9 @@ FALLBACK_GPU_PRESET = "a100-80gb"
 #: calibrated profile predicts forwards within ~9% (median), and a choice made on a closer call can lose
 #: (SmolLM2 bf16 at B=1 x 8k: 1.05x predicted, 0.92x measured).
 MIN_PREDICTED_SPEEDUP = 1.06
+#: Weight, in drafted tokens, of the acceptance table's rate against what a run observes: the table was
+#: measured on a few prompts, and other text (held-out books, chat) accepts more or less.
+PRIOR_TOKENS = 64
 
 
 def target_shape(model: Any) -> ModelShape:
@@ -105,8 +109,23 @@ def load_profile(device: str = "cpu", dtype: str | None = None) -> HardwareProfi
     for dev in dict.fromkeys((device, device.split(":")[0])):
         path = default_profile_path(dev, dtype)
         if path.is_file():
-            return _read_calibrated(HardwareProfile.from_json, path)
+            hw = _read_calibrated(HardwareProfile.from_json, path)
+            if _measured_with_this_attention(hw, device, dtype):
+                return hw
+            warnings.warn(f"{path} was measured with {hw.attention or 'an older'} attention, this run uses "
+                          f"another: planning with the preset; run `magicdec calibrate` again", stacklevel=2)
     return preset_for_device(device, dtype)
+
+
+def _measured_with_this_attention(hw: HardwareProfile, device: str, dtype: str) -> bool:
+    """Whether a calibrated profile's rates were measured with the attention this run uses (a profile from
+    before the native kernel, or from a machine where it did not build, predicts the wrong costs)."""
+    import torch
+
+    from magicdec.model import attention_path
+
+    current = attention_path(torch.device(device), getattr(torch, dtypes.TORCH_NAMES[dtype]))
+    return hw.attention == current if hw.attention is not None else current != "native"
 
 
 def _read_calibrated(read: Callable[[Path], Any], path: Path) -> Any:
@@ -208,25 +227,61 @@ def choose(
         return None, best
 
     # Mid-run, the choice is the chosen drafter at another length, or (if allowed) plain decoding.
-    replan_strategies = [best.strategy, *(["ar"] if "ar" in strategies else [])]
-
-    @functools.lru_cache(maxsize=4096)
-    def planned(live: int, context: int) -> int:
-        # steady state (rows=1): one step's tokens are its rows' mean acceptance; slower rows stay on to be
-        # re-planned as the batch they leave behind shrinks
-        return plan(shape, hw, live, context, table, budgets=[best.budget], gammas=gammas, tp=tp,
-                    dtype_bytes=weight_bytes, kv_dtype_bytes=kv_bytes, mode=mode, strategies=replan_strategies,
-                    rows=1, margin=MIN_PREDICTED_SPEEDUP).gamma
-
-    def gamma_for(live: int, mean_context: int) -> int:
-        """The best draft length for the chosen drafter and budget at the live batch and mean context
-        (planned at REPLAN_GRANULARITY tokens); 0 where plain decoding is predicted faster."""
-        # Rows with long prompts may finish first; the plan needs a context beyond the sparse budget.
-        context = max(mean_context // REPLAN_GRANULARITY * REPLAN_GRANULARITY, best.budget + 1)
-        return planned(live, context)
-
+    replan = Replanner(
+        lambda live, context, alpha: plan(
+            shape, hw, live, context, _single_rate(best, alpha, mode), budgets=[best.budget], gammas=gammas, tp=tp,
+            dtype_bytes=weight_bytes, kv_dtype_bytes=kv_bytes, mode=mode,
+            strategies=[best.strategy, *(["ar"] if "ar" in strategies else [])],
+            rows=1, margin=MIN_PREDICTED_SPEEDUP).gamma,
+        prior=lambda context: table.alpha(best.strategy, best.budget, context, mode),
+        min_context=best.budget + 1,
+    )
     # Built for the longest draft it may re-plan to; the decode loop starts it at the planned length.
-    return SpeculativeConfig(best.strategy, budget=best.budget, gamma=max(gammas), replan=gamma_for), best
+    return SpeculativeConfig(best.strategy, budget=best.budget, gamma=max(gammas), replan=replan), best
+
+
+def _single_rate(best: Plan, alpha: float, mode: str) -> AcceptanceTable:
+    """A table holding one rate for the chosen drafter at every context."""
+    table = AcceptanceTable()
+    table.add(best.strategy, alpha, budget=best.budget, mode=mode)
+    return table
+
+
+class Replanner:
+    """`--draft auto`'s per-step draft length for the chosen drafter: the plan at the live batch and mean
+    context, with the acceptance rate this run observes.
+
+    Steady state (rows=1): one step's tokens are its rows' mean acceptance; slower rows stay on to be
+    re-planned as the batch they leave behind shrinks. The rate starts at the acceptance table's and moves
+    toward the rounds observed (`observe`, called by the engine): the truncated-geometric estimate of
+    (accepted tokens + PRIOR_TOKENS x table rate) / (accepted + rejections + PRIOR_TOKENS), so that text which
+    accepts less than the table's (sampling, held-out books) drafts shorter or not at all.
+    """
+
+    def __init__(self, gamma_at: Callable[[int, int, float], int], prior: Callable[[int], float], min_context: int):
+        self._gamma_at = functools.lru_cache(maxsize=4096)(gamma_at)
+        self._prior = prior
+        self._min_context = min_context
+        self.accepted = 0
+        self.rejected = 0
+
+    def alpha(self, context: int) -> float:
+        """The acceptance rate planned with at `context`, rounded to 0.01 (plans are cached per rate)."""
+        prior = self._prior(context)
+        rate = (self.accepted + PRIOR_TOKENS * prior) / (self.accepted + self.rejected + PRIOR_TOKENS)
+        return round(rate, 2)
+
+    def __call__(self, live: int, mean_context: int) -> int:
+        """The best draft length at the live batch and mean context (planned at REPLAN_GRANULARITY tokens);
+        0 where plain decoding is predicted faster."""
+        # Rows with long prompts may finish first; the plan needs a context beyond the sparse budget.
+        context = max(mean_context // REPLAN_GRANULARITY * REPLAN_GRANULARITY, self._min_context)
+        return self._gamma_at(live, context, self.alpha(context))
+
+    def observe(self, gamma: int, accepted: Sequence[int]) -> None:
+        """A round that drafted `gamma` tokens per row; `accepted` holds each live row's accepted count."""
+        self.accepted += sum(accepted)
+        self.rejected += sum(1 for k in accepted if k < gamma)
 
 
 def describe(plan_: Plan) -> str:

@@ -93,6 +93,8 @@ class LLMEngine:
         self.runner = ModelRunner(model, eos_ids, slots=slots, capacity=capacity, kv_dtype=kv_dtype or model.dtype,
                                   drafter=drafter, prompt_cache=prompt_cache)
         policy = gamma_policy if drafter is not None else fixed_gamma(0)
+        # a policy may learn from the rounds (autoplan.Replanner corrects its acceptance rate by them)
+        self._observe_round = getattr(policy, "observe", None)
         if drafter is not None:
             policy = _capped(policy, drafter.gamma)
         self.scheduler = Scheduler(slots, prefill_chunk, policy, max_prefill_tokens=max_prefill_tokens or 1 << 62,
@@ -173,6 +175,8 @@ class LLMEngine:
             s.draft_s += result.draft_s
             s.decode_tokens += sum(result.kept)
             s.count_round(step.gamma, len(live), live)
+            if step.gamma and self._observe_round is not None:
+                self._observe_round(step.gamma, live)
         s.generated_tokens += len(result.first) + sum(result.kept)
         for request in changed:
             if request.params.stop and not request.finished:

@@ -107,6 +107,30 @@ def test_default_paths(tmp_path, monkeypatch):
         assert load_profile("cpu", dtype).dtype == dtype and load_profile("cpu", dtype).name.startswith("cpu-")
 
 
+def test_a_profile_measured_with_other_attention_is_set_aside(tmp_path, monkeypatch):
+    """Rates measured before the native attention kernel (or with another attention) would mislead the
+    planner: load_profile warns and plans with the preset."""
+    import torch
+
+    from magicdec.model import attention_path
+
+    monkeypatch.setenv("MAGICDEC_CACHE", str(tmp_path))
+    preset = load_profile("cpu", "bf16")
+    current = attention_path(torch.device("cpu"), torch.bfloat16)
+    path = default_profile_path("cpu", "bf16")
+    dataclasses.replace(preset, name="other", attention="sdpa" if current != "sdpa" else "native").to_json(path)
+    with pytest.warns(UserWarning, match="calibrate` again"):
+        assert load_profile("cpu", "bf16") == preset
+    dataclasses.replace(preset, name="mine", attention=current).to_json(path)
+    assert load_profile("cpu", "bf16").name == "mine"
+    dataclasses.replace(preset, name="old", attention=None).to_json(path)  # a file from before the field
+    if current == "native":
+        with pytest.warns(UserWarning, match="an older attention"):
+            assert load_profile("cpu", "bf16") == preset
+    else:
+        assert load_profile("cpu", "bf16").name == "old"
+
+
 @pytest.mark.parametrize("kind", ["amx", "avx512bf16", "avx2"])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_cpu_preset_follows_dtype_then_cpu_kind(monkeypatch, kind, dtype):
@@ -243,6 +267,43 @@ def test_choose_speculates_where_kv_dominates(llm, preset):
     # also in sampling mode, and with the LLM's own dtypes (fp32 on this CPU)
     assert choose(llm, 128, 32768, profile=preset, mode="sampling")[0] is not None
     assert choose(llm, 128, 32768, profile=preset)[0] is not None
+
+
+def test_replanner_follows_the_acceptance_it_observes():
+    """The per-step re-planner starts from the table's rate and moves to what the run accepts: rounds that
+    reject early shorten the draft (to plain decoding), rounds that accept everything lengthen it again."""
+    spec, plan = choose(SMOL, 128, 32768, profile="h100")
+    replan = spec.replan
+    start = replan(128, 32768)
+    assert start >= 1 and replan.alpha(32768) > plan.alpha  # the mean row's rate, not the slowest of 128
+    for _ in range(20):
+        replan.observe(4, [0] * 128)  # every draft rejected at its first token
+    assert replan.alpha(32768) < 0.05 and replan(128, 32768) == 0
+    for _ in range(200):
+        replan.observe(8, [8] * 128)
+    assert replan.alpha(32768) > 0.9 and replan(128, 32768) >= start
+
+
+def test_the_engine_reports_each_round_to_its_policy(tiny_llama):
+    """LLMEngine calls the policy's observe(gamma, accepted counts of the live rows) after every round."""
+    from magicdec.engine import LLMEngine
+    from magicdec.sampling import SamplingParams
+
+    class Policy:
+        rounds: list = []
+
+        def __call__(self, live, context):
+            return 2
+
+        def observe(self, gamma, accepted):
+            self.rounds.append((gamma, list(accepted)))
+
+    model = tiny_llama[0].model
+    drafter, _ = SpeculativeConfig("self-streaming", budget=16, gamma=2).build(model)
+    engine = LLMEngine(model, (), slots=2, capacity=96, drafter=drafter, gamma_policy=Policy())
+    engine.generate([[1, 2, 3, 4] * 5, [5, 6, 7] * 4], SamplingParams(max_tokens=9, ignore_eos=True))
+    assert Policy.rounds and all(g == 2 and 1 <= len(a) <= 2 and all(0 <= k <= 2 for k in a) for g, a in Policy.rounds)
+    assert sum(k + 1 for _, a in Policy.rounds for k in a) >= 2 * 8  # every token after the first came from a round
 
 
 def test_choose_without_a_model():

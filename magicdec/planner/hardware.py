@@ -55,6 +55,10 @@ class HardwareProfile:
     they replace attention's roofline."""
     dtype: str | None = None
     """Compute dtype the rates were measured in ("fp32", "bf16"); None for datasheet figures."""
+    attention: str | None = None
+    """How attention ran when the rates were measured ("native", "matmul" or "sdpa": see
+    `magicdec.model.attention_path`); None for datasheet figures and profiles measured before the native
+    kernel existed."""
     sampling_s_per_token: float = 0.0
     """Seconds to draw one sampled token (one row, one position) from the logits at temperature 0.7 and
     top-p 0.9, beyond a greedy argmax; the planner charges it per token drawn in sampling mode (a plain
