@@ -146,12 +146,13 @@ class RemoteTokenizer:
 
     def encode(self, text: str) -> list[int]:
         try:
-            return post(f"{self.base}/tokenize", {self.field: text})["tokens"]
+            tokens = post(f"{self.base}/tokenize", {self.field: text})["tokens"]
         except (OSError, KeyError):
-            if self.field == "content":
-                raise
-            self.field = "content"
-            return self.encode(text)
+            tokens = []
+        if tokens or not text or self.field == "content":
+            return tokens
+        self.field = "content"  # llama-server answers {"prompt": ...} with no tokens
+        return self.encode(text)
 
 
 def make_prompts(base: str, args) -> list[list[int]]:
