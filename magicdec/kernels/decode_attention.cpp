@@ -7,8 +7,8 @@
 // 16 scores per instruction for each query, takes a chunk-local softmax and accumulates P @ V with the
 // V tile interleaved by position pairs, so every K and V element is read from memory once however many
 // queries there are. Chunks are merged by their maxima. Each query row is computed with the same
-// arithmetic whatever M is: a verification forward attends exactly as a one-token step does. Tiles
-// the bias hides entirely (unfilled cache slots) are skipped.
+// arithmetic whatever M is: over the same chunks, a verification forward attends exactly as a one-token
+// step does. Tiles the bias hides entirely (unfilled cache slots) are skipped.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
