@@ -112,4 +112,3 @@ def test_real_model_steps_with_and_without_the_kernel(default_model_bf16, corpus
     for a, b in zip(ours, ref):
         assert rel_err(a, b) < 0.06
         assert torch.equal(a.argmax(-1), b.argmax(-1))
-    assert torch.equal(ours[0][0], ours[1][0])  # the first of four tokens sees what a one-token step sees
