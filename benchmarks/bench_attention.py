@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from magicdec import kernels  # noqa: E402
+from magicdec.model import matmul_attend  # noqa: E402
 from bench_dtype import interleaved  # noqa: E402
 from magicdec.calibrate import machine_info  # noqa: E402
 
@@ -55,12 +56,6 @@ def matmul_attention(xq, k, v, bias):
     return torch.matmul(s.softmax(-1).to(v.dtype), v)
 
 
-def bf16_matmul_attention(xq, k, v, bias):
-    """Scores, softmax and the weighted sum with the softmax on the bf16 scores (magicdec's torch path)."""
-    s = torch.matmul(xq, k.transpose(-1, -2)).mul_(xq.shape[-1] ** -0.5).add_(bias)
-    return torch.matmul(s.softmax(-1), v)
-
-
 def variants(xq, k, v, mask, dtype, skip: tuple[str, ...] = ()):
     bias = additive(mask, dtype)
     bias32 = additive(mask, torch.float32)
@@ -71,7 +66,7 @@ def variants(xq, k, v, mask, dtype, skip: tuple[str, ...] = ()):
         "matmul, fp32 softmax": lambda i: matmul_attention(xq, k[i], v[i], bias32),
     }
     if dtype == torch.bfloat16:
-        out["matmul, bf16 softmax"] = lambda i: bf16_matmul_attention(xq, k[i], v[i], bias)
+        out["matmul, bf16 softmax"] = lambda i: matmul_attend(xq, k[i], v[i], bias)
         if kernels.takes(xq, k[0], v[0], bias):
             out["native kernel (magicdec)"] = lambda i: kernels.decode_attention(xq, k[i], v[i], bias)
     if "compile" not in skip:

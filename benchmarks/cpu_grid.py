@@ -14,7 +14,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from magicdec.planner.models import ModelShape  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -36,11 +40,9 @@ def main() -> None:
     fp32 = json.loads(args.fp32.read_text()) if str(args.fp32) != "-" else {"points": {}}
     cal = json.loads(args.calibration.read_text())
     bandwidth = args.bandwidth * 1e9 if args.bandwidth else cal["read_bandwidth"]["sum"]
-    s = cal["model_shape"]
-    weight_bytes = 2 * s["n_layers"] * (s["dim"] * (s["n_heads"] + 2 * s["n_kv_heads"]) * s["head_dim"]
-                                        + s["n_heads"] * s["head_dim"] * s["dim"] + 3 * s["dim"] * s["ffn_dim"])
-    weight_bytes += 2 * s["dim"] * s["vocab_size"]  # the (tied) LM head
-    kv_per_token = 2 * s["n_layers"] * 2 * s["n_kv_heads"] * s["head_dim"]  # bf16 K and V
+    shape = ModelShape(**cal["model_shape"])
+    weight_bytes = 2 * shape.n_params_linear  # bf16 weights a step streams
+    kv_per_token = shape.kv_bytes_per_token(2)  # bf16 K and V
     points = [q for q in bf16["points"].values() if "throughput" in q]
     cells = sorted({(q["batch"], q["context"]) for q in points})
     rows = []
@@ -71,7 +73,7 @@ def main() -> None:
               f"{f('ar_sampling')} | {f('auto_sampling')} ({f('auto_over_ar_sampling', '{:.2f}')}) | "
               f"{f('fp32_ar_greedy')} | {f('bf16_over_fp32', '{:.2f}x')} | {f('ar_step_over_floor', '{:.2f}')} |")
     args.out.write_text(json.dumps({"bandwidth": bandwidth, "weight_bytes": weight_bytes,
-                                                       "machine": bf16.get("machine"), "rows": rows}, indent=1) + "\n")
+                                    "machine": bf16.get("machine"), "rows": rows}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -122,9 +122,10 @@ def _measured_with_this_attention(hw: HardwareProfile, device: str, dtype: str) 
     before the native kernel, or from a machine where it did not build, predicts the wrong costs)."""
     import torch
 
+    from magicdec.engine import parse_dtype
     from magicdec.model import attention_path
 
-    current = attention_path(torch.device(device), getattr(torch, dtypes.TORCH_NAMES[dtype]))
+    current = attention_path(torch.device(device), parse_dtype(dtype))
     return hw.attention == current if hw.attention is not None else current != "native"
 
 

@@ -96,9 +96,14 @@ def attend(xq: Tensor, keys: Tensor, values: Tensor, bias: Tensor) -> Tensor:
     if kernels.takes(xq, keys, values, bias):
         return kernels.decode_attention(xq, keys, values, bias)
     if matmul_attention(keys.device, keys.dtype):
-        scores = torch.matmul(xq, keys.transpose(-1, -2)).mul_(xq.shape[-1] ** -0.5).add_(bias)
-        return torch.matmul(scores.softmax(-1), values)
+        return matmul_attend(xq, keys, values, bias)
     return F.scaled_dot_product_attention(xq, keys, values, attn_mask=bias)
+
+
+def matmul_attend(xq: Tensor, keys: Tensor, values: Tensor, bias: Tensor) -> Tensor:
+    """`attend` as two matmuls with the softmax on the scores in their own dtype (see `matmul_attention`)."""
+    scores = torch.matmul(xq, keys.transpose(-1, -2)).mul_(xq.shape[-1] ** -0.5).add_(bias)
+    return torch.matmul(scores.softmax(-1), values)
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

@@ -15,7 +15,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -127,12 +126,13 @@ struct Task {
   }
 
   // Positions [l0, l1) of (b, h): the chunk's maxima [M], softmax sums [M] and unnormalized out [M, D].
-  void run(int64_t b, int64_t h, int64_t l0, int64_t l1, std::vector<float>& scores,
-           std::vector<uint16_t>& probs, float* row_max, float* row_sum, float* out) const {
+  // scores, probs and visible are the calling thread's buffers, reused across its tasks.
+  void run(int64_t b, int64_t h, int64_t l0, int64_t l1, std::vector<float>& scores, std::vector<uint16_t>& probs,
+           std::vector<char>& visible, float* row_max, float* row_sum, float* out) const {
     const int64_t tiles = (l1 - l0 + kTile - 1) / kTile;
     scores.resize(tiles * M * kTile);
     probs.resize(M * tiles * kTile);
-    std::vector<char> visible(tiles);
+    visible.resize(tiles);
     for (int64_t t = 0; t < tiles; ++t) {
       const int64_t l = l0 + t * kTile, n = std::min<int64_t>(kTile, l1 - l);
       visible[t] = tile_visible(b, l, n);
@@ -208,10 +208,11 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch
   at::parallel_for(0, B * H * C, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     std::vector<uint16_t> probs;
+    std::vector<char> visible;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t c = task % C, bh = task / C, h = bh % H, b = bh / H;
       const Task<D> work{qp + bh * M * (D / 2), M, K, V, Bias, scale};
-      work.run(b, h, c * chunk, std::min(L, (c + 1) * chunk), scores, probs, pm + task * M, ps + task * M,
+      work.run(b, h, c * chunk, std::min(L, (c + 1) * chunk), scores, probs, visible, pm + task * M, ps + task * M,
                po + task * M * D);
     }
   });
