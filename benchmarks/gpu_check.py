@@ -26,6 +26,7 @@ from magicdec.model import Transformer
 from magicdec.planner import forward_cost, get_model_shape, get_profile
 from magicdec.runner import CACHE_SLACK
 from magicdec.sampling import SamplingParams
+from magicdec.scheduler import FixedGamma
 
 LLAMA31_8B = ModelConfig(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
                          rope_theta=500000.0, max_seq_len=131072,
@@ -61,7 +62,7 @@ def check_lossless(device: str) -> bool:
     for kind in ("streaming", "snapkv"):
         drafter = SelfSpecDrafter(model, kind, budget=64, gamma=3, reindex=kind == "streaming")
         engine = LLMEngine(model, [], slots=len(prompts), capacity=capacity, drafter=drafter,
-                           gamma_policy=lambda live, context: 3)
+                           gamma_policy=FixedGamma(3))
         spec, stats = engine.generate(prompts, params), engine.stats
         same = all(a.output_ids == s.output_ids for a, s in zip(ar, spec))
         print(f"lossless greedy, self-{kind}: {'OK' if same else 'MISMATCH'} (acceptance {stats.acceptance_rate:.2f})")

@@ -8,6 +8,8 @@ The draft length is re-planned every engine step (`SpeculativeConfig.replan`, th
 policy): requests arrive and finish and contexts grow, and all of it moves the best gamma. The strategy
 and budget stay as chosen at the start; where plain decoding is the better choice for the live batch
 (say, few sequences at a short context), that step decodes plainly, and drafting resumes when it pays.
+The re-planner (`Replanner`) learns from the rounds it sees: the acceptance rate of the text being
+generated, and how long draft rounds and plain steps take against the cost model's predictions.
 
 The model's shape and dtypes come from the `LLM`; the hardware profile is the one `magicdec calibrate`
 saved for the device and the dtype in use (else the preset measured in that dtype, on this kind of CPU
@@ -17,9 +19,11 @@ the table shipped with the package, measured on SmolLM2-135M with PG-19 text).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import os
+import statistics
 import warnings
 from importlib import resources
 from pathlib import Path
@@ -27,8 +31,9 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 from magicdec import dtypes
 from magicdec.errors import InvalidRequestError
-from magicdec.planner import PRESETS, AcceptanceTable, HardwareProfile, ModelShape, Plan, get_profile, plan
+from magicdec.planner import PRESETS, AcceptanceTable, HardwareProfile, ModelShape, Plan, get_profile, plan, round_time
 from magicdec.planner.hardware import CPU_PRESETS
+from magicdec.scheduler import GammaPolicy
 
 if TYPE_CHECKING:
     from magicdec.speculative import SpeculativeConfig
@@ -53,6 +58,19 @@ MIN_PREDICTED_SPEEDUP = 1.06
 #: Weight, in drafted tokens, of the acceptance table's rate against what a run observes: the table was
 #: measured on a few prompts, and other text (held-out books, chat) accepts more or less.
 PRIOR_TOKENS = 64
+#: Per round, the weight left to the acceptance counts so far: the last ~50 rounds weigh most, so that the rate
+#: follows the text being generated (a server's requests change), and while plain decoding runs the rate
+#: drifts back to the table's and drafting is tried again where the table says it pays.
+ACCEPTANCE_DECAY = 0.98
+#: Rounds of each kind (plain, speculative) whose measured time the re-planner compares with the cost model
+#: (their median: one outlier does not move it, two rounds that agree do).
+TIMING_WINDOW = 3
+#: Rounds of the chosen kind after which the re-planner runs one of the other to time it; the interval
+#: doubles, up to EXPLORE_MOST, while the choice holds and the other kind's time stays within EXPLORE_MOVED
+#: of its median, and starts again otherwise.
+EXPLORE_EVERY = 32
+EXPLORE_MOST = 256
+EXPLORE_MOVED = 0.2
 
 
 def target_shape(model: Any) -> ModelShape:
@@ -229,13 +247,16 @@ def choose(
 
     # Mid-run, the choice is the chosen drafter at another length, or (if allowed) plain decoding.
     replan = Replanner(
-        lambda live, context, alpha: plan(
+        lambda live, context, alpha, scale: plan(
             shape, hw, live, context, _single_rate(best, alpha, mode), budgets=[best.budget], gammas=gammas, tp=tp,
             dtype_bytes=weight_bytes, kv_dtype_bytes=kv_bytes, mode=mode,
             strategies=[best.strategy, *(["ar"] if "ar" in strategies else [])],
-            rows=1, margin=MIN_PREDICTED_SPEEDUP).gamma,
+            rows=1, margin=MIN_PREDICTED_SPEEDUP, spec_time_scale=scale).gamma,
+        lambda live, context, gamma: round_time(shape, hw, live, context, gamma, weight_bytes, kv_bytes, tp, mode,
+                                                budget=best.budget),
         prior=lambda context: table.alpha(best.strategy, best.budget, context, mode),
         min_context=best.budget + 1,
+        plain="ar" in strategies,
     )
     # Built for the longest draft it may re-plan to; the decode loop starts it at the planned length.
     return SpeculativeConfig(best.strategy, budget=best.budget, gamma=max(gammas), replan=replan), best
@@ -248,23 +269,48 @@ def _single_rate(best: Plan, alpha: float, mode: str) -> AcceptanceTable:
     return table
 
 
-class Replanner:
+class Replanner(GammaPolicy):
     """`--draft auto`'s per-step draft length for the chosen drafter: the plan at the live batch and mean
-    context, with the acceptance rate this run observes.
+    context, corrected by what this run measures.
 
     Steady state (rows=1): one step's tokens are its rows' mean acceptance; slower rows stay on to be
-    re-planned as the batch they leave behind shrinks. The rate starts at the acceptance table's and moves
-    toward the rounds observed (`observe`, called by the engine): the truncated-geometric estimate of
-    (accepted tokens + PRIOR_TOKENS x table rate) / (accepted + rejections + PRIOR_TOKENS), so that text which
-    accepts less than the table's (sampling, held-out books) drafts shorter or not at all.
+    re-planned as the batch they leave behind shrinks. Two measurements correct the plan (`observe`, called
+    by the engine after every decode round):
+    - acceptance: the rate starts at the acceptance table's and moves toward the rounds observed, the
+      truncated-geometric estimate of (accepted tokens + PRIOR_TOKENS x table rate) / (accepted +
+      rejections + PRIOR_TOKENS), counts decaying by ACCEPTANCE_DECAY a round, so that text which accepts
+      less (sampling, held-out books) drafts shorter or not at all;
+    - cost: the seconds of recent speculative rounds over the cost model's prediction, relative to the same
+      ratio of plain steps, scales the predicted cost of speculation (the model errs differently for the
+      two, e.g. at a batch or context the profile did not measure; per-forward overheads weigh most at a
+      few rows). So that both are known, a round of the kind not chosen runs now and then (EXPLORE_EVERY,
+      and soon after the live batch changes): a plain step costs nothing against plain decoding; a
+      one-token draft round, where the timings alone turned drafting off, risks a fraction of one step.
     """
 
-    def __init__(self, gamma_at: Callable[[int, int, float], int], prior: Callable[[int], float], min_context: int):
+    def __init__(self, gamma_at: Callable[[int, int, float, float], int], predict: Callable[[int, int, int], float],
+                 prior: Callable[[int], float], min_context: int, plain: bool = True):
+        """`gamma_at(live, context, alpha, spec_time_scale)`: the planned draft length (0: plain decoding);
+        `predict(live, context, gamma)`: the cost model's seconds of that round; `prior(context)`: the
+        acceptance table's rate; `min_context`: the shortest context planned at (beyond the draft budget);
+        `plain`: whether plain steps may run (else every round drafts and only the acceptance is learned)."""
         self._gamma_at = functools.lru_cache(maxsize=4096)(gamma_at)
+        self._predict = functools.lru_cache(maxsize=4096)(predict)
         self._prior = prior
         self._min_context = min_context
-        self.accepted = 0
-        self.rejected = 0
+        self._plain = plain
+        self.accepted = 0.0
+        self.rejected = 0.0
+        # measured / predicted seconds of recent rounds: [plain steps, speculative rounds]; the first round
+        # of each kind is left out (first calls allocate and warm up), and so is the first draft round after
+        # plain steps (it feeds the draft cache the tokens those steps made)
+        self._slowness = (collections.deque(maxlen=TIMING_WINDOW), collections.deque(maxlen=TIMING_WINDOW))
+        self._warm = [False, False]
+        self._timed_live: list[int | None] = [None, None]  # live rows when each kind was last timed
+        self._since = 0  # rounds of the chosen kind since the other one last ran
+        self._interval = EXPLORE_EVERY
+        self._drafting = True  # the kind the plan chose last
+        self._planned: tuple[int, int] = (1, min_context)  # (live, context) of the last call
 
     def alpha(self, context: int) -> float:
         """The acceptance rate planned with at `context`, rounded to 0.01 (plans are cached per rate)."""
@@ -272,17 +318,61 @@ class Replanner:
         rate = (self.accepted + PRIOR_TOKENS * prior) / (self.accepted + self.rejected + PRIOR_TOKENS)
         return round(rate, 2)
 
+    def spec_time_scale(self) -> float:
+        """Measured over predicted seconds of speculative rounds, relative to plain steps (1 until both are
+        measured), rounded to 0.05 and kept within [1, 4]: timings only ever make drafting dearer than the
+        cost model says (they mix batches and contexts; the plan's margin covers the model's error the
+        other way)."""
+        plain, spec = self._slowness
+        if not plain or not spec:
+            return 1.0
+        ratio = statistics.median(spec) / statistics.median(plain)
+        return min(4.0, max(1.0, round(ratio * 20) / 20))
+
     def __call__(self, live: int, mean_context: int) -> int:
-        """The best draft length at the live batch and mean context (planned at REPLAN_GRANULARITY tokens);
-        0 where plain decoding is predicted faster."""
+        """The draft length at the live batch and mean context (planned at REPLAN_GRANULARITY tokens); 0 where
+        plain decoding is predicted faster; now and then the other kind of round, to time it."""
         # Rows with long prompts may finish first; the plan needs a context beyond the sparse budget.
         context = max(mean_context // REPLAN_GRANULARITY * REPLAN_GRANULARITY, self._min_context)
-        return self._gamma_at(live, context, self.alpha(context))
+        self._planned = (live, context)
+        alpha = self.alpha(context)
+        gamma = self._gamma_at(live, context, alpha, self.spec_time_scale())
+        if (gamma > 0) != self._drafting:
+            self._drafting, self._since, self._interval = gamma > 0, 0, EXPLORE_EVERY
+        if self._timed_live[not self._drafting] not in (None, live):  # the batch changed since: time it soon
+            self._interval = min(self._interval, EXPLORE_EVERY)
+        if self._since < self._interval:
+            return gamma
+        if gamma and self._plain:
+            return 0
+        if not gamma and self._gamma_at(live, context, alpha, 1.0):  # drafting is off by the timings alone
+            return 1
+        return gamma
 
-    def observe(self, gamma: int, accepted: Sequence[int]) -> None:
-        """A round that drafted `gamma` tokens per row; `accepted` holds each live row's accepted count."""
-        self.accepted += sum(accepted)
-        self.rejected += sum(1 for k in accepted if k < gamma)
+    def observe(self, gamma: int, accepted: Sequence[int], seconds: float) -> None:
+        """A round that drafted `gamma` tokens per row (0: a plain step) in `seconds`; `accepted` holds each
+        live row's accepted count."""
+        self.accepted *= ACCEPTANCE_DECAY
+        self.rejected *= ACCEPTANCE_DECAY
+        if gamma:
+            self.accepted += sum(accepted)
+            self.rejected += sum(1 for k in accepted if k < gamma)
+        spec = gamma > 0
+        predicted = self._predict(*self._planned, gamma)
+        window, moved = self._slowness[spec], False
+        warm = self._warm[spec]
+        if warm and predicted > 0 and seconds > 0:
+            slowness = seconds / predicted
+            moved = bool(window) and abs(slowness / statistics.median(window) - 1) > EXPLORE_MOVED
+            window.append(slowness)
+            self._timed_live[spec] = self._planned[0]
+        self._warm[spec] = True
+        if not spec:  # the draft cache falls behind: the next draft round first catches up, untimed
+            self._warm[True] = False
+        if spec == self._drafting:
+            self._since += 1
+        elif warm:  # the other kind was timed: again soon if its time moved, else after twice as many rounds
+            self._since, self._interval = 0, EXPLORE_EVERY if moved else min(2 * self._interval, EXPLORE_MOST)
 
 
 def describe(plan_: Plan) -> str:

@@ -30,7 +30,7 @@ from magicdec import dtypes
 from magicdec.model import Transformer, attention_path
 from magicdec.runner import CACHE_SLACK, ModelRunner, PromptCache
 from magicdec.sampling import SamplingParams
-from magicdec.scheduler import GammaPolicy, Request, Scheduler, Status, cuda_row_bucket, fixed_gamma
+from magicdec.scheduler import FixedGamma, GammaPolicy, Request, Scheduler, Status, cuda_row_bucket
 from magicdec.speculative import SpeculativeConfig
 from magicdec.stats import GenerationStats
 
@@ -92,12 +92,9 @@ class LLMEngine:
         self.capacity = capacity
         self.runner = ModelRunner(model, eos_ids, slots=slots, capacity=capacity, kv_dtype=kv_dtype or model.dtype,
                                   drafter=drafter, prompt_cache=prompt_cache)
-        policy = gamma_policy if drafter is not None else fixed_gamma(0)
-        # a policy may learn from the rounds (autoplan.Replanner corrects its acceptance rate by them)
-        self._observe_round = getattr(policy, "observe", None)
-        if drafter is not None:
-            policy = _capped(policy, drafter.gamma)
-        self.scheduler = Scheduler(slots, prefill_chunk, policy, max_prefill_tokens=max_prefill_tokens or 1 << 62,
+        policy = gamma_policy if drafter is not None else FixedGamma(0)
+        self.scheduler = Scheduler(slots, prefill_chunk, policy, drafter.gamma if drafter is not None else 0,
+                                   max_prefill_tokens=max_prefill_tokens or 1 << 62,
                                    max_queued=max_queued,
                                    is_cached=(lambda p: p in prompt_cache) if prompt_cache is not None else None,
                                    row_bucket=cuda_row_bucket if model.device.type == "cuda" else lambda n: n)
@@ -175,8 +172,7 @@ class LLMEngine:
             s.draft_s += result.draft_s
             s.decode_tokens += sum(result.kept)
             s.count_round(step.gamma, len(live), live)
-            if step.gamma and self._observe_round is not None:
-                self._observe_round(step.gamma, live)
+            self.scheduler.gamma_policy.observe(step.gamma, live, result.decode_s)
         s.generated_tokens += len(result.first) + sum(result.kept)
         for request in changed:
             if request.params.stop and not request.finished:
@@ -209,10 +205,6 @@ class LLMEngine:
             if s in text:
                 text = text[: text.index(s)]
         return text
-
-
-def _capped(policy: GammaPolicy, most: int) -> GammaPolicy:
-    return lambda live, context: min(most, policy(live, context))
 
 
 def check_token_ids(ids: Sequence[int], vocab_size: int) -> list[int]:

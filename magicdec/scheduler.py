@@ -15,15 +15,33 @@ import enum
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 from magicdec.errors import InvalidRequestError
 from magicdec.prefill import prefill_chunks
 from magicdec.runner import LENGTH, RUNNING, STOPPED, PrefillWork, ScheduledStep, SlotAssignment, StepResult
 from magicdec.sampling import SamplingParams
 
-#: (live sequences, their mean context) -> draft length for this step (0: plain decoding).
-GammaPolicy = Callable[[int, int], int]
+class GammaPolicy:
+    """Each step's draft length (0: plain decoding) from the live sequences and their mean context; told
+    how every decode round went, so that a policy may learn (`autoplan.Replanner`)."""
+
+    def __call__(self, live: int, context: int) -> int:
+        raise NotImplementedError
+
+    def observe(self, gamma: int, accepted: Sequence[int], seconds: float) -> None:
+        """A decode round that drafted `gamma` tokens per row (0: a plain step) took `seconds`; `accepted`
+        holds each live row's accepted drafts."""
+
+
+@dataclass(frozen=True)
+class FixedGamma(GammaPolicy):
+    """Always `gamma` draft tokens (0: never speculate)."""
+
+    gamma: int
+
+    def __call__(self, live: int, context: int) -> int:
+        return self.gamma
 
 
 class Status(enum.Enum):
@@ -66,7 +84,7 @@ class Request:
 class Scheduler:
     """Admission, chunked prefill, the per-step draft length, and retirement of finished requests."""
 
-    def __init__(self, slots: int, prefill_chunk: int, gamma_policy: GammaPolicy, *,
+    def __init__(self, slots: int, prefill_chunk: int, gamma_policy: GammaPolicy, max_gamma: int = 0, *,
                  max_prefill_tokens: int | None = None, max_queued: int | None = None,
                  is_cached: Callable[[list[int]], bool] | None = None,
                  row_bucket: Callable[[int], int] = lambda n: n):
@@ -75,6 +93,7 @@ class Scheduler:
         self.max_prefill_tokens = max_prefill_tokens or prefill_chunk
         self.max_queued = max_queued
         self.gamma_policy = gamma_policy
+        self.max_gamma = max_gamma  # the drafter's longest draft (0: no drafter)
         # prompts whose prefill is a copy from the prompt cache (no prefill budget); None: no prompt cache
         self.is_cached = is_cached
         self.row_bucket = row_bucket  # decoded rows, rounded up to a shape a captured graph can replay
@@ -164,7 +183,7 @@ class Scheduler:
         if decoding:
             step.n_rows = min(len(self.slots), self.row_bucket(1 + max(r.slot for r in decoding)))
             context = sum(r.context for r in decoding) // len(decoding)
-            step.gamma = self.gamma_policy(len(decoding), context)
+            step.gamma = min(self.max_gamma, self.gamma_policy(len(decoding), context))
         return step
 
     def update(self, step: ScheduledStep, result: StepResult) -> list[Request]:
@@ -196,11 +215,6 @@ class Scheduler:
 
 class QueueFullError(InvalidRequestError):
     """The scheduler's queue holds `max_queued` requests already (the server answers 429)."""
-
-
-def fixed_gamma(gamma: int) -> GammaPolicy:
-    """A policy that always drafts `gamma` tokens (0: never speculate)."""
-    return lambda live, context: gamma
 
 
 def cuda_row_bucket(n: int) -> int:

@@ -8,7 +8,7 @@ from magicdec.drafters import Drafter, ModelDrafter, SelfSpecDrafter
 from magicdec.errors import InvalidRequestError
 from magicdec.model import Transformer
 from magicdec.runner import MAX_GAMMA
-from magicdec.scheduler import GammaPolicy, fixed_gamma
+from magicdec.scheduler import FixedGamma, GammaPolicy
 
 DRAFTERS = ("none", "self-streaming", "self-snapkv", "model")
 
@@ -52,7 +52,7 @@ class SpeculativeConfig:
         """The drafter for `target` and the policy that sets each step's draft length (None, None: plain decoding)."""
         if self.draft == "none":
             return None, None
-        policy = self.replan or fixed_gamma(self.gamma)
+        policy = self.replan or FixedGamma(self.gamma)
         if self.draft == "model":
             from magicdec.loading import load_model
 

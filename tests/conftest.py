@@ -265,11 +265,12 @@ def run_engine(model, prompts, params, *, eos=(), drafter=None, gamma=0, policy=
     from magicdec.engine import LLMEngine
     from magicdec.runner import CACHE_SLACK
     from magicdec.sampling import SamplingParams
+    from magicdec.scheduler import FixedGamma
 
     params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
     capacity = max(len(p) + sp.max_tokens for p, sp in zip(prompts, params)) + CACHE_SLACK
     engine = LLMEngine(model, eos, slots=slots or len(prompts), capacity=capacity, drafter=drafter,
-                       gamma_policy=policy or ((lambda live, ctx: gamma) if drafter else None),
+                       gamma_policy=policy or (FixedGamma(gamma) if drafter else None),
                        prompt_cache=prompt_cache, tokenizer=tokenizer, prefill_chunk=prefill_chunk,
                        max_prefill_tokens=max_prefill_tokens, kv_dtype=kv_dtype)
     if arrivals is None:

@@ -194,12 +194,13 @@ def test_kv_cache_too_big_is_refused_before_allocating(default_model):
     draft cache that cannot fit beside the target's."""
     from magicdec.drafters import SelfSpecDrafter
     from magicdec.engine import LLMEngine
+    from magicdec.scheduler import FixedGamma
 
     with pytest.raises(OutOfMemoryError, match="KV caches"):
         LLMEngine(default_model.model, (2,), slots=1, capacity=10**9)
     drafter = SelfSpecDrafter(default_model.model, "streaming", 10**11, 3, True)
     with pytest.raises(OutOfMemoryError, match="draft cache"):
-        LLMEngine(default_model.model, (2,), slots=1, capacity=64, drafter=drafter, gamma_policy=lambda b, c: 3)
+        LLMEngine(default_model.model, (2,), slots=1, capacity=64, drafter=drafter, gamma_policy=FixedGamma(3))
 
 
 @pytest.mark.parametrize(

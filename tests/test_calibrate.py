@@ -24,6 +24,7 @@ from magicdec.calibrate import (
 from magicdec.corpus import cut_prompts
 from magicdec.autoplan import (
     CPU_PRESETS,
+    EXPLORE_EVERY,
     builtin_acceptance,
     choose,
     describe,
@@ -37,7 +38,9 @@ from magicdec.planner import (
     AcceptanceTable,
     HardwareProfile,
     get_profile,
+    round_time,
 )
+from magicdec.scheduler import GammaPolicy
 from magicdec.speculative import SpeculativeConfig
 
 SMOL = MODEL_PRESETS["smollm2-135m"]
@@ -271,39 +274,75 @@ def test_choose_speculates_where_kv_dominates(llm, preset):
 
 def test_replanner_follows_the_acceptance_it_observes():
     """The per-step re-planner starts from the table's rate and moves to what the run accepts: rounds that
-    reject early shorten the draft (to plain decoding), rounds that accept everything lengthen it again."""
+    reject early shorten the draft (to plain decoding); while it decodes plainly the rate drifts back to the
+    table's, it drafts again, and rounds that accept everything lengthen the draft again."""
     spec, plan = choose(SMOL, 128, 32768, profile="h100")
     replan = spec.replan
     start = replan(128, 32768)
     assert start >= 1 and replan.alpha(32768) > plan.alpha  # the mean row's rate, not the slowest of 128
     for _ in range(20):
-        replan.observe(4, [0] * 128)  # every draft rejected at its first token
+        replan.observe(4, [0] * 128, 0.0)  # every draft rejected at its first token
     assert replan.alpha(32768) < 0.05 and replan(128, 32768) == 0
-    for _ in range(200):
-        replan.observe(8, [8] * 128)
-    assert replan.alpha(32768) > 0.9 and replan(128, 32768) >= start
+    chosen = []
+    for _ in range(300):  # as the engine drives it
+        chosen.append(replan(128, 32768))
+        replan.observe(chosen[-1], [chosen[-1]] * 128, 0.0)
+    assert chosen[0] == 0 and replan.alpha(32768) > 0.9 and chosen[-1] >= start
+
+
+def test_replanner_follows_the_round_times_it_measures():
+    """Speculative rounds that take longer than the cost model predicts, relative to plain steps, turn the
+    re-planner to plain decoding; it still times a draft round now and then, less often while the times
+    agree, and drafts again when rounds get cheap. Where drafting is chosen it times a plain step now and
+    then, and soon after the batch changes."""
+    spec, plan = choose(SMOL, 32, 16384, profile="h100")
+    replan = spec.replan
+
+    def run(rounds, slowness, live=32):
+        """`rounds` steps where a round takes `slowness[drafting]` times its predicted seconds."""
+        chosen = []
+        for _ in range(rounds):
+            g = replan(live, 16384)
+            chosen.append(g)
+            predicted = round_time(target_shape(SMOL), get_profile("h100"), live, 16384, g, 2, 2, budget=plan.budget)
+            replan.observe(g, [min(g, 2)] * live, slowness[g > 0] * predicted)
+        return chosen
+
+    first = run(4 * EXPLORE_EVERY, {False: 1.0, True: 1.0})
+    assert first[0] >= 1 and 2 <= first.count(0) <= 3  # drafting; plain steps after 1, 2 and 4 x EXPLORE_EVERY rounds
+    assert replan.spec_time_scale() == 1.0
+    slow = run(8 * EXPLORE_EVERY, {False: 1.0, True: 3.0})
+    assert replan.spec_time_scale() == 3.0
+    # drafts timed 1, 2 and 4 x EXPLORE_EVERY rounds apart, two rounds each (the first catches the draft cache up, untimed)
+    assert slow[-1] == 0 and 6 <= sum(g > 0 for g in slow[-7 * EXPLORE_EVERY:]) <= 8
+    fast = run(12 * EXPLORE_EVERY, {False: 1.0, True: 0.8})  # a draft timed cheaper is timed again soon
+    assert replan.spec_time_scale() == 1.0 and fast[-1] >= 1  # never cheaper than the cost model says
+    steady = run(8 * EXPLORE_EVERY, {False: 1.0, True: 1.0})  # plain steps ever further apart
+    changing = [run(1, {False: 1.0, True: 1.0}, live=31 + i % 2)[0] for i in range(8 * EXPLORE_EVERY)]
+    assert steady.count(0) <= 4 and changing.count(0) >= 7  # the batch changes: a plain step every EXPLORE_EVERY rounds
 
 
 def test_the_engine_reports_each_round_to_its_policy(tiny_llama):
-    """LLMEngine calls the policy's observe(gamma, accepted counts of the live rows) after every round."""
+    """LLMEngine calls the policy's observe(gamma, accepted counts of the live rows, seconds) after every round."""
     from magicdec.engine import LLMEngine
     from magicdec.sampling import SamplingParams
 
-    class Policy:
+    class Policy(GammaPolicy):
         rounds: list = []
 
         def __call__(self, live, context):
             return 2
 
-        def observe(self, gamma, accepted):
-            self.rounds.append((gamma, list(accepted)))
+        def observe(self, gamma, accepted, seconds):
+            self.rounds.append((gamma, list(accepted), seconds))
 
     model = tiny_llama[0].model
     drafter, _ = SpeculativeConfig("self-streaming", budget=16, gamma=2).build(model)
     engine = LLMEngine(model, (), slots=2, capacity=96, drafter=drafter, gamma_policy=Policy())
     engine.generate([[1, 2, 3, 4] * 5, [5, 6, 7] * 4], SamplingParams(max_tokens=9, ignore_eos=True))
-    assert Policy.rounds and all(g == 2 and 1 <= len(a) <= 2 and all(0 <= k <= 2 for k in a) for g, a in Policy.rounds)
-    assert sum(k + 1 for _, a in Policy.rounds for k in a) >= 2 * 8  # every token after the first came from a round
+    assert Policy.rounds and all(g == 2 and 1 <= len(a) <= 2 and all(0 <= k <= 2 for k in a) and t > 0
+                                 for g, a, t in Policy.rounds)
+    assert sum(k + 1 for _, a, _ in Policy.rounds for k in a) >= 2 * 8  # every token after the first came from a round
 
 
 def test_choose_without_a_model():

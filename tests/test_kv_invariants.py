@@ -36,7 +36,7 @@ from magicdec.kv.sparse import (
 from magicdec.model import Transformer, apply_rope, rope_cos_sin
 from magicdec.runner import CACHE_SLACK
 from magicdec.sampling import SamplingParams
-from magicdec.scheduler import GammaPolicy, Status, fixed_gamma
+from magicdec.scheduler import FixedGamma, GammaPolicy, Status
 
 V = 64
 BUDGET = 16
@@ -313,9 +313,18 @@ class Scenario:
 
     def policy(self, gamma: int) -> GammaPolicy:
         if not self.plain_run:
-            return fixed_gamma(gamma)
-        steps = itertools.cycle([gamma] + [0] * self.plain_run + [1] + [gamma] * self.plain_run)
-        return lambda live, context: next(steps)
+            return FixedGamma(gamma)
+        return Cycle(itertools.cycle([gamma] + [0] * self.plain_run + [1] + [gamma] * self.plain_run))
+
+
+class Cycle(GammaPolicy):
+    """The next draft length of a sequence, whatever the batch."""
+
+    def __init__(self, steps):
+        self.steps = steps
+
+    def __call__(self, live: int, context: int) -> int:
+        return next(self.steps)
 
 
 SCENARIOS = {
@@ -364,7 +373,7 @@ def test_target_cache_equals_autoregressive_run(target, draft_model, prompts, na
     """A few speculative steps, then plain steps until every slot has as many tokens: same tokens, same K/V."""
     params = [SamplingParams(max_tokens=MAX_TOKENS)] * len(prompts)
     drafter = make_drafter(name, target, draft_model, gamma, reindex)
-    spec = new_engine(target, prompts, params, len(prompts), drafter, fixed_gamma(gamma))
+    spec = new_engine(target, prompts, params, len(prompts), drafter, FixedGamma(gamma))
     ar = new_engine(target, prompts, params, len(prompts))
     for engine in (spec, ar):
         for i, (prompt, sp) in enumerate(zip(prompts, params)):

@@ -20,6 +20,7 @@ from conftest import run_engine
 from magicdec.drafters import ModelDrafter, SelfSpecDrafter
 from magicdec.runner import PromptCache
 from magicdec.sampling import SamplingParams
+from magicdec.scheduler import GammaPolicy
 
 MAX_TOKENS = 23
 LENGTHS = ((40, 11), (150, 12), (400, 13), (900, 3))  # (prompt tokens, book)
@@ -216,12 +217,13 @@ def test_per_step_draft_length_switches_to_plain_and_back(model, prompts, ar, eo
     schedule = [3, 0, 1, 9, 0, 0, 0, 0, 0, 0, 0, 0, 2, 4]  # 9 is capped to gamma 5; 8 plain rounds > the ring slack
     calls = []
 
-    def policy(live: int, context: int) -> int:
-        calls.append((live, context))
-        return schedule[min(len(calls) - 1, len(schedule) - 1)]
+    class Policy(GammaPolicy):
+        def __call__(self, live: int, context: int) -> int:
+            calls.append((live, context))
+            return schedule[min(len(calls) - 1, len(schedule) - 1)]
 
     drafter = SelfSpecDrafter(model, "streaming", 64, 5, True)
-    outs, stats = run(model, prompts, SamplingParams(max_tokens=MAX_TOKENS), eos, cache, drafter, policy=policy)
+    outs, stats = run(model, prompts, SamplingParams(max_tokens=MAX_TOKENS), eos, cache, drafter, policy=Policy())
     assert [o.output_ids for o in outs] == [a.output_ids for a in ar]
     assert [g for _, g in stats.gamma_changes][:6] == [3, 0, 1, 5, 0, 2]
     assert calls[0] == (4, sum(n for n, _ in LENGTHS) // 4) and calls[1][1] > calls[0][1]  # contexts grow

@@ -5,7 +5,7 @@ from magicdec.planner.acceptance import AcceptanceTable, expected_max_normal, ex
 from magicdec.planner.cost import ForwardCost, decode_step_time, draft_time, forward_cost, verify_step_time
 from magicdec.planner.hardware import PRESETS, HardwareProfile, get_profile
 from magicdec.planner.models import MODEL_PRESETS, ModelShape, get_model_shape
-from magicdec.planner.plan import DRAFT_CACHES, STRATEGIES, Plan, plan, plan_table
+from magicdec.planner.plan import DRAFT_CACHES, STRATEGIES, Plan, plan, plan_table, round_time
 from magicdec.planner.report import format_table, plot_speedup
 
 __all__ = [
@@ -29,5 +29,6 @@ __all__ = [
     "plan",
     "plan_table",
     "plot_speedup",
+    "round_time",
     "verify_step_time",
 ]

@@ -74,6 +74,33 @@ def _drafters(
                 yield _Drafter("model", cache, budget, f"{draft.name}:{cache}", draft, draft_tp)
 
 
+def round_time(
+    target: ModelShape,
+    hw: HardwareProfile,
+    batch: int,
+    context: int,
+    gamma: int,
+    dtype_bytes: float = 2,
+    kv_dtype_bytes: float = 2,
+    tp: int = 1,
+    mode: str = "greedy",
+    draft: ModelShape | None = None,
+    budget: int | None = None,
+    draft_tp: int | None = None,
+) -> float:
+    """Predicted seconds of one decode round of `batch` sequences at `context` tokens: a plain step for
+    gamma 0, else gamma forwards of `draft` (default: the target itself, self-speculation) over its cache
+    (`budget` entries; None: dense) and the target's verification of gamma + 1 tokens. In sampling mode,
+    every position drawn costs the profile's `sampling_s_per_token` per row (2 gamma + 1 per round)."""
+    t_sample = batch * hw.sampling_s_per_token if mode == "sampling" else 0.0
+    if gamma == 0:
+        return decode_step_time(target, hw, batch, context, dtype_bytes, kv_dtype_bytes, tp) + t_sample
+    t_draft = draft_time(draft or target, hw, batch, context, budget, gamma, dtype_bytes, kv_dtype_bytes,
+                         draft_tp or tp)
+    t_verify = verify_step_time(target, hw, batch, context, gamma, dtype_bytes, kv_dtype_bytes, tp)
+    return t_draft + t_verify + (2 * gamma + 1) * t_sample
+
+
 def plan(
     target: ModelShape,
     hw: HardwareProfile,
@@ -90,6 +117,7 @@ def plan(
     strategies: Iterable[str] | None = None,
     rows: int | None = None,
     margin: float = 1.0,
+    spec_time_scale: float = 1.0,
 ) -> Plan:
     """Pick the strategy, budget and gamma with the highest predicted throughput.
 
@@ -98,10 +126,10 @@ def plan(
     over `gammas`, for `batch` sequences at `context` tokens. Drafters the acceptance table
     has no rate for are skipped. Speculation must beat AR strictly to be chosen.
 
-    Throughput(spec) = B * E[tokens] / (T_draft(gamma) + T_verify(gamma + 1) + (2 gamma + 1) B t_s),
-    T_draft from `draft_time`; Throughput(AR) = B / (T_decode + B t_s), with t_s the profile's
-    `sampling_s_per_token` in sampling mode (every draft and every verified position draws a token) and
-    0 in greedy mode. E[tokens] uses the acceptance rate of the slowest of `rows`
+    Throughput(spec) = B * E[tokens] / T_round(gamma) and Throughput(AR) = B / T_round(0), with
+    `round_time`'s T_round (draft forwards, verification and, in sampling mode, the drawing of every
+    position). `spec_time_scale` multiplies T_round(gamma > 0): the ratio of measured to predicted round
+    times of speculation over that of plain steps, when a run has measured them (`autoplan.Replanner`). E[tokens] uses the acceptance rate of the slowest of `rows`
     distinct sequences (default: `batch`), since a static batch runs until its slowest sequence
     is done; `rows=1` gives the steady-state rate of a continuously refilled batch. Candidates that do not fit in memory are skipped, unless
     even AR does not fit (then the search ignores memory and `fits_in_memory` is False).
@@ -130,9 +158,7 @@ def plan(
 
     target_memory = memory(target, context, tp, weights=True)
     ar_fits = target_memory <= hw.mem_bytes
-    t_sample = batch * hw.sampling_s_per_token if mode == "sampling" else 0.0  # per token drawn per row
-    ar_throughput = batch / (decode_step_time(target, hw, batch, context, dtype_bytes, kv_dtype_bytes, tp) + t_sample)
-    t_verify = {g: verify_step_time(target, hw, batch, context, g, dtype_bytes, kv_dtype_bytes, tp) for g in gammas}
+    ar_throughput = batch / round_time(target, hw, batch, context, 0, dtype_bytes, kv_dtype_bytes, tp, mode)
 
     best: tuple[float, _Drafter, int, float, bool] | None = None
     for d in _drafters(target, draft, budgets, context, tp, chosen):
@@ -146,8 +172,9 @@ def plan(
         if ar_fits and not fits:
             continue
         for g in gammas:
-            t_draft = draft_time(d.shape, hw, batch, context, d.budget, g, dtype_bytes, kv_dtype_bytes, d.tp)
-            throughput = batch * expected_tokens(alpha, g) / (t_draft + t_verify[g] + (2 * g + 1) * t_sample)
+            t_round = round_time(target, hw, batch, context, g, dtype_bytes, kv_dtype_bytes, tp, mode, d.shape,
+                                 d.budget, d.tp)
+            throughput = batch * expected_tokens(alpha, g) / (spec_time_scale * t_round)
             if best is None or throughput > best[0]:
                 best = (throughput, d, g, alpha, fits)
 
