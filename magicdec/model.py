@@ -61,7 +61,7 @@ def rope_cos_sin(inv_freq: Tensor, positions: Tensor, dtype: torch.dtype) -> tup
 
 def matmul_attention(device: torch.device, kv_dtype: torch.dtype) -> bool:
     """Whether `attend` uses two matmuls (a bf16 cache on CPU) rather than SDPA where the native kernel
-    does not run (a CPU without AVX512-BF16, prefill chunks).
+    does not run (a CPU without AVX512-BF16).
 
     Over a bf16 cache on CPU, two bf16 matmuls with a bf16 softmax between them (the kernel computes in
     fp32 inside) run 1.2-2.7x faster than with the scores converted to fp32 for the softmax, with the

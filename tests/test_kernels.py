@@ -40,6 +40,8 @@ def reference(xq, k, v, mask, G):
     (2, 1, 9, 2100, 64, [2091, 1500]),         # several chunks, whole hidden tiles at the end
     (1, 4, 6, 777, 128, [771]),                # head dim 128
     (4, 3, 16, 64, 64, [48, 40, 1, 0]),        # 48 query rows; a row with nothing cached before it
+    (1, 3, 256, 1000, 64, [744]),              # a prefill chunk: 768 query rows, causal among themselves
+    (2, 3, 100, 300, 64, [200, 0]),            # and a prompt's first chunk
 ])
 def test_matches_fp32_sdpa(B, G, q, L, hd, lens):
     xq, k, v, mask = ragged(B, 2, G, q, L, hd, lens, capacity=L + 37)
@@ -92,8 +94,9 @@ def test_off_without_the_instructions_or_when_disabled(monkeypatch):
 
 @needs_kernel
 def test_real_model_steps_with_and_without_the_kernel(default_model_bf16, corpus_prompt, monkeypatch):
-    """The bf16 model over a real 700-token context: one-token and four-token steps on the kernel against
-    torch's matmul path (both bf16: measured max logit difference 0.03 of the largest logit), same argmax."""
+    """The bf16 model over a real 700-token context (its prefill on the kernel too), one-token and four-token
+    steps on the kernel against torch's matmul path (both bf16: measured max logit difference 0.03 of the
+    largest logit), same argmax."""
     model = default_model_bf16.model
     ids = corpus_prompt(700, book=3, at=0.5)
 

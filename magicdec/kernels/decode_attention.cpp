@@ -1,4 +1,5 @@
-// Decode and verification attention over a bf16 KV cache, for CPUs with AVX512-BF16.
+// Attention over a bf16 KV cache for CPUs with AVX512-BF16: decode and verification steps (a few query
+// rows per KV head, memory-bound) and prefill chunks (hundreds of rows, compute-bound).
 //
 // Queries q [B, KV, M, D] (M = query heads per KV head x new tokens per row; bf16) attend over K/V
 // [B, KV, L, D] (bf16; any strides but a contiguous last dim) with an additive bias [B, 1, M, L]
