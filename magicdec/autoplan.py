@@ -307,7 +307,7 @@ class Replanner(GammaPolicy):
         self._slowness = (collections.deque(maxlen=TIMING_WINDOW), collections.deque(maxlen=TIMING_WINDOW))
         self._warm = [False, False]
         self._timed_live: list[int | None] = [None, None]  # live rows when each kind was last timed
-        self._since = 0  # rounds of the chosen kind since the other one last ran
+        self._since = 0  # rounds of the chosen kind since the other one was last timed
         self._interval = EXPLORE_EVERY
         self._drafting = True  # the kind the plan chose last
         self._planned: tuple[int, int] = (1, min_context)  # (live, context) of the last call

@@ -129,10 +129,11 @@ def plan(
     Throughput(spec) = B * E[tokens] / T_round(gamma) and Throughput(AR) = B / T_round(0), with
     `round_time`'s T_round (draft forwards, verification and, in sampling mode, the drawing of every
     position). `spec_time_scale` multiplies T_round(gamma > 0): the ratio of measured to predicted round
-    times of speculation over that of plain steps, when a run has measured them (`autoplan.Replanner`). E[tokens] uses the acceptance rate of the slowest of `rows`
-    distinct sequences (default: `batch`), since a static batch runs until its slowest sequence
-    is done; `rows=1` gives the steady-state rate of a continuously refilled batch. Candidates that do not fit in memory are skipped, unless
-    even AR does not fit (then the search ignores memory and `fits_in_memory` is False).
+    times of speculation over that of plain steps, when a run has measured them (`autoplan.Replanner`).
+    E[tokens] uses the acceptance rate of the slowest of `rows` distinct sequences (default: `batch`),
+    since a static batch runs until its slowest sequence is done; `rows=1` gives the steady-state rate of
+    a continuously refilled batch. Candidates that do not fit in memory are skipped, unless even AR does
+    not fit (then the search ignores memory and `fits_in_memory` is False).
 
     `strategies` restricts the search (default: all of STRATEGIES); leaving "ar" out returns
     the best speculative plan even when it is slower than AR. With "ar" in it, speculation is chosen only
