@@ -302,8 +302,8 @@ class Replanner(GammaPolicy):
         self.accepted = 0.0
         self.rejected = 0.0
         # measured / predicted seconds of recent rounds: [plain steps, speculative rounds]; the first round
-        # of each kind is left out (first calls allocate and warm up), and so is the first draft round after
-        # plain steps (it feeds the draft cache the tokens those steps made)
+        # of each kind is left out (first calls allocate and warm up). A draft round after plain steps is
+        # timed like any other: the self-speculative drafter copies the entries of the tokens it missed.
         self._slowness = (collections.deque(maxlen=TIMING_WINDOW), collections.deque(maxlen=TIMING_WINDOW))
         self._warm = [False, False]
         self._timed_live: list[int | None] = [None, None]  # live rows when each kind was last timed
@@ -367,8 +367,6 @@ class Replanner(GammaPolicy):
             window.append(slowness)
             self._timed_live[spec] = self._planned[0]
         self._warm[spec] = True
-        if not spec:  # the draft cache falls behind: the next draft round first catches up, untimed
-            self._warm[True] = False
         if spec == self._drafting:
             self._since += 1
         elif warm:  # the other kind was timed: again soon if its time moved, else after twice as many rounds

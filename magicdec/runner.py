@@ -296,7 +296,7 @@ class ModelRunner:
         draft_s = 0.0
         if gamma:
             t = time.perf_counter()
-            draft = self.drafter.propose(n, gamma, self.seq[:n], n_tokens, live, rows)
+            draft = self.drafter.propose(n, gamma, self.seq[:n], n_tokens, live, rows, cache)
             synchronize(self.device)
             draft_s = time.perf_counter() - t
             target = sample_tokens(self.model(torch.cat((last, draft), dim=1), cache), rows, positions)

@@ -105,6 +105,7 @@ class Monitor:
         self.engine, self.runner, self.d, self.target = engine, engine.runner, engine.drafter, target
         self.kind = getattr(self.d, "kind", None) or self.d.cache_kind
         self.sparse = isinstance(self.d.cache, SparseKVCache)
+        self.copies = self.d.model is target  # self-speculation catches up by copying the target's entries
         self.prompt_len: dict[int, int] = {}  # per slot, its request's prompt length
         self.prefix0: dict[int, tuple] = {}  # per slot with a SnapKV-selected prefix: its K, V and base at admission
         self.admissions: collections.Counter[int] = collections.Counter()  # per slot
@@ -128,10 +129,10 @@ class Monitor:
             self.check_snapkv_prefix(slot, prompt.tolist(), observer)
         self.check(slot, prompt.tolist(), n_target=P)
 
-    def _propose(self, orig, n, gamma, seq, n_tokens, live, rows):
+    def _propose(self, orig, n, gamma, seq, n_tokens, live, rows, target):
         c = self.d.cache
         lens0, pos0 = c.lens[:n].clone(), c.next_pos[:n].clone()
-        draft = orig(n, gamma, seq, n_tokens, live, rows)
+        draft = orig(n, gamma, seq, n_tokens, live, rows, target)
         self.drafting = gamma, n_tokens.clone()
         for i in range(n):
             if not live[i]:  # a slot not decoding keeps its draft row
@@ -140,7 +141,9 @@ class Monitor:
             unseen, N, lens = int(n_tokens[i] - pos0[i]), int(n_tokens[i]) + gamma - 1, int(c.lens[i])
             self.max_unseen = max(self.max_unseen, unseen)
             assert int(c.next_pos[i]) == N
-            if unseen <= 2:  # the usual round: nothing evicted while drafting
+            if self.copies and unseen >= 1:  # all but the last unseen token copied, then the window slid
+                assert lens == min(int(lens0[i]) + unseen - 1, int(c.n_prefix[i]) + c.budget - c.keep) + gamma
+            elif unseen <= 2:  # the usual round: nothing evicted while drafting
                 assert lens == lens0[i] + unseen + gamma - 1
             P = self.prompt_len[i]
             settled = self.expected_positions(N, P)  # what eviction will leave
@@ -309,7 +312,7 @@ class Scenario:
     arrivals: tuple[int, ...]
     slots: int
     plain_run: int = 0
-    temperatures: tuple[float, ...] = (0.0, 1.0)
+    temperatures: tuple[float, ...] = (0.0, 2.0)
 
     def policy(self, gamma: int) -> GammaPolicy:
         if not self.plain_run:

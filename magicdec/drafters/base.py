@@ -19,8 +19,8 @@ class Drafter(ABC):
     A drafter keeps one cache row per engine slot. `admit` builds a slot's row once the target has
     prefilled its prompt; per round, `propose` drafts for the first n slots and `accept` rolls the draft
     cache back to what the target kept. The draft cache trails the sequence: at the start of a round it
-    first reads the tokens it has not seen (usually 1 or 2; more after rounds of plain decoding, which
-    leave it alone), taken from the engine's token buffer.
+    first catches up on the tokens it has not seen (usually 1 or 2; more after rounds of plain decoding,
+    which leave it alone), taken from the engine's token buffer (`catch_up`, then the round's first forward).
     """
 
     name: str = "drafter"
@@ -70,25 +70,20 @@ class Drafter(ABC):
         cache.commit(count * live)
         return logits
 
-    def propose(self, n: int, gamma: int, seq: Tensor, n_tokens: Tensor, live: Tensor, rows: RowParams) -> Tensor:
+    def propose(self, n: int, gamma: int, seq: Tensor, n_tokens: Tensor, live: Tensor, rows: RowParams,
+                target: KVCache) -> Tensor:
         """Draft gamma tokens for each of the first n slots: [n, gamma].
 
         seq [n, C]: every slot's tokens (prompt and output); n_tokens [n]: how many are known; live [n]:
-        slots that are decoding (others compute garbage and keep nothing). Draft token i of a row is its
-        sample at position n_tokens + i, with the row's own sampling parameters and noise.
+        slots that are decoding (others compute garbage and keep nothing); target: the target's cache over
+        the same slots, holding every known token but the last. Draft token i of a row is its sample at
+        position n_tokens + i, with the row's own sampling parameters and noise.
         """
         cache = self.cache.head(n)
-        live_n = live.long()
+        self.catch_up(cache, seq, n_tokens, live, target, gamma)
         start = cache.next_pos.clone()
-        unseen = torch.where(live, n_tokens - start, 1)
-        # catch up (after plain-decoding rounds) in forwards the cache can hold, leaving room for the drafts
-        while int(unseen.max()) > (last_limit := self._feed_limit(cache) - gamma + 1):
-            count = (unseen - last_limit).clamp(0, self._feed_limit(cache))
-            self._feed(cache, seq, start, count.clamp_min(1), live & (count > 0))
-            self.evict(cache)
-            start, unseen = start + count, unseen - count
-        x = self._feed(cache, seq, start, unseen, live)
-        tokens = []
+        x = self._feed(cache, seq, start, torch.where(live, n_tokens - start, 1), live)
+        live_n, tokens = live.long(), []
         for i in range(gamma):
             t = sample_tokens(x[:, None], rows, (n_tokens + i)[:, None])[:, 0]
             tokens.append(t)
@@ -96,6 +91,19 @@ class Drafter(ABC):
                 x = self.model(t[:, None], cache)[:, 0]
                 cache.commit(live_n)
         return torch.stack(tokens, dim=1)
+
+    def catch_up(self, cache: KVCache, seq: Tensor, n_tokens: Tensor, live: Tensor, target: KVCache,
+                 gamma: int) -> None:
+        """Read the tokens the draft cache has not seen (after rounds of plain decoding, which leave it alone)
+        in forwards the cache can hold, leaving the last few for the round's first forward and room for
+        its drafts. A drafter that can take these entries from `target` instead overrides this."""
+        start = cache.next_pos.clone()
+        unseen = torch.where(live, n_tokens - start, 1)
+        while int(unseen.max()) > (last_limit := self._feed_limit(cache) - gamma + 1):
+            count = (unseen - last_limit).clamp(0, self._feed_limit(cache))
+            self._feed(cache, seq, start, count.clamp_min(1), live & (count > 0))
+            self.evict(cache)
+            start, unseen = start + count, unseen - count
 
     def accept(self, n: int, n_tokens: Tensor, live: Tensor) -> None:
         """After verification the first n slots know n_tokens [n] tokens; keep the draft entries that

@@ -16,7 +16,9 @@ class SelfSpecDrafter(Drafter):
 
     A slot's sparse cache is cut from the target's dense cache after prefill, so drafting costs no extra
     prefill; SnapKV's selection uses the attention of the prompt's last tokens, observed during the
-    target's own prefill.
+    target's own prefill. Catching up works the same way: the entries of tokens decoded since the draft
+    last ran are copied from the target's cache, so each round's first draft forward reads one token and
+    a switch from plain decoding back to drafting costs no forward over the tokens decoded meanwhile.
     """
 
     def __init__(self, model: Transformer, kind: str, budget: int, gamma: int, reindex: bool):
@@ -31,6 +33,10 @@ class SelfSpecDrafter(Drafter):
 
     def cache_bytes(self, slots: int, capacity: int, dtype: torch.dtype) -> int:
         return KVCache.nbytes(self.model.cfg, slots, self.budget + self.slack, dtype)
+
+    def catch_up(self, cache: KVCache, seq: Tensor, n_tokens: Tensor, live: Tensor, target: KVCache,
+                 gamma: int) -> None:
+        cache.append_from(target, n_tokens - 1, live)
 
     def admit(self, slot: int, prompt: Tensor, target: KVCache, observer: SnapKVObserver | None) -> None:
         compress_into(self.cache.row(slot), target, self.kind, observer)

@@ -113,6 +113,24 @@ class SparseKVCache(KVCache):
             target = self.win_start[:, None] - self.n_prefix[:, None] + torch.arange(self.keep, device=idx.device)
             self._rotate_prefix((target[None, :, None, :] - idx[..., : self.keep]))
 
+    def append_from(self, src: KVCache, end: Tensor, rows: Tensor) -> None:
+        """Append src's entries at positions [next_pos, end) to the windows of the rows where rows [B] is set,
+        then slide the windows to their budget; only the latest budget - keep of them are copied (the rest
+        would slide out). src must hold keys rotated by absolute position (slot == position)."""
+        count = torch.where(rows, end - self.next_pos, 0).clamp_min(0)  # [B]
+        q = min(int(count.max()), self.budget - self.keep)
+        if q == 0:
+            return
+        pos = end[:, None] - q + self._arange(q)  # [B, q]: each row's last q positions before end
+        b, j = (rows[:, None] & (pos >= self.next_pos[:, None])).nonzero(as_tuple=True)
+        p = pos[b, j]
+        slots = self._slots_of(p)
+        self.k[:, b, :, slots] = src.k[:, b, :, p].to(self.k.dtype)
+        self.v[:, b, :, slots] = src.v[:, b, :, p].to(self.v.dtype)
+        self.slot_pos[b, slots] = p
+        self.commit(count)
+        self.evict()
+
     def held(self, row: int) -> tuple[Tensor, Tensor]:
         """(slots, positions) of the entries row `row` holds: the prefix, then the window in order."""
         pos = self.slot_pos[row]
