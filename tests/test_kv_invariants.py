@@ -521,6 +521,22 @@ def test_streaming_eviction_matches_python_reference(target, reindex):
     assert min(length) > budget + 10  # every row slid its window many times
 
 
+@pytest.mark.parametrize("reindex", [True, False])
+def test_append_from_copies_the_entries_a_row_missed(target, reindex):
+    """Self-speculation's catch-up: each selected row takes the dense cache's entries at [next_pos, end) (only
+    the latest budget - keep when it missed more) and slides its window to the budget; other rows keep theirs."""
+    cfg, inv_freq = target.cfg, target.inv_freq
+    budget, sink, lens = 12, 4, [3, 12, 30]
+    base = torch.randn(cfg.head_dim, generator=torch.Generator().manual_seed(1))
+    dense = marker_cache(cfg, lens, 128, inv_freq, base)  # holds every position's entry, as the target would
+    cache = compressed(dense, "streaming", budget, reindex, 4, inv_freq)
+    cache.append_from(dense, torch.tensor([5, 40, 33]), torch.tensor([True, True, False]))
+    assert cache.next_pos.tolist() == [5, 40, 30]
+    check_slots(cache, 0, held_after([0, 1, 2], [3, 4], budget, sink), base, inv_freq)  # a prompt inside the sinks
+    check_slots(cache, 1, held_after([0, 1, 2, 3], list(range(4, 40)), budget, sink), base, inv_freq)  # 28 missed
+    check_slots(cache, 2, held_after([0, 1, 2, 3], list(range(4, 30)), budget, sink), base, inv_freq)  # not selected
+
+
 def test_snapkv_selects_top_pooled_scores_before_window(target):
     cfg, inv_freq = target.cfg, target.inv_freq
     budget, gamma = 16, 3
