@@ -136,10 +136,12 @@ class SlotAssignment:
 
 @dataclass
 class ScheduledStep:
-    """What the scheduler asks of one step, in order: free slots, hand slots to new requests, run prefill
-    chunks, then a decode round (draft length gamma, 0 for plain decoding) over slots [0, n_rows)."""
+    """What the scheduler asks of one step, in order: free slots, move running requests (from, to) into
+    free lower slots, hand slots to new requests, run prefill chunks, then a decode round (draft length
+    gamma, 0 for plain decoding) over slots [0, n_rows)."""
 
     release: list[int] = field(default_factory=list)
+    moves: list[tuple[int, int]] = field(default_factory=list)
     assign: list[SlotAssignment] = field(default_factory=list)
     prefills: list[PrefillWork] = field(default_factory=list)
     n_rows: int = 0
@@ -228,6 +230,20 @@ class ModelRunner:
         if self.drafter is not None:
             self.drafter.release(slot)
 
+    def _move(self, src: int, dst: int) -> None:
+        """Move a running request from slot src to the free slot dst: its tokens, limits, sampling and
+        caches (the filled part of its target row: one copy, against a row riding along in every round)."""
+        n = int(self.n_tokens[src])
+        self.seq[dst, :n] = self.seq[src, :n]
+        for per_slot in (self.n_tokens, self.limit, self.use_eos, self.live):
+            per_slot[dst] = per_slot[src]
+        self.rows.copy_row(src, dst)
+        self.prompts[dst] = self.prompts[src]
+        self.cache.copy_row(src, dst)
+        if self.drafter is not None:
+            self.drafter.move(src, dst)
+        self._release(src)
+
     # --- one step -------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, step: ScheduledStep) -> StepResult:
@@ -235,6 +251,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         for slot in step.release:
             self._release(slot)
+        for src, dst in step.moves:
+            self._move(src, dst)
         for a in step.assign:
             self._assign(a)
         firsts = []

@@ -160,6 +160,13 @@ class RowParams:
         self.top_p[i] = params.top_p
         self.seed[i] = normalize_seed(seed)
 
+    def copy_row(self, src: int, dst: int) -> None:
+        """Row dst samples as row src does (same parameters and noise)."""
+        self.params[dst] = self.params[src]
+        for name in ("greedy", "temperature", "top_k", "top_p", "seed"):
+            tensor = getattr(self, name)
+            tensor[dst] = tensor[src]
+
     def head(self, n: int) -> "RowParams":
         """The first n rows (tensor views)."""
         return self._view(slice(0, n))

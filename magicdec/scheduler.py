@@ -6,7 +6,8 @@ for the request's whole cache). An admitted request's prompt is prefilled in chu
 so a long arrival does not stall the streams already running. With a prompt cache, a request whose
 prompt is being prefilled for another waits for that prefill and is then copied from the cache (n samples
 of one prompt cost one prefill). Each step decodes the slots below the highest running one, with the
-draft length the speculation policy picks for the live batch.
+draft length the speculation policy picks for the live batch; when no request waits for a slot, running
+requests move down into free slots so that the decoded rows stay few.
 """
 
 from __future__ import annotations
@@ -168,6 +169,8 @@ class Scheduler:
                 self.slots[slot] = request
                 self.prefilling.append(request)
                 step.assign.append(SlotAssignment(slot, request.prompt_ids, request.params, request.seed))
+        if not self.waiting:
+            self._compact(step)
         budget = self.max_prefill_tokens
         joining = []
         for request in self.prefilling:
@@ -185,6 +188,20 @@ class Scheduler:
             context = sum(r.context for r in decoding) // len(decoding)
             step.gamma = min(self.max_gamma, self.gamma_policy(len(decoding), context))
         return step
+
+    def _compact(self, step: ScheduledStep) -> None:
+        """Move running requests from the highest slots into free lower ones. A round decodes every slot
+        below the highest running one, and an empty slot still rides through the linear layers (1 live row
+        among 8 cost 1.3x that row alone on a 2-core CPU); a move is one copy of the request's cache row.
+        Called when no request waits for a slot."""
+        while True:
+            free = next((i for i, r in enumerate(self.slots) if r is None), None)
+            top = max((r.slot for r in self.running), default=-1)
+            if free is None or free > top:
+                return
+            request = self.slots[top]
+            self.slots[free], self.slots[top], request.slot = request, None, free
+            step.moves.append((top, free))
 
     def update(self, step: ScheduledStep, result: StepResult) -> list[Request]:
         """Apply a step's results; returns the requests that gained tokens or finished."""

@@ -112,7 +112,8 @@ class Monitor:
         self.drafting: tuple[int, torch.Tensor] | None = None  # (gamma, n_tokens) of the round being verified
         self.rounds = self.rows_verified = self.rejections = 0
         self.max_context = self.max_unseen = self.entries_checked = 0
-        for name in ("admit", "propose", "accept"):
+        self.moves = 0  # requests moved to a lower slot
+        for name in ("admit", "propose", "accept", "move"):
             setattr(self.d, name, functools.partial(getattr(self, "_" + name), getattr(self.d, name)))
 
     # wrappers
@@ -128,6 +129,14 @@ class Monitor:
             self.prefix0[slot] = (c.k[:, slot, :, : c.keep].clone(), c.v[:, slot, :, : c.keep].clone(), base)
             self.check_snapkv_prefix(slot, prompt.tolist(), observer)
         self.check(slot, prompt.tolist(), n_target=P)
+
+    def _move(self, orig, src, dst):
+        orig(src, dst)
+        self.moves += 1
+        self.prompt_len[dst] = self.prompt_len.pop(src)
+        self.prefix0.pop(dst, None)
+        if src in self.prefix0:
+            self.prefix0[dst] = self.prefix0.pop(src)
 
     def _propose(self, orig, n, gamma, seq, n_tokens, live, rows, target):
         c = self.d.cache
@@ -368,6 +377,8 @@ def test_cache_invariants_every_round(target, draft_model, name, reindex, gamma,
     if mon.sparse:
         assert mon.max_context > BUDGET + 8, "eviction never exercised"
     assert mon.entries_checked > 100
+    if scenario in ("batch", "plain-rounds"):  # requests ending at different rounds, nothing waiting
+        assert mon.moves > 0, "no request moved to a free lower slot"
 
 
 # --- target cache vs a real autoregressive run ----------------------------------------------------------------

@@ -20,7 +20,7 @@ from conftest import run_engine
 from magicdec.drafters import ModelDrafter, SelfSpecDrafter
 from magicdec.runner import PromptCache
 from magicdec.sampling import SamplingParams
-from magicdec.scheduler import GammaPolicy
+from magicdec.scheduler import FixedGamma, GammaPolicy
 
 MAX_TOKENS = 23
 LENGTHS = ((40, 11), (150, 12), (400, 13), (900, 3))  # (prompt tokens, book)
@@ -242,6 +242,30 @@ def test_arrivals_mid_decoding_and_slot_reuse(model, prompts, ar, eos, cache, sl
                       arrivals=[0, 4, 5, 11])
     assert [o.output_ids for o in outs] == [a.output_ids for a in ar]
     assert stats.max_batch == slots
+
+
+def test_requests_move_down_into_free_slots(model, prompts, ar, eos, cache):
+    """A request that finishes early frees a low slot; with nothing waiting, the highest running request
+    moves into it (tokens, sampling, target and draft caches) and the rounds decode fewer rows. Outputs
+    stay those of AR, and a seeded sampled request gives the tokens it gives alone."""
+    from magicdec.engine import LLMEngine
+    from magicdec.runner import CACHE_SLACK
+
+    sampled = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, top_p=0.9, seed=5)
+    params = [SamplingParams(max_tokens=3), SamplingParams(max_tokens=MAX_TOKENS), sampled,
+              SamplingParams(max_tokens=MAX_TOKENS)]
+    engine = LLMEngine(model, eos, slots=4, capacity=900 + MAX_TOKENS + CACHE_SLACK, prompt_cache=cache,
+                       drafter=SelfSpecDrafter(model, "streaming", 64, 3, True), gamma_policy=FixedGamma(3))
+    steps, schedule = [], engine.scheduler.schedule
+    engine.scheduler.schedule = lambda: steps.append(schedule()) or steps[-1]
+    outs = engine.generate(prompts, params)
+    moved = [i for i, s in enumerate(steps) if s.moves]
+    assert moved and steps[moved[0]].moves == [(3, 0)]
+    assert steps[moved[0] - 1].n_rows == 4 and steps[moved[0]].n_rows < 4
+    assert outs[0].output_ids == ar[0].output_ids[:3]
+    assert [outs[i].output_ids for i in (1, 3)] == [ar[i].output_ids for i in (1, 3)]
+    alone, _ = run(model, [prompts[2]], sampled, eos, cache)
+    assert outs[2].output_ids == alone[0].output_ids
 
 
 def test_chunked_prefill_interleaves_with_decoding(model, prompts, eos):

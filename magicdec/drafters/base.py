@@ -49,6 +49,10 @@ class Drafter(ABC):
     def admit(self, slot: int, prompt: Tensor, target: KVCache, observer: SnapKVObserver | None) -> None:
         """Build slot's draft cache for prompt [T], which the target has prefilled into `target` (a row view)."""
 
+    def move(self, src: int, dst: int) -> None:
+        """The request in slot src moves to the free slot dst (src is released after)."""
+        self.cache.copy_row(src, dst)
+
     def release(self, slot: int) -> None:
         """The slot's request is gone: empty its row (a stale long row would widen every forward's writes)."""
         self.cache.row(slot).clear()

@@ -122,6 +122,21 @@ class KVCache:
         self.next_pos.zero_()
         self.max_len = 0
 
+    def copy_row(self, src: int, dst: int) -> None:
+        """Make row dst a copy of row src (a request moving to another slot)."""
+        n = self._filled_slots(src)
+        self.k[:, dst, :, :n] = self.k[:, src, :, :n]
+        self.v[:, dst, :, :n] = self.v[:, src, :, :n]
+        for per_row in self._per_row_state():
+            per_row[dst] = per_row[src]
+
+    def _filled_slots(self, row: int) -> int:
+        """Leading slots that hold row's entries (slot == position here)."""
+        return int(self.lens[row])
+
+    def _per_row_state(self) -> tuple[Tensor, ...]:
+        return self.lens, self.next_pos
+
     def head(self, n: int) -> "KVCache":
         """A view of the first n rows."""
         return self._view(slice(0, n))

@@ -167,6 +167,12 @@ class SparseKVCache(KVCache):
         self.n_prefix.zero_()
         self.max_len = self.capacity
 
+    def _filled_slots(self, row: int) -> int:
+        return self.capacity  # the window is a ring over the whole (small) row
+
+    def _per_row_state(self) -> tuple[Tensor, ...]:
+        return self.lens, self.next_pos, self.slot_pos, self.win_start, self.n_prefix
+
     def _view(self, rows: slice) -> "SparseKVCache":
         view = super()._view(rows)
         view.slot_pos, view.win_start, view.n_prefix = self.slot_pos[rows], self.win_start[rows], self.n_prefix[rows]
