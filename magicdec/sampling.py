@@ -136,6 +136,9 @@ class RowParams:
     """Sampling parameters of a batch's rows (or an engine's slots) as tensors, with the host-side facts
     that choose the code path (all greedy, widest top-k, any top-p)."""
 
+    #: the per-row tensors (what a view slices and a moved row takes along)
+    TENSORS = ("greedy", "temperature", "top_k", "top_p", "seed")
+
     def __init__(self, n: int, device: torch.device | str):
         self.params: list[SamplingParams] = [SamplingParams()] * n
         self.greedy = torch.ones(n, dtype=torch.bool, device=device)
@@ -163,7 +166,7 @@ class RowParams:
     def copy_row(self, src: int, dst: int) -> None:
         """Row dst samples as row src does (same parameters and noise)."""
         self.params[dst] = self.params[src]
-        for name in ("greedy", "temperature", "top_k", "top_p", "seed"):
+        for name in self.TENSORS:
             tensor = getattr(self, name)
             tensor[dst] = tensor[src]
 
@@ -182,7 +185,7 @@ class RowParams:
     def _view(self, rows: slice | Tensor) -> "RowParams":
         view = object.__new__(RowParams)
         view.params = self.params[rows] if isinstance(rows, slice) else [self.params[i] for i in rows.tolist()]
-        for name in ("greedy", "temperature", "top_k", "top_p", "seed"):
+        for name in self.TENSORS:
             setattr(view, name, getattr(self, name)[rows])
         return view
 

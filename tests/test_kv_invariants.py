@@ -321,7 +321,7 @@ class Scenario:
     arrivals: tuple[int, ...]
     slots: int
     plain_run: int = 0
-    temperatures: tuple[float, ...] = (0.0, 2.0)
+    temperatures: tuple[float, ...] = (0.0, 2.0)  # sampled above 1: the tiny model's peaked outputs seldom reject
 
     def policy(self, gamma: int) -> GammaPolicy:
         if not self.plain_run:

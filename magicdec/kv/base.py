@@ -26,6 +26,9 @@ from magicdec.config import ModelConfig
 class KVCache:
     """A dense KV cache with per-sequence lengths (slot index == token position)."""
 
+    #: per-row state tensors ([B, ...]): what a row view slices and a moved row takes along
+    PER_ROW: tuple[str, ...] = ("lens", "next_pos")
+
     def __init__(
         self,
         cfg: ModelConfig,
@@ -127,15 +130,13 @@ class KVCache:
         n = self._filled_slots(src)
         self.k[:, dst, :, :n] = self.k[:, src, :, :n]
         self.v[:, dst, :, :n] = self.v[:, src, :, :n]
-        for per_row in self._per_row_state():
+        for name in self.PER_ROW:
+            per_row = getattr(self, name)
             per_row[dst] = per_row[src]
 
     def _filled_slots(self, row: int) -> int:
         """Leading slots that hold row's entries (slot == position here)."""
         return int(self.lens[row])
-
-    def _per_row_state(self) -> tuple[Tensor, ...]:
-        return self.lens, self.next_pos
 
     def head(self, n: int) -> "KVCache":
         """A view of the first n rows."""
@@ -148,7 +149,8 @@ class KVCache:
     def _view(self, rows: slice) -> "KVCache":
         view = copy.copy(self)
         view.k, view.v = self.k[:, rows], self.v[:, rows]
-        view.lens, view.next_pos = self.lens[rows], self.next_pos[rows]
+        for name in self.PER_ROW:
+            setattr(view, name, getattr(self, name)[rows])
         view._rows = torch.arange(view.lens.shape[0], device=self.device)[:, None]
         view.max_len = int(view.lens.max()) if view.lens.numel() else 0
         return view

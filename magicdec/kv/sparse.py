@@ -46,6 +46,8 @@ class SparseKVCache(KVCache):
     prefix keys are rotated). `lens` counts the entries a row currently holds (prefix + window).
     """
 
+    PER_ROW = KVCache.PER_ROW + ("slot_pos", "win_start", "n_prefix")
+
     def __init__(
         self,
         cfg: ModelConfig,
@@ -170,12 +172,8 @@ class SparseKVCache(KVCache):
     def _filled_slots(self, row: int) -> int:
         return self.capacity  # the window is a ring over the whole (small) row
 
-    def _per_row_state(self) -> tuple[Tensor, ...]:
-        return self.lens, self.next_pos, self.slot_pos, self.win_start, self.n_prefix
-
     def _view(self, rows: slice) -> "SparseKVCache":
         view = super()._view(rows)
-        view.slot_pos, view.win_start, view.n_prefix = self.slot_pos[rows], self.win_start[rows], self.n_prefix[rows]
         view.max_len = self.capacity
         return view
 
