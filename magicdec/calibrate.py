@@ -175,7 +175,7 @@ def synthetic_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, 
     Weights are a constant (filling is much faster than drawing random numbers, and the speed of a
     dense forward does not depend on the values); `random=True` draws them uniformly instead.
     """
-    from magicdec.model import Transformer, rope_inv_freq
+    from magicdec.model import Transformer, pack_linears, rope_inv_freq
 
     with torch.device("meta"):
         model = Transformer(cfg)
@@ -193,6 +193,7 @@ def synthetic_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, 
         model.output.weight = model.tok_embeddings.weight
     model = model.to(dtype=dtype).eval().requires_grad_(False)
     model.inv_freq = rope_inv_freq(cfg).to(device=device, dtype=torch.float32)
+    pack_linears(model)
     return model
 
 

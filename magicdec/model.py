@@ -112,6 +112,21 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
+class PackedLinear(nn.Module):
+    """A bias-optional linear layer whose bf16 weight is packed for the native kernel (`kernels.linear`):
+    2-4x faster than torch's bf16 matmul at the few rows of a decode step, and a row gets the same bits
+    in any batch. `pack_linears` puts it in place of nn.Linear at load time."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.packed = nn.Parameter(kernels.pack_linear(linear.weight.detach()), requires_grad=False)
+        self.bias = linear.bias
+
+    def forward(self, x: Tensor) -> Tensor:
+        return kernels.linear(x, self.packed, self.out_features, self.bias)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -229,3 +244,16 @@ class Transformer(nn.Module):
         if logits_at is not None:
             x = x.gather(1, logits_at[..., None].expand(-1, -1, x.shape[-1]))
         return self.output(self.norm(x)).float()
+
+
+def pack_linears(model: Transformer) -> None:
+    """Swap the model's nn.Linear layers for `PackedLinear` where the native linear kernel runs (bf16 on a
+    CPU with AVX512-BF16); elsewhere nothing changes. A load-time transform: run it last (tensor
+    parallelism shards nn.Linear weights first). A tied LM head gets its own packed copy of the
+    embedding table."""
+    if not kernels.linear_supported(model.device, model.dtype):
+        return
+    for module in list(model.modules()):
+        for name, child in module.named_children():
+            if isinstance(child, nn.Linear) and child.in_features % 2 == 0:
+                setattr(module, name, PackedLinear(child))

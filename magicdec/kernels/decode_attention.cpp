@@ -3,13 +3,14 @@
 //
 // Queries q [B, KV, M, D] (M = query heads per KV head x new tokens per row; bf16) attend over K/V
 // [B, KV, L, D] (bf16; any strides but a contiguous last dim) with an additive bias [B, 1, M, L]
-// (bf16, 0 / -inf). The context is split into chunks (flash-decoding). A task takes one chunk of one
-// (row, KV head), 16 cached positions at a time: it transposes the K tile so that `vdpbf16ps` forms
-// 16 scores per instruction for each query, takes a chunk-local softmax and accumulates P @ V with the
-// V tile interleaved by position pairs, so every K and V element is read from memory once however many
-// queries there are. Chunks are merged by their maxima. Each query row is computed with the same
-// arithmetic whatever M is: over the same chunks, a verification forward attends exactly as a one-token
-// step does. Tiles the bias hides entirely (unfilled cache slots) are skipped.
+// (bf16, 0 / -inf). The context is split into chunks of a fixed size (flash-decoding). A task takes one
+// chunk of one (row, KV head), 16 cached positions at a time: it transposes the K tile so that
+// `vdpbf16ps` forms 16 scores per instruction for each query, takes a chunk-local softmax and accumulates
+// P @ V with the V tile interleaved by position pairs, so every K and V element is read from memory once
+// however many queries there are (a prefill chunk's rows may be split into a few blocks, for threads).
+// Chunks are merged by their maxima. Each query row is computed with the same arithmetic whatever M and
+// L are: a verification forward attends exactly as the one-token steps do. Tiles the bias hides
+// entirely (unfilled cache slots) are skipped.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -22,6 +23,7 @@
 namespace {
 
 constexpr int64_t kTile = 16;  // cached positions per tile: one zmm of fp32 scores
+constexpr int64_t kMinBlockRows = 128;  // query rows per task at least when a prefill chunk's rows are split
 constexpr uint16_t kBf16NegInf = 0xFF80;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
@@ -206,15 +208,25 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch
   float* ps = part_sum.data_ptr<float>();
   const Strided K = strided(k), V = strided(v), Bias = strided(bias);
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-  at::parallel_for(0, B * H * C, 1, [&](int64_t begin, int64_t end) {
+  // A prefill chunk's many query rows are split into blocks where (row, head, chunk) tasks alone would
+  // leave threads idle (one prompt row, a short context). A row's arithmetic does not depend on the
+  // block it is in: a tile hidden from all of a block's rows adds nothing to them whether skipped or not.
+  const int64_t BHC = B * H * C, want = 4 * at::get_num_threads();
+  const int64_t R = std::max<int64_t>(1, std::min<int64_t>(M / kMinBlockRows, (want + BHC - 1) / BHC));
+  const int64_t rows = (M + R - 1) / R;
+  at::parallel_for(0, BHC * R, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     std::vector<uint16_t> probs;
     std::vector<char> visible;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t c = task % C, bh = task / C, h = bh % H, b = bh / H;
-      const Task<D> work{qp + bh * M * (D / 2), M, K, V, Bias, scale};
-      work.run(b, h, c * chunk, std::min(L, (c + 1) * chunk), scores, probs, visible, pm + task * M, ps + task * M,
-               po + task * M * D);
+      const int64_t m0 = task % R * rows, bhc = task / R, c = bhc % C, bh = bhc / C, h = bh % H, b = bh / H;
+      if (m0 >= M) continue;
+      Strided block_bias = Bias;
+      block_bias.data += m0 * Bias.sl;
+      const Task<D> work{qp + (bh * M + m0) * (D / 2), std::min(rows, M - m0), K, V, block_bias, scale};
+      const int64_t first = bhc * M + m0;  // the block's first row among the partial results
+      work.run(b, h, c * chunk, std::min(L, (c + 1) * chunk), scores, probs, visible, pm + first, ps + first,
+               po + first * D);
     }
   });
   auto out = torch::empty({B, H, M, D}, opts);

