@@ -128,23 +128,27 @@ def load_profile(device: str = "cpu", dtype: str | None = None) -> HardwareProfi
         path = default_profile_path(dev, dtype)
         if path.is_file():
             hw = _read_calibrated(HardwareProfile.from_json, path)
-            if _measured_with_this_attention(hw, device, dtype):
+            if _measured_with_these_kernels(hw, device, dtype):
                 return hw
-            warnings.warn(f"{path} was measured with {hw.attention or 'an older'} attention, this run uses "
-                          f"another: planning with the preset; run `magicdec calibrate` again", stacklevel=2)
+            warnings.warn(f"{path} was measured with other kernels (attention {hw.attention or 'older'}, linear "
+                          f"{hw.linear or 'older'}) than this run's: planning with the preset; run `magicdec "
+                          f"calibrate` again", stacklevel=2)
     return preset_for_device(device, dtype)
 
 
-def _measured_with_this_attention(hw: HardwareProfile, device: str, dtype: str) -> bool:
-    """Whether a calibrated profile's rates were measured with the attention this run uses (a profile from
-    before the native kernel, or from a machine where it did not build, predicts the wrong costs)."""
+def _measured_with_these_kernels(hw: HardwareProfile, device: str, dtype: str) -> bool:
+    """Whether a calibrated profile's rates were measured with the attention and linear layers this run
+    uses (a profile from before a native kernel, or from a machine where it did not build, predicts the
+    wrong costs)."""
     import torch
 
     from magicdec.engine import parse_dtype
-    from magicdec.model import attention_path
+    from magicdec.model import attention_path, linear_path
 
-    current = attention_path(torch.device(device), parse_dtype(dtype))
-    return hw.attention == current if hw.attention is not None else current != "native"
+    dev, dt = torch.device(device), parse_dtype(dtype)
+    attention, linear = attention_path(dev, dt), linear_path(dev, dt)
+    return ((hw.attention == attention if hw.attention is not None else attention != "native")
+            and (hw.linear == linear if hw.linear is not None else linear != "packed"))
 
 
 def _read_calibrated(read: Callable[[Path], Any], path: Path) -> Any:

@@ -114,7 +114,7 @@ def run_bench(args, grid: BenchGrid) -> dict:
     doc["machine"] = machine_info(llm.model.device)
     doc["settings"] = {**asdict(grid), "model": llm.loaded.source, "dtype": str(llm.model.dtype),
                        "dtype_choice": str(llm.loaded.dtype_choice), "kv_dtype": str(llm.kv_dtype),
-                       "attention": llm.attention,
+                       "attention": llm.attention, "linear": llm.linear,
                        "sampling": {k: getattr(sampled, k) for k in ("temperature", "top_p", "top_k")}}
     configs = grid.configs()
     total = len(grid.batches) * len(grid.contexts) * len(configs)

@@ -43,7 +43,7 @@ from magicdec.loading.cache import cache_root
 from magicdec.cpu import auto_dtype, cpu_kind, dtype_name, reported_flags
 from magicdec.memory import available_bytes
 from magicdec.runner import synchronize
-from magicdec.model import attention_path
+from magicdec.model import attention_path, linear_path
 from magicdec.planner import AcceptanceTable, HardwareProfile, ModelShape, forward_cost
 from magicdec.planner.models import MODEL_PRESETS
 
@@ -377,6 +377,7 @@ def measure_hardware(
         fixed_overhead_s=fixed + loop_extra, per_layer_overhead_s=per_layer,
         linear_rates=linear_rates, attention_rates=attention_rates,
         sampling_s_per_token=m["sampling"]["seconds_per_token"], attention=attention_path(dev, dtype),
+        linear=linear_path(dev, dtype),
     )
     if quick:
         grid = [(1, 1, 2048), (1, 5, 2048), (8, 3, 1024)]

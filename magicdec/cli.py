@@ -200,7 +200,7 @@ def format_stats(stats, label: str) -> str:
 def dtype_line(llm) -> str:
     """The dtypes a run computes and caches in, and why (printed with the run's stats)."""
     kv = str(llm.kv_dtype).removeprefix("torch.")
-    return f"dtype {llm.loaded.dtype_choice}; KV cache {kv}; attention {llm.attention}"
+    return f"dtype {llm.loaded.dtype_choice}; KV cache {kv}; attention {llm.attention}; linear {llm.linear}"
 
 
 def cmd_generate(args) -> int:

@@ -27,7 +27,7 @@ from magicdec.loading import LoadedModel, load_model
 from magicdec.loading.tokenizer import Tokenizer
 from magicdec.memory import available_bytes, peak_bytes
 from magicdec import dtypes
-from magicdec.model import Transformer, attention_path
+from magicdec.model import Transformer, attention_path, linear_path
 from magicdec.runner import CACHE_SLACK, ModelRunner, PromptCache
 from magicdec.sampling import SamplingParams
 from magicdec.scheduler import FixedGamma, GammaPolicy, Request, Scheduler, Status, cuda_row_bucket
@@ -250,6 +250,7 @@ class LLM:
         self.tokenizer = self.loaded.tokenizer
         self.kv_dtype = parse_dtype(kv_dtype) or self.model.dtype
         self.attention = attention_path(self.model.device, self.kv_dtype)  # builds a native kernel now, not mid-run
+        self.linear = linear_path(self.model.device, self.model.dtype)  # "packed" where load_model packed them
         self.prefill_chunk = prefill_chunk
         self.max_num_seqs = max_num_seqs
         # prefilled prompts kept across generate calls (0: off); see runner.PromptCache

@@ -82,6 +82,12 @@ def attention_path(device: torch.device, kv_dtype: torch.dtype) -> str:
     return "matmul" if matmul_attention(device, kv_dtype) else "sdpa"
 
 
+def linear_path(device: torch.device, dtype: torch.dtype) -> str:
+    """How the linear layers of a model of this dtype run: "packed" (the native kernel of magicdec.kernels,
+    see `pack_linears`) or "torch"."""
+    return "packed" if kernels.linear_supported(device, dtype) else "torch"
+
+
 def attention_bias(mask: Tensor, groups: int, kv_dtype: torch.dtype) -> Tensor:
     """Bool mask [B, 1, q, L] -> additive bias [B, 1, groups*q, L] (0 or -inf) for grouped queries, in the
     cache's dtype (on CPU an additive bias is markedly faster than a bool mask for SDPA). Built once per

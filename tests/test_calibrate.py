@@ -110,25 +110,29 @@ def test_default_paths(tmp_path, monkeypatch):
         assert load_profile("cpu", dtype).dtype == dtype and load_profile("cpu", dtype).name.startswith("cpu-")
 
 
-def test_a_profile_measured_with_other_attention_is_set_aside(tmp_path, monkeypatch):
-    """Rates measured before the native attention kernel (or with another attention) would mislead the
+def test_a_profile_measured_with_other_kernels_is_set_aside(tmp_path, monkeypatch):
+    """Rates measured before a native kernel (or with another attention or linear path) would mislead the
     planner: load_profile warns and plans with the preset."""
     import torch
 
-    from magicdec.model import attention_path
+    from magicdec.model import attention_path, linear_path
 
     monkeypatch.setenv("MAGICDEC_CACHE", str(tmp_path))
     preset = load_profile("cpu", "bf16")
-    current = attention_path(torch.device("cpu"), torch.bfloat16)
+    cpu = torch.device("cpu")
+    attention, linear = attention_path(cpu, torch.bfloat16), linear_path(cpu, torch.bfloat16)
     path = default_profile_path("cpu", "bf16")
-    dataclasses.replace(preset, name="other", attention="sdpa" if current != "sdpa" else "native").to_json(path)
-    with pytest.warns(UserWarning, match="calibrate` again"):
-        assert load_profile("cpu", "bf16") == preset
-    dataclasses.replace(preset, name="mine", attention=current).to_json(path)
+    mine = dataclasses.replace(preset, name="mine", attention=attention, linear=linear)
+    mine.to_json(path)
     assert load_profile("cpu", "bf16").name == "mine"
-    dataclasses.replace(preset, name="old", attention=None).to_json(path)  # a file from before the field
-    if current == "native":
-        with pytest.warns(UserWarning, match="an older attention"):
+    for other in ({"attention": "sdpa" if attention != "sdpa" else "native"},
+                  {"linear": "torch" if linear != "torch" else "packed"}):
+        dataclasses.replace(mine, name="other", **other).to_json(path)
+        with pytest.warns(UserWarning, match="calibrate` again"):
+            assert load_profile("cpu", "bf16") == preset
+    dataclasses.replace(mine, name="old", attention=None, linear=None).to_json(path)  # a file from before both
+    if attention == "native" or linear == "packed":
+        with pytest.warns(UserWarning, match="older"):
             assert load_profile("cpu", "bf16") == preset
     else:
         assert load_profile("cpu", "bf16").name == "old"

@@ -59,6 +59,10 @@ class HardwareProfile:
     """How attention ran when the rates were measured ("native", "matmul" or "sdpa": see
     `magicdec.model.attention_path`); None for datasheet figures and profiles measured before the native
     kernel existed."""
+    linear: str | None = None
+    """How linear layers ran when the rates were measured ("packed": the native kernel, or "torch": see
+    `magicdec.model.linear_path`); None for datasheet figures and profiles measured before the packed
+    kernel existed."""
     sampling_s_per_token: float = 0.0
     """Seconds to draw one sampled token (one row, one position) from the logits at temperature 0.7 and
     top-p 0.9, beyond a greedy argmax; the planner charges it per token drawn in sampling mode (a plain
