@@ -195,19 +195,15 @@ def test_real_model_verification_equals_one_token_steps_bit_for_bit(default_mode
     q = 9
     texts = [corpus_prompt(n + q, book=i, at=0.5) for i, n in enumerate(lens)]
 
-    def prefilled() -> KVCache:
-        cache = KVCache(model.cfg, len(lens), 4096, torch.bfloat16, "cpu")
+    cache = KVCache(model.cfg, len(lens), 4096, torch.bfloat16, "cpu")
+    new = torch.tensor([t[-q:] for t in texts])
+    with torch.inference_mode():
         for i, n in enumerate(lens):  # each row alone, as the engine's prefill does
             row = cache.row(i)
             model(torch.tensor([texts[i][:n]]), row)
             row.commit(n)
         cache.truncate(cache.lens.clone())  # the batch's own bound on the lengths its rows' views advanced
-        return cache
-
-    new = torch.tensor([t[-q:] for t in texts])
-    with torch.inference_mode():
-        verify = model(new, prefilled())
-        cache = prefilled()
+        verify = model(new, cache)  # not committed: the steps then write the same slots again
         steps = []
         for j in range(q):
             steps.append(model(new[:, j : j + 1], cache)[:, 0])
