@@ -127,7 +127,8 @@ class PackedLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.packed = nn.Parameter(kernels.pack_linear(linear.weight.detach()), requires_grad=False)
-        self.bias = linear.bias
+        # in fp32 once, as the kernel adds it to its fp32 sums (not converted in every forward)
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float(), requires_grad=False)
 
     def forward(self, x: Tensor) -> Tensor:
         return kernels.linear(x, self.packed, self.out_features, self.bias)

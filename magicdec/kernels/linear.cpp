@@ -13,6 +13,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstdint>
 
 namespace {
@@ -21,10 +22,10 @@ constexpr int64_t kGroup = 64;  // output columns per packed group: 4 zmm of fp3
 constexpr int kVecs = kGroup / 16;
 constexpr int64_t kRows = 6;  // input rows per block: 6 x 4 accumulators, 4 weight vectors, 1 broadcast
 
-// `rows` input rows (row stride ldx) against one packed group `w` [K / 2, 64, 2]; writes the group's
-// `cols` valid columns of y (row stride ldy).
+// `rows` input rows x [rows, K] against one packed group `w` [K / 2, 64, 2]; writes the group's `cols`
+// valid columns of y (row stride ldy).
 template <int rows>
-inline void block(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K, const float* bias,
+inline void block(const uint16_t* x, const uint16_t* w, int64_t K, const float* bias,
                   uint16_t* y, int64_t ldy, int64_t cols) {
   __m512 acc[rows][kVecs];
   for (int i = 0; i < rows; ++i)
@@ -35,7 +36,7 @@ inline void block(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K, 
     for (int j = 0; j < kVecs; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(wk + 32 * j);
     for (int i = 0; i < rows; ++i) {
       int32_t pair;
-      __builtin_memcpy(&pair, x + i * ldx + k, 4);
+      __builtin_memcpy(&pair, x + i * K + k, 4);
       const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
       for (int j = 0; j < kVecs; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
     }
@@ -77,13 +78,13 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_
       const uint16_t* wg = wp + g * K * kGroup;
       const float* bg = bp != nullptr ? bp + n : nullptr;
       int64_t i = 0;
-      for (; i + kRows <= M; i += kRows) block<kRows>(xp + i * K, K, wg, K, bg, yp + i * N + n, N, cols);
+      for (; i + kRows <= M; i += kRows) block<kRows>(xp + i * K, wg, K, bg, yp + i * N + n, N, cols);
       switch (M - i) {  // the last rows
-        case 5: block<5>(xp + i * K, K, wg, K, bg, yp + i * N + n, N, cols); break;
-        case 4: block<4>(xp + i * K, K, wg, K, bg, yp + i * N + n, N, cols); break;
-        case 3: block<3>(xp + i * K, K, wg, K, bg, yp + i * N + n, N, cols); break;
-        case 2: block<2>(xp + i * K, K, wg, K, bg, yp + i * N + n, N, cols); break;
-        case 1: block<1>(xp + i * K, K, wg, K, bg, yp + i * N + n, N, cols); break;
+        case 5: block<5>(xp + i * K, wg, K, bg, yp + i * N + n, N, cols); break;
+        case 4: block<4>(xp + i * K, wg, K, bg, yp + i * N + n, N, cols); break;
+        case 3: block<3>(xp + i * K, wg, K, bg, yp + i * N + n, N, cols); break;
+        case 2: block<2>(xp + i * K, wg, K, bg, yp + i * N + n, N, cols); break;
+        case 1: block<1>(xp + i * K, wg, K, bg, yp + i * N + n, N, cols); break;
         default: break;
       }
     }
