@@ -24,6 +24,7 @@ from magicdec.planner import (
     plan,
     plan_table,
     plot_speedup,
+    round_time,
     verify_step_time,
 )
 
@@ -146,13 +147,20 @@ def test_step_helpers():
     assert decode_step_time(LLAMA2, TOY_HW, 4, 8000) == time(LLAMA2, 1, 8000)
     assert verify_step_time(LLAMA2, TOY_HW, 4, 8000, gamma=3) == time(LLAMA2, 4, 8000)
     # Self-speculation: target shape over the budget; a budget past the context is the context. The
-    # first draft forward of a round also feeds the previous round's pending token.
+    # first draft forward of a round also feeds the previous round's pending token (by default).
     assert draft_time(LLAMA2, TOY_HW, 4, 8000, budget=512, gamma=1) == time(LLAMA2, 2, 512)
     assert draft_time(LLAMA2, TOY_HW, 4, 8000, budget=512, gamma=3) == pytest.approx(
         time(LLAMA2, 2, 512) + 2 * time(LLAMA2, 1, 512))
     assert draft_time(LLAMA2, TOY_HW, 4, 300, budget=512, gamma=1) == time(LLAMA2, 2, 300)
     # Standalone draft: dense cache attends the whole context.
     assert draft_time(TINYLLAMA, TOY_HW, 4, 8000, budget=None, gamma=1) == time(TINYLLAMA, 2, 8000)
+    # A self-speculative round's first draft forward reads one token: the others are copied from the target.
+    assert draft_time(LLAMA2, TOY_HW, 4, 8000, budget=512, gamma=3, first_tokens=1) == pytest.approx(
+        3 * time(LLAMA2, 1, 512))
+    assert round_time(LLAMA2, TOY_HW, 4, 8000, 3, budget=512) == pytest.approx(
+        3 * time(LLAMA2, 1, 512) + time(LLAMA2, 4, 8000))
+    assert round_time(LLAMA2, TOY_HW, 4, 8000, 3, draft=TINYLLAMA, budget=512) == pytest.approx(
+        time(TINYLLAMA, 2, 512) + 2 * time(TINYLLAMA, 1, 512) + time(LLAMA2, 4, 8000))
 
 
 def test_expected_tokens_edge_cases():
@@ -307,7 +315,7 @@ def test_sampling_work_is_charged_per_token_drawn():
     greedy = plan(LLAMA3, hw, **args)
     assert greedy == plan(LLAMA3, dataclasses.replace(hw, sampling_s_per_token=0.0), **args)
     sampled = plan(LLAMA3, hw, mode="sampling", **args, gammas=[greedy.gamma], budgets=[greedy.budget])
-    t_round = (draft_time(LLAMA3, hw, 128, 32768, greedy.budget, greedy.gamma, tp=8)
+    t_round = (draft_time(LLAMA3, hw, 128, 32768, greedy.budget, greedy.gamma, tp=8, first_tokens=1)
                + verify_step_time(LLAMA3, hw, 128, 32768, greedy.gamma, tp=8) + (2 * greedy.gamma + 1) * 128e-4)
     assert sampled.predicted_throughput == pytest.approx(128 * expected_tokens(sampled.alpha, greedy.gamma) / t_round)
     ar = 128 / (decode_step_time(LLAMA3, hw, 128, 32768, tp=8) + 128e-4)

@@ -200,17 +200,19 @@ def draft_time(
     weight_dtype_bytes: float = 2,
     kv_dtype_bytes: float = 2,
     tp: int = 1,
+    first_tokens: int = 2,
 ) -> float:
     """Seconds of the gamma draft forwards of one round.
 
-    The first forward also feeds the token the previous round left pending (after a fully accepted
-    round, the last draft and the target's bonus token are both new to the draft cache), so it runs
-    two tokens per sequence; the others run one. Self-speculation passes the target's shape and the
-    sparse cache's `budget`; a standalone draft passes its own shape, with `budget=None` for a dense
-    draft cache (it attends the whole `context`) or its sparse budget. A budget larger than the
-    context is the context.
+    The first forward also feeds what the draft cache has not seen of the previous round: a standalone
+    draft reads the last draft and the target's bonus token after a fully accepted round
+    (`first_tokens` 2); self-speculation copies the target's entries for all but the newest token and
+    reads one (`first_tokens` 1). The others run one token each. Self-speculation passes the target's
+    shape and the sparse cache's `budget`; a standalone draft passes its own shape, with `budget=None`
+    for a dense draft cache (it attends the whole `context`) or its sparse budget. A budget larger than
+    the context is the context.
     """
     kv_len = context if budget is None else min(budget, context)
-    first = forward_cost(shape, hw, batch, 2, kv_len, weight_dtype_bytes, kv_dtype_bytes, tp).time
+    first = forward_cost(shape, hw, batch, first_tokens, kv_len, weight_dtype_bytes, kv_dtype_bytes, tp).time
     rest = forward_cost(shape, hw, batch, 1, kv_len, weight_dtype_bytes, kv_dtype_bytes, tp).time
     return first + (gamma - 1) * rest

@@ -96,7 +96,7 @@ def round_time(
     if gamma == 0:
         return decode_step_time(target, hw, batch, context, dtype_bytes, kv_dtype_bytes, tp) + t_sample
     t_draft = draft_time(draft or target, hw, batch, context, budget, gamma, dtype_bytes, kv_dtype_bytes,
-                         draft_tp or tp)
+                         draft_tp or tp, first_tokens=2 if draft is not None else 1)
     t_verify = verify_step_time(target, hw, batch, context, gamma, dtype_bytes, kv_dtype_bytes, tp)
     return t_draft + t_verify + (2 * gamma + 1) * t_sample
 
@@ -173,8 +173,8 @@ def plan(
         if ar_fits and not fits:
             continue
         for g in gammas:
-            t_round = round_time(target, hw, batch, context, g, dtype_bytes, kv_dtype_bytes, tp, mode, d.shape,
-                                 d.budget, d.tp)
+            t_round = round_time(target, hw, batch, context, g, dtype_bytes, kv_dtype_bytes, tp, mode,
+                                 d.shape if d.strategy == "model" else None, d.budget, d.tp)
             throughput = batch * expected_tokens(alpha, g) / (spec_time_scale * t_round)
             if best is None or throughput > best[0]:
                 best = (throughput, d, g, alpha, fits)
