@@ -3,13 +3,16 @@
 The distinct prompts of a context are prefilled once into the LLM's prompt cache; every (batch, decode
 configuration) then runs through the engine from copies of that prefill, the batch tiling the distinct
 prompts, side by side with plain decoding in the same process, so speedups are ratios of measurements
-taken minutes apart on the same machine state.
+taken minutes apart on the same machine state. With `repeats` > 1 the configurations of a point run in
+turn that many times (plain, auto, ..., plain, auto, ...) and each keeps its median run: on a machine
+whose speed drifts, a ratio of medians of interleaved runs is steadier than one of two single runs.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -39,6 +42,7 @@ class BenchGrid:
     n_texts: int = 14
     distinct_prompts: int | None = None  # prefill this many prompts and tile them up to the batch
     positions: list[str | None] = field(default_factory=lambda: [None])  # sparse-cache key positions; None: default
+    repeats: int = 1  # runs of each configuration, interleaved; a point keeps its median run
 
     def __post_init__(self) -> None:
         """Refuse names and values the sweep cannot run, before it loads or prefills anything."""
@@ -117,12 +121,12 @@ def run_bench(args, grid: BenchGrid) -> dict:
                        "attention": llm.attention, "linear": llm.linear,
                        "sampling": {k: getattr(sampled, k) for k in ("temperature", "top_p", "top_k")}}
     configs = grid.configs()
-    total = len(grid.batches) * len(grid.contexts) * len(configs)
-    bar = tqdm(total=total, desc="bench", unit="pt", file=sys.stderr)
+    total = len(grid.batches) * len(grid.contexts) * len(configs) * grid.repeats
+    bar = tqdm(total=total, desc="bench", unit="run", file=sys.stderr)
     prefilled_key = None  # (context, distinct prompts) held in the prompt cache
     for context, batch in itertools.product(grid.contexts, grid.batches):
         todo = [c for c in configs if point_key(batch, context, c) not in doc["points"]]
-        bar.update(len(configs) - len(todo))
+        bar.update((len(configs) - len(todo)) * grid.repeats)
         if not todo:
             continue
         # A context the model cannot hold with the new tokens (8192 + 128 on an 8k model) is shortened
@@ -146,12 +150,14 @@ def run_bench(args, grid: BenchGrid) -> dict:
         except (OutOfMemoryError, InvalidRequestError) as e:
             for c in todo:
                 doc["points"][point_key(batch, context, c)] = {"skipped": str(e)}
-            bar.update(len(todo))
+            bar.update(len(todo) * grid.repeats)
             save(out, doc)
             continue
         rows = [prompts[i % distinct] for i in range(batch)]
-        for cfg in todo:
-            bar.set_postfix_str(point_key(batch, context, cfg))
+        runs: dict[str, list[dict]] = {point_key(batch, context, c): [] for c in todo}
+        for repeat, cfg in itertools.product(range(grid.repeats), todo):
+            key = point_key(batch, context, cfg)
+            bar.set_postfix_str(key)
             params = [sampling_params(cfg["mode"], grid.new_tokens, seed=i) for i in range(batch)]
             spec, chosen = None, {}
             if cfg["draft"] == "auto":
@@ -163,7 +169,7 @@ def run_bench(args, grid: BenchGrid) -> dict:
                 spec = speculative_config(cfg)
             llm.generate(prompt_token_ids=rows, params=params, speculative=spec)
             stats = llm.last_stats
-            doc["points"][point_key(batch, context, cfg)] = {
+            runs[key].append({
                 "batch": batch, "context": context, "context_used": ctx, **cfg, **chosen,
                 "throughput": stats.decode_tok_s, "tokens_per_step": stats.tokens_per_step,
                 "acceptance": stats.acceptance_rate, "accepted_hist": stats.accepted_hist,
@@ -171,8 +177,10 @@ def run_bench(args, grid: BenchGrid) -> dict:
                 "draft_s": stats.draft_s, "verify_s": stats.verify_s, "max_batch": stats.max_batch,
                 "prefill_s": prefill_s, "distinct_prompts": distinct, "peak_memory_gib": stats.peak_memory_bytes / 1024**3,
                 "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-            }
-            save(out, doc)
+            })
+            if repeat == grid.repeats - 1:
+                doc["points"][key] = median_run(runs[key])
+                save(out, doc)
             bar.update(1)
     llm.prompt_cache = None
     bar.close()
@@ -185,6 +193,13 @@ def run_bench(args, grid: BenchGrid) -> dict:
     for p in plot_results(doc, plot_dir, out.stem):
         print(f"plot written to {p}", file=sys.stderr)
     return doc
+
+
+def median_run(runs: list[dict]) -> dict:
+    """The run of median throughput (the lower middle one of an even count), with every run's throughput."""
+    median = statistics.median_low(r["throughput"] for r in runs)
+    point = next(r for r in runs if r["throughput"] == median)
+    return {**point, "throughput_runs": [r["throughput"] for r in runs]} if len(runs) > 1 else point
 
 
 def load_results(path: Path) -> dict:

@@ -279,7 +279,8 @@ def cmd_bench(args) -> int:
     grid = BenchGrid(batches=args.batch, contexts=args.context, drafters=args.drafters.split(","),
                      budgets=args.budget, gammas=args.gamma, modes=args.modes.split(","),
                      new_tokens=args.max_tokens, n_texts=args.num_texts, distinct_prompts=args.distinct_prompts,
-                     positions=[None if p == "default" else p for p in args.positions.split(",")])
+                     positions=[None if p == "default" else p for p in args.positions.split(",")],
+                     repeats=args.repeats)
     run_bench(args, grid)
     return 0
 
@@ -473,6 +474,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--distinct-prompts", type=positive_int,
                    help="prefill this many prompts and tile them up to the batch size: the same decode work "
                         "for far less prefill (default: every row its own prompt)")
+    b.add_argument("--repeats", type=positive_int, default=1,
+                   help="run each configuration of a point this many times, interleaved with the others, and keep "
+                        "its median run: steadier ratios on a machine whose speed drifts (default 1)")
     b.add_argument("--out", default="bench.json", help="results JSON (resumed if it exists)")
     b.add_argument("--plots", help="folder for PNG plots (default: beside --out)")
     b.set_defaults(func=cmd_bench)

@@ -102,18 +102,28 @@ def test_bench_resumes_and_plots(tmp_path, capsys):
 
 def test_bench_shares_prefill_and_shortens_long_contexts(tmp_path, capsys, tiny_llama):
     """Batches of one context tile one prefill of the distinct prompts; a context the model cannot hold
-    with the new tokens runs at the longest length that fits (the tiny model holds 1024 tokens)."""
+    with the new tokens runs at the longest length that fits (the tiny model holds 1024 tokens); with
+    --repeats each point keeps the median of its interleaved runs."""
     out = tmp_path / "bench.json"
     argv = ["bench", "--model", tiny_llama[0].source, "--corpus", str(DATA), "--batch", "2,4", "--context", "4k",
             "--distinct-prompts", "2", "--drafters", "none,self-streaming", "--budget", "32", "--gamma", "2",
-            "--max-tokens", "6", "--out", str(out)]
+            "--max-tokens", "6", "--repeats", "2", "--out", str(out)]
     assert run(argv, capsys)[0] == 0
     points = json.loads(out.read_text())["points"]
     assert len(points) == 4
+    assert all(len(p["throughput_runs"]) == 2 and p["throughput"] == min(p["throughput_runs"]) for p in points.values())
     assert {p["context"] for p in points.values()} == {4096}
     assert {p["context_used"] for p in points.values()} == {1024 - 6}
     assert len({p["prefill_s"] for p in points.values()}) == 1  # one prefill for both batch sizes
     assert all(p["throughput"] > 0 and p["steps"] > 0 for p in points.values())
+
+
+def test_median_run_keeps_the_middle_run_whole():
+    from magicdec.bench import median_run
+
+    runs = [{"throughput": t, "steps": i} for i, t in enumerate([3.0, 1.0, 2.0])]
+    assert median_run(runs) == {"throughput": 2.0, "steps": 2, "throughput_runs": [3.0, 1.0, 2.0]}
+    assert median_run(runs[:1]) == runs[0]  # one run: recorded as it is
 
 
 def test_plan_prints_table_and_plot(tmp_path, capsys):

@@ -96,6 +96,7 @@ CASES = [
     (["bench", "--model", NO_MODEL, "--corpus", str(DATA), "--out", "{bench_list.json}"], "expected a JSON object"),
     (["bench", "--model", NO_MODEL, "--corpus", str(DATA), "--out", "{bench_points.json}"], "'points' must map"),
     (["bench", "--model", NO_MODEL, "--corpus", "{latin1.jsonl}"], "not UTF-8 text"),
+    (["bench", "--model", NO_MODEL, "--corpus", str(DATA), "--repeats", "0"], "argument --repeats: must be >= 1"),
     # serve (a too-large --max-running is tests/test_server.py's)
     (["serve", "--port", "70000"], "argument --port: not a TCP port"),
     (["serve", "--max-running", "0"], "argument --max-running"),
