@@ -280,7 +280,8 @@ def plot_results(doc: dict, folder: Path, stem: str) -> list[Path]:
     axes[1].axhline(1.0, color="grey", lw=0.8)
     axes[1].set(xscale="log", xlabel="batch", ylabel="speedup over AR", title="best speculative config")
     for ax in axes:
-        ax.legend(fontsize=7)
+        if ax.get_legend_handles_labels()[0]:  # a grid of plain decoding and auto alone draws no speedup lines
+            ax.legend(fontsize=7)
     fig.tight_layout()
     written.append(folder / f"{stem}_throughput.png")
     fig.savefig(written[-1], dpi=110)

@@ -283,15 +283,15 @@ def test_per_row_filters_match_one_row_at_a_time():
 
 def test_cpu_candidate_sampler_follows_the_distribution():
     """Peaked rows (drawn from candidates) and flat rows (nucleus past the candidates) both follow the
-    filtered distribution (chi-square over 20000 seeds)."""
+    filtered distribution (chi-square over 12000 seeds)."""
     from magicdec.sampling import CPU_CANDIDATES
 
     params = SamplingParams(temperature=1.0, top_p=0.95)
-    logits = _mixed_logits()
+    logits = _mixed_logits(vocab=1500)  # the flat rows' nuclei (~1400 tokens) still pass the 1024 candidates
     probs = probs_from_logits(logits, rows_of(params, 4))[:, 0]
     support = (probs > 0).sum(-1)
     assert (support > CPU_CANDIDATES[-1]).any() and (support <= CPU_CANDIDATES[0]).any()
-    n = 20000
+    n = 12000
     for row in range(probs.shape[0]):
         tokens = sample_tokens(logits[row].expand(n, 1, -1), rows_of(params, n), torch.zeros(n, 1, dtype=torch.long))
         assert chi_square(torch.bincount(tokens[:, 0], minlength=probs.shape[1]), probs[row])[0] > P_MIN, row
