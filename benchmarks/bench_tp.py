@@ -174,7 +174,7 @@ def predict(shape, hw: HardwareProfile, args, tp: int, tokens_per_step: float) -
     context = args.context + args.max_tokens // 2
     ar = forward_cost(shape, hw, args.batch, 1, context, es, es, tp)
     verify = forward_cost(shape, hw, args.batch, args.gamma + 1, context, es, es, tp)
-    draft = draft_time(shape, hw, args.batch, context, args.budget, args.gamma, es, es, tp)
+    draft = draft_time(shape, hw, args.batch, context, args.budget, args.gamma, es, es, tp, first_tokens=1)
     drafts = forward_cost(shape, hw, args.batch, 1, min(args.budget, context), es, es, tp)
     spec_round = draft + verify.time
     return {"ar": {"step_s": ar.time, "comm_s_per_step": ar.t_comm, "decode_tok_s": args.batch / ar.time},

@@ -52,7 +52,8 @@ def predict(shape, hw, batch: int, context: int, drafter: str, budget: int | Non
     if drafter == "ar":
         t = decode_step_time(shape, hw, batch, context, dtype_bytes, kv_bytes)
         return {"t_step": t, "throughput": batch / t}
-    t_d = draft_time(shape, hw, batch, context, budget, gamma, dtype_bytes, kv_bytes) / gamma  # per forward
+    # per forward; self-speculation's first one reads one token (the others are copied from the target)
+    t_d = draft_time(shape, hw, batch, context, budget, gamma, dtype_bytes, kv_bytes, first_tokens=1) / gamma
     t_v = verify_step_time(shape, hw, batch, context, gamma, dtype_bytes, kv_bytes)
     e = expected_tokens(alpha, gamma)
     return {"t_draft": t_d, "t_verify": t_v, "t_step": gamma * t_d + t_v, "throughput": batch * e / (gamma * t_d + t_v)}

@@ -146,14 +146,14 @@ def test_step_helpers():
 
     assert decode_step_time(LLAMA2, TOY_HW, 4, 8000) == time(LLAMA2, 1, 8000)
     assert verify_step_time(LLAMA2, TOY_HW, 4, 8000, gamma=3) == time(LLAMA2, 4, 8000)
-    # Self-speculation: target shape over the budget; a budget past the context is the context. The
-    # first draft forward of a round also feeds the previous round's pending token (by default).
-    assert draft_time(LLAMA2, TOY_HW, 4, 8000, budget=512, gamma=1) == time(LLAMA2, 2, 512)
-    assert draft_time(LLAMA2, TOY_HW, 4, 8000, budget=512, gamma=3) == pytest.approx(
+    # The draft's shape over the budget (a budget past the context is the context); the first draft forward
+    # of a round reads `first_tokens` per row, the others one.
+    assert draft_time(LLAMA2, TOY_HW, 4, 8000, budget=512, gamma=1, first_tokens=2) == time(LLAMA2, 2, 512)
+    assert draft_time(LLAMA2, TOY_HW, 4, 8000, budget=512, gamma=3, first_tokens=2) == pytest.approx(
         time(LLAMA2, 2, 512) + 2 * time(LLAMA2, 1, 512))
-    assert draft_time(LLAMA2, TOY_HW, 4, 300, budget=512, gamma=1) == time(LLAMA2, 2, 300)
+    assert draft_time(LLAMA2, TOY_HW, 4, 300, budget=512, gamma=1, first_tokens=2) == time(LLAMA2, 2, 300)
     # Standalone draft: dense cache attends the whole context.
-    assert draft_time(TINYLLAMA, TOY_HW, 4, 8000, budget=None, gamma=1) == time(TINYLLAMA, 2, 8000)
+    assert draft_time(TINYLLAMA, TOY_HW, 4, 8000, budget=None, gamma=1, first_tokens=2) == time(TINYLLAMA, 2, 8000)
     # A self-speculative round's first draft forward reads one token: the others are copied from the target.
     assert draft_time(LLAMA2, TOY_HW, 4, 8000, budget=512, gamma=3, first_tokens=1) == pytest.approx(
         3 * time(LLAMA2, 1, 512))
@@ -331,7 +331,7 @@ def test_plan_with_draft_model_uses_fewer_devices_for_few_kv_heads():
     assert (best.strategy, best.draft_cache, best.budget) == ("model", "streaming", 256)
     # TinyLlama has 4 KV heads: it runs on gcd(8, 4) = 4 devices, so its draft step is
     # slower than if it were split 8 ways.
-    expected_draft = draft_time(TINYLLAMA, get_profile("a100-80gb"), 64, 8000, 256, best.gamma, tp=4)
+    expected_draft = draft_time(TINYLLAMA, get_profile("a100-80gb"), 64, 8000, 256, best.gamma, tp=4, first_tokens=2)
     t_verify = verify_step_time(LLAMA2, get_profile("a100-80gb"), 64, 8000, best.gamma, tp=8)
     throughput = 64 * expected_tokens(0.8, best.gamma) / (expected_draft + t_verify)
     assert best.predicted_throughput == pytest.approx(throughput)

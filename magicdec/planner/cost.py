@@ -200,7 +200,8 @@ def draft_time(
     weight_dtype_bytes: float = 2,
     kv_dtype_bytes: float = 2,
     tp: int = 1,
-    first_tokens: int = 2,
+    *,
+    first_tokens: int,
 ) -> float:
     """Seconds of the gamma draft forwards of one round.
 
