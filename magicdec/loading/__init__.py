@@ -8,6 +8,7 @@ so later loads memory-map fp32 safetensors instead of parsing and dequantizing t
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import importlib.util
 import os
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ from magicdec.cpu import DtypeChoice, auto_dtype
 from magicdec.distributed import TPGroup, apply_tp, check_shardable
 from magicdec.errors import InvalidRequestError, ModelLoadError
 from magicdec.jsonfile import read_json_object
-from magicdec.loading.cache import load_gguf
+from magicdec.loading.cache import content_digest, load_gguf
 from magicdec.loading.gguf_file import gguf_metadata, read_gguf
 from magicdec.loading.hf import load_hf_state_dict, read_hf_config, to_magicdec_names
 from magicdec.loading.tokenizer import Tokenizer
@@ -49,6 +50,21 @@ def default_model_path() -> Path:
     if not path.exists():
         raise ModelLoadError(f"default model file missing: {path}")
     return path
+
+
+def model_identity(path: str | os.PathLike | None = None) -> dict[str, str]:
+    """How results name a model: `{"name": ..., "sha256": ...}`, the checkpoint's name (a GGUF file's stem, a
+    folder's name) and the first 16 hex digits of the SHA-256 of its weights (the GGUF file; a folder's
+    `*.safetensors` files in name order, each file's digest hashed in turn), rather than the install path
+    of one machine. None: the embedded default model."""
+    path = default_model_path() if path is None else Path(path)
+    if path.is_dir():
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise ModelLoadError(f"{path}: no *.safetensors files to identify the model by")
+        digest = hashlib.sha256("".join(content_digest(f) for f in files).encode()).hexdigest()
+        return {"name": path.name, "sha256": digest[:16]}
+    return {"name": path.stem, "sha256": content_digest(path)[:16]}
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
