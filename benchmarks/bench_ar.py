@@ -42,7 +42,7 @@ sys.path.insert(0, str(ROOT))
 from magicdec.calibrate import machine_info  # noqa: E402
 from magicdec.corpus import cut_prompts  # noqa: E402
 from magicdec.engine import LLMEngine  # noqa: E402
-from magicdec.loading import default_model_path, load_model  # noqa: E402
+from magicdec.loading import default_model_path, load_model, model_identity  # noqa: E402
 from magicdec.runner import CACHE_SLACK  # noqa: E402
 from magicdec.sampling import SamplingParams  # noqa: E402
 
@@ -181,7 +181,7 @@ def main(argv=None) -> None:
     # Points of an earlier run at other (batch, context) are kept, so single points can be rerun.
     earlier = json.loads(args.out.read_text())["points"] if args.out.exists() else []
     rerun = {(b, c) for b in batches for c in contexts}
-    results = {"machine": info, "new_tokens": args.new_tokens, "prefill_chunk": args.prefill_chunk,
+    results = {"machine": info, "model": model_identity(), "new_tokens": args.new_tokens, "prefill_chunk": args.prefill_chunk,
                "method": "decode phase only; see benchmarks/bench_ar.py docstring",
                "points": [p for p in earlier if (p["batch"], p["context"]) not in rerun]}
     partial = args.out.with_suffix(".partial.json")

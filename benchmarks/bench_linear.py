@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_dtype import LINEARS, interleaved  # noqa: E402
 from magicdec import kernels  # noqa: E402
 from magicdec.calibrate import _filled_cache, machine_info  # noqa: E402
-from magicdec.loading import load_model  # noqa: E402
+from magicdec.loading import load_model, model_identity  # noqa: E402
 
 COPIES_BYTES = 64 << 20
 
@@ -83,7 +83,7 @@ def main() -> None:
     if not kernels.linear_supported(torch.device("cpu"), torch.bfloat16):
         sys.exit("the packed linear kernel does not run on this CPU (it needs AVX512-BF16)")
     ints = lambda s: [int(v) for v in s.split(",")]  # noqa: E731
-    result = {"machine": machine_info(), "layers": bench_layers(ints(a.rows), a.repeats),
+    result = {"machine": machine_info(), "model": model_identity(), "layers": bench_layers(ints(a.rows), a.repeats),
               "forwards": bench_forwards(ints(a.batches), a.context, ints(a.q), a.repeats)}
     Path(a.out).write_text(json.dumps(result, indent=1))
     print(f"wrote {a.out}")

@@ -1,7 +1,7 @@
 """llama.cpp's `llama-batched-bench` on the same model and cells as magicdec's CPU grid, as a ratio.
 
     python benchmarks/bench_llamacpp.py --bin PATH/llama-batched-bench [--batches 1,8,32]
-        [--contexts 1024,4096,8192] [--new-tokens 32] [--threads 2] [--magicdec benchmarks/results/cpu_grid_bf16.json]
+        [--contexts 1024,4096,8192] [--new-tokens 32] [--threads 2] [--magicdec benchmarks/results/cpu_grid.json]
 
 llama.cpp runs two GGUFs of the default model: a BF16 copy of the shipped Q4_1 (`gguf_bf16.py`: the weights
 magicdec computes with) with flash attention on and off and BF16 and F16 KV caches, and the Q4_1 file itself
@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from magicdec.calibrate import machine_info  # noqa: E402
-from magicdec.loading import default_model_path  # noqa: E402
+from magicdec.loading import default_model_path, model_identity  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 #: (weights, flash attention, KV cache type): BF16 weights in every attention / KV setting, and the shipped
@@ -66,7 +66,7 @@ def main() -> None:
     p.add_argument("--build", default="", help="how the binary was built (recorded in the JSON)")
     p.add_argument("--configs", type=sizes, default=list(range(len(CONFIGS))),
                    help="indices into CONFIGS to run (default: all; each takes minutes: one prefill per cell)")
-    p.add_argument("--magicdec", type=Path, default=HERE / "results" / "cpu_grid_bf16.json")
+    p.add_argument("--magicdec", type=Path, default=HERE / "results" / "cpu_grid.json")
     p.add_argument("--out", type=Path, default=HERE / "results" / "llamacpp.json")
     args = p.parse_args()
 
@@ -100,6 +100,7 @@ def main() -> None:
                     row[f"magicdec_{draft}_over_llamacpp"] = ours[(b, s)][draft] / best["speed_tg"]
             table.append(row)
     args.out.write_text(json.dumps({"machine": machine_info("cpu"), "build": args.build,
+                                    "models": {w: model_identity(p) for w, p in ggufs.items()},
                                     "new_tokens": args.new_tokens, "threads": args.threads,
                                     "runs": runs, "table": table}, indent=1) + "\n")
     print("\n| B | S | llama.cpp best tok/s (config) | magicdec AR | magicdec auto | auto / llama.cpp |")

@@ -48,6 +48,7 @@ sys.path.insert(0, str(ROOT))
 
 from magicdec.calibrate import machine_info  # noqa: E402
 from magicdec.corpus import cut_prompts, load_texts  # noqa: E402
+from magicdec.loading import model_identity  # noqa: E402
 from magicdec.planner.report import format_table  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
@@ -385,7 +386,9 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    doc = {"machine": machine_info(device), "args": vars(args), "results": rows}
+    # the model the servers started here ran (an external or --base-url server names its own in `results`)
+    model = None if args.base_url else model_identity(args.model)
+    doc = {"machine": machine_info(device), "model": model, "args": vars(args), "results": rows}
     out.write_text(json.dumps(doc, indent=1))
     print(table(rows))
     print(f"results: {out}; plot: {plot(rows, out.with_suffix('.png'))}")

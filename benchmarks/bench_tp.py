@@ -40,6 +40,7 @@ sys.path.insert(0, str(ROOT))
 from magicdec import calibrate  # noqa: E402
 from magicdec.autoplan import target_shape  # noqa: E402
 from magicdec.config import ModelConfig  # noqa: E402
+from magicdec.loading import model_identity  # noqa: E402
 from magicdec.planner import HardwareProfile, forward_cost, get_model_shape, get_profile  # noqa: E402
 from magicdec.planner.cost import draft_time  # noqa: E402
 
@@ -191,7 +192,8 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device(args.device)
     allreduce = calibrate.measure_local_allreduce(device, max(t for t, _ in runs))
     profiles = {threads: one_rank_profile(args, threads) for threads in sorted({th for _, th in runs})}
-    doc = {"machine": calibrate.machine_info(device), "settings": {k: v for k, v in vars(args).items()
+    doc = {"machine": calibrate.machine_info(device), "model": None if args.shape else model_identity(args.model),
+           "settings": {k: v for k, v in vars(args).items()
                                                                     if k not in ("worker", "threads")},
            "allreduce": allreduce, "profiles": {th: p.name for th, p in profiles.items()}, "runs": []}
     for tp, threads in runs:

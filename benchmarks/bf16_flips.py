@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from magicdec.calibrate import machine_info  # noqa: E402
 from magicdec.kv import KVCache  # noqa: E402
-from magicdec.loading import load_model  # noqa: E402
+from magicdec.loading import load_model, model_identity  # noqa: E402
 from magicdec.prefill import prefill_row  # noqa: E402
 
 
@@ -95,7 +95,7 @@ def main(argv=None) -> None:
     ref = load_model(device="cpu", dtype=torch.float32)
     texts = excerpts(ref.tokenizer, Path(args.data), args.rows, args.prompt + args.positions)
     dtypes = {"bf16": torch.bfloat16, "fp32": torch.float32}
-    results = {"machine": machine_info("cpu"), "rows": args.rows, "batch": args.batch, "prompt": args.prompt,
+    results = {"machine": machine_info("cpu"), "model": model_identity(), "rows": args.rows, "batch": args.batch, "prompt": args.prompt,
                "positions": args.positions, "runs": []}
     batches = [texts[i : i + args.batch] for i in range(0, len(texts), args.batch)]
     for name in args.dtypes.split(","):

@@ -1,13 +1,15 @@
-"""The CPU grid: plain (AR) and `--draft auto` decoding in bf16 against fp32 AR, from two `magicdec bench` runs.
+"""The CPU grid: plain (AR) and `--draft auto` decoding in bf16, optionally against fp32 AR, from `magicdec bench` runs.
 
-    magicdec bench --dtype bf16 --batch 1,8,32 --context 1k,4k,8k --drafters none,auto --modes greedy,sampling \\
-        --max-tokens 64 --distinct-prompts 8 --corpus ../shared/data/pg19_dev.jsonl --out benchmarks/results/cpu_grid_bf16.json
-    magicdec bench --dtype fp32 ... --drafters none --modes greedy --out benchmarks/results/cpu_grid_fp32.json
-    python benchmarks/cpu_grid.py [--bandwidth GB/s]
+    magicdec bench --dtype bf16 --batch 32 --context 4k,8k --drafters none,auto --modes greedy,sampling \\
+        --max-tokens 64 --distinct-prompts 8 --repeats 3 --corpus ../shared/data/pg19_dev.jsonl \\
+        --out benchmarks/results/cpu_grid.json
+    magicdec bench --dtype fp32 ... --drafters none --modes greedy --out /tmp/cpu_grid_fp32.json   # optional
+    python benchmarks/cpu_grid.py [--fp32 /tmp/cpu_grid_fp32.json] [--bandwidth GB/s] [--out rows.json]
 
 Prints one markdown row per batch x context: decode tok/s of bf16 AR and auto (greedy and sampled), auto's
-speedups, fp32 AR and the bf16/fp32 ratio, and the bf16 AR step against its floor (the step's weight and
-KV bytes at the read bandwidth `magicdec calibrate` measured, `--bandwidth` to override).
+speedups, fp32 AR and the bf16/fp32 ratio (with --fp32), and the bf16 AR step against its floor (the step's
+weight and KV bytes at the read bandwidth `magicdec calibrate` measured for the shipped bf16 preset,
+`--bandwidth` to override). benchmarks/tables.py renders the README's table with `grid_rows`.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from magicdec.planner.models import ModelShape  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+CALIBRATION = ROOT / "magicdec" / "data" / "hardware-cpu-avx512bf16-2t-bf16.measurements.json"
 
 
 def tok_s(doc: dict, batch: int, context: int, mode: str, draft: str) -> float | None:
@@ -28,52 +32,73 @@ def tok_s(doc: dict, batch: int, context: int, mode: str, draft: str) -> float |
     return p.get("throughput")
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--bf16", type=Path, default=RESULTS / "cpu_grid_bf16.json")
-    p.add_argument("--fp32", type=Path, default=RESULTS / "cpu_grid_fp32.json", help="fp32 AR points ('-': none)")
-    p.add_argument("--calibration", type=Path, default=RESULTS / "hardware-cpu-avx512bf16-2t-bf16.measurements.json")
-    p.add_argument("--bandwidth", type=float, help="read bandwidth for the floor, GB/s (default: calibrated)")
-    p.add_argument("--out", type=Path, default=RESULTS / "cpu_grid.json")
-    args = p.parse_args()
-    bf16 = json.loads(args.bf16.read_text())
-    fp32 = json.loads(args.fp32.read_text()) if str(args.fp32) != "-" else {"points": {}}
-    cal = json.loads(args.calibration.read_text())
-    bandwidth = args.bandwidth * 1e9 if args.bandwidth else cal["read_bandwidth"]["sum"]
+def grid_rows(bf16: dict, fp32: dict | None = None, bandwidth: float | None = None,
+              calibration: Path = CALIBRATION) -> list[dict]:
+    """One row per (batch, context) of a bf16 bench run: tok/s, auto's ratios, bf16/fp32, AR step over floor."""
+    cal = json.loads(calibration.read_text())
+    bandwidth = bandwidth or cal["read_bandwidth"]["sum"]
     shape = ModelShape(**cal["model_shape"])
     weight_bytes = 2 * shape.n_params_linear  # bf16 weights a step streams
     kv_per_token = shape.kv_bytes_per_token(2)  # bf16 K and V
+    fp32 = fp32 or {"points": {}}
     points = [q for q in bf16["points"].values() if "throughput" in q]
-    cells = sorted({(q["batch"], q["context"]) for q in points})
     rows = []
-    print(f"floor: bf16 weights {weight_bytes / 1e6:.0f} MB + KV at {bandwidth / 1e9:.1f} GB/s read bandwidth\n")
-    print("| B | S | bf16 AR greedy | auto greedy (x) | bf16 AR sampled | auto sampled (x) | fp32 AR greedy | "
-          "bf16 / fp32 AR | AR step / floor |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for b, c in cells:
+    for b, c in sorted({(q["batch"], q["context"]) for q in points}):
         ctx = next(q["context_used"] for q in points if (q["batch"], q["context"]) == (b, c))
         r = {"batch": b, "context": c}
         for mode in ("greedy", "sampling"):
-            r[f"ar_{mode}"], r[f"auto_{mode}"] = tok_s(bf16, b, c, mode, "none"), tok_s(bf16, b, c, mode, "auto")
+            for draft, key in (("none", f"ar_{mode}"), ("auto", f"auto_{mode}")):
+                r[key] = tok_s(bf16, b, c, mode, draft)
+                runs = bf16["points"].get(f"B{b}-S{c}-{mode}-{draft}-K0-g0", {}).get("throughput_runs")
+                if runs and len(runs) > 1:
+                    r[f"{key}_range"] = (min(runs), max(runs))
             if r[f"ar_{mode}"] and r[f"auto_{mode}"]:
                 r[f"auto_over_ar_{mode}"] = r[f"auto_{mode}"] / r[f"ar_{mode}"]
         r["fp32_ar_greedy"] = tok_s(fp32, b, c, "greedy", "none")
         if r["fp32_ar_greedy"] and r["ar_greedy"]:
             r["bf16_over_fp32"] = r["ar_greedy"] / r["fp32_ar_greedy"]
-        floor_s = (weight_bytes + b * (ctx + 32) * kv_per_token) / bandwidth  # mid-run context
-        r["floor_step_s"] = floor_s
+        r["floor_step_s"] = (weight_bytes + b * (ctx + 32) * kv_per_token) / bandwidth  # mid-run context
         if r["ar_greedy"]:
-            r["ar_step_over_floor"] = (b / r["ar_greedy"]) / floor_s
+            r["ar_step_over_floor"] = (b / r["ar_greedy"]) / r["floor_step_s"]
         rows.append(r)
+    return rows
 
-        def f(key: str, fmt: str = "{:.1f}") -> str:
-            return fmt.format(r[key]) if r.get(key) is not None else "-"
 
-        print(f"| {b} | {c} | {f('ar_greedy')} | {f('auto_greedy')} ({f('auto_over_ar_greedy', '{:.2f}')}) | "
-              f"{f('ar_sampling')} | {f('auto_sampling')} ({f('auto_over_ar_sampling', '{:.2f}')}) | "
-              f"{f('fp32_ar_greedy')} | {f('bf16_over_fp32', '{:.2f}x')} | {f('ar_step_over_floor', '{:.2f}')} |")
-    args.out.write_text(json.dumps({"bandwidth": bandwidth, "weight_bytes": weight_bytes,
-                                    "machine": bf16.get("machine"), "rows": rows}, indent=1) + "\n")
+def markdown(rows: list[dict]) -> str:
+    """The grid as a markdown table (the fp32 columns only where fp32 points exist)."""
+    fp32 = any(r.get("fp32_ar_greedy") for r in rows)
+
+    def f(r: dict, key: str, fmt: str = "{:.1f}") -> str:
+        text = fmt.format(r[key]) if r.get(key) is not None else "-"
+        lo_hi = r.get(f"{key}_range")
+        return text + (f" ({lo_hi[0]:.0f}-{lo_hi[1]:.0f})" if lo_hi else "")
+
+    head = ["B", "S", "bf16 AR greedy", "auto greedy (x AR)", "bf16 AR sampled", "auto sampled (x AR)"]
+    head += ["fp32 AR greedy", "bf16 / fp32 AR"] if fp32 else []
+    lines = ["| " + " | ".join(head + ["AR step / floor"]) + " |", "|" + " ---: |" * (len(head) + 1)]
+    for r in rows:
+        cells = [str(r["batch"]), str(r["context"]), f(r, "ar_greedy"),
+                 f"{f(r, 'auto_greedy')} ({f(r, 'auto_over_ar_greedy', '{:.2f}')})", f(r, "ar_sampling"),
+                 f"{f(r, 'auto_sampling')} ({f(r, 'auto_over_ar_sampling', '{:.2f}')})"]
+        cells += [f(r, "fp32_ar_greedy"), f(r, "bf16_over_fp32", "{:.2f}x")] if fp32 else []
+        lines.append("| " + " | ".join(cells + [f(r, "ar_step_over_floor", "{:.2f}")]) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--bf16", type=Path, default=RESULTS / "cpu_grid.json")
+    p.add_argument("--fp32", type=Path, help="a fp32 run's AR points (default: none)")
+    p.add_argument("--calibration", type=Path, default=CALIBRATION)
+    p.add_argument("--bandwidth", type=float, help="read bandwidth for the floor, GB/s (default: calibrated)")
+    p.add_argument("--out", type=Path, help="also write the rows as JSON")
+    args = p.parse_args()
+    bf16 = json.loads(args.bf16.read_text())
+    fp32 = json.loads(args.fp32.read_text()) if args.fp32 else None
+    rows = grid_rows(bf16, fp32, args.bandwidth * 1e9 if args.bandwidth else None, args.calibration)
+    print(markdown(rows))
+    if args.out:
+        args.out.write_text(json.dumps({"machine": bf16.get("machine"), "rows": rows}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ from magicdec import LLM, SamplingParams  # noqa: E402
 from magicdec.autoplan import choose  # noqa: E402
 from magicdec.calibrate import machine_info  # noqa: E402
 from magicdec.corpus import cut_prompts, load_texts  # noqa: E402
+from magicdec.loading import model_identity  # noqa: E402
 from magicdec.runner import CACHE_SLACK  # noqa: E402
 
 
@@ -93,7 +94,8 @@ def main() -> None:
     for config in order:
         runs.append(trace(llm, prompts, config, args.max_tokens, args.num_prompts))
         print(f"{config}: prefill {runs[-1]['prefill_s']:.1f} s, decode {runs[-1]['decode_s']:.1f} s", flush=True)
-    Path(args.out).write_text(json.dumps(dict(machine=machine_info(), settings=vars(args), runs=runs), indent=1))
+    Path(args.out).write_text(json.dumps(dict(machine=machine_info(), model=model_identity(), settings=vars(args), runs=runs),
+                                               indent=1))
     print(table(runs))
 
 

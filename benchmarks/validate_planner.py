@@ -43,6 +43,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def relative(path: Path) -> str:
+    """`path` as recorded in results: relative to the repository when inside it, not this machine's layout."""
+    try:
+        return str(path.resolve().relative_to(ROOT))
+    except ValueError:
+        return str(path)
+
+
 # --- predictions ------------------------------------------------------------------------------------------
 def predict(shape, hw, batch: int, context: int, drafter: str, budget: int | None, gamma: int,
             alpha: float | None, dtype_bytes: float, kv_bytes: float) -> dict[str, float]:
@@ -320,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     llm = LLM(device="cpu")
     hw = HardwareProfile.from_json(args.profile) if args.profile else load_profile("cpu")
     table = AcceptanceTable.from_json(args.acceptance) if args.acceptance else load_acceptance(llm)
-    res: dict[str, Any] = {"bench": str(args.bench), "machine": doc.get("machine"), "settings": doc.get("settings"),
+    res: dict[str, Any] = {"bench": relative(args.bench), "machine": doc.get("machine"), "settings": doc.get("settings"),
                            "profile": dataclasses.asdict(hw), "points": bench_points(doc)}
     summarize(res, table, target_shape(llm), hw, float(llm.model.dtype.itemsize), float(llm.kv_dtype.itemsize))
     args.json.parent.mkdir(parents=True, exist_ok=True)

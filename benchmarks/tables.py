@@ -1,0 +1,239 @@
+"""The tables of benchmarks/README.md, generated from the result files in benchmarks/results.
+
+Each table sits between `<!-- table:NAME -->` and `<!-- /table -->` in the README and is rendered from the
+current result file of its benchmark (TABLES below), so no number in a table is typed by hand.
+
+    python benchmarks/tables.py            # rewrite the tables in place
+    python benchmarks/tables.py --check    # exit 1 (naming the stale tables) if the README differs
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE.parent), str(HERE)]
+from cpu_grid import grid_rows, markdown  # noqa: E402
+
+from magicdec.planner.report import format_table  # noqa: E402
+
+README = HERE / "README.md"
+RESULTS = HERE / "results"
+BLOCK = re.compile(r"(<!-- table:(\w+) -->\n)(.*?)(<!-- /table -->)", re.S)
+
+
+def load(name: str) -> dict:
+    return json.loads((RESULTS / f"{name}.json").read_text())
+
+
+def text(rows: list[dict]) -> str:
+    return "```\n" + format_table(rows) + "\n```"
+
+
+def model(doc: dict) -> str:
+    """The model a result file names (top level or in its settings), as `name (sha256 prefix)`."""
+    m = doc.get("model") or doc.get("settings", {}).get("model")
+    return f"`{m['name']}` (sha256 `{m['sha256']}`)" if isinstance(m, dict) else "the embedded default model"
+
+
+def ms(seconds: float) -> str:
+    return f"{1e3 * seconds:.0f} ms"
+
+
+def ar() -> str:
+    return text([{"batch": p["batch"], "context": p["context"], "threads": p.get("threads"),
+                  "magicdec tok/s": p["magicdec"]["tok_s"], "transformers tok/s": p.get("hf", {}).get("tok_s"),
+                  "ratio": f"{p['speedup']:.2f}x" if "speedup" in p else None,
+                  "magicdec / floor": p["magicdec"]["step_over_floor"],
+                  "transformers / floor": p.get("hf", {}).get("step_over_floor")} for p in load("ar")["points"]])
+
+
+def dtype_linear() -> str:
+    doc, rows = load("dtype"), {}
+    for p in doc["linear"]:
+        rows.setdefault(f"{p['layer']} {p['in']}->{p['out']}", {})[f"{p['rows']} rows"] = p["bf16_over_fp32"]
+    return text([{"bf16 / fp32 time": layer, **cells} for layer, cells in rows.items()])
+
+
+def dtype_forward() -> str:
+    return text([{"B": p["batch"], "L": p["context"], "q": p["q"], "fp32": ms(p["seconds"]["fp32"]),
+                  "bf16": ms(p["seconds"]["bf16"]), "bf16 / fp32": p["bf16_over_fp32"]} for p in load("dtype")["forward"]])
+
+
+ATTENTION = {"SDPA, bias": "sdpa additive bias", "bf16 matmuls": "matmul, bf16 softmax",
+             "native kernel": "native kernel (magicdec)"}
+
+
+def attention(prefill: bool) -> str:
+    rows = []
+    for p in load("attention")["points"]:
+        if (p["q"] >= 128) != prefill:
+            continue
+        v = p["variants"]
+        row = {"B": p["batch"], "L": p["context"], "q": p["q"]}
+        for label, key in ATTENTION.items():
+            row[label] = ms(v[key]["seconds"]) + ("" if prefill else f" ({v[key]['gb_per_s']:.1f} GB/s)")
+        row["matmuls / kernel"] = f"{v[ATTENTION['bf16 matmuls']]['seconds'] / v[ATTENTION['native kernel']]['seconds']:.2f}x"
+        if not prefill:
+            row[".sum()"] = f"{v['read baseline: .sum() of K and V']['gb_per_s']:.0f} GB/s"
+        rows.append(row)
+    return text(rows)
+
+
+def linear() -> str:
+    rows: dict[int, dict] = {}
+    for p in load("linear")["layers"]:
+        g = p["gb_per_s"]
+        rows.setdefault(p["rows"], {"rows": p["rows"]})[f"{p['layer']} {p['in']}->{p['out']}"] = (
+            f"{g['torch']:.1f} / {g['kernel']:.1f} ({p['speedup']:.2f}x)")
+    return text(list(rows.values()))
+
+
+def bf16_flips() -> str:
+    rows: dict[tuple, dict] = {}
+    for r in load("bf16_flips")["runs"]:
+        rows.setdefault((r["batch"], r["dtype"]), {"rows per batch": r["batch"], "dtype": r["dtype"]})[
+            f"q = {r['q']}"] = f"{r['flips']} / {r['compared']}"
+    return text(list(rows.values()))
+
+
+def cpu_grid() -> str:
+    return markdown(grid_rows(load("cpu_grid")))
+
+
+def llamacpp() -> str:
+    doc = load("llamacpp")
+    rows = []
+    for t in doc["table"]:
+        cell = [r for r in doc["runs"] if (r["pl"], r["pp"]) == (t["batch"], t["context"]) and r["weights"] == "bf16"]
+        best = {fa: max((r["speed_tg"] for r in cell if r["flash_attn"] == fa), default=None) for fa in ("on", "off")}
+        rows.append({"B": t["batch"], "S": t["context"], "llama.cpp fa on": best["on"], "llama.cpp fa off": best["off"],
+                     "magicdec AR": t.get("magicdec_none_tok_s"), "magicdec auto": t.get("magicdec_auto_tok_s"),
+                     "AR / llama.cpp": t.get("magicdec_none_over_llamacpp"),
+                     "auto / llama.cpp": t.get("magicdec_auto_over_llamacpp")})
+    return text(rows)
+
+
+def serving_8k() -> str:
+    from bench_serving import table
+
+    return "```\n" + table(load("serving_8k")["results"]) + "\n```"
+
+
+def serving_trace() -> str:
+    from serving_trace import table
+
+    return table(load("serving_trace")["runs"])
+
+
+def tp() -> str:
+    rows = []
+    for r in load("tp")["runs"]:
+        for mode in ("ar", "spec"):
+            m, p = r[mode], r["predicted"][mode]
+            rows.append({"TP": r["tp"], "threads/rank": r["threads_per_rank"], "mode": mode,
+                         "tok/s": m["decode_tok_s"], "predicted": p["decode_tok_s"], "step": ms(m["step_s"]),
+                         "predicted step": ms(p["step_s"]), "communication": f"{m['comm_share']:.0%}",
+                         "predicted comm": f"{p['comm_s_per_step'] / p['step_s']:.0%}"})
+    return text(rows)
+
+
+def validate_planner() -> str:
+    s = load("validate_planner")["summary"]
+    parts = [("seconds per round (the cost model)", "round_time_rel_error"), ("rounds (the acceptance model)",
+             "rounds_rel_error"), ("throughput (both)", "throughput_rel_error"), ("speedup over AR", "speedup_rel_error")]
+    return text([{"measure": label, "median error": f"{s[k]['median']:.1%}", "worst": f"{s[k]['worst']:.1%}"}
+                 for label, k in parts]) + f"\n\n{s['n_points']} points; the planner's choice within 10% of the best " \
+                                          f"measured configuration in {s['choice_within_10pct']} cells."
+
+
+def _cells(doc: dict) -> dict[tuple, list[dict]]:
+    cells: dict[tuple, list[dict]] = {}
+    for p in doc["points"].values():
+        if "throughput" in p:
+            cells.setdefault((p["batch"], p["context_used"], p["mode"]), []).append(p)
+    return cells
+
+
+def throughput() -> str:
+    rows = []
+    for (b, s, mode), pts in sorted(_cells(load("throughput")).items(), key=lambda c: (-c[0][1], -c[0][0])):
+        ar_ = next(p for p in pts if p["draft"] == "none")
+        spec = [p for p in pts if p["draft"] not in ("none", "auto")]
+        best = max(spec, key=lambda p: p["throughput"])
+        auto = next((p for p in pts if p["draft"] == "auto"), None)
+        rows.append({"batch": b, "prompt": s, "AR tok/s": ar_["throughput"],
+                     "best speculative": f"{best['draft']} K={best['budget']} g={best['gamma']}",
+                     "tok/s": best["throughput"], "tokens/step": best["tokens_per_step"],
+                     "speedup": f"{best['throughput'] / ar_['throughput']:.2f}x",
+                     "auto speedup": f"{auto['throughput'] / ar_['throughput']:.2f}x" if auto else None})
+    return text(rows)
+
+
+def auto() -> str:
+    rows: dict[tuple, dict] = {}
+    for (b, s, mode), pts in sorted(_cells(load("auto")).items(), key=lambda c: (-c[0][1], -c[0][0])):
+        by = {p["draft"]: p["throughput"] for p in pts}
+        row = rows.setdefault((b, s), {"batch": b, "prompt": s})
+        row[f"{mode} AR tok/s"] = by["none"]
+        row[f"{mode} auto"] = f"{by['auto'] / by['none']:.2f}x"
+    return text(list(rows.values()))
+
+
+def positions() -> str:
+    rows: dict[tuple, dict] = {}
+    for p in load("acceptance")["points"].values():
+        if p.get("positions") and p.get("budget") == 256 and "tokens_per_step" in p:
+            row = rows.setdefault((p["draft"], p["context_used"]), {"drafter": p["draft"], "context": p["context_used"]})
+            row[f"{p['mode']} {p['positions']}"] = p["tokens_per_step"]
+    return text([rows[k] for k in sorted(rows)])
+
+
+TABLES = {"ar": ar, "dtype_linear": dtype_linear, "dtype_forward": dtype_forward,
+          "attention": lambda: attention(False), "attention_prefill": lambda: attention(True), "linear": linear,
+          "bf16_flips": bf16_flips, "cpu_grid": cpu_grid, "llamacpp": llamacpp, "throughput": throughput,
+          "auto": auto, "positions": positions, "validate_planner": validate_planner, "serving_8k": serving_8k,
+          "serving_trace": serving_trace, "tp": tp}
+MODELS = {"cpu_grid": "cpu_grid", "throughput": "throughput", "auto": "auto", "positions": "acceptance"}
+
+
+def render(readme: str) -> tuple[str, list[str]]:
+    """The README with every marked table regenerated, and the names of the tables that changed."""
+    changed = []
+
+    def fill(m: re.Match) -> str:
+        name = m.group(2)
+        if name not in TABLES:
+            raise SystemExit(f"README names an unknown table {name!r} (known: {', '.join(TABLES)})")
+        body = TABLES[name]()
+        if name in MODELS:
+            body += f"\n\nModel: {model(load(MODELS[name]))}."
+        if m.group(3) != body + "\n":
+            changed.append(name)
+        return f"{m.group(1)}{body}\n{m.group(4)}"
+
+    return BLOCK.sub(fill, readme), changed
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--check", action="store_true", help="only report whether the README's tables are current")
+    p.add_argument("--readme", type=Path, default=README)
+    args = p.parse_args()
+    old = args.readme.read_text()
+    new, changed = render(old)
+    if args.check:
+        if changed:
+            print(f"{args.readme}: stale tables: {', '.join(changed)} (run python benchmarks/tables.py)")
+        return 1 if changed else 0
+    args.readme.write_text(new)
+    print(f"{args.readme}: {len(changed)} tables rewritten" + (f" ({', '.join(changed)})" if changed else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
