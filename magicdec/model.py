@@ -64,12 +64,12 @@ def matmul_attention(device: torch.device, kv_dtype: torch.dtype) -> bool:
     does not run (a CPU without AVX512-BF16).
 
     Over a bf16 cache on CPU, two bf16 matmuls with a bf16 softmax between them (the kernel computes in
-    fp32 inside) run 1.2-2.7x faster than with the scores converted to fp32 for the softmax, with the
-    same output but for rare one-ulp roundings (the QK^T product is already rounded to bf16, and a
-    power-of-two scale and a 0 / -inf bias add no rounding), and 1.4-1.7x faster than SDPA's flash
-    kernel (B=8 x 8k, q=1..8);
-    over an fp32 cache SDPA is the faster one (1.4x), as it is on GPUs (benchmarks/README.md,
-    "Attention over a bf16 cache").
+    fp32 inside) are faster than with the scores converted to fp32 for the softmax (that conversion is
+    three extra passes over the scores), with the same output but for rare one-ulp roundings (the QK^T
+    product is already rounded to bf16, and a power-of-two scale and a 0 / -inf bias add no rounding),
+    and faster than SDPA's flash kernel, which converts the bf16 cache as it reads it; over an fp32
+    cache SDPA is the faster one, as it is on GPUs (measurements: benchmarks/README.md, "Attention over
+    a bf16 cache").
     """
     return device.type == "cpu" and kv_dtype == torch.bfloat16
 
@@ -120,8 +120,9 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 class PackedLinear(nn.Module):
     """A bias-optional linear layer whose bf16 weight is packed for the native kernel (`kernels.linear`):
-    2-4x faster than torch's bf16 matmul at the few rows of a decode step, and a row gets the same bits
-    in any batch. `pack_linears` puts it in place of nn.Linear at load time."""
+    it reads each weight once per call, where torch's bf16 matmul reads them well below the memory
+    bandwidth at the few rows of a decode step (benchmarks/README.md, "A packed bf16 linear kernel"), and
+    a row gets the same bits in any batch. `pack_linears` puts it in place of nn.Linear at load time."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()

@@ -11,9 +11,9 @@ in place so that each rank holds its share of every layer and one all-reduce joi
   nothing. The head is kept whole because sampling needs the whole distribution on every rank (each rank
   samples the same token from identical logits, with no broadcast): a vocab-parallel head would compute
   1/tp of the logits and all-gather B x q x vocab of them per forward. Replicated is the simpler choice,
-  not the fastest one: on the 2-core CPU (benchmarks/results/tp.json, SmolLM2-135M, 4 and 16
-  rows) the replicated head took 46 and 68 ms a forward, half of it 21 and 36 ms plus 1 and 3 ms of
-  all-gather, so a vocab-parallel head would save about a sixth of a TP=2 decode step there. It is the
+  not the fastest one: half the head plus an all-gather of the logits costs less than the whole head,
+  so a vocab-parallel head would shorten a TP=2 decode step (measured for SmolLM2-135M in
+  benchmarks/README.md, "bench_tp.py"). It is the
   next step (see the planner's TP cost, which models the head as built: replicated).
 
 Splits need not be even: KV heads (and the MLP's columns) go out as evenly as they divide, the first

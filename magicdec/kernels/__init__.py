@@ -2,18 +2,18 @@
 
 `decode_attention` is attention over a bf16 KV cache on CPUs with AVX512-BF16, for decode and
 verification (a few new tokens per row) and for prefill chunks. torch's two bf16 matmuls read the cache
-at 40-70% of the memory bandwidth at one new token and are compute-bound at verification shapes; the
+well below the memory bandwidth at one new token and are compute-bound at verification shapes; the
 kernel reads each cached K/V element once with `vdpbf16ps`, whatever the number of queries
 (benchmarks/README.md, "A decode attention kernel"), and with no scores tensor between two matmuls it
-also runs a 512-token prefill chunk 1.5-2x faster than they do ("Prefill chunks on the kernel").
+also runs prefill chunks faster than they do ("Prefill chunks on the kernel").
 
 `linear` is a bf16 linear layer over weights packed once at load time (`pack_linear`). torch's bf16
-matmul reads the weights at about half the memory bandwidth at 1-8 rows, and rounds a row differently
-at different row counts; the kernel runs 2-4x faster at 1-16 rows and 1.0-1.5x at 32-512
-(benchmarks/README.md, "A packed bf16 linear kernel"), and gives a row the same bits in any batch, so
+matmul reads the weights well below the memory bandwidth at a few rows, and rounds a row differently
+at different row counts; the kernel reads each weight once per call, which pays most at a few rows,
+where the weights are what a forward reads (benchmarks/README.md, "A packed bf16 linear kernel"), and gives a row the same bits in any batch, so
 that a one-token step and a verification forward agree exactly in the linear layers.
 
-Each kernel is built with torch's C++ extension tooling (a C++ compiler and ninja; about 30 s, once per
+Each kernel is built with torch's C++ extension tooling (a C++ compiler and ninja; once per
 torch version, cached under TORCH_EXTENSIONS_DIR). Where the CPU lacks the instructions or a build fails,
 that kernel is off, the reason is logged, and torch's operators run instead. MAGICDEC_NATIVE=0 turns the
 kernels off.

@@ -98,8 +98,8 @@ class KVCache:
 
         On CPU, every slot once the filled prefix reaches half the capacity: a prefix of each row is a
         strided view, which the matmuls (and SDPA) copy before multiplying, while the whole buffer is
-        contiguous; reading it costs at most twice the bytes and made a decode step 1.9x faster in bf16
-        (B=8 x 4k: 250 -> 133 ms) and 1.25x in fp32 (B=8 x 2k). The unfilled slots are masked."""
+        contiguous; reading it costs at most twice the bytes and saves that copy, which made decode steps
+        faster in bf16 and in fp32 (benchmarks/README.md, "Whole buffers"). The unfilled slots are masked."""
         n = self.max_len + q
         return self.capacity if self.device.type == "cpu" and 2 * n >= self.capacity else n
 

@@ -109,7 +109,7 @@ def content_digest(path: Path) -> str:
     """SHA-256 of a file's bytes, hashed once per version of the file and remembered in the cache.
 
     Hashing the whole file is the only key that is correct (a header plus a strided sample misses an
-    edit between the samples), but it costs ~0.15 s per 100 MB, on every load. So the digest is kept
+    edit between the samples), but it reads every byte of the file, on every load. So the digest is kept
     with the file's (device, inode, size, mtime, ctime): any write to the file, and any `touch`, even
     `touch -r` that restores the old mtime, sets the ctime to now, and no call sets it back; a copy
     is a new inode. While all five match, the file holds the bytes that were hashed.
