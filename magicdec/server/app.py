@@ -64,6 +64,15 @@ class _Choice:
     text: str = ""
     finish_reason: str | None = None
 
+    def record(self, out: Output) -> str:
+        """Apply an Output to the choice; the text it makes final."""
+        self.tokens += len(out.new_ids)
+        delta = self.detok.push(out.new_ids)
+        if out.finish_reason is not None:
+            delta += self.detok.finish(out.text)
+            self.text, self.finish_reason = out.text, out.finish_reason
+        return delta
+
 
 @dataclass
 class _Call:
@@ -71,8 +80,9 @@ class _Call:
 
     kind: str  # "text_completion" or "chat.completion"
     model: str
+    engine: AsyncEngine
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    choices: dict[str, _Choice] = field(default_factory=dict)
+    choices: dict[str, _Choice] = field(default_factory=dict)  # by request id, in index order
     prompt_tokens: list[int] = field(default_factory=list)  # per prompt, counted once however many choices
     id: str = field(default_factory=lambda: f"cmpl-{uuid.uuid4().hex}")
     created: int = field(default_factory=lambda: int(time.time()))
@@ -84,6 +94,77 @@ class _Call:
     def usage(self) -> dict[str, int]:
         prompt, completion = sum(self.prompt_tokens), sum(c.tokens for c in self.choices.values())
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def withdraw(self) -> None:
+        """Abort the unfinished requests (the engine ignores ids it no longer knows)."""
+        for choice in self.choices.values():
+            if choice.finish_reason is None:
+                self.engine.abort(choice.request_id)
+
+    def envelope(self, kind: str, choices: list[dict]) -> dict:
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
+
+    def choice_body(self, choice: _Choice, text: str, finish_reason: str | None, whole: bool) -> dict:
+        """A choice as a response shows it: whole (the JSON answer) or the part of a chunk."""
+        if self.kind != "chat.completion":
+            content = {"text": text}
+        elif whole:
+            content = {"message": {"role": "assistant", "content": text}}
+        else:
+            content = {"delta": {"content": text} if text else {}}
+        return {"index": choice.index, **content, "logprobs": None, "finish_reason": finish_reason}
+
+    def chunk(self, choice: _Choice, text: str, finish_reason: str | None, usage: bool) -> dict:
+        out = self.envelope(self.chunk_kind, [self.choice_body(choice, text, finish_reason, whole=False)])
+        if usage:
+            out["usage"] = None
+        return out
+
+    async def stream(self, include_usage: bool) -> AsyncIterator[str]:
+        """The SSE events of the call (its requests are withdrawn by _CallStream however the stream ends)."""
+        if self.kind == "chat.completion":
+            for choice in self.choices.values():
+                first = self.chunk(choice, "", None, include_usage)
+                first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
+                yield f"data: {json.dumps(first)}\n\n"
+        pending = set(self.choices)
+        while pending:
+            out = await self.queue.get()
+            if out.error is not None:
+                yield f"data: {json.dumps(error_body(500, out.error))}\n\n"
+                break
+            if out.last:
+                pending.discard(out.request_id)
+            choice = self.choices[out.request_id]
+            text = choice.record(out)
+            if text or out.last:
+                yield f"data: {json.dumps(self.chunk(choice, text, choice.finish_reason, include_usage))}\n\n"
+        else:
+            if include_usage:
+                usage = {**self.envelope(self.chunk_kind, []), "usage": self.usage()}
+                yield f"data: {json.dumps(usage)}\n\n"
+        yield "data: [DONE]\n\n"
+
+    async def collect(self, http: Request) -> dict | None:
+        """Wait for every choice; None if the client disconnected first (its requests are aborted)."""
+        pending = set(self.choices)
+        try:
+            while pending:
+                try:
+                    out = await asyncio.wait_for(self.queue.get(), DISCONNECT_POLL_S)
+                except TimeoutError:
+                    if await http.is_disconnected():
+                        return None
+                    continue
+                if out.error is not None:
+                    raise ApiError(500, out.error)
+                self.choices[out.request_id].record(out)
+                if out.last:
+                    pending.discard(out.request_id)
+        finally:
+            self.withdraw()
+        choices = [self.choice_body(c, c.text, c.finish_reason, whole=True) for c in self.choices.values()]
+        return {**self.envelope(self.kind, choices), "usage": self.usage()}
 
 
 class _CallStream(StreamingResponse):
@@ -101,247 +182,166 @@ class _CallStream(StreamingResponse):
             self._withdraw()
 
 
+@dataclass
+class Server:
+    """What the routes share (engine, tokenizer, the model's names and chat template, API key); the routes."""
+
+    engine: AsyncEngine
+    tokenizer: Tokenizer
+    metrics: ServerMetrics
+    model_name: str
+    model_root: str
+    template: ChatTemplate | None = None
+    api_key: str | None = None
+    on_ready: Callable[[], None] | None = None
+    on_stopped: Callable[[], None] | None = None
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @asynccontextmanager
+    async def lifespan(self, app: FastAPI) -> AsyncIterator[None]:
+        self.engine.start()
+        if self.on_ready is not None:
+            self.on_ready()
+        yield
+        self.engine.stop()
+        if self.on_stopped is not None:
+            self.on_stopped()
+
+    async def check_api_key(self, request: Request) -> None:
+        """The /v1 routes' dependency (a dependency, not an HTTP middleware, which would hide disconnects)."""
+        given = request.headers.get("authorization", "")
+        if self.api_key is not None and not secrets.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+            raise ApiError(401, "missing or invalid API key (send `Authorization: Bearer <key>`)")
+
+    def check_model(self, name: str | None) -> str:
+        if name is not None and name != self.model_name:
+            raise ApiError(404, f"the model `{name}` does not exist (this server serves `{self.model_name}`)", "model")
+        return self.model_name
+
+    def render_chat(self, messages: Sequence[ChatMessage], add_generation_prompt: bool) -> list[int]:
+        if self.template is None:
+            raise InvalidRequestError("this model has no chat template; use /v1/completions")
+        text = self.template.render([{"role": m.role, "content": m.text()} for m in messages], add_generation_prompt)
+        return self.tokenizer.tok.encode(text, add_special_tokens=False).ids  # the template places BOS itself
+
+    def completion_prompts(self, prompt: str | list) -> list[list[int]]:
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            prompt = [prompt]
+        if not prompt or any(isinstance(p, str) and not p for p in prompt):
+            raise InvalidRequestError("the prompt is empty")
+        return [self.tokenizer.encode(p) if isinstance(p, str) else p for p in prompt]
+
+    async def generate(self, http: Request, body: GenerationRequest, prompts: list[list[int]], kind: str,
+                       max_tokens: int | None) -> Response:
+        """Queue every choice (n per prompt), on any refusal withdrawing those already queued; then the
+        response: a stream of events, or the whole completion."""
+        body.check_supported()
+        call = _Call(kind, self.check_model(body.model), self.engine)
+        try:
+            for p, prompt in enumerate(prompts):
+                room = self.engine.max_request_tokens - len(prompt)
+                if room < 1:
+                    raise ApiError(400, f"the prompt has {len(prompt)} tokens, more than the context of "
+                                        f"{self.engine.max_request_tokens} tokens leaves room for", "prompt")
+                call.prompt_tokens.append(len(prompt))
+                for j in range(body.n):
+                    index = p * body.n + j
+                    choice = _Choice(index, f"{call.id}-{index}", len(prompt),
+                                     IncrementalDetokenizer(self.tokenizer, body.stop_strings))
+                    params = body.sampling_params(room if max_tokens is None else max_tokens, j)
+                    call.choices[choice.request_id] = choice  # before adding: a cancelled add is withdrawn too
+                    await self.engine.add(choice.request_id, prompt, params, call.queue)
+        except BaseException:
+            call.withdraw()
+            raise
+        if body.stream:
+            return _CallStream(call.stream(body.include_usage), call.withdraw)
+        result = await call.collect(http)
+        return JSONResponse(result) if result is not None else Response(status_code=499)
+
+    # --- routes ----------------------------------------------------------------------------------------------
+    async def completions(self, body: CompletionRequest, http: Request) -> Response:
+        return await self.generate(http, body, self.completion_prompts(body.prompt), "text_completion", body.max_tokens)
+
+    async def chat_completions(self, body: ChatCompletionRequest, http: Request) -> Response:
+        self.check_model(body.model)
+        prompt = self.render_chat(body.messages, body.add_generation_prompt)
+        max_tokens = body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
+        return await self.generate(http, body, [prompt], "chat.completion", max_tokens)
+
+    async def models(self) -> dict:
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
+                                            "owned_by": "magicdec", "root": self.model_root, "parent": None,
+                                            "max_model_len": self.engine.max_request_tokens}]}
+
+    async def tokenize(self, body: TokenizeRequest) -> dict:
+        self.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise InvalidRequestError("give either `prompt` or `messages`")
+        if body.messages is not None:
+            tokens = self.render_chat(body.messages, body.add_generation_prompt)
+        elif body.add_special_tokens:
+            tokens = self.tokenizer.encode(body.prompt)
+        else:
+            tokens = self.tokenizer.tok.encode(body.prompt, add_special_tokens=False).ids
+        return {"count": len(tokens), "max_model_len": self.engine.max_request_tokens, "tokens": tokens,
+                "token_strs": None}
+
+    async def detokenize(self, body: DetokenizeRequest) -> dict:
+        self.check_model(body.model)
+        if body.tokens:
+            check_token_ids(body.tokens, self.tokenizer.vocab_size)
+        return {"prompt": self.tokenizer.decode(body.tokens)}
+
+    async def health(self) -> Response:
+        if not self.engine.alive:
+            return _error(503, f"the engine is not running ({self.engine.error or 'stopped'})")
+        return Response(status_code=200)
+
+    async def prometheus(self) -> Response:
+        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+# --- errors ------------------------------------------------------------------------------------------------
+_STATUS = {QueueFullError: 429, InvalidRequestError: 400, EngineDeadError: 503}  # for exceptions that carry none
+
+
+async def _on_error(request: Request, e: Exception) -> JSONResponse:
+    if isinstance(e, ApiError):
+        return _error(e.status, e.message, e.param)
+    if isinstance(e, StarletteHTTPException):
+        return _error(e.status_code, str(e.detail))
+    return _error(next(status for kind, status in _STATUS.items() if isinstance(e, kind)), str(e))
+
+
+async def _on_validation(request: Request, e: RequestValidationError) -> JSONResponse:
+    # FastAPI says 422; OpenAI clients expect 400 for a malformed body.
+    errors = e.errors()
+    param = ".".join(str(x) for x in errors[0]["loc"][1:]) if errors else None
+    message = "; ".join(f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}" for err in errors)
+    return _error(400, f"invalid request: {message}", param or None)
+
+
 def build_app(engine: AsyncEngine, tokenizer: Tokenizer, metrics: ServerMetrics, *, model_name: str,
               model_root: str, chat_template: str | None = None, api_key: str | None = None,
               on_ready: Callable[[], None] | None = None, on_stopped: Callable[[], None] | None = None) -> FastAPI:
     """The FastAPI app; it starts the engine thread on startup and stops it on shutdown (calling
     `on_ready` and `on_stopped` after each)."""
-    chat = ChatTemplate(chat_template, tokenizer) if chat_template else None
-    created = int(time.time())
-
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        engine.start()
-        if on_ready is not None:
-            on_ready()
-        yield
-        engine.stop()
-        if on_stopped is not None:
-            on_stopped()
-
-    async def check_api_key(request: Request) -> None:
-        """The /v1 routes' dependency (a dependency, not an HTTP middleware, which would hide disconnects)."""
-        given = request.headers.get("authorization", "")
-        if api_key is not None and not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-            raise ApiError(401, "missing or invalid API key (send `Authorization: Bearer <key>`)")
-
-    app = FastAPI(title="magicdec", lifespan=lifespan)
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
-
-    # --- errors --------------------------------------------------------------------------------------------
-    @app.exception_handler(ApiError)
-    async def on_api_error(request: Request, e: ApiError) -> JSONResponse:
-        return _error(e.status, e.message, e.param)
-
-    @app.exception_handler(QueueFullError)
-    async def on_queue_full(request: Request, e: QueueFullError) -> JSONResponse:
-        return _error(429, str(e))
-
-    @app.exception_handler(InvalidRequestError)
-    async def on_invalid(request: Request, e: InvalidRequestError) -> JSONResponse:
-        return _error(400, str(e))
-
-    @app.exception_handler(EngineDeadError)
-    async def on_dead(request: Request, e: EngineDeadError) -> JSONResponse:
-        return _error(503, str(e))
-
-    @app.exception_handler(RequestValidationError)
-    async def on_validation(request: Request, e: RequestValidationError) -> JSONResponse:
-        # FastAPI says 422; OpenAI clients expect 400 for a malformed body.
-        errors = e.errors()
-        param = ".".join(str(x) for x in errors[0]["loc"][1:]) if errors else None
-        message = "; ".join(f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}" for err in errors)
-        return _error(400, f"invalid request: {message}", param or None)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def on_http(request: Request, e: StarletteHTTPException) -> JSONResponse:
-        return _error(e.status_code, str(e.detail))
-
-    # --- helpers ------------------------------------------------------------------------------------------
-    def check_model(name: str | None) -> str:
-        if name is not None and name != model_name:
-            raise ApiError(404, f"the model `{name}` does not exist (this server serves `{model_name}`)", "model")
-        return model_name
-
-    def render_chat(messages: Sequence[ChatMessage], add_generation_prompt: bool) -> list[int]:
-        if chat is None:
-            raise InvalidRequestError("this model has no chat template; use /v1/completions")
-        text = chat.render([{"role": m.role, "content": m.text()} for m in messages], add_generation_prompt)
-        return tokenizer.tok.encode(text, add_special_tokens=False).ids  # the template places BOS itself
-
-    def completion_prompts(prompt: str | list) -> list[list[int]]:
-        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
-            prompt = [prompt]
-        if not prompt:
-            raise InvalidRequestError("the prompt is empty")
-        for p in prompt:
-            if isinstance(p, str) and not p:
-                raise InvalidRequestError("the prompt is empty")
-        return [tokenizer.encode(p) if isinstance(p, str) else p for p in prompt]
-
-    async def start(body: GenerationRequest, prompts: list[list[int]], kind: str,
-                    max_tokens: int | None) -> _Call:
-        """Queue every choice (n per prompt); on any refusal, withdraw those already queued."""
-        body.check_supported()
-        call = _Call(kind, check_model(body.model))
-        try:
-            for p, prompt in enumerate(prompts):
-                room = engine.max_request_tokens - len(prompt)
-                if room < 1:
-                    raise ApiError(400, f"the prompt has {len(prompt)} tokens, more than the context of "
-                                        f"{engine.max_request_tokens} tokens leaves room for", "prompt")
-                call.prompt_tokens.append(len(prompt))
-                for j in range(body.n):
-                    choice = _Choice(p * body.n + j, f"{call.id}-{p * body.n + j}", len(prompt),
-                                     IncrementalDetokenizer(tokenizer, body.stop_strings))
-                    params = body.sampling_params(room if max_tokens is None else max_tokens, j)
-                    call.choices[choice.request_id] = choice  # before adding: a cancelled add is withdrawn too
-                    await engine.add(choice.request_id, prompt, params, call.queue)
-        except BaseException:
-            withdraw(call)
-            raise
-        return call
-
-    def withdraw(call: _Call) -> None:
-        """Abort the call's unfinished requests (the engine ignores ids it no longer knows)."""
-        for choice in call.choices.values():
-            if choice.finish_reason is None:
-                engine.abort(choice.request_id)
-
-    def chunk(call: _Call, choice: _Choice, text: str, finish_reason: str | None, usage: bool) -> dict:
-        if call.kind == "chat.completion":
-            body = {"index": choice.index, "delta": {"content": text} if text else {}, "logprobs": None,
-                    "finish_reason": finish_reason}
-        else:
-            body = {"index": choice.index, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        out = {"id": call.id, "object": call.chunk_kind, "created": call.created, "model": call.model,
-               "choices": [body]}
-        if usage:
-            out["usage"] = None
-        return out
-
-    def record(choice: _Choice, out: Output) -> str:
-        """Apply an Output to its choice; the text it makes final."""
-        choice.tokens += len(out.new_ids)
-        delta = choice.detok.push(out.new_ids)
-        if out.finish_reason is not None:
-            delta += choice.detok.finish(out.text)
-            choice.text, choice.finish_reason = out.text, out.finish_reason
-        return delta
-
-    async def stream(call: _Call, include_usage: bool) -> AsyncIterator[str]:
-        """The SSE events of a call (its requests are withdrawn by _CallStream however the stream ends)."""
-        if call.kind == "chat.completion":
-            for choice in sorted(call.choices.values(), key=lambda c: c.index):
-                first = chunk(call, choice, "", None, include_usage)
-                first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
-                yield f"data: {json.dumps(first)}\n\n"
-        pending = set(call.choices)
-        while pending:
-            out = await call.queue.get()
-            if out.error is not None:
-                yield f"data: {json.dumps(error_body(500, out.error))}\n\n"
-                break
-            if out.last:
-                pending.discard(out.request_id)
-            choice = call.choices[out.request_id]
-            text = record(choice, out)
-            if text or out.last:
-                yield f"data: {json.dumps(chunk(call, choice, text, choice.finish_reason, include_usage))}\n\n"
-        else:
-            if include_usage:
-                usage = {"id": call.id, "object": call.chunk_kind, "created": call.created, "model": call.model,
-                         "choices": [], "usage": call.usage()}
-                yield f"data: {json.dumps(usage)}\n\n"
-        yield "data: [DONE]\n\n"
-
-    async def collect(http: Request, call: _Call) -> dict | None:
-        """Wait for every choice; None if the client disconnected first (its requests are aborted)."""
-        pending = set(call.choices)
-        try:
-            while pending:
-                try:
-                    out = await asyncio.wait_for(call.queue.get(), DISCONNECT_POLL_S)
-                except TimeoutError:
-                    if await http.is_disconnected():
-                        return None
-                    continue
-                if out.error is not None:
-                    raise ApiError(500, out.error)
-                record(call.choices[out.request_id], out)
-                if out.last:
-                    pending.discard(out.request_id)
-        finally:
-            withdraw(call)
-        choices = []
-        for c in sorted(call.choices.values(), key=lambda c: c.index):
-            if call.kind == "chat.completion":
-                choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
-                                "logprobs": None, "finish_reason": c.finish_reason})
-            else:
-                choices.append({"index": c.index, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason})
-        return {"id": call.id, "object": call.kind, "created": call.created, "model": call.model,
-                "choices": choices, "usage": call.usage()}
-
-    async def respond(http: Request, body: GenerationRequest, call: _Call) -> Response:
-        if body.stream:
-            return _CallStream(stream(call, body.include_usage), lambda: withdraw(call))
-        result = await collect(http, call)
-        return JSONResponse(result) if result is not None else Response(status_code=499)
-
-    # --- routes ------------------------------------------------------------------------------------------
-    @v1.post("/completions")
-    async def completions(body: CompletionRequest, http: Request) -> Response:
-        call = await start(body, completion_prompts(body.prompt), "text_completion", body.max_tokens)
-        return await respond(http, body, call)
-
-    @v1.post("/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, http: Request) -> Response:
-        check_model(body.model)
-        prompt = render_chat(body.messages, body.add_generation_prompt)
-        max_tokens = body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
-        call = await start(body, [prompt], "chat.completion", max_tokens)
-        return await respond(http, body, call)
-
-    @v1.get("/models")
-    async def models() -> dict:
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
-                                            "owned_by": "magicdec", "root": model_root, "parent": None,
-                                            "max_model_len": engine.max_request_tokens}]}
-
+    template = ChatTemplate(chat_template, tokenizer) if chat_template else None
+    server = Server(engine, tokenizer, metrics, model_name, model_root, template, api_key, on_ready, on_stopped)
+    app = FastAPI(title="magicdec", lifespan=server.lifespan)
+    for kind in (ApiError, StarletteHTTPException, *_STATUS):
+        app.add_exception_handler(kind, _on_error)
+    app.add_exception_handler(RequestValidationError, _on_validation)
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(server.check_api_key)])  # the others are open, as in vLLM
+    v1.add_api_route("/completions", server.completions, methods=["POST"])
+    v1.add_api_route("/chat/completions", server.chat_completions, methods=["POST"])
+    v1.add_api_route("/models", server.models, methods=["GET"])
     app.include_router(v1)
-
-    @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest) -> dict:
-        check_model(body.model)
-        if (body.prompt is None) == (body.messages is None):
-            raise InvalidRequestError("give either `prompt` or `messages`")
-        if body.messages is not None:
-            tokens = render_chat(body.messages, body.add_generation_prompt)
-        elif body.add_special_tokens:
-            tokens = tokenizer.encode(body.prompt)
-        else:
-            tokens = tokenizer.tok.encode(body.prompt, add_special_tokens=False).ids
-        return {"count": len(tokens), "max_model_len": engine.max_request_tokens, "tokens": tokens,
-                "token_strs": None}
-
-    @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest) -> dict:
-        check_model(body.model)
-        if body.tokens:
-            check_token_ids(body.tokens, tokenizer.vocab_size)
-        return {"prompt": tokenizer.decode(body.tokens)}
-
-    @app.get("/health")
-    async def health() -> Response:
-        if not engine.alive:
-            return _error(503, f"the engine is not running ({engine.error or 'stopped'})")
-        return Response(status_code=200)
-
-    @app.get("/metrics")
-    async def prometheus() -> Response:
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
+    app.add_api_route("/tokenize", server.tokenize, methods=["POST"])
+    app.add_api_route("/detokenize", server.detokenize, methods=["POST"])
+    app.add_api_route("/health", server.health, methods=["GET"])
+    app.add_api_route("/metrics", server.prometheus, methods=["GET"])
     return app
 
 
