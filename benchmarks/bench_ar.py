@@ -41,9 +41,9 @@ sys.path.insert(0, str(ROOT))
 
 from magicdec.calibrate import machine_info  # noqa: E402
 from magicdec.corpus import cut_prompts  # noqa: E402
+from magicdec.config import EngineConfig  # noqa: E402
 from magicdec.engine import LLMEngine  # noqa: E402
 from magicdec.loading import default_model_path, load_model, model_identity  # noqa: E402
-from magicdec.runner import CACHE_SLACK  # noqa: E402
 from magicdec.sampling import SamplingParams  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
@@ -84,8 +84,8 @@ def step_floor_bytes(model, batch: int, context: int, new_tokens: int) -> int:
 
 def bench_magicdec(model, prompts, new_tokens: int, prefill_chunk: int) -> dict:
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
-    engine = LLMEngine(model, (), slots=len(prompts), capacity=max(map(len, prompts)) + new_tokens + CACHE_SLACK,
-                       prefill_chunk=prefill_chunk)
+    engine = LLMEngine(model, EngineConfig(max_num_seqs=len(prompts), max_model_len=max(map(len, prompts)) + new_tokens,
+                                           prefill_chunk=prefill_chunk))
     outs, stats = engine.generate(prompts, params), engine.stats
     assert all(len(o.output_ids) == new_tokens for o in outs)
     tokens = len(prompts) * stats.steps

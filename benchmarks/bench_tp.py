@@ -88,13 +88,15 @@ def build_model(args):
 
 def decode(model, eos, args, spec) -> dict:
     """Run the batch through the engine; time the steps without prefill and the all-reduces inside them."""
+    from magicdec.config import EngineConfig
     from magicdec.engine import LLMEngine
-    from magicdec.runner import CACHE_SLACK
     from magicdec.sampling import SamplingParams
+    from magicdec.scheduler import FixedGamma
+    from magicdec.speculative import Speculation
 
-    drafter, policy = spec.build(model) if spec is not None else (None, None)
-    engine = LLMEngine(model, eos, slots=args.batch, capacity=args.context + args.max_tokens + CACHE_SLACK,
-                       drafter=drafter, gamma_policy=policy)
+    speculation = Speculation(spec.build(model), FixedGamma(spec.gamma)) if spec is not None else None
+    engine = LLMEngine(model, EngineConfig(max_num_seqs=args.batch, max_model_len=args.context + args.max_tokens),
+                       eos_ids=eos, speculation=speculation)
     g = torch.Generator().manual_seed(0)
     for i in range(args.batch):
         prompt = torch.randint(3, model.cfg.vocab_size, (args.context,), generator=g).tolist()

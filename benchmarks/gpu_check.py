@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from magicdec.config import ModelConfig
+from magicdec.config import EngineConfig, ModelConfig
 from magicdec.drafters import SelfSpecDrafter
 from magicdec.engine import LLMEngine
 from magicdec.errors import OutOfMemoryError
@@ -24,9 +24,9 @@ from magicdec.kv import KVCache
 from magicdec.memory import check_fits
 from magicdec.model import Transformer
 from magicdec.planner import forward_cost, get_model_shape, get_profile
-from magicdec.runner import CACHE_SLACK
 from magicdec.sampling import SamplingParams
 from magicdec.scheduler import FixedGamma
+from magicdec.speculative import Speculation
 
 LLAMA31_8B = ModelConfig(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
                          rope_theta=500000.0, max_seq_len=131072,
@@ -56,13 +56,12 @@ def check_lossless(device: str) -> bool:
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (300, 120, 700, 45)]
     params = SamplingParams(max_tokens=40, ignore_eos=True)
-    capacity = max(map(len, prompts)) + params.max_tokens + CACHE_SLACK
-    ar = LLMEngine(model, [], slots=len(prompts), capacity=capacity).generate(prompts, params)
+    config = EngineConfig(max_num_seqs=len(prompts), max_model_len=max(map(len, prompts)) + params.max_tokens)
+    ar = LLMEngine(model, config).generate(prompts, params)
     ok = True
     for kind in ("streaming", "snapkv"):
         drafter = SelfSpecDrafter(model, kind, budget=64, gamma=3, reindex=kind == "streaming")
-        engine = LLMEngine(model, [], slots=len(prompts), capacity=capacity, drafter=drafter,
-                           gamma_policy=FixedGamma(3))
+        engine = LLMEngine(model, config, speculation=Speculation(drafter, FixedGamma(3)))
         spec, stats = engine.generate(prompts, params), engine.stats
         same = all(a.output_ids == s.output_ids for a, s in zip(ar, spec))
         print(f"lossless greedy, self-{kind}: {'OK' if same else 'MISMATCH'} (acceptance {stats.acceptance_rate:.2f})")

@@ -32,18 +32,17 @@ from magicdec.autoplan import choose  # noqa: E402
 from magicdec.calibrate import machine_info  # noqa: E402
 from magicdec.corpus import cut_prompts, load_texts  # noqa: E402
 from magicdec.loading import model_identity  # noqa: E402
-from magicdec.runner import CACHE_SLACK  # noqa: E402
 
 
 def trace(llm: LLM, prompts: list[list[int]], config: str, max_tokens: int, slots: int) -> dict:
-    """One run of every prompt through a fresh engine; its totals and one record per decode round."""
-    spec = choose(llm, slots, llm.max_context)[0] if config == "auto" else None
-    engine = llm.engine(slots, llm.max_context + CACHE_SLACK, spec, max_prefill_tokens=512)
+    """One run of every prompt through the LLM's engine; its totals and one record per decode round."""
+    spec, policy, _ = choose(llm, slots, llm.max_model_len) if config == "auto" else (None, None, None)
+    engine = llm.engine(spec, policy, max_num_seqs=slots, max_prefill_tokens=512)
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", p, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
     scheduled, schedule = [], engine.scheduler.schedule
     engine.scheduler.schedule = lambda: scheduled.append(schedule()) or scheduled[-1]
-    rounds, s, t0 = [], engine.stats, time.perf_counter()
+    rounds, s, t0 = [], engine.reset_stats(), time.perf_counter()
     while engine.has_unfinished():
         decode_s, tokens = s.decode_s, s.decode_tokens
         live = len(engine.scheduler.running)

@@ -190,11 +190,11 @@ def choose(
     strategies: Iterable[str] = ("ar", *SELF_STRATEGIES),
     dtype: Any = None,
     kv_dtype: Any = None,
-) -> tuple["SpeculativeConfig | None", Plan]:
+) -> tuple["SpeculativeConfig | None", "Replanner | None", Plan]:
     """The predicted-fastest way to decode `batch` sequences of `context` tokens with `llm`.
 
-    Returns (SpeculativeConfig, plan), or (None, plan) when plain autoregressive decoding is predicted
-    to be at least as fast. `llm` is an `LLM` (or a Transformer, ModelConfig or planner ModelShape, to
+    Returns (SpeculativeConfig, the Replanner that picks each step's draft length, plan), or (None, None,
+    plan) when plain autoregressive decoding is predicted to be at least as fast. `llm` is an `LLM` (or a Transformer, ModelConfig or planner ModelShape, to
     plan for a model or machine you do not have). `profile`: a HardwareProfile, preset name or JSON
     path (default: the calibrated profile of the model's device and dtype, else a preset). `acceptance`: a table
     or its JSON path (default: the one measured for this model, else the built-in table). `mode`:
@@ -247,7 +247,7 @@ def choose(
     best = plan(shape, hw, batch, context, table, budgets=budgets, gammas=gammas, dtype_bytes=weight_bytes,
                 kv_dtype_bytes=kv_bytes, mode=mode, strategies=strategies, tp=tp, margin=MIN_PREDICTED_SPEEDUP)
     if best.strategy == "ar":
-        return None, best
+        return None, None, best
 
     # Mid-run, the choice is the chosen drafter at another length, or (if allowed) plain decoding.
     replan = Replanner(
@@ -263,7 +263,7 @@ def choose(
         plain="ar" in strategies,
     )
     # Built for the longest draft it may re-plan to; the decode loop starts it at the planned length.
-    return SpeculativeConfig(best.strategy, budget=best.budget, gamma=max(gammas), replan=replan), best
+    return SpeculativeConfig(best.strategy, budget=best.budget, gamma=max(gammas)), replan, best
 
 
 def _single_rate(best: Plan, alpha: float, mode: str) -> AcceptanceTable:

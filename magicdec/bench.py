@@ -10,6 +10,7 @@ whose speed drifts, a ratio of medians of interleaved runs is steadier than one 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import statistics
@@ -17,13 +18,23 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Callable
 
+from tqdm import tqdm
+
+from magicdec.autoplan import choose
+from magicdec.calibrate import machine_info, sampling_params
+from magicdec.corpus import cut_prompts, load_texts
+from magicdec.engine import LLM
 from magicdec.errors import InvalidRequestError, OutOfMemoryError
 from magicdec.jsonfile import read_json_object
-
-if TYPE_CHECKING:
-    from magicdec.speculative import SpeculativeConfig
+from magicdec.kv.prompt_cache import PromptCache
+from magicdec.loading import model_identity
+from magicdec.memory import available_bytes, check_fits
+from magicdec.planner import format_table
+from magicdec.runner import ModelRunner
+from magicdec.sampling import SamplingParams
+from magicdec.speculative import SpeculativeConfig
 
 MODES = ("greedy", "sampling")
 DRAFTERS = ("none", "self-streaming", "self-snapkv", "auto")
@@ -73,8 +84,6 @@ class BenchGrid:
 
 def speculative_config(cfg: dict) -> SpeculativeConfig:
     """The speculative settings of one fixed-drafter configuration of `BenchGrid.configs`."""
-    from magicdec.speculative import SpeculativeConfig
-
     reindex = {"reindex": True, "original": False}.get(cfg.get("positions"))
     return SpeculativeConfig(cfg["draft"], budget=cfg["budget"], gamma=cfg["gamma"], reindex=reindex)
 
@@ -92,38 +101,16 @@ def _save(path: Path, doc: dict) -> None:
 
 def run_bench(args, grid: BenchGrid) -> dict:
     """Run every point of the grid not already in args.out; write results after each point; plot."""
-    from tqdm import tqdm
-
-    from magicdec.autoplan import choose
-    from magicdec.calibrate import machine_info, sampling_params
-    from magicdec.corpus import cut_prompts, load_texts
-    from magicdec.engine import LLM
-    from magicdec.kv import KVCache
-    from magicdec.memory import available_bytes, check_fits
-    from magicdec.runner import CACHE_SLACK, ModelRunner, PromptCache
-    from magicdec.sampling import SamplingParams
-
     if grid.distinct_prompts and any(b % min(b, grid.distinct_prompts) for b in grid.batches):
         raise InvalidRequestError(f"every batch size must be a multiple of --distinct-prompts {grid.distinct_prompts}")
     out = Path(args.out)
-    sampled = sampling_params("sampling", 1)
-    doc = load_results(out)
     texts = load_texts(args.corpus)[: grid.n_texts]
     llm = LLM(args.model, device=args.device, dtype=args.dtype, kv_dtype=args.kv_dtype, prefill_chunk=args.prefill_chunk)
-    # Under tensor parallelism every rank runs the points left in rank 0's --out, and only rank 0 writes.
-    tp = llm.model.tp
-    if tp is not None:
-        doc = tp.gather(doc if tp.is_main else None)[0]
-    save = _save if tp is None or tp.is_main else lambda path, doc: None
-    doc["machine"] = machine_info(llm.model.device)
-    doc["settings"] = {**asdict(grid), "model": llm.loaded.source, "dtype": str(llm.model.dtype),
-                       "dtype_choice": str(llm.loaded.dtype_choice), "kv_dtype": str(llm.kv_dtype),
-                       "attention": llm.attention, "linear": llm.linear,
-                       "sampling": {k: getattr(sampled, k) for k in ("temperature", "top_p", "top_k")}}
+    doc, save = _open_results(out, llm, grid)
     configs = grid.configs()
-    total = len(grid.batches) * len(grid.contexts) * len(configs) * grid.repeats
-    bar = tqdm(total=total, desc="bench", unit="run", file=sys.stderr)
-    prefilled_key = None  # (context, distinct prompts) held in the prompt cache
+    bar = tqdm(total=len(grid.batches) * len(grid.contexts) * len(configs) * grid.repeats, desc="bench", unit="run",
+               file=sys.stderr)
+    prefilled = None  # (context, distinct prompts, the prompts, prefill seconds), held in the prompt cache
     for context, batch in itertools.product(grid.contexts, grid.batches):
         todo = [c for c in configs if point_key(batch, context, c) not in doc["points"]]
         bar.update((len(configs) - len(todo)) * grid.repeats)
@@ -131,68 +118,106 @@ def run_bench(args, grid: BenchGrid) -> dict:
             continue
         # A context the model cannot hold with the new tokens (8192 + 128 on an 8k model) is shortened
         # to the longest that fits; the point keeps its nominal name and records the length used.
-        ctx = min(context, llm.max_context - grid.new_tokens)
+        ctx = min(context, llm.max_model_len - grid.new_tokens)
         distinct = min(batch, grid.distinct_prompts or batch)
         try:
-            capacity = ctx + grid.new_tokens + CACHE_SLACK
-            needed = (ModelRunner.memory_bytes(llm.model, batch, capacity, llm.kv_dtype, None, llm.prefill_chunk)
-                      + KVCache.nbytes(llm.model.cfg, distinct, ctx, llm.kv_dtype))
-            if tp is not None and not tp.min_int(needed <= available_bytes(llm.model.device)):
-                raise OutOfMemoryError(f"batch {batch} x {ctx} tokens does not fit on every rank")  # skip on all
-            check_fits(needed, llm.model.device, f"batch {batch} x {ctx} tokens")
-            if prefilled_key != (ctx, distinct):
+            _check_fits(llm, batch, ctx + grid.new_tokens, [ctx] * distinct)
+            if prefilled is None or prefilled[:2] != (ctx, distinct):
                 bar.set_postfix_str(f"prefill {distinct} x {ctx}")
-                prompts = cut_prompts(llm.tokenizer, texts, distinct, ctx)
-                llm.prompt_cache = PromptCache.sized_for(llm.model.cfg, [ctx] * distinct, llm.kv_dtype)
-                t0 = time.perf_counter()
-                llm.generate(prompt_token_ids=prompts, params=SamplingParams(max_tokens=1))
-                prefill_s, prefilled_key = time.perf_counter() - t0, (ctx, distinct)
+                prefilled = (ctx, distinct, *_prefill(llm, texts, distinct, ctx))
         except (OutOfMemoryError, InvalidRequestError) as e:
-            for c in todo:
-                doc["points"][point_key(batch, context, c)] = {"skipped": str(e)}
+            doc["points"].update({point_key(batch, context, c): {"skipped": str(e)} for c in todo})
             bar.update(len(todo) * grid.repeats)
             save(out, doc)
             continue
-        rows = [prompts[i % distinct] for i in range(batch)]
+        point = {"batch": batch, "context": context, "context_used": ctx, "distinct_prompts": distinct,
+                 "prefill_s": prefilled[3]}
+        rows = [prefilled[2][i % distinct] for i in range(batch)]
         runs: dict[str, list[dict]] = {point_key(batch, context, c): [] for c in todo}
         for repeat, cfg in itertools.product(range(grid.repeats), todo):
             key = point_key(batch, context, cfg)
             bar.set_postfix_str(key)
-            params = [sampling_params(cfg["mode"], grid.new_tokens, seed=i) for i in range(batch)]
-            spec, chosen = None, {}
-            if cfg["draft"] == "auto":
-                spec, plan = choose(llm, batch, ctx + grid.new_tokens // 2, profile=getattr(args, "hardware", None),
-                                    mode=cfg["mode"])
-                chosen = {"chosen": f"{spec.draft} K={spec.budget} g={plan.gamma}" if spec else "ar",
-                          "predicted_speedup": plan.predicted_speedup}
-            elif cfg["draft"] != "none":
-                spec = speculative_config(cfg)
-            llm.generate(prompt_token_ids=rows, params=params, speculative=spec)
-            stats = llm.last_stats
-            runs[key].append({
-                "batch": batch, "context": context, "context_used": ctx, **cfg, **chosen,
-                "throughput": stats.decode_tok_s, "tokens_per_step": stats.tokens_per_step,
-                "acceptance": stats.acceptance_rate, "accepted_hist": stats.accepted_hist,
-                "steps": stats.steps, "gamma_changes": stats.gamma_changes, "decode_s": stats.decode_s,
-                "draft_s": stats.draft_s, "verify_s": stats.verify_s, "max_batch": stats.max_batch,
-                "prefill_s": prefill_s, "distinct_prompts": distinct, "peak_memory_gib": stats.peak_memory_bytes / 1024**3,
-                "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-            })
+            runs[key].append(point | cfg | _run_config(llm, args, grid, rows, ctx, cfg))
             if repeat == grid.repeats - 1:
                 doc["points"][key] = median_run(runs[key])
                 save(out, doc)
             bar.update(1)
-    llm.prompt_cache = None
+    llm.prompt_cache.resize(0)
     bar.close()
     add_speedups(doc)
     save(out, doc)
-    if tp is not None and not tp.is_main:
-        return doc
-    print(format_results(doc))
-    plot_dir = Path(args.plots) if args.plots else out.parent
-    for p in plot_results(doc, plot_dir, out.stem):
-        print(f"plot written to {p}", file=sys.stderr)
+    if llm.model.tp is None or llm.model.tp.is_main:
+        _report(doc, out, args.plots)
     return doc
+
+
+def _open_results(out: Path, llm: LLM, grid: BenchGrid) -> tuple[dict, Callable[[Path, dict], None]]:
+    """The results so far (a resumed run's points are kept) with this run's machine and settings, and the
+    function that saves them. Under tensor parallelism every rank runs the points left in rank 0's file,
+    and only rank 0 writes."""
+    doc = load_results(out)
+    tp = llm.model.tp
+    if tp is not None:
+        doc = tp.gather(doc if tp.is_main else None)[0]
+    sampled = sampling_params("sampling", 1)
+    doc["machine"] = machine_info(llm.model.device)
+    doc["settings"] = {**asdict(grid), "model": model_identity(llm.loaded.source), "dtype": str(llm.model.dtype),
+                       "dtype_choice": str(llm.loaded.dtype_choice), "kv_dtype": str(llm.kv_dtype),
+                       "attention": llm.attention, "linear": llm.linear,
+                       "sampling": {k: getattr(sampled, k) for k in ("temperature", "top_p", "top_k")}}
+    return doc, _save if tp is None or tp.is_main else lambda path, doc: None
+
+
+def _check_fits(llm: LLM, batch: int, max_model_len: int, prompts: list[int]) -> None:
+    """Raise OutOfMemoryError unless `batch` slots of `max_model_len` tokens and the prefilled `prompts`
+    (lengths) fit, on every rank under tensor parallelism."""
+    llm.free_engine()  # the previous point's caches do not stay beside this one's
+    config = dataclasses.replace(llm.config, max_num_seqs=batch, max_model_len=max_model_len)
+    needed = (ModelRunner.memory_bytes(llm.model, config, None)
+              + PromptCache.bytes_for(llm.model.cfg, prompts, llm.kv_dtype))
+    tp = llm.model.tp
+    if tp is not None and not tp.min_int(needed <= available_bytes(llm.model.device)):
+        raise OutOfMemoryError(f"batch {batch} x {max_model_len} tokens does not fit on every rank")  # skip on all
+    check_fits(needed, llm.model.device, f"batch {batch} x {max_model_len} tokens")
+
+
+def _prefill(llm: LLM, texts: list[str], distinct: int, ctx: int) -> tuple[list[list[int]], float]:
+    """`distinct` prompts of `ctx` tokens, prefilled into the LLM's prompt cache; and the seconds it took."""
+    prompts = cut_prompts(llm.tokenizer, texts, distinct, ctx)
+    llm.prompt_cache.resize(0)
+    llm.prompt_cache.resize(PromptCache.bytes_for(llm.model.cfg, [ctx] * distinct, llm.kv_dtype))
+    t0 = time.perf_counter()
+    llm.generate(prompt_token_ids=prompts, params=SamplingParams(max_tokens=1))
+    return prompts, time.perf_counter() - t0
+
+
+def _run_config(llm: LLM, args, grid: BenchGrid, rows: list[list[int]], ctx: int, cfg: dict) -> dict:
+    """Decode `rows` (prefilled prompts of `ctx` tokens) with one configuration; the run's record."""
+    batch = len(rows)
+    params = [sampling_params(cfg["mode"], grid.new_tokens, seed=i) for i in range(batch)]
+    spec, policy, chosen = None, None, {}
+    if cfg["draft"] == "auto":
+        spec, policy, plan = choose(llm, batch, ctx + grid.new_tokens // 2, profile=getattr(args, "hardware", None),
+                                    mode=cfg["mode"])
+        chosen = {"chosen": f"{spec.draft} K={spec.budget} g={plan.gamma}" if spec else "ar",
+                  "predicted_speedup": plan.predicted_speedup}
+    elif cfg["draft"] != "none":
+        spec = speculative_config(cfg)
+    llm.generate(prompt_token_ids=rows, params=params, speculative=spec, gamma_policy=policy)
+    stats = llm.last_stats
+    return chosen | {
+        "throughput": stats.decode_tok_s, "tokens_per_step": stats.tokens_per_step,
+        "acceptance": stats.acceptance_rate, "accepted_hist": stats.accepted_hist,
+        "steps": stats.steps, "gamma_changes": stats.gamma_changes, "decode_s": stats.decode_s,
+        "draft_s": stats.draft_s, "verify_s": stats.verify_s, "max_batch": stats.max_batch,
+        "peak_memory_gib": stats.peak_memory_bytes / 1024**3, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+
+
+def _report(doc: dict, out: Path, plots: str | None) -> None:
+    print(format_results(doc))
+    for p in plot_results(doc, Path(plots) if plots else out.parent, out.stem):
+        print(f"plot written to {p}", file=sys.stderr)
 
 
 def median_run(runs: list[dict]) -> dict:
@@ -250,8 +275,6 @@ def best_points(doc: dict) -> list[dict]:
 
 
 def format_results(doc: dict) -> str:
-    from magicdec.planner import format_table
-
     rows = best_points(doc)
     return format_table(rows) if rows else "no results"
 

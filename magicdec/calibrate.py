@@ -38,7 +38,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
-from magicdec.config import ModelConfig
+from magicdec.config import EngineConfig, ModelConfig
 from magicdec.loading.cache import cache_root
 from magicdec.cpu import auto_dtype, cpu_kind, dtype_name, reported_flags
 from magicdec.memory import available_bytes
@@ -455,13 +455,12 @@ def measure_sampling(vocab: int, device: torch.device, reps: int, batch: int = 3
 def _decode_step_time(model, steps: int) -> float:
     """Median seconds per step of autoregressive decoding (batch 1, short prompt) with the real engine."""
     from magicdec.engine import LLMEngine
-    from magicdec.runner import CACHE_SLACK
     from magicdec.sampling import SamplingParams
 
     params = SamplingParams(max_tokens=steps + 1, ignore_eos=True)
     times = []
     for _ in range(3):
-        engine = LLMEngine(model, (), slots=1, capacity=16 + steps + 1 + CACHE_SLACK)
+        engine = LLMEngine(model, EngineConfig(max_num_seqs=1, max_model_len=16 + steps + 1))
         engine.generate([[1] * 16], params)
         times.append(engine.stats.decode_s / engine.stats.steps)
     return statistics.median(times)
@@ -540,14 +539,14 @@ def calibrate_acceptance(
     `records`, when given, receives one dict per decode (histogram, alpha, timings).
     """
     from magicdec.corpus import cut_prompts
-    from magicdec.runner import CACHE_SLACK, PromptCache
+    from magicdec.kv.prompt_cache import PromptCache
     from magicdec.speculative import SpeculativeConfig
 
     drafters, budgets, modes = list(drafters), sorted(set(budgets)), list(modes)
     for mode in modes:
         sampling_params(mode, 1)  # validates
     contexts = sorted(set(contexts))
-    limit = llm.model.cfg.max_seq_len - new_tokens - CACHE_SLACK
+    limit = llm.max_model_len - new_tokens
     table = AcceptanceTable()
     deviations: dict[tuple[str, str], list[float]] = {}  # (drafter, mode) -> per-row rate minus batch rate
     jobs = [(c, d, b, mo) for c in contexts for d in drafters for b in budgets for mo in modes
@@ -561,7 +560,7 @@ def calibrate_acceptance(
         if progress is not None:
             progress(done, len(jobs), f"prefill {n_prompts} x {ctx}")
         prompts = cut_prompts(llm.tokenizer, texts, n_prompts, ctx)
-        llm.prompt_cache = PromptCache.sized_for(llm.model.cfg, [ctx] * n_prompts, llm.kv_dtype)
+        llm.prompt_cache.resize(PromptCache.bytes_for(llm.model.cfg, [ctx] * n_prompts, llm.kv_dtype))
         llm.generate(prompt_token_ids=prompts, params=sampling_params("greedy", 1))
         for drafter_name, budget, mode in todo:
             if progress is not None:
@@ -581,7 +580,7 @@ def calibrate_acceptance(
                                 "draft_s": stats.draft_s, "verify_s": stats.verify_s,
                                 "tokens_per_step": stats.tokens_per_step})
             done += 1
-    llm.prompt_cache = None
+    llm.prompt_cache.resize(0)
     for (drafter_name, mode), devs in deviations.items():
         if len(devs) > 1:
             table.set_row_spread(drafter_name, row_spread(devs), mode=mode)

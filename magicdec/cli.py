@@ -148,10 +148,11 @@ def collect_prompts(args, tok) -> tuple[list[str] | None, list[list[int]]]:
 
 
 def speculative_from_args(args, llm, batch: int, context: int):
+    """(SpeculativeConfig or None, the gamma policy or None, the plan of --draft auto or None)."""
     from magicdec.speculative import SpeculativeConfig
 
     if args.draft == "none":
-        return None, None
+        return None, None, None
     if args.draft == "auto":
         from magicdec.autoplan import choose
 
@@ -160,7 +161,7 @@ def speculative_from_args(args, llm, batch: int, context: int):
                       mode="greedy" if getattr(args, "temperature", 0) == 0 else "sampling")
     reindex = None if args.positions is None else args.positions == "reindex"
     return SpeculativeConfig(args.draft, budget=args.budget, gamma=args.gamma, draft_model=args.draft_model,
-                             draft_cache=args.draft_cache, reindex=reindex), None
+                             draft_cache=args.draft_cache, reindex=reindex), None, None
 
 
 def progress_bar(desc: str, enabled: bool):
@@ -205,7 +206,7 @@ def dtype_line(llm) -> str:
 
 def cmd_generate(args) -> int:
     from magicdec.engine import LLM
-    from magicdec.runner import PromptCache
+    from magicdec.kv.prompt_cache import PromptCache
     from magicdec.sampling import SamplingParams
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
@@ -221,7 +222,7 @@ def cmd_generate(args) -> int:
                   for i in range(len(ids))]
     show = sys.stderr.isatty() and not args.json
     batch = min(args.batch_size or len(ids), len(ids))
-    spec, plan = speculative_from_args(args, llm, batch, max(map(len, ids)) + args.max_tokens // 2)
+    spec, policy, plan = speculative_from_args(args, llm, batch, max(map(len, ids)) + args.max_tokens // 2)
     if plan is not None:
         from magicdec.autoplan import describe
 
@@ -231,30 +232,24 @@ def cmd_generate(args) -> int:
         modes.insert(0, ("ar", None))
     if len(modes) > 1 or args.n > 1:
         # every prompt is prefilled once: its repeats (--n) and the second run copy that prefill
-        llm.prompt_cache = PromptCache.sized_for(llm.model.cfg, [len(p) for p in unique], llm.kv_dtype)
+        llm.prompt_cache.resize(PromptCache.bytes_for(llm.model.cfg, [len(p) for p in unique], llm.kv_dtype))
     results, runs = {}, []
     for label, cfg in modes:
         update, close = progress_bar(f"{label}", show)
         try:
-            results[label] = llm.generate(prompt_token_ids=ids, params=params, speculative=cfg, progress=update)
+            results[label] = llm.generate(prompt_token_ids=ids, params=params, speculative=cfg,
+                                          gamma_policy=policy, progress=update)
         finally:
             close()
         stats = llm.last_stats
         if not args.json:
             print(format_stats(stats, label), file=sys.stderr)
             print(f"[{label}] {dtype_line(llm)}", file=sys.stderr)
-        runs.append({"mode": label, "speculative": _config_dict(cfg), "stats": stats.as_dict()})
+        runs.append({"mode": label, "stats": stats.as_dict(), "speculative": cfg and dataclasses.asdict(cfg)
+                     | {"replanned": policy is not None}})
     final = results[modes[-1][0]]
     if len(runs) == 2:
-        ar_tok_s, sp_tok_s = runs[0]["stats"]["decode_tok_s"], runs[1]["stats"]["decode_tok_s"]
-        same = sum(a.token_ids == b.token_ids for a, b in zip(results["ar"], results["spec"]))
-        speedup = sp_tok_s / ar_tok_s if ar_tok_s and sp_tok_s else None  # None: no decode rounds (max_tokens 1)
-        runs.append({"speedup": speedup, "identical": same})
-        if not args.json:
-            measured = (f"{speedup:.2f}x ({sp_tok_s:.1f} vs {ar_tok_s:.1f} decode tok/s)" if speedup is not None
-                        else "none measured (no decode rounds: every token came from the prefill)")
-            print(f"speedup over autoregressive decoding: {measured}; identical outputs: {same}/{len(final)}",
-                  file=sys.stderr)
+        runs.append(_compare(results["ar"], results["spec"], runs, quiet=args.json))
     if args.json:
         doc = {"outputs": [{"index": o.index, "text": o.text, "token_ids": o.token_ids, "finish_reason": o.finish_reason,
                             "prompt_tokens": len(o.prompt_token_ids)} for o in final], "runs": runs,
@@ -268,8 +263,17 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def _config_dict(cfg) -> dict | None:
-    return None if cfg is None else {k: v for k, v in cfg.__dict__.items() if k != "replan"} | {"replanned": cfg.replan is not None}
+def _compare(ar: list, spec: list, runs: list[dict], quiet: bool) -> dict:
+    """The speedup of the speculative run over plain decoding and how many outputs are identical."""
+    ar_tok_s, sp_tok_s = runs[0]["stats"]["decode_tok_s"], runs[1]["stats"]["decode_tok_s"]
+    same = sum(a.token_ids == b.token_ids for a, b in zip(ar, spec))
+    speedup = sp_tok_s / ar_tok_s if ar_tok_s and sp_tok_s else None  # None: no decode rounds (max_tokens 1)
+    if not quiet:
+        measured = (f"{speedup:.2f}x ({sp_tok_s:.1f} vs {ar_tok_s:.1f} decode tok/s)" if speedup is not None
+                    else "none measured (no decode rounds: every token came from the prefill)")
+        print(f"speedup over autoregressive decoding: {measured}; identical outputs: {same}/{len(spec)}",
+              file=sys.stderr)
+    return {"speedup": speedup, "identical": same}
 
 
 # --- bench ------------------------------------------------------------------------------------------
@@ -382,23 +386,20 @@ def cmd_serve(args) -> int:
     from magicdec.engine import LLM
     from magicdec.errors import InvalidRequestError, OutOfMemoryError
     from magicdec.loading import chat_template
-    from magicdec.runner import CACHE_SLACK
     from magicdec.server.app import build_app, run_server
     from magicdec.server.async_engine import AsyncEngine
     from magicdec.server.metrics import ServerMetrics
 
-    llm = LLM(args.model, device=args.device, dtype=args.dtype, kv_dtype=args.kv_dtype, prefill_chunk=args.prefill_chunk)
-    max_len = llm.max_context if args.max_model_len is None else args.max_model_len
-    if max_len > llm.max_context:
-        raise InvalidRequestError(f"--max-model-len {max_len} exceeds the model's context of {llm.max_context}")
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, kv_dtype=args.kv_dtype, prefill_chunk=args.prefill_chunk,
+              max_num_seqs=args.max_running, max_model_len=args.max_model_len)
+    max_len = llm.max_model_len
     # Planned where the KV cache weighs most (every slot full at the longest context): if drafting pays
     # anywhere within the server's limits it pays there; each step then re-plans for its live batch and
     # context (plain decoding where drafting does not pay).
-    spec, plan = speculative_from_args(args, llm, args.max_running, max_len)
+    spec, policy, plan = speculative_from_args(args, llm, args.max_running, max_len)
     draft = describe(plan) if plan is not None else spec.draft if spec is not None else "none"
     try:
-        engine = llm.engine(args.max_running, max_len + CACHE_SLACK, spec, max_prefill_tokens=args.prefill_chunk,
-                            max_queued=args.max_queued)
+        engine = llm.engine(spec, policy, max_prefill_tokens=args.prefill_chunk, max_queued=args.max_queued)
     except OutOfMemoryError as e:
         raise OutOfMemoryError(f"{e} (or lower --max-running / --max-model-len)") from None
     tp = llm.model.tp

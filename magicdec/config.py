@@ -1,13 +1,17 @@
-"""Model configuration: the dimensions and conventions of a Llama-family transformer."""
+"""Configuration: the dimensions and conventions of a Llama-family transformer (`ModelConfig`), and how an
+engine over it is sized (`EngineConfig`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from magicdec.errors import ModelLoadError, UnsupportedModelError
+from magicdec.errors import InvalidRequestError, ModelLoadError, UnsupportedModelError
+
+if TYPE_CHECKING:
+    import torch
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
@@ -201,3 +205,32 @@ class ModelConfig:
             # so the usable context is capped at the window.
             config = dataclasses.replace(config, max_seq_len=min(config.max_seq_len, window))
         return config
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How an engine is sized, passed whole to it; its memory is planned once from these values.
+
+    max_num_seqs: request slots (requests running at once); max_model_len: most prompt + output tokens of
+    one request (None: the model's context); prefill_chunk: prompt tokens per prefill forward;
+    max_prefill_tokens: prompt tokens prefilled per step across requests (None: every admitted prompt at
+    once, as an offline batch wants; a server bounds it so that arrivals do not stall running streams);
+    kv_dtype: the KV cache's dtype (None: the model's); max_queued: most waiting requests (None:
+    unbounded); prompt_cache_bytes: prefilled prompts kept for reuse (0: off).
+    """
+
+    max_num_seqs: int = 256
+    max_model_len: int | None = None
+    prefill_chunk: int = 512
+    max_prefill_tokens: int | None = None
+    kv_dtype: torch.dtype | None = None
+    max_queued: int | None = None
+    prompt_cache_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "prefill_chunk", "max_model_len", "max_prefill_tokens", "max_queued"):
+            value = getattr(self, name)
+            if value is not None and not (_is_int(value) and value >= 1):
+                raise InvalidRequestError(f"{name} must be an integer >= 1, got {value!r}")
+        if not (_is_int(self.prompt_cache_bytes) and self.prompt_cache_bytes >= 0):
+            raise InvalidRequestError(f"prompt_cache_bytes must be an integer >= 0, got {self.prompt_cache_bytes!r}")

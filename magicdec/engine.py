@@ -12,6 +12,7 @@ length), the runner executes on the model and caches, and the results update the
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import random
@@ -20,18 +21,20 @@ from typing import Callable, Sequence
 
 import torch
 
+from magicdec import dtypes
+from magicdec.config import EngineConfig
 from magicdec.distributed import init_tp, launched_world_size
 from magicdec.drafters.base import Drafter
 from magicdec.errors import InvalidRequestError
+from magicdec.kv.prompt_cache import PromptCache
 from magicdec.loading import LoadedModel, load_model
 from magicdec.loading.tokenizer import Tokenizer
 from magicdec.memory import available_bytes, peak_bytes
-from magicdec import dtypes
 from magicdec.model import Transformer, attention_path, linear_path
-from magicdec.runner import CACHE_SLACK, ModelRunner, PromptCache
+from magicdec.runner import ModelRunner
 from magicdec.sampling import SamplingParams
 from magicdec.scheduler import FixedGamma, GammaPolicy, Request, Scheduler, Status, cuda_row_bucket
-from magicdec.speculative import SpeculativeConfig
+from magicdec.speculative import Speculation, SpeculativeConfig
 from magicdec.stats import GenerationStats
 
 #: Progress of a long run: (units done, units in all), in prompt + output tokens.
@@ -62,64 +65,65 @@ class RequestOutput:
 
 
 class LLMEngine:
-    """Requests in, tokens out, one step at a time; `slots` requests of up to `capacity` tokens run at once.
+    """Requests in, tokens out, one step at a time, over the slots and limits of `config`.
 
-    `drafter` and `gamma_policy` turn on speculation (the policy picks each step's draft length from the
-    live batch and context; 0 means plain decoding for that step). `max_prefill_tokens` bounds the prompt
-    tokens prefilled per step (None: everything admitted, as an offline batch wants); `max_queued` bounds
-    the queue (None: unbounded).
+    `speculation` turns drafting on (its policy picks each step's draft length from the live batch and
+    context; 0 means plain decoding for that step); `set_speculation` changes it between runs. `eos_ids`
+    end requests that do not ignore EOS; `tokenizer` decodes output text (and stop strings); a shared
+    `prompt_cache` copies prompts prefilled before.
     """
 
-    def __init__(
-        self,
-        model: Transformer,
-        eos_ids: Sequence[int],
-        *,
-        slots: int,
-        capacity: int,
-        kv_dtype: torch.dtype | None = None,
-        tokenizer: Tokenizer | None = None,
-        drafter: Drafter | None = None,
-        gamma_policy: GammaPolicy | None = None,
-        prefill_chunk: int = 512,
-        max_prefill_tokens: int | None = None,
-        max_queued: int | None = None,
-        prompt_cache: PromptCache | None = None,
-    ):
-        if drafter is not None and gamma_policy is None:
-            raise ValueError("a drafter needs a gamma policy")
-        self.model, self.tokenizer, self.drafter = model, tokenizer, drafter
-        self.capacity = capacity
-        self.runner = ModelRunner(model, eos_ids, slots=slots, capacity=capacity, kv_dtype=kv_dtype or model.dtype,
-                                  drafter=drafter, prompt_cache=prompt_cache)
-        policy = gamma_policy if drafter is not None else FixedGamma(0)
-        self.scheduler = Scheduler(slots, prefill_chunk, policy, drafter.gamma if drafter is not None else 0,
-                                   max_prefill_tokens=max_prefill_tokens or 1 << 62,
-                                   max_queued=max_queued,
-                                   is_cached=(lambda p: p in prompt_cache) if prompt_cache is not None else None,
+    def __init__(self, model: Transformer, config: EngineConfig, *, eos_ids: Sequence[int] = (),
+                 tokenizer: Tokenizer | None = None, speculation: Speculation | None = None,
+                 prompt_cache: PromptCache | None = None):
+        config = dataclasses.replace(config, max_model_len=config.max_model_len or model.cfg.max_seq_len,
+                                     kv_dtype=config.kv_dtype or model.dtype)
+        self.model, self.tokenizer, self.config = model, tokenizer, config
+        self.runner = ModelRunner(model, config, eos_ids, drafter=speculation.drafter if speculation else None,
+                                  prompt_cache=prompt_cache)
+        self.scheduler = Scheduler(config, FixedGamma(0), prompt_cache=prompt_cache,
+                                   decode=tokenizer.decode if tokenizer is not None else None,
                                    row_bucket=cuda_row_bucket if model.device.type == "cuda" else lambda n: n)
+        self.scheduler.set_speculation(*self._policy(speculation))
         self.requests: dict[str, Request] = {}
         self._offline_ids = itertools.count()
         # Seeds of unseeded requests. Under tensor parallelism every rank must sample with the same seeds
         # (identical logits then give identical tokens with no broadcast), so the generator is seeded from
         # rank 0 once; the ranks add the same requests in the same order and so draw the same seeds.
         self._seeds = random.Random(model.tp.shared_seed() if model.tp is not None else random.getrandbits(63))
-        self.stats = GenerationStats(dtype=str(model.dtype).removeprefix("torch."))
+        self.stats = GenerationStats()
+        self.reset_stats()
 
     @property
-    def max_request_tokens(self) -> int:
+    def max_model_len(self) -> int:
         """Most prompt + output tokens one request may have."""
-        return self.capacity - CACHE_SLACK
+        return self.config.max_model_len
+
+    @staticmethod
+    def _policy(speculation: Speculation | None) -> tuple[GammaPolicy, int]:
+        return (speculation.policy, speculation.drafter.gamma) if speculation is not None else (FixedGamma(0), 0)
+
+    def set_speculation(self, speculation: Speculation | None) -> None:
+        """Draft with `speculation` (None: plain decoding) from now on; only between runs, with no request in."""
+        if self.has_unfinished():
+            raise RuntimeError("the drafter can only change while no request is in the engine")
+        self.runner.use_drafter(speculation.drafter if speculation is not None else None)
+        self.scheduler.set_speculation(*self._policy(speculation))
+
+    def reset_stats(self) -> GenerationStats:
+        """Start counting anew (each `LLM.generate` call reports its own run)."""
+        self.stats = GenerationStats(dtype=str(self.model.dtype).removeprefix("torch."))
+        return self.stats
 
     def add_request(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams) -> Request:
         """Queue a request (raises InvalidRequestError for a bad one, QueueFullError when the queue is full)."""
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         prompt_ids = check_token_ids(prompt_ids, self.model.cfg.vocab_size)
-        if len(prompt_ids) + params.max_tokens > self.max_request_tokens:
+        if len(prompt_ids) + params.max_tokens > self.max_model_len:
             raise InvalidRequestError(
                 f"the prompt has {len(prompt_ids)} tokens; with max_tokens={params.max_tokens} it exceeds "
-                f"the context of {self.max_request_tokens} tokens"
+                f"the context of {self.max_model_len} tokens"
             )
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         request = Request(request_id, prompt_ids, params, seed)
@@ -130,10 +134,12 @@ class LLMEngine:
         return request
 
     def abort_request(self, request_id: str) -> None:
-        """Stop a request early (its slot is freed at the next step); unknown or finished ids are ignored."""
+        """Stop a request early, freeing its slot; unknown or finished ids are ignored."""
         request = self.requests.pop(request_id, None)
         if request is not None and not request.finished:
-            self.scheduler.abort(request)
+            slot = self.scheduler.abort(request)
+            if slot is not None:
+                self.runner.release(slot)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -156,47 +162,16 @@ class LLMEngine:
 
     def step(self) -> list[Request]:
         """Schedule, execute, update. Returns the requests that gained tokens or finished in this step."""
-        step = self.scheduler.schedule()
-        try:
-            result = self.runner.execute(step)
-        except Exception:
-            # the runner may not have freed these slots; freeing is idempotent, so ask again next step
-            self.scheduler.retry_release(step.release)
-            raise
-        changed = self.scheduler.update(step, result)
-        s = self.stats
-        s.prefill_s += result.prefill_s
-        live = [n for n, k in zip(result.accepted, result.kept) if k]
-        if live:  # (a round can find every row gone: first tokens that were EOS)
-            s.decode_s += result.decode_s
-            s.draft_s += result.draft_s
-            s.decode_tokens += sum(result.kept)
-            s.count_round(step.gamma, len(live), live)
-            self.scheduler.gamma_policy.observe(step.gamma, live, result.decode_s)
-        s.generated_tokens += len(result.first) + sum(result.kept)
+        scheduled = self.scheduler.schedule()
+        result = self.runner.execute(scheduled)
+        changed, freed = self.scheduler.update(scheduled, result)
+        for slot in freed:
+            self.runner.release(slot)
+        self.stats.record(scheduled, result)
         for request in changed:
-            if request.params.stop and not request.finished:
-                self._check_stop_strings(request)
             if request.finished:
                 self.requests.pop(request.request_id, None)
         return changed
-
-    def _check_stop_strings(self, request: Request) -> None:
-        """End a request whose text now contains a stop string, keeping the tokens up to the one completing it."""
-        stops, ids = request.params.stop, request.output_ids
-        span = max(map(len, stops))  # every token adds at least one character, so a stop spans <= len tokens
-        window = max(0, len(ids) - span - 16)
-        if not any(s in self.tokenizer.decode(ids[window:]) for s in stops):
-            return
-        lo, hi = window + 1, len(ids)  # the fewest tokens whose text contains a stop string
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if any(s in self.tokenizer.decode(ids[window:mid]) for s in stops):
-                hi = mid
-            else:
-                lo = mid + 1
-        del ids[lo:]
-        self.scheduler.finish(request, "stop")
 
     def text_of(self, request: Request) -> str:
         """The request's output text, cut before the first stop string."""
@@ -222,7 +197,8 @@ def check_token_ids(ids: Sequence[int], vocab_size: int) -> list[int]:
 
 
 class LLM:
-    """A loaded model ready to generate. Device and dtypes are decided here, once."""
+    """A loaded model ready to generate. Device, dtypes and the engine configuration are decided here, once;
+    the engine (its caches) and each speculative setting's drafter are built on first use and reused."""
 
     def __init__(
         self,
@@ -233,33 +209,41 @@ class LLM:
         kv_dtype: str | torch.dtype | None = None,
         prefill_chunk: int = 512,
         max_num_seqs: int = 256,
+        max_model_len: int | None = None,
         prompt_cache_bytes: int = 0,
         tp: bool | None = None,
     ):
-        """`tp`: run this process as one rank of a tensor-parallel group that torchrun launched (see
-        magicdec.distributed); None: when the launcher started more than one process. Every rank must then
-        make the same calls with the same arguments; each returns the same outputs."""
-        if prefill_chunk < 1:
-            raise InvalidRequestError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
-        if max_num_seqs < 1:
-            raise InvalidRequestError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        """`max_model_len`: most prompt + output tokens of a request (None: the model's context). `tp`: run this
+        process as one rank of a tensor-parallel group that torchrun launched (see magicdec.distributed);
+        None: when the launcher started more than one process. Every rank must then make the same calls with
+        the same arguments; each returns the same outputs."""
+        config = EngineConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len, prefill_chunk=prefill_chunk,
+                              prompt_cache_bytes=prompt_cache_bytes)  # checked before the model loads
         tp = launched_world_size() > 1 if tp is None else tp
         group = init_tp(device) if tp else None
         self.loaded: LoadedModel = load_model(model, device=device, dtype=parse_dtype(dtype), tp=group)
         self.model = self.loaded.model
         self.tokenizer = self.loaded.tokenizer
-        self.kv_dtype = parse_dtype(kv_dtype) or self.model.dtype
+        context = self.model.cfg.max_seq_len
+        if (max_model_len or 0) > context:
+            raise InvalidRequestError(f"max_model_len {max_model_len} exceeds the model's context of {context}")
+        self.config = dataclasses.replace(config, max_model_len=max_model_len or context,
+                                          kv_dtype=parse_dtype(kv_dtype) or self.model.dtype)
         self.attention = attention_path(self.model.device, self.kv_dtype)  # builds a native kernel now, not mid-run
         self.linear = linear_path(self.model.device, self.model.dtype)  # "packed" where load_model packed them
-        self.prefill_chunk = prefill_chunk
-        self.max_num_seqs = max_num_seqs
-        # prefilled prompts kept across generate calls (0: off); see runner.PromptCache
-        self.prompt_cache = PromptCache(prompt_cache_bytes) if prompt_cache_bytes > 0 else None
+        self.prompt_cache = PromptCache(prompt_cache_bytes)  # prefilled prompts kept across generate calls
         self.last_stats: GenerationStats | None = None
+        self._drafters: dict[SpeculativeConfig, Drafter | None] = {}
+        self._engine: LLMEngine | None = None
 
     @property
-    def max_context(self) -> int:
-        return self.model.cfg.max_seq_len
+    def kv_dtype(self) -> torch.dtype:
+        return self.config.kv_dtype
+
+    @property
+    def max_model_len(self) -> int:
+        """Most prompt + output tokens of one request."""
+        return self.config.max_model_len
 
     def encode(self, prompts: Sequence[str]) -> list[list[int]]:
         if isinstance(prompts, str):
@@ -269,20 +253,49 @@ class LLM:
                 raise InvalidRequestError(f"prompt {i} is empty or not a string")
         return self.tokenizer.encode_batch(prompts)
 
-    def engine(self, slots: int, capacity: int, speculative: SpeculativeConfig | None = None, *,
-               fit_memory: bool = False, **kwargs) -> LLMEngine:
-        """An engine over this model for `slots` concurrent requests of up to `capacity` - CACHE_SLACK tokens
-        each. With `fit_memory`, fewer slots where free memory holds fewer (at least one; the engine says
-        clearly if even that does not fit). kwargs go to LLMEngine."""
-        drafter, policy = speculative.build(self.model) if speculative is not None else (None, None)
+    def speculation(self, speculative: SpeculativeConfig | None,
+                    gamma_policy: GammaPolicy | None = None) -> Speculation | None:
+        """The drafter of `speculative` (built once per setting: a draft model's weights load once) with
+        `gamma_policy` (None: always the config's gamma); None for plain decoding."""
+        if speculative is None:
+            return None
+        if speculative not in self._drafters:
+            self._drafters[speculative] = speculative.build(self.model)
+        drafter = self._drafters[speculative]
+        return Speculation(drafter, gamma_policy or FixedGamma(speculative.gamma)) if drafter is not None else None
+
+    def engine(self, speculative: SpeculativeConfig | None = None, gamma_policy: GammaPolicy | None = None, *,
+               fit_memory: bool = False, **overrides) -> LLMEngine:
+        """The LLM's engine, drafting as `speculative` says, with `overrides` (EngineConfig fields) over the
+        LLM's configuration. An engine whose slots and request length cover these (and whose other settings
+        match) is reused with its caches; else it is replaced. With `fit_memory`, a new engine takes fewer
+        slots where free memory holds fewer (at least one; it says clearly if even that does not fit)."""
+        speculation = self.speculation(speculative, gamma_policy)
+        config = dataclasses.replace(self.config, **overrides)
+        engine = self._engine
+        if engine is not None and _covers(engine.config, config):
+            engine.set_speculation(speculation)
+            return engine
+        self.free_engine()  # its caches go before the new ones are allocated
         if fit_memory:
-            per_slot = ModelRunner.memory_bytes(self.model, 1, capacity, self.kv_dtype, drafter, self.prefill_chunk)
-            slots = max(1, min(slots, int(0.9 * available_bytes(self.model.device)) // per_slot))
-            if self.model.tp is not None:  # the ranks must run the same batch: the fewest that fit on every one
-                slots = self.model.tp.min_int(slots)
-        return LLMEngine(self.model, self.tokenizer.eos_ids, slots=slots, capacity=capacity, kv_dtype=self.kv_dtype,
-                         tokenizer=self.tokenizer, drafter=drafter, gamma_policy=policy,
-                         prefill_chunk=self.prefill_chunk, prompt_cache=self.prompt_cache, **kwargs)
+            config = dataclasses.replace(config, max_num_seqs=self._slots_that_fit(config, speculation))
+        self._engine = LLMEngine(self.model, config, eos_ids=self.tokenizer.eos_ids, tokenizer=self.tokenizer,
+                                 speculation=speculation, prompt_cache=self.prompt_cache)
+        return self._engine
+
+    def free_engine(self) -> None:
+        """Drop the engine and its caches (the next call builds one)."""
+        if self._engine is not None:
+            self._engine.runner.use_drafter(None)
+            self._engine = None
+
+    def _slots_that_fit(self, config: EngineConfig, speculation: Speculation | None) -> int:
+        drafter = speculation.drafter if speculation is not None else None
+        per_slot = ModelRunner.memory_bytes(self.model, dataclasses.replace(config, max_num_seqs=1), drafter)
+        slots = max(1, min(config.max_num_seqs, int(0.9 * available_bytes(self.model.device)) // per_slot))
+        if self.model.tp is not None:  # the ranks must run the same batch: the fewest that fit on every one
+            slots = self.model.tp.min_int(slots)
+        return slots
 
     def generate(
         self,
@@ -291,9 +304,11 @@ class LLM:
         *,
         prompt_token_ids: Sequence[Sequence[int]] | None = None,
         speculative: SpeculativeConfig | None = None,
+        gamma_policy: GammaPolicy | None = None,
         progress: ProgressFn | None = None,
     ) -> list[RequestOutput]:
         """Generate a completion for each prompt (text, or token ids); `params` is one for all or one per prompt.
+        `speculative` drafts (with `gamma_policy` picking each step's draft length, e.g. autoplan's re-planner).
 
         All prompts are queued at once; up to `max_num_seqs` (fewer if memory is short) run together, and a
         finished one's slot goes to the next. Stats land in `self.last_stats`."""
@@ -308,15 +323,24 @@ class LLM:
         if len(per_prompt) != len(ids) or not all(isinstance(p, SamplingParams) for p in per_prompt):
             raise InvalidRequestError("params must be one SamplingParams or one per prompt")
         for i, (p, sp) in enumerate(zip(ids, per_prompt)):
-            if len(p) + sp.max_tokens > self.max_context:
+            if len(p) + sp.max_tokens > self.max_model_len:
                 raise InvalidRequestError(
                     f"prompt {i} has {len(p)} tokens; with max_tokens={sp.max_tokens} it exceeds the "
-                    f"model's context of {self.max_context} tokens"
+                    f"model's context of {self.max_model_len} tokens"
                 )
-        capacity = max(len(p) + sp.max_tokens for p, sp in zip(ids, per_prompt)) + CACHE_SLACK
-        engine = self.engine(min(len(ids), self.max_num_seqs), capacity, speculative, fit_memory=True)
+        engine = self.engine(speculative, gamma_policy, fit_memory=True,
+                             max_num_seqs=min(len(ids), self.config.max_num_seqs),
+                             max_model_len=max(len(p) + sp.max_tokens for p, sp in zip(ids, per_prompt)))
+        stats = engine.reset_stats()
         requests = engine.generate(ids, per_prompt, progress)
-        engine.stats.peak_memory_bytes = peak_bytes(self.model.device)
-        self.last_stats = engine.stats
+        stats.peak_memory_bytes = peak_bytes(self.model.device)
+        self.last_stats = stats
         return [RequestOutput(i, prompts[i] if prompts is not None else None, r.prompt_ids, engine.text_of(r),
                               r.output_ids, r.finish_reason, r.accepted_hist) for i, r in enumerate(requests)]
+
+
+def _covers(built: EngineConfig, wanted: EngineConfig) -> bool:
+    """Whether an engine built with `built` can run what `wanted` asks: as many slots and as long requests or
+    more, every other setting the same."""
+    return (wanted.max_num_seqs <= built.max_num_seqs and wanted.max_model_len <= built.max_model_len
+            and dataclasses.replace(wanted, max_num_seqs=built.max_num_seqs, max_model_len=built.max_model_len) == built)

@@ -11,21 +11,23 @@ forwards compute garbage that is never committed, and a slot's state is rebuilt 
 
 from __future__ import annotations
 
+import itertools
 import time
-from collections import OrderedDict
-from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
 from torch import Tensor
 
+from magicdec.config import EngineConfig
 from magicdec.drafters.base import Drafter
 from magicdec.kv import KVCache
+from magicdec.kv.prompt_cache import PromptCache
 from magicdec.kv.sparse import SnapKVObserver
 from magicdec.memory import check_fits
 from magicdec.model import Transformer
 from magicdec.prefill import prefill_chunk, prefill_row
 from magicdec.sampling import RowParams, SamplingParams, sample_tokens
+from magicdec.step import LENGTH, RUNNING, STOPPED, PrefillWork, ScheduledStep, SlotAssignment, SlotOutput, StepResult
 from magicdec.verify import accept_drafts
 
 #: Most draft tokens per round; a slot's cache holds this many tokens beyond its request's length.
@@ -33,7 +35,6 @@ MAX_GAMMA = 16
 #: Cache entries a slot needs beyond prompt + max_tokens: a round can write gamma + 1 tokens past the end.
 CACHE_SLACK = MAX_GAMMA + 2
 
-RUNNING, STOPPED, LENGTH = 0, 1, 2  # per-slot finish codes of a step's results
 GREEDY = SamplingParams()
 
 
@@ -41,126 +42,6 @@ def synchronize(device: torch.device) -> None:
     """Wait for the device (CUDA runs asynchronously; CPU work is done when the call returns)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-@dataclass
-class PrefillWork:
-    """Prompt tokens [start, end) of the request in `slot`; the last chunk of a prompt samples its first token.
-    `cached`: the whole prompt is in the prompt cache and is copied, not computed."""
-
-    slot: int
-    start: int
-    end: int
-    final: bool
-    cached: bool = False
-
-
-@dataclass
-class _Prefilled:
-    k: Tensor  # [n_layers, KV, T, hd]
-    v: Tensor
-    logits: Tensor  # [1, V], predicting the token after the prompt
-    scores: list[Tensor]  # SnapKV's observation per layer, [1, KV, T]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.logits, *self.scores))
-
-
-class PromptCache:
-    """Prefilled prompts kept for reuse, matched on the whole prompt, least recently used evicted first.
-
-    Benchmarks and `generate --compare-ar` decode the same prompts under several configurations; a hit
-    costs a copy of the prompt's K/V instead of its prefill. Entries hold the K/V in the cache dtype, the
-    last logits and SnapKV's observation, so every drafter can start from a hit."""
-
-    def __init__(self, max_bytes: int):
-        self.max_bytes = max_bytes
-        self.entries: OrderedDict[tuple[int, ...], _Prefilled] = OrderedDict()
-        self.nbytes = 0
-
-    @staticmethod
-    def extra_bytes(cfg, n_tokens: int) -> int:
-        """Bytes of an entry beyond its K/V: the logits and SnapKV's observation (fp32)."""
-        return 4 * (cfg.vocab_size + cfg.n_layers * cfg.n_kv_heads * n_tokens)
-
-    @classmethod
-    def sized_for(cls, cfg, lengths: Sequence[int], kv_dtype: torch.dtype) -> "PromptCache":
-        """A cache that holds exactly one entry per prompt of these lengths (tokens)."""
-        return cls(sum(KVCache.nbytes(cfg, 1, n, kv_dtype) + cls.extra_bytes(cfg, n) for n in lengths))
-
-    def __contains__(self, prompt: Sequence[int]) -> bool:
-        return tuple(prompt) in self.entries
-
-    def get(self, prompt: Sequence[int]) -> _Prefilled:
-        key = tuple(prompt)
-        self.entries.move_to_end(key)
-        return self.entries[key]
-
-    def load(self, prompt: Sequence[int], row: KVCache, observer: SnapKVObserver | None) -> Tensor:
-        """Fill `row` (one cache row) with the cached prefill of `prompt`; returns its last logits."""
-        entry, T = self.get(prompt), len(prompt)
-        row.clear()
-        row.k[:, 0, :, :T] = entry.k
-        row.v[:, 0, :, :T] = entry.v
-        row.commit(T)
-        if observer is not None:
-            observer.scores = list(entry.scores)
-        return entry.logits
-
-    def store(self, prompt: Sequence[int], row: KVCache, logits: Tensor, observer: SnapKVObserver) -> None:
-        """Keep the prefill of `prompt` that `row` now holds (with its last logits and SnapKV observation)."""
-        T = len(prompt)
-        scores = [s[..., :T] for s in observer.scores]  # attention may have spanned the row's unfilled slots
-        self.put(prompt, _Prefilled(row.k[:, 0, :, :T].clone(), row.v[:, 0, :, :T].clone(), logits.clone(), scores))
-
-    def put(self, prompt: Sequence[int], entry: _Prefilled) -> None:
-        key = tuple(prompt)
-        if key in self.entries or entry.nbytes > self.max_bytes:
-            return
-        while self.nbytes + entry.nbytes > self.max_bytes:
-            self.nbytes -= self.entries.popitem(last=False)[1].nbytes
-        self.entries[key] = entry
-        self.nbytes += entry.nbytes
-
-
-@dataclass
-class SlotAssignment:
-    """A request taking a slot: what the runner needs to prefill and decode it."""
-
-    slot: int
-    prompt: list[int]
-    params: SamplingParams
-    seed: int
-
-
-@dataclass
-class ScheduledStep:
-    """What the scheduler asks of one step, in order: free slots, move running requests (from, to) into
-    free lower slots, hand slots to new requests, run prefill chunks, then a decode round (draft length
-    gamma, 0 for plain decoding) over slots [0, n_rows)."""
-
-    release: list[int] = field(default_factory=list)
-    moves: list[tuple[int, int]] = field(default_factory=list)
-    assign: list[SlotAssignment] = field(default_factory=list)
-    prefills: list[PrefillWork] = field(default_factory=list)
-    n_rows: int = 0
-    gamma: int = 0
-
-
-@dataclass
-class StepResult:
-    """A step's results on the host. Per finished prefill: (slot, first token, finish code). Per decoded slot
-    i < n_rows: the tokens it gained (`tokens[i][:kept[i]]`), its finish code and accepted draft count."""
-
-    first: list[tuple[int, int, int]]
-    tokens: list[list[int]]
-    kept: list[int]
-    finish: list[int]
-    accepted: list[int]
-    prefill_s: float
-    decode_s: float
-    draft_s: float
 
 
 def workspace_bytes(model: Transformer, rows: int, chunk: int) -> int:
@@ -172,42 +53,49 @@ def workspace_bytes(model: Transformer, rows: int, chunk: int) -> int:
 
 
 class ModelRunner:
-    """Caches and buffers for `slots` requests of up to `capacity` tokens each (prompt + output + slack)."""
+    """Caches and buffers for `config.max_num_seqs` request slots of up to `config.max_model_len` tokens
+    each (the engine resolves both, and the KV dtype, before building its runner)."""
 
-    def __init__(
-        self,
-        model: Transformer,
-        eos_ids: Sequence[int],
-        *,
-        slots: int,
-        capacity: int,
-        kv_dtype: torch.dtype,
-        drafter: Drafter | None = None,
-        prompt_cache: PromptCache | None = None,
-    ):
-        self.model, self.drafter, self.prompt_cache = model, drafter, prompt_cache
-        self.slots, self.capacity = slots, capacity
+    def __init__(self, model: Transformer, config: EngineConfig, eos_ids: Sequence[int], *,
+                 drafter: Drafter | None = None, prompt_cache: PromptCache | None = None):
+        self.model, self.prompt_cache = model, prompt_cache
+        self.slots, self.kv_dtype, self.prefill_chunk = config.max_num_seqs, config.kv_dtype, config.prefill_chunk
+        self.capacity = config.max_model_len + CACHE_SLACK  # cache entries per slot
         device = self.device = model.device
-        check_fits(self.memory_bytes(model, slots, capacity, kv_dtype, drafter), device,
-                   f"{slots} slots x {capacity} tokens (KV caches, draft cache and workspace)")
-        self.cache = KVCache(model.cfg, slots, capacity, kv_dtype, device)
-        if drafter is not None:
-            drafter.allocate(slots, capacity, kv_dtype, device)
-        self.seq = torch.zeros(slots, capacity, dtype=torch.long, device=device)  # prompt + output tokens
-        self.n_tokens = torch.zeros(slots, dtype=torch.long, device=device)  # known tokens per slot
-        self.limit = torch.zeros(slots, dtype=torch.long, device=device)  # prompt + max_tokens
-        self.use_eos = torch.zeros(slots, dtype=torch.bool, device=device)
-        self.live = torch.zeros(slots, dtype=torch.bool, device=device)  # slots that are decoding
-        self.rows = RowParams(slots, device)
+        check_fits(self.memory_bytes(model, config, drafter), device,
+                   f"{self.slots} slots x {config.max_model_len} tokens (KV caches, draft cache and workspace)")
+        self.cache = KVCache(model.cfg, self.slots, self.capacity, self.kv_dtype, device)
+        self.drafter: Drafter | None = None
+        self.use_drafter(drafter, checked=True)
+        self.seq = torch.zeros(self.slots, self.capacity, dtype=torch.long, device=device)  # prompt + output tokens
+        self.n_tokens = torch.zeros(self.slots, dtype=torch.long, device=device)  # known tokens per slot
+        self.limit = torch.zeros(self.slots, dtype=torch.long, device=device)  # prompt + max_tokens
+        self.use_eos = torch.zeros(self.slots, dtype=torch.bool, device=device)
+        self.live = torch.zeros(self.slots, dtype=torch.bool, device=device)  # slots that are decoding
+        self.rows = RowParams(self.slots, device)
         self.eos = torch.tensor(list(eos_ids), dtype=torch.long, device=device)
-        self.prompts: list[list[int]] = [[] for _ in range(slots)]  # each slot's prompt ids
+        self.prompts: list[list[int]] = [[] for _ in range(self.slots)]  # each slot's prompt ids
 
     @staticmethod
-    def memory_bytes(model: Transformer, slots: int, capacity: int, kv_dtype: torch.dtype,
-                     drafter: Drafter | None, chunk: int = 512) -> int:
-        """Bytes the runner allocates, planned before allocating."""
-        draft = drafter.cache_bytes(slots, capacity, kv_dtype) if drafter is not None else 0
-        return KVCache.nbytes(model.cfg, slots, capacity, kv_dtype) + draft + workspace_bytes(model, slots, chunk)
+    def memory_bytes(model: Transformer, config: EngineConfig, drafter: Drafter | None) -> int:
+        """Bytes a runner for `config` (max_model_len and kv_dtype resolved) allocates, planned before allocating."""
+        slots, capacity = config.max_num_seqs, config.max_model_len + CACHE_SLACK
+        draft = drafter.cache_bytes(slots, capacity, config.kv_dtype) if drafter is not None else 0
+        return (KVCache.nbytes(model.cfg, slots, capacity, config.kv_dtype) + draft
+                + workspace_bytes(model, slots, config.prefill_chunk))
+
+    def use_drafter(self, drafter: Drafter | None, checked: bool = False) -> None:
+        """Draft with `drafter` from now on (None: plain decoding), between runs (no slot in use): the previous
+        drafter's cache is dropped and the new one's allocated for these slots. `checked`: its bytes were
+        counted in this runner's memory check already."""
+        if self.drafter is not None:
+            self.drafter.cache = None
+        if drafter is not None:
+            if not checked:
+                check_fits(drafter.cache_bytes(self.slots, self.capacity, self.kv_dtype), self.device,
+                           f"the draft cache of {self.slots} slots x {self.capacity} tokens")
+            drafter.allocate(self.slots, self.capacity, self.kv_dtype, self.device)
+        self.drafter = drafter
 
     # --- slot lifecycle ---------------------------------------------------------------------------------
     def _assign(self, a: SlotAssignment) -> None:
@@ -221,7 +109,7 @@ class ModelRunner:
         self.rows.set(slot, a.params, a.seed)
         self.prompts[slot] = a.prompt
 
-    def _release(self, slot: int) -> None:
+    def release(self, slot: int) -> None:
         """The slot's request is done (or aborted): stop decoding it and empty its cache row, so that its
         length no longer widens the attention of the slots decoded with it."""
         self.live[slot] = False
@@ -242,15 +130,14 @@ class ModelRunner:
         self.cache.copy_row(src, dst)
         if self.drafter is not None:
             self.drafter.move(src, dst)
-        self._release(src)
+        self.release(src)
 
     # --- one step -------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, step: ScheduledStep) -> StepResult:
-        """Run the step's prefill chunks, then its decode round; return the results on the host."""
+        """Run the step's moves, assignments and prefill chunks, then its decode round; return the results on
+        the host (one transfer)."""
         t0 = time.perf_counter()
-        for slot in step.release:
-            self._release(slot)
         for src, dst in step.moves:
             self._move(src, dst)
         for a in step.assign:
@@ -268,12 +155,16 @@ class ModelRunner:
         if n:
             new, kept, finish, accepted, draft_s = self._decode(n, step.gamma)
         k = new.shape[1]
-        flat = torch.cat([new.flatten(), kept, finish, accepted] + [f for _, f in firsts]).tolist()  # one transfer
+        values = iter(torch.cat([new.flatten(), kept, finish, accepted] + [f for _, f in firsts]).tolist())
         t2 = time.perf_counter()
-        rest = flat[n * k :]
-        first = [(slot, rest[3 * n + 2 * j], rest[3 * n + 2 * j + 1]) for j, (slot, _) in enumerate(firsts)]
-        return StepResult(first, [flat[i * k : (i + 1) * k] for i in range(n)], rest[:n], rest[n : 2 * n],
-                          rest[2 * n : 3 * n], t1 - t0, t2 - t1, draft_s)
+
+        def take(m: int) -> list[int]:
+            return list(itertools.islice(values, m))
+
+        tokens, kept, finish, accepted = take(n * k), take(n), take(n), take(n)
+        first = [SlotOutput(slot, take(1), next(values)) for slot, _ in firsts]
+        decoded = [SlotOutput(i, tokens[i * k : i * k + kept[i]], finish[i], accepted[i]) for i in range(n) if kept[i]]
+        return StepResult(first, decoded, t1 - t0, t2 - t1, draft_s)
 
     def _prefill(self, work: PrefillWork) -> Tensor | None:
         """Run one prefill chunk; after the last one, sample the first token and start decoding the slot.
@@ -288,7 +179,7 @@ class ModelRunner:
         if work.cached and ids in self.prompt_cache:
             logits = self.prompt_cache.load(ids, row, observer)
         elif work.cached:  # evicted since it was scheduled
-            logits = prefill_row(self.model, row, prompt, work.end, observer)
+            logits = prefill_row(self.model, row, prompt, self.prefill_chunk, observer)
         else:
             logits = prefill_chunk(self.model, row, prompt, work.start, work.end, observer)
             if work.final and self.prompt_cache is not None:

@@ -7,7 +7,8 @@ so a long arrival does not stall the streams already running. With a prompt cach
 prompt is being prefilled for another waits for that prefill and is then copied from the cache (n samples
 of one prompt cost one prefill). Each step decodes the slots below the highest running one, with the
 draft length the speculation policy picks for the live batch; when no request waits for a slot, running
-requests move down into free slots so that the decoded rows stay few.
+requests move down into free slots so that the decoded rows stay few. Every finish (EOS or the token limit,
+as the runner reports them, a stop string, an abort) is decided here, and frees the request's slot at once.
 """
 
 from __future__ import annotations
@@ -18,10 +19,12 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+from magicdec.config import EngineConfig
 from magicdec.errors import InvalidRequestError
+from magicdec.kv.prompt_cache import PromptCache
 from magicdec.prefill import prefill_chunks
-from magicdec.runner import LENGTH, RUNNING, STOPPED, PrefillWork, ScheduledStep, SlotAssignment, StepResult
 from magicdec.sampling import SamplingParams
+from magicdec.step import LENGTH, RUNNING, STOPPED, PrefillWork, ScheduledStep, SlotAssignment, SlotOutput, StepResult
 
 class GammaPolicy:
     """Each step's draft length (0: plain decoding) from the live sequences and their mean context; told
@@ -85,22 +88,25 @@ class Request:
 class Scheduler:
     """Admission, chunked prefill, the per-step draft length, and retirement of finished requests."""
 
-    def __init__(self, slots: int, prefill_chunk: int, gamma_policy: GammaPolicy, max_gamma: int = 0, *,
-                 max_prefill_tokens: int | None = None, max_queued: int | None = None,
-                 is_cached: Callable[[list[int]], bool] | None = None,
+    def __init__(self, config: EngineConfig, gamma_policy: GammaPolicy, max_gamma: int = 0, *,
+                 prompt_cache: PromptCache | None = None, decode: Callable[[list[int]], str] | None = None,
                  row_bucket: Callable[[int], int] = lambda n: n):
-        self.slots = [None] * slots  # type: list[Request | None]
-        self.prefill_chunk = prefill_chunk
-        self.max_prefill_tokens = max_prefill_tokens or prefill_chunk
-        self.max_queued = max_queued
+        self.slots = [None] * config.max_num_seqs  # type: list[Request | None]
+        self.prefill_chunk = config.prefill_chunk
+        self.max_prefill_tokens = config.max_prefill_tokens or 1 << 62
+        self.max_queued = config.max_queued
         self.gamma_policy = gamma_policy
         self.max_gamma = max_gamma  # the drafter's longest draft (0: no drafter)
-        # prompts whose prefill is a copy from the prompt cache (no prefill budget); None: no prompt cache
-        self.is_cached = is_cached
+        # prompts whose prefill is a copy from the prompt cache take no prefill budget
+        self.prompt_cache = prompt_cache if prompt_cache is not None else PromptCache(0)
+        self.decode = decode  # token ids -> text, for stop strings
         self.row_bucket = row_bucket  # decoded rows, rounded up to a shape a captured graph can replay
         self.waiting: deque[Request] = deque()
         self.prefilling: list[Request] = []
-        self._release: list[int] = []
+
+    def set_speculation(self, gamma_policy: GammaPolicy, max_gamma: int) -> None:
+        """Draft up to `max_gamma` tokens a round (0: never), as `gamma_policy` picks, from the next step on."""
+        self.gamma_policy, self.max_gamma = gamma_policy, max_gamma
 
     # --- requests in and out --------------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -108,40 +114,38 @@ class Scheduler:
             raise QueueFullError(f"the queue is full ({self.max_queued} requests waiting)")
         self.waiting.append(request)
 
-    def abort(self, request: Request) -> None:
-        """End a request that has not finished (the client went away); frees its slot."""
+    def abort(self, request: Request) -> int | None:
+        """End a request that has not finished (the client went away); returns the slot it freed, if any."""
         if request.status is Status.WAITING:
             self.waiting.remove(request)
-            request.status = Status.FINISHED
-            request.finish_reason = "abort"
-            request.finish_time = time.monotonic()
-        elif not request.finished:
-            self.finish(request, "abort")
+            self._retire(request, "abort")
+            return None
+        return self._finish(request, "abort")
 
-    def finish(self, request: Request, reason: str) -> None:
-        """Retire a request that holds a slot; the runner frees the slot at the next step."""
+    def _finish(self, request: Request, reason: str) -> int:
+        """Retire a request that holds a slot; returns the slot, free from now on."""
         if request.status is Status.PREFILLING:
             self.prefilling.remove(request)
+        self._retire(request, reason)
+        self.slots[request.slot] = None
+        return request.slot
+
+    @staticmethod
+    def _retire(request: Request, reason: str) -> None:
         request.status, request.finish_reason = Status.FINISHED, reason
         request.finish_time = time.monotonic()
-        self.slots[request.slot] = None
-        self._release.append(request.slot)
-
-    def retry_release(self, slots: list[int]) -> None:
-        """Slots a failed step was to free: free them in the next step."""
-        self._release.extend(slots)
 
     @property
     def running(self) -> list[Request]:
         return [r for r in self.slots if r is not None and r.status is Status.RUNNING]
 
     def has_work(self) -> bool:
-        return bool(self.waiting) or any(r is not None for r in self.slots) or bool(self._release)
+        return bool(self.waiting) or any(r is not None for r in self.slots)
 
     # --- one step -------------------------------------------------------------------------------------------
     def _next_admissible(self, in_flight: set[tuple[int, ...]]) -> Request | None:
         """The first waiting request whose prompt is not being prefilled for another (such a request waits
-        for that prefill to reach the prompt cache; `in_flight` is empty without a prompt cache)."""
+        for that prefill to reach the prompt cache; `in_flight` is empty without one)."""
         for i, request in enumerate(self.waiting):
             if not in_flight or tuple(request.prompt_ids) not in in_flight:
                 del self.waiting[i]
@@ -149,10 +153,10 @@ class Scheduler:
         return None
 
     def schedule(self) -> ScheduledStep:
-        step = ScheduledStep(release=self._release)
-        self._release = []
+        step = ScheduledStep()
+        caching = self.prompt_cache.enabled
         in_flight = set()  # prompts being prefilled (not copied): their repeats wait
-        if self.is_cached is not None:
+        if caching:
             in_flight = {tuple(r.prompt_ids) for r in self.prefilling if not (r.chunks and r.chunks[0][2])}
         for slot, holder in enumerate(self.slots):
             if holder is None and self.waiting:
@@ -161,8 +165,8 @@ class Scheduler:
                     break
                 request.slot, request.status = slot, Status.PREFILLING
                 n = len(request.prompt_ids)
-                cached = self.is_cached is not None and self.is_cached(request.prompt_ids)
-                if self.is_cached is not None and not cached:
+                cached = caching and request.prompt_ids in self.prompt_cache
+                if caching and not cached:
                     in_flight.add(tuple(request.prompt_ids))
                 request.chunks = deque([(0, n, True)] if cached else
                                        [(s, e, False) for s, e in prefill_chunks(n, self.prefill_chunk)])
@@ -191,9 +195,8 @@ class Scheduler:
 
     def _compact(self, step: ScheduledStep) -> None:
         """Move running requests from the highest slots into free lower ones. A round decodes every slot
-        below the highest running one, and an empty slot still rides through the linear layers (1 live row
-        among 8 cost 1.3x that row alone on a 2-core CPU); a move is one copy of the request's cache row.
-        Called when no request waits for a slot."""
+        below the highest running one, and an empty slot still rides through the linear layers at a row's
+        cost; a move is one copy of the request's cache row. Called when no request waits for a slot."""
         while True:
             free = next((i for i, r in enumerate(self.slots) if r is None), None)
             top = max((r.slot for r in self.running), default=-1)
@@ -203,31 +206,61 @@ class Scheduler:
             self.slots[free], self.slots[top], request.slot = request, None, free
             step.moves.append((top, free))
 
-    def update(self, step: ScheduledStep, result: StepResult) -> list[Request]:
-        """Apply a step's results; returns the requests that gained tokens or finished."""
+    def update(self, step: ScheduledStep, result: StepResult) -> tuple[list[Request], list[int]]:
+        """Apply a step's results and decide which requests finish; returns the requests that gained tokens
+        or finished, and the slots their finishing freed."""
         now = time.monotonic()
         changed: dict[int, Request] = {}
-        for slot, token, finish in result.first:
-            request = self.slots[slot]
+        freed: list[int] = []
+        for out in result.first:
+            request = self.slots[out.slot]
             self.prefilling.remove(request)
             request.status, request.first_token_time = Status.RUNNING, now
-            request.output_ids.append(token)
-            changed[slot] = request
-            if finish != RUNNING:
-                self.finish(request, FINISH_NAMES[finish])
-        for slot in range(step.n_rows):
-            request, kept = self.slots[slot], result.kept[slot]
-            if request is None or not kept:
+            changed[out.slot] = request
+            freed.extend(self._append(request, out))
+        for out in result.decoded:
+            request = self.slots[out.slot]
+            if request is None:  # its first token, in this step, completed a stop string
                 continue
-            request.output_ids.extend(result.tokens[slot][:kept])
             if step.gamma:
                 hist = request.accepted_hist
                 hist.extend([0] * (step.gamma + 1 - len(hist)))
-                hist[result.accepted[slot]] += 1
-            changed[slot] = request
-            if result.finish[slot] != RUNNING:
-                self.finish(request, FINISH_NAMES[result.finish[slot]])
-        return list(changed.values())
+                hist[out.accepted] += 1
+            changed[out.slot] = request
+            freed.extend(self._append(request, out))
+        if result.decoded:  # (a round can find every row gone: first tokens that were EOS)
+            self.gamma_policy.observe(step.gamma, [out.accepted for out in result.decoded], result.decode_s)
+        return list(changed.values()), freed
+
+    def _append(self, request: Request, out: SlotOutput) -> list[int]:
+        """Add a slot's new tokens to its request and finish it at EOS, its token limit or a stop string;
+        returns the slot when that freed it."""
+        request.output_ids.extend(out.tokens)
+        if out.finish != RUNNING:
+            return [self._finish(request, FINISH_NAMES[out.finish])]
+        if request.params.stop and self.decode is not None:
+            end = stop_string_end(self.decode, request.output_ids, request.params.stop)
+            if end is not None:
+                del request.output_ids[end:]
+                return [self._finish(request, "stop")]
+        return []
+
+
+def stop_string_end(decode: Callable[[list[int]], str], ids: list[int], stops: Sequence[str]) -> int | None:
+    """The fewest leading tokens of `ids` whose text contains one of `stops` (None: none does). Only the
+    text of the last tokens is decoded: every token adds at least one character, so a stop string that the
+    last token completed spans at most as many tokens as it has characters."""
+    window = max(0, len(ids) - max(map(len, stops)) - 16)
+    if not any(s in decode(ids[window:]) for s in stops):
+        return None
+    lo, hi = window + 1, len(ids)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if any(s in decode(ids[window:mid]) for s in stops):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
 
 
 class QueueFullError(InvalidRequestError):

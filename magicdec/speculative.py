@@ -1,14 +1,16 @@
-"""Speculative decoding settings and how they turn into a drafter."""
+"""Speculative decoding: the settings (`SpeculativeConfig`, frozen) and what they build (`Speculation`: a
+drafter, whose weights and caches are state, and the policy that picks each step's draft length)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from magicdec.drafters import Drafter, ModelDrafter, SelfSpecDrafter
 from magicdec.errors import InvalidRequestError
+from magicdec.loading import load_model
 from magicdec.model import Transformer
 from magicdec.runner import MAX_GAMMA
-from magicdec.scheduler import FixedGamma, GammaPolicy
+from magicdec.scheduler import GammaPolicy
 
 DRAFTERS = ("none", "self-streaming", "self-snapkv", "model")
 
@@ -32,9 +34,6 @@ class SpeculativeConfig:
     draft_model: str | None = None
     draft_cache: str = "streaming"
     reindex: bool | None = None
-    replan: GammaPolicy | None = field(default=None, compare=False, repr=False)
-    """Sets each step's draft length (up to `gamma`; 0: plain decoding) from the live batch and context
-    (`--draft auto`); None: always `gamma`."""
 
     def __post_init__(self) -> None:
         if self.draft not in DRAFTERS:
@@ -48,14 +47,11 @@ class SpeculativeConfig:
         if self.draft_cache not in ("dense", "streaming", "snapkv"):
             raise InvalidRequestError(f"unknown draft cache {self.draft_cache!r}; choose dense, streaming or snapkv")
 
-    def build(self, target: Transformer) -> tuple[Drafter | None, GammaPolicy | None]:
-        """The drafter for `target` and the policy that sets each step's draft length (None, None: plain decoding)."""
+    def build(self, target: Transformer) -> Drafter | None:
+        """The drafter for `target` (None: plain decoding); a `model` drafter loads its weights here."""
         if self.draft == "none":
-            return None, None
-        policy = self.replan or FixedGamma(self.gamma)
+            return None
         if self.draft == "model":
-            from magicdec.loading import load_model
-
             # under tensor parallelism the draft model is sharded over the same ranks as the target
             draft = load_model(self.draft_model, device=target.device, dtype=target.dtype, tp=target.tp)
             if draft.model.cfg.vocab_size != target.cfg.vocab_size:
@@ -64,7 +60,16 @@ class SpeculativeConfig:
                     f"({target.cfg.vocab_size})"
                 )
             reindex = DEFAULT_REINDEX.get(self.draft_cache, False) if self.reindex is None else self.reindex
-            return ModelDrafter(draft.model, self.draft_cache, self.budget, self.gamma, reindex), policy
+            return ModelDrafter(draft.model, self.draft_cache, self.budget, self.gamma, reindex)
         kind = self.draft.removeprefix("self-")
         reindex = DEFAULT_REINDEX[kind] if self.reindex is None else self.reindex
-        return SelfSpecDrafter(target, kind, self.budget, self.gamma, reindex), policy
+        return SelfSpecDrafter(target, kind, self.budget, self.gamma, reindex)
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """A built drafter and the policy that picks each step's draft length (up to the drafter's gamma; 0:
+    a plain step): `FixedGamma` for a fixed length, `autoplan.Replanner` for `--draft auto`."""
+
+    drafter: Drafter
+    policy: GammaPolicy

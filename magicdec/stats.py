@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from magicdec.step import ScheduledStep, StepResult
+
 
 @dataclass
 class GenerationStats:
@@ -62,8 +64,20 @@ class GenerationStats:
         """Tokens produced per verify round and sequence (accepted + 1)."""
         return self.mean_accepted + 1 if self.verify_steps else 1.0
 
-    def count_round(self, gamma: int, live: int, accepted: list[int]) -> None:
-        """Record a decode round of `live` sequences that drafted `gamma` tokens each."""
+    def record(self, step: ScheduledStep, result: StepResult) -> None:
+        """Count one engine step from its results."""
+        self.prefill_s += result.prefill_s
+        decoded = sum(len(out.tokens) for out in result.decoded)
+        self.generated_tokens += len(result.first) + decoded
+        if result.decoded:  # (a round can find every row gone: first tokens that were EOS)
+            self.decode_s += result.decode_s
+            self.draft_s += result.draft_s
+            self.decode_tokens += decoded
+            self._count_round(step.gamma, [out.accepted for out in result.decoded])
+
+    def _count_round(self, gamma: int, accepted: list[int]) -> None:
+        """Record a decode round whose live sequences drafted `gamma` tokens each and accepted `accepted`."""
+        live = len(accepted)
         self.steps += 1
         self.max_batch = max(self.max_batch, live)
         if not self.gamma_changes or self.gamma_changes[-1][1] != gamma:

@@ -262,17 +262,19 @@ def run_engine(model, prompts, params, *, eos=(), drafter=None, gamma=0, policy=
 
     params: one SamplingParams or one per prompt. gamma: a fixed draft length (or `policy`). arrivals:
     the step before which each prompt is added (default: all at once)."""
+    from magicdec.config import EngineConfig
     from magicdec.engine import LLMEngine
-    from magicdec.runner import CACHE_SLACK
     from magicdec.sampling import SamplingParams
     from magicdec.scheduler import FixedGamma
+    from magicdec.speculative import Speculation
 
     params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
-    capacity = max(len(p) + sp.max_tokens for p, sp in zip(prompts, params)) + CACHE_SLACK
-    engine = LLMEngine(model, eos, slots=slots or len(prompts), capacity=capacity, drafter=drafter,
-                       gamma_policy=policy or (FixedGamma(gamma) if drafter else None),
-                       prompt_cache=prompt_cache, tokenizer=tokenizer, prefill_chunk=prefill_chunk,
-                       max_prefill_tokens=max_prefill_tokens, kv_dtype=kv_dtype)
+    config = EngineConfig(max_num_seqs=slots or len(prompts), prefill_chunk=prefill_chunk, kv_dtype=kv_dtype,
+                          max_model_len=max(len(p) + sp.max_tokens for p, sp in zip(prompts, params)),
+                          max_prefill_tokens=max_prefill_tokens)
+    speculation = Speculation(drafter, policy or FixedGamma(gamma)) if drafter is not None else None
+    engine = LLMEngine(model, config, eos_ids=eos, speculation=speculation, prompt_cache=prompt_cache,
+                       tokenizer=tokenizer)
     if arrivals is None:
         return engine.generate(prompts, params), engine.stats
     return drive(engine, prompts, params, arrivals), engine.stats

@@ -192,15 +192,18 @@ def test_stop_strings_are_kept_as_a_tuple(stop, kept):
 def test_kv_cache_too_big_is_refused_before_allocating(default_model):
     """Slots whose caches cannot fit raise OutOfMemoryError up front (here: ~44 TiB of fp32 KV), and so does a
     draft cache that cannot fit beside the target's."""
+    from magicdec.config import EngineConfig
     from magicdec.drafters import SelfSpecDrafter
     from magicdec.engine import LLMEngine
     from magicdec.scheduler import FixedGamma
+    from magicdec.speculative import Speculation
 
     with pytest.raises(OutOfMemoryError, match="KV caches"):
-        LLMEngine(default_model.model, (2,), slots=1, capacity=10**9)
+        LLMEngine(default_model.model, EngineConfig(max_num_seqs=1, max_model_len=10**9), eos_ids=(2,))
     drafter = SelfSpecDrafter(default_model.model, "streaming", 10**11, 3, True)
     with pytest.raises(OutOfMemoryError, match="draft cache"):
-        LLMEngine(default_model.model, (2,), slots=1, capacity=64, drafter=drafter, gamma_policy=FixedGamma(3))
+        LLMEngine(default_model.model, EngineConfig(max_num_seqs=1, max_model_len=64), eos_ids=(2,),
+                  speculation=Speculation(drafter, FixedGamma(3)))
 
 
 @pytest.mark.parametrize(
@@ -231,7 +234,7 @@ def test_invalid_prompts(llm, call):
 
 
 def test_prompt_longer_than_context(llm):
-    ctx = llm.max_context
+    ctx = llm.max_model_len
     with pytest.raises(InvalidRequestError, match="context"):
         llm.generate(prompt_token_ids=[[5] * (ctx + 1)], params=SamplingParams(max_tokens=1))
     with pytest.raises(InvalidRequestError, match="context"):  # prompt fits, prompt + max_tokens does not

@@ -21,6 +21,7 @@ from magicdec.calibrate import (
     nondecreasing,
     row_spread,
 )
+from magicdec.config import EngineConfig
 from magicdec.corpus import cut_prompts
 from magicdec.autoplan import (
     CPU_PRESETS,
@@ -41,7 +42,7 @@ from magicdec.planner import (
     round_time,
 )
 from magicdec.scheduler import GammaPolicy
-from magicdec.speculative import SpeculativeConfig
+from magicdec.speculative import Speculation, SpeculativeConfig
 
 SMOL = MODEL_PRESETS["smollm2-135m"]
 
@@ -341,8 +342,8 @@ def test_the_engine_reports_each_round_to_its_policy(tiny_llama):
             self.rounds.append((gamma, list(accepted), seconds))
 
     model = tiny_llama[0].model
-    drafter, _ = SpeculativeConfig("self-streaming", budget=16, gamma=2).build(model)
-    engine = LLMEngine(model, (), slots=2, capacity=96, drafter=drafter, gamma_policy=Policy())
+    drafter = SpeculativeConfig("self-streaming", budget=16, gamma=2).build(model)
+    engine = LLMEngine(model, EngineConfig(max_num_seqs=2, max_model_len=96), speculation=Speculation(drafter, Policy()))
     engine.generate([[1, 2, 3, 4] * 5, [5, 6, 7] * 4], SamplingParams(max_tokens=9, ignore_eos=True))
     assert Policy.rounds and all(g == 2 and 1 <= len(a) <= 2 and all(0 <= k <= 2 for k in a) and t > 0
                                  for g, a, t in Policy.rounds)

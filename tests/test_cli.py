@@ -153,10 +153,11 @@ def test_plan_static_batch_against_steady_state(tmp_path, capsys):
 
 
 def test_out_of_memory_is_caught_up_front():
+    from magicdec.config import EngineConfig
     from magicdec.engine import LLMEngine
     from magicdec.errors import OutOfMemoryError
     from magicdec.loading import load_model
 
     model = load_model().model
     with pytest.raises(OutOfMemoryError, match=r"needs [\d.]+ GiB but only [\d.]+ GiB is available"):
-        LLMEngine(model, (), slots=400, capacity=7100)
+        LLMEngine(model, EngineConfig(max_num_seqs=400, max_model_len=7100))

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import run_engine
-from magicdec.runner import PromptCache
+from magicdec.kv.prompt_cache import PromptCache
 from magicdec.sampling import SamplingParams
 
 EOS = (2,)  # <|im_end|>, the default model's EOS
@@ -83,7 +83,7 @@ def test_prompt_cache_hits_decode_like_computed_prefills(tiny_llama):
     prompts = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (9, 30)]
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     # sized as the benchmarks size it: exactly the two entries
-    cache = PromptCache.sized_for(model.cfg, [len(p) for p in prompts], torch.float32)
+    cache = PromptCache(PromptCache.bytes_for(model.cfg, [len(p) for p in prompts], torch.float32))
     computed, _ = run_engine(model, prompts, params, prompt_cache=cache)
     assert all(p in cache for p in prompts)
     k_before = cache.get(prompts[1]).k.clone()
@@ -205,6 +205,26 @@ def test_bf16_kv_cache_mostly_agrees(default_model, short_prompts, free_run):
 
 
 # --- the engine (text in, text out) --------------------------------------------------------------------------
+def test_llm_builds_its_engine_and_draft_model_once(llm, default_path, short_prompts, free_run, monkeypatch):
+    """Two generate calls with a `model` drafter load the draft weights once and run on one engine (the same
+    caches); each gives the target's greedy tokens."""
+    import magicdec.speculative as speculative
+
+    loads, load = [], speculative.load_model
+    monkeypatch.setattr(speculative, "load_model", lambda *a, **kw: loads.append(a) or load(*a, **kw))
+    spec = speculative.SpeculativeConfig("model", budget=32, gamma=3, draft_model=str(default_path))
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    shape = dict(max_num_seqs=len(short_prompts), max_model_len=max(map(len, short_prompts)) + 16)
+    first = llm.generate(prompt_token_ids=short_prompts, params=params, speculative=spec)
+    engine = llm.engine(spec, **shape)
+    keys = engine.runner.cache.k
+    second = llm.generate(prompt_token_ids=short_prompts, params=params, speculative=spec)
+    assert len(loads) == 1
+    assert llm.engine(spec, **shape) is engine and engine.runner.cache.k is keys
+    assert [o.token_ids for o in first] == [o.token_ids for o in second] == free_run
+    assert llm.last_stats.verify_steps > 0
+
+
 def test_engine_text_roundtrip_and_stop_string(llm, short_prompts, free_run):
     tok = llm.tokenizer
     texts = [tok.decode(p) for p in short_prompts]

@@ -25,7 +25,7 @@ import pytest
 import torch
 from conftest import drive, run_engine
 
-from magicdec.config import ModelConfig
+from magicdec.config import EngineConfig, ModelConfig
 from magicdec.drafters import ModelDrafter, SelfSpecDrafter
 from magicdec.engine import LLMEngine
 from magicdec.kv import KVCache
@@ -34,9 +34,9 @@ from magicdec.kv.sparse import (
     snapkv_window,
 )
 from magicdec.model import Transformer, apply_rope, rope_cos_sin
-from magicdec.runner import CACHE_SLACK
 from magicdec.sampling import SamplingParams
 from magicdec.scheduler import FixedGamma, GammaPolicy, Status
+from magicdec.speculative import Speculation
 
 V = 64
 BUDGET = 16
@@ -91,8 +91,9 @@ def make_drafter(name: str, target, draft_model, gamma: int, reindex: bool):
 
 def new_engine(model: Transformer, prompts, params, slots: int, drafter=None, policy: GammaPolicy | None = None):
     """An engine whose slots fit every prompt with its max_tokens (no EOS)."""
-    capacity = max(len(p) + sp.max_tokens for p, sp in zip(prompts, params)) + CACHE_SLACK
-    return LLMEngine(model, (), slots=slots, capacity=capacity, drafter=drafter, gamma_policy=policy)
+    max_model_len = max(len(p) + sp.max_tokens for p, sp in zip(prompts, params))
+    speculation = Speculation(drafter, policy or FixedGamma(drafter.gamma)) if drafter is not None else None
+    return LLMEngine(model, EngineConfig(max_num_seqs=slots, max_model_len=max_model_len), speculation=speculation)
 
 
 # --- the per-round monitor ----------------------------------------------------------------------------------
@@ -102,7 +103,7 @@ class Monitor:
     each verified round, and after every step (`after_step`), plain-decoding rounds included."""
 
     def __init__(self, engine: LLMEngine, target: Transformer):
-        self.engine, self.runner, self.d, self.target = engine, engine.runner, engine.drafter, target
+        self.engine, self.runner, self.d, self.target = engine, engine.runner, engine.runner.drafter, target
         self.kind = getattr(self.d, "kind", None) or self.d.cache_kind
         self.sparse = isinstance(self.d.cache, SparseKVCache)
         self.copies = self.d.model is target  # self-speculation catches up by copying the target's entries

@@ -23,7 +23,7 @@ from magicdec.config import ModelConfig
 from magicdec.drafters import ModelDrafter, SelfSpecDrafter
 from magicdec.kv import KVCache
 from magicdec.model import Transformer
-from magicdec.runner import PromptCache
+from magicdec.kv.prompt_cache import PromptCache
 from magicdec.sampling import RowParams, SamplingParams, probs_from_logits, sample_probs, sample_tokens
 from magicdec.verify import accept_drafts
 

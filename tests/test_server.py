@@ -31,7 +31,6 @@ import torch
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
-from magicdec.runner import CACHE_SLACK  # noqa: E402
 from magicdec.sampling import SamplingParams  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -408,7 +407,7 @@ def local_server(llm, *, slots: int = 1, max_queued: int | None = None, chat_tem
     from magicdec.server.async_engine import AsyncEngine
     from magicdec.server.metrics import ServerMetrics
 
-    engine = llm.engine(slots, 256 + CACHE_SLACK, None, max_queued=max_queued)
+    engine = llm.engine(max_num_seqs=slots, max_model_len=256, max_queued=max_queued)
     if engine_hook is not None:
         engine_hook(engine)
     metrics = ServerMetrics("local", "none", None)

@@ -18,7 +18,7 @@ import magicdec.drafters.model_draft as model_draft_mod
 import magicdec.runner as runner_mod
 from conftest import run_engine
 from magicdec.drafters import ModelDrafter, SelfSpecDrafter
-from magicdec.runner import PromptCache
+from magicdec.kv.prompt_cache import PromptCache
 from magicdec.sampling import SamplingParams
 from magicdec.scheduler import FixedGamma, GammaPolicy
 
@@ -248,14 +248,16 @@ def test_requests_move_down_into_free_slots(model, prompts, ar, eos, cache):
     """A request that finishes early frees a low slot; with nothing waiting, the highest running request
     moves into it (tokens, sampling, target and draft caches) and the rounds decode fewer rows. Outputs
     stay those of AR, and a seeded sampled request gives the tokens it gives alone."""
+    from magicdec.config import EngineConfig
     from magicdec.engine import LLMEngine
-    from magicdec.runner import CACHE_SLACK
+    from magicdec.speculative import Speculation
 
     sampled = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, top_p=0.9, seed=5)
     params = [SamplingParams(max_tokens=3), SamplingParams(max_tokens=MAX_TOKENS), sampled,
               SamplingParams(max_tokens=MAX_TOKENS)]
-    engine = LLMEngine(model, eos, slots=4, capacity=900 + MAX_TOKENS + CACHE_SLACK, prompt_cache=cache,
-                       drafter=SelfSpecDrafter(model, "streaming", 64, 3, True), gamma_policy=FixedGamma(3))
+    engine = LLMEngine(model, EngineConfig(max_num_seqs=4, max_model_len=900 + MAX_TOKENS), eos_ids=eos,
+                       prompt_cache=cache,
+                       speculation=Speculation(SelfSpecDrafter(model, "streaming", 64, 3, True), FixedGamma(3)))
     steps, schedule = [], engine.scheduler.schedule
     engine.scheduler.schedule = lambda: steps.append(schedule()) or steps[-1]
     outs = engine.generate(prompts, params)
@@ -271,12 +273,12 @@ def test_requests_move_down_into_free_slots(model, prompts, ar, eos, cache):
 def test_chunked_prefill_interleaves_with_decoding(model, prompts, eos):
     """A long prompt arriving while a request decodes is prefilled in chunks, and the running request keeps
     producing a token every step meanwhile; outputs are unchanged by the chunking."""
+    from magicdec.config import EngineConfig
     from magicdec.engine import LLMEngine
-    from magicdec.runner import CACHE_SLACK
 
     params = SamplingParams(max_tokens=MAX_TOKENS)
-    engine = LLMEngine(model, eos, slots=2, capacity=900 + MAX_TOKENS + CACHE_SLACK, prefill_chunk=128,
-                       max_prefill_tokens=128)
+    engine = LLMEngine(model, EngineConfig(max_num_seqs=2, max_model_len=900 + MAX_TOKENS, prefill_chunk=128,
+                                           max_prefill_tokens=128), eos_ids=eos)
     short = engine.add_request("short", prompts[0], params)
     engine.step()  # the short prompt (40 tokens) prefills in one step
     long = engine.add_request("long", prompts[3], params)
@@ -293,11 +295,11 @@ def test_chunked_prefill_interleaves_with_decoding(model, prompts, eos):
 
 
 def test_abort_frees_the_slot(model, prompts, eos):
+    from magicdec.config import EngineConfig
     from magicdec.engine import LLMEngine
-    from magicdec.runner import CACHE_SLACK
 
     params = SamplingParams(max_tokens=MAX_TOKENS)
-    engine = LLMEngine(model, eos, slots=1, capacity=200 + MAX_TOKENS + CACHE_SLACK)
+    engine = LLMEngine(model, EngineConfig(max_num_seqs=1, max_model_len=200 + MAX_TOKENS), eos_ids=eos)
     first = engine.add_request("a", prompts[1], params)
     second = engine.add_request("b", prompts[0], params)
     engine.step()

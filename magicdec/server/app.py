@@ -239,10 +239,10 @@ class Server:
         call = _Call(kind, self.check_model(body.model), self.engine)
         try:
             for p, prompt in enumerate(prompts):
-                room = self.engine.max_request_tokens - len(prompt)
+                room = self.engine.max_model_len - len(prompt)
                 if room < 1:
                     raise ApiError(400, f"the prompt has {len(prompt)} tokens, more than the context of "
-                                        f"{self.engine.max_request_tokens} tokens leaves room for", "prompt")
+                                        f"{self.engine.max_model_len} tokens leaves room for", "prompt")
                 call.prompt_tokens.append(len(prompt))
                 for j in range(body.n):
                     index = p * body.n + j
@@ -272,7 +272,7 @@ class Server:
     async def models(self) -> dict:
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
                                             "owned_by": "magicdec", "root": self.model_root, "parent": None,
-                                            "max_model_len": self.engine.max_request_tokens}]}
+                                            "max_model_len": self.engine.max_model_len}]}
 
     async def tokenize(self, body: TokenizeRequest) -> dict:
         self.check_model(body.model)
@@ -284,7 +284,7 @@ class Server:
             tokens = self.tokenizer.encode(body.prompt)
         else:
             tokens = self.tokenizer.tok.encode(body.prompt, add_special_tokens=False).ids
-        return {"count": len(tokens), "max_model_len": self.engine.max_request_tokens, "tokens": tokens,
+        return {"count": len(tokens), "max_model_len": self.engine.max_model_len, "tokens": tokens,
                 "token_strs": None}
 
     async def detokenize(self, body: DetokenizeRequest) -> dict:

@@ -116,7 +116,7 @@ class AsyncEngine:
         self._engine = engine
         self._observer = observer
         self._mirror = mirror
-        self.max_request_tokens = engine.max_request_tokens  # fixed at construction: safe to read anywhere
+        self.max_model_len = engine.max_model_len  # fixed at construction: safe to read anywhere
         self._cond = threading.Condition()
         self._commands: list[_Add | _Abort] = []
         self._stopping = False

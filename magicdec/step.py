@@ -1,0 +1,73 @@
+"""The step contract: what the scheduler hands the runner for one engine step, and what comes back.
+
+The scheduler decides (`ScheduledStep`), the runner executes on the model and caches and reports per slot
+(`StepResult`), and the scheduler applies the results, deciding every finish. Nothing else passes between them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from magicdec.sampling import SamplingParams
+
+#: How a slot's tokens of a step ended, as the runner sees it on the device: still running, at an EOS
+#: token (`STOPPED`), or at the request's token limit (`LENGTH`). Stop strings are the scheduler's.
+RUNNING, STOPPED, LENGTH = 0, 1, 2
+
+
+@dataclass
+class SlotAssignment:
+    """A request taking a slot: what the runner needs to prefill and decode it."""
+
+    slot: int
+    prompt: list[int]
+    params: SamplingParams
+    seed: int
+
+
+@dataclass
+class PrefillWork:
+    """Prompt tokens [start, end) of the request in `slot`; the last chunk of a prompt samples its first token.
+    `cached`: the whole prompt is in the prompt cache and is copied, not computed."""
+
+    slot: int
+    start: int
+    end: int
+    final: bool
+    cached: bool = False
+
+
+@dataclass
+class ScheduledStep:
+    """What one step runs, in order: move running requests (from, to) into free lower slots, hand slots to
+    new requests, run prefill chunks, then a decode round (draft length gamma, 0 for plain decoding) over
+    slots [0, n_rows)."""
+
+    moves: list[tuple[int, int]] = field(default_factory=list)
+    assign: list[SlotAssignment] = field(default_factory=list)
+    prefills: list[PrefillWork] = field(default_factory=list)
+    n_rows: int = 0
+    gamma: int = 0
+
+
+@dataclass
+class SlotOutput:
+    """The tokens a slot gained in a step (after EOS and the token limit cut them), how they ended
+    (RUNNING, STOPPED or LENGTH) and, in a speculative round, how many of its drafts the target accepted."""
+
+    slot: int
+    tokens: list[int]
+    finish: int
+    accepted: int = 0
+
+
+@dataclass
+class StepResult:
+    """A step's results on the host: the first token of each request whose prefill finished, and the
+    tokens of each decoded slot that gained any; seconds spent in prefill, the decode round and its drafting."""
+
+    first: list[SlotOutput]
+    decoded: list[SlotOutput]
+    prefill_s: float
+    decode_s: float
+    draft_s: float
