@@ -40,8 +40,7 @@ sys.path.insert(0, str(ROOT))
 from magicdec import calibrate  # noqa: E402
 from magicdec.autoplan import target_shape  # noqa: E402
 from magicdec.config import ModelConfig  # noqa: E402
-from magicdec.planner import HardwareProfile, forward_cost, get_model_shape, get_profile  # noqa: E402
-from magicdec.planner.cost import draft_time  # noqa: E402
+from magicdec.planner import HardwareProfile, Workload, draft_time, forward_cost, get_model_shape, get_profile  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -172,10 +171,11 @@ def predict(shape, hw: HardwareProfile, args, tp: int, tokens_per_step: float) -
     """The planner's step times for plain decoding and one speculative round at the measured acceptance."""
     es = 4 if args.device == "cpu" else 2
     context = args.context + args.max_tokens // 2
-    ar = forward_cost(shape, hw, args.batch, 1, context, es, es, tp)
-    verify = forward_cost(shape, hw, args.batch, args.gamma + 1, context, es, es, tp)
-    draft = draft_time(shape, hw, args.batch, context, args.budget, args.gamma, es, es, tp, first_tokens=1)
-    drafts = forward_cost(shape, hw, args.batch, 1, min(args.budget, context), es, es, tp)
+    w = Workload(shape, hw, args.batch, context, es, es, tp)
+    ar = forward_cost(w, 1, context)
+    verify = forward_cost(w, args.gamma + 1, context)
+    draft = draft_time(w, args.budget, args.gamma, first_tokens=1)
+    drafts = forward_cost(w, 1, min(args.budget, context))
     spec_round = draft + verify.time
     return {"ar": {"step_s": ar.time, "comm_s_per_step": ar.t_comm, "decode_tok_s": args.batch / ar.time},
             "spec": {"step_s": spec_round, "comm_s_per_step": verify.t_comm + args.gamma * drafts.t_comm,

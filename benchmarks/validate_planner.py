@@ -47,14 +47,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def predict(shape, hw, batch: int, context: int, drafter: str, budget: int | None, gamma: int,
             alpha: float | None, dtype_bytes: float, kv_bytes: float) -> dict[str, float]:
     """Predicted step times and throughput of one configuration (alpha None: AR)."""
-    from magicdec.planner import decode_step_time, draft_time, expected_tokens, verify_step_time
+    from magicdec.planner import Workload, decode_step_time, draft_time, expected_tokens, verify_step_time
 
+    w = Workload(shape, hw, batch, context, dtype_bytes, kv_bytes)
     if drafter == "ar":
-        t = decode_step_time(shape, hw, batch, context, dtype_bytes, kv_bytes)
+        t = decode_step_time(w)
         return {"t_step": t, "throughput": batch / t}
     # per forward; self-speculation's first one reads one token (the others are copied from the target)
-    t_d = draft_time(shape, hw, batch, context, budget, gamma, dtype_bytes, kv_bytes, first_tokens=1) / gamma
-    t_v = verify_step_time(shape, hw, batch, context, gamma, dtype_bytes, kv_bytes)
+    t_d = draft_time(w, budget, gamma, first_tokens=1) / gamma
+    t_v = verify_step_time(w, gamma)
     e = expected_tokens(alpha, gamma)
     return {"t_draft": t_d, "t_verify": t_v, "t_step": gamma * t_d + t_v, "throughput": batch * e / (gamma * t_d + t_v)}
 
@@ -98,7 +99,7 @@ def summarize(res: dict[str, Any], table, shape, hw, dtype_bytes: float, kv_byte
 
     Predictions use the acceptance of the slowest distinct row (`AcceptanceTable.alpha(rows=...)`):
     the bench decodes a static batch, which runs until its slowest row is done."""
-    from magicdec.planner import expected_tokens, plan
+    from magicdec.planner import Workload, expected_tokens, plan
 
     points = res["points"]
     if not points:
@@ -133,9 +134,8 @@ def summarize(res: dict[str, Any], table, shape, hw, dtype_bytes: float, kv_byte
         cell: dict[str, Any] = {"batch": batch, "context": context, "context_used": ctx, "n_points": len(pts),
                                 "best": _label(best), "best_throughput": best["measured_throughput"]}
         if ar is not None and drafters:
-            chosen_plan = plan(shape, hw, batch, mean_ctx, table, budgets=budgets, gammas=gammas,
-                               dtype_bytes=dtype_bytes, kv_dtype_bytes=kv_bytes,
-                               strategies=["ar", *drafters], rows=pts[0]["rows"])
+            chosen_plan = plan(Workload(shape, hw, batch, mean_ctx, dtype_bytes, kv_bytes), table, budgets=budgets,
+                               gammas=gammas, strategies=["ar", *drafters], rows=pts[0]["rows"])
             want = (chosen_plan.strategy, chosen_plan.budget if chosen_plan.gamma else None, chosen_plan.gamma)
             chosen = next((p for p in pts if (p["drafter"], p["budget"], p["gamma"]) == want), None)
             cell["choice"] = _label(chosen) if chosen else f"{chosen_plan.strategy} (not measured)"

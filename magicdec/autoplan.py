@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 from magicdec import dtypes
 from magicdec.errors import InvalidRequestError
-from magicdec.planner import PRESETS, AcceptanceTable, HardwareProfile, ModelShape, Plan, get_profile, plan, round_time
+from magicdec.planner import PRESETS, AcceptanceTable, HardwareProfile, ModelShape, Plan, Workload, get_profile, plan, round_time
 from magicdec.planner.hardware import CPU_PRESETS
 from magicdec.scheduler import GammaPolicy
 
@@ -244,19 +244,20 @@ def choose(
     # The decode loop caps gamma (MAX_GAMMA) and sparse budgets must be >= 8 (SpeculativeConfig).
     gammas = [g for g in gammas if 1 <= g <= 16]
     budgets = [b for b in budgets if b >= 8]
-    best = plan(shape, hw, batch, context, table, budgets=budgets, gammas=gammas, dtype_bytes=weight_bytes,
-                kv_dtype_bytes=kv_bytes, mode=mode, strategies=strategies, tp=tp, margin=MIN_PREDICTED_SPEEDUP)
+    work = Workload(shape, hw, batch, context, weight_bytes, kv_bytes, tp)
+    best = plan(work, table, budgets=budgets, gammas=gammas, mode=mode, strategies=strategies,
+                margin=MIN_PREDICTED_SPEEDUP)
     if best.strategy == "ar":
         return None, best
 
     # Mid-run, the choice is the chosen drafter at another length, or (if allowed) plain decoding.
     replan = Replanner(
         lambda live, context, alpha, scale: plan(
-            shape, hw, live, context, _single_rate(best, alpha, mode), budgets=[best.budget], gammas=gammas, tp=tp,
-            dtype_bytes=weight_bytes, kv_dtype_bytes=kv_bytes, mode=mode,
+            dataclasses.replace(work, batch=live, context=context), _single_rate(best, alpha, mode),
+            budgets=[best.budget], gammas=gammas, mode=mode,
             strategies=[best.strategy, *(["ar"] if "ar" in strategies else [])],
             rows=1, margin=MIN_PREDICTED_SPEEDUP, spec_time_scale=scale).gamma,
-        lambda live, context, gamma: round_time(shape, hw, live, context, gamma, weight_bytes, kv_bytes, tp, mode,
+        lambda live, context, gamma: round_time(dataclasses.replace(work, batch=live, context=context), gamma, mode,
                                                 budget=best.budget),
         prior=lambda context: table.alpha(best.strategy, best.budget, context, mode),
         min_context=best.budget + 1,

@@ -44,7 +44,7 @@ from magicdec.cpu import auto_dtype, cpu_kind, dtype_name, reported_flags
 from magicdec.memory import available_bytes
 from magicdec.runner import synchronize
 from magicdec.model import attention_path, linear_path
-from magicdec.planner import AcceptanceTable, HardwareProfile, ModelShape, forward_cost
+from magicdec.planner import AcceptanceTable, HardwareProfile, ModelShape, Workload, forward_cost
 from magicdec.planner.models import MODEL_PRESETS
 
 #: progress(done, total, label): `done` of `total` units of the current stage, described by `label`.
@@ -391,7 +391,7 @@ def measure_hardware(
         if b * (L + q) * model.cfg.kv_bytes_per_token(es) > min(0.3 * avail, (64 if gpu else 4) * GiB):
             continue
         t = _median_forward(model, b, q, L, reps=reps)
-        pred = forward_cost(shape, profile, b, q, L, es, es).time - loop_extra
+        pred = forward_cost(Workload(shape, profile, b, L, es, es), q, L).time - loop_extra
         forwards.append({"batch": b, "q": q, "kv_len": L, "seconds": t, "predicted": pred})
     if own:
         del model

@@ -288,7 +288,8 @@ def cmd_bench(args) -> int:
 # --- plan -------------------------------------------------------------------------------------------
 def cmd_plan(args) -> int:
     from magicdec.errors import InvalidRequestError
-    from magicdec.planner import AcceptanceTable, format_table, get_model_shape, get_profile, plan_table, plot_speedup
+    from magicdec.planner import (AcceptanceTable, Workload, format_table, get_model_shape, get_profile, plan_table,
+                                  plot_speedup)
 
     try:
         target = get_model_shape(args.model)
@@ -298,9 +299,9 @@ def cmd_plan(args) -> int:
     except ValueError as e:  # the planner is torch-free and raises ValueError; OSError is main's
         raise InvalidRequestError(str(e)) from None
     nbytes = dtypes.BYTES[args.dtype]
-    rows = plan_table(target, hw, args.batch, args.context, acceptance, draft=draft, tp=args.tp,
-                      mode="greedy" if args.mode == "greedy" else "sampling", dtype_bytes=nbytes,
-                      kv_dtype_bytes=nbytes, rows=1 if args.steady_state else None)
+    grid = [Workload(target, hw, b, c, nbytes, nbytes, args.tp) for c in args.context for b in args.batch]
+    rows = plan_table(grid, acceptance, draft=draft, mode="greedy" if args.mode == "greedy" else "sampling",
+                      rows=1 if args.steady_state else None)
     cols = ["batch", "context", "strategy", "budget", "gamma", "predicted_speedup", "predicted_throughput",
             "verify_dominant", "draft_dominant"]
     print(format_table(rows, [c for c in cols if c in rows[0]]))

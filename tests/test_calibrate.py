@@ -37,6 +37,7 @@ from magicdec.planner import (
     PRESETS,
     AcceptanceTable,
     HardwareProfile,
+    Workload,
     get_profile,
     round_time,
 )
@@ -308,7 +309,7 @@ def test_replanner_follows_the_round_times_it_measures():
         for _ in range(rounds):
             g = replan(live, 16384)
             chosen.append(g)
-            predicted = round_time(target_shape(SMOL), get_profile("h100"), live, 16384, g, 2, 2, budget=plan.budget)
+            predicted = round_time(Workload(SMOL, get_profile("h100"), live, 16384), g, budget=plan.budget)
             replan.observe(g, [min(g, 2)] * live, slowness[g > 0] * predicted)
         return chosen
 
