@@ -38,9 +38,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from magicdec import calibrate  # noqa: E402
-from magicdec.autoplan import target_shape  # noqa: E402
 from magicdec.config import ModelConfig  # noqa: E402
 from magicdec.planner import HardwareProfile, Workload, draft_time, forward_cost, get_model_shape, get_profile  # noqa: E402
+from magicdec.profiles import target_shape  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

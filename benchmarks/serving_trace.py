@@ -30,13 +30,15 @@ sys.path.insert(0, str(ROOT))
 from magicdec import LLM, SamplingParams  # noqa: E402
 from magicdec.autoplan import choose  # noqa: E402
 from magicdec.calibrate import machine_info  # noqa: E402
+from magicdec.profiles import model_key  # noqa: E402
 from magicdec.corpus import cut_prompts, load_texts  # noqa: E402
 from magicdec.runner import CACHE_SLACK  # noqa: E402
 
 
 def trace(llm: LLM, prompts: list[list[int]], config: str, max_tokens: int, slots: int) -> dict:
     """One run of every prompt through a fresh engine; its totals and one record per decode round."""
-    spec = choose(llm, slots, llm.max_context)[0] if config == "auto" else None
+    spec = (choose(llm.model, slots, llm.max_context, kv_dtype=llm.kv_dtype, model_name=model_key(llm.loaded.source))[0]
+            if config == "auto" else None)
     engine = llm.engine(slots, llm.max_context + CACHE_SLACK, spec, max_prefill_tokens=512)
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", p, SamplingParams(max_tokens=max_tokens, ignore_eos=True))

@@ -310,7 +310,7 @@ def plot(points: list[dict[str, Any]], png: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from magicdec.autoplan import load_acceptance, load_profile, target_shape
+    from magicdec.profiles import load_acceptance, load_profile, model_key, target_shape
     from magicdec.engine import LLM
     from magicdec.planner import AcceptanceTable, HardwareProfile
 
@@ -319,10 +319,10 @@ def main(argv: list[str] | None = None) -> int:
         doc = json.load(f)
     llm = LLM(device="cpu")
     hw = HardwareProfile.from_json(args.profile) if args.profile else load_profile("cpu")
-    table = AcceptanceTable.from_json(args.acceptance) if args.acceptance else load_acceptance(llm)
+    table = AcceptanceTable.from_json(args.acceptance) if args.acceptance else load_acceptance(model_key(llm.loaded.source))
     res: dict[str, Any] = {"bench": str(args.bench), "machine": doc.get("machine"), "settings": doc.get("settings"),
                            "profile": dataclasses.asdict(hw), "points": bench_points(doc)}
-    summarize(res, table, target_shape(llm), hw, float(llm.model.dtype.itemsize), float(llm.kv_dtype.itemsize))
+    summarize(res, table, target_shape(llm.model.cfg), hw, float(llm.model.dtype.itemsize), float(llm.kv_dtype.itemsize))
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(res, indent=1) + "\n")
     report(res, args.png)

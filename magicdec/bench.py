@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from magicdec.errors import InvalidRequestError, OutOfMemoryError
 from magicdec.jsonfile import read_json_object
+from magicdec.planner import format_table
 
 if TYPE_CHECKING:
     from magicdec.speculative import SpeculativeConfig
@@ -100,6 +101,7 @@ def run_bench(args, grid: BenchGrid) -> dict:
     from magicdec.engine import LLM
     from magicdec.kv import KVCache
     from magicdec.memory import available_bytes, check_fits
+    from magicdec.profiles import model_key
     from magicdec.runner import CACHE_SLACK, ModelRunner, PromptCache
     from magicdec.sampling import SamplingParams
 
@@ -161,7 +163,8 @@ def run_bench(args, grid: BenchGrid) -> dict:
             params = [sampling_params(cfg["mode"], grid.new_tokens, seed=i) for i in range(batch)]
             spec, chosen = None, {}
             if cfg["draft"] == "auto":
-                spec, plan = choose(llm, batch, ctx + grid.new_tokens // 2, profile=getattr(args, "hardware", None),
+                spec, plan = choose(llm.model, batch, ctx + grid.new_tokens // 2, kv_dtype=llm.kv_dtype,
+                                    model_name=model_key(llm.loaded.source), profile=getattr(args, "hardware", None),
                                     mode=cfg["mode"])
                 chosen = {"chosen": f"{spec.draft} K={spec.budget} g={plan.gamma}" if spec else "ar",
                           "predicted_speedup": plan.predicted_speedup}
@@ -250,7 +253,6 @@ def best_points(doc: dict) -> list[dict]:
 
 
 def format_results(doc: dict) -> str:
-    from magicdec.planner import format_table
 
     rows = best_points(doc)
     return format_table(rows) if rows else "no results"

@@ -39,49 +39,18 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 
 from magicdec.config import ModelConfig
-from magicdec.loading.cache import cache_root
 from magicdec.cpu import auto_dtype, cpu_kind, dtype_name, reported_flags
 from magicdec.memory import available_bytes
 from magicdec.runner import synchronize
 from magicdec.model import attention_path, linear_path
 from magicdec.planner import AcceptanceTable, HardwareProfile, ModelShape, Workload, forward_cost
 from magicdec.planner.models import MODEL_PRESETS
+from magicdec.profiles import default_profile_path, target_shape
 
 #: progress(done, total, label): `done` of `total` units of the current stage, described by `label`.
 CalibrationProgress = Callable[[int, int, str], None]
 
 GiB = 1024**3
-
-
-# --- where results live ------------------------------------------------------------------------------
-def cache_dir() -> Path:
-    """`$MAGICDEC_CACHE`, or ~/.cache/magicdec (the same folder the converted weights live in)."""
-    return cache_root()
-
-
-def _device_key(device: str | torch.device) -> str:
-    return str(device).replace(":", "-").replace("/", "-")
-
-
-def default_profile_path(device: str | torch.device, dtype: str) -> Path:
-    """Where `magicdec calibrate` saves the profile of `device` measured in `dtype` (fp32, bf16):
-    <cache>/hardware-<device>-<dtype>.json."""
-    return cache_dir() / f"hardware-{_device_key(device)}-{dtype}.json"
-
-
-def default_acceptance_path(model_name: str) -> Path:
-    """Where a measured acceptance table of `model_name` is saved: <cache>/acceptance-<name>.json."""
-    safe = "".join(c if c.isalnum() or c in "-_." else "-" for c in model_name)
-    return cache_dir() / f"acceptance-{safe}.json"
-
-
-def model_key(llm: Any) -> str:
-    """A short name for the model behind an `LLM` (its file or folder name), for file names."""
-    source = getattr(getattr(llm, "loaded", None), "source", None)
-    if not source:
-        return "model"
-    p = Path(source)
-    return p.stem if p.suffix else p.name
 
 
 # --- timing helpers ----------------------------------------------------------------------------------
@@ -331,8 +300,6 @@ def measure_hardware(
         model = synthetic_model(model_config_from_shape(shape_default), dev, dtype)
         shape = shape_default
     else:
-        from magicdec.autoplan import target_shape
-
         shape = target_shape(model.cfg)
     short = 16
     t_overhead = fixed + per_layer * shape.n_layers

@@ -16,7 +16,9 @@ import warnings
 from pathlib import Path
 
 from magicdec import dtypes
-from magicdec.errors import DistributedError, MagicDecError
+from magicdec.errors import DistributedError, InvalidRequestError, MagicDecError
+from magicdec.planner import (AcceptanceTable, HardwareProfile, Workload, format_table, get_model_shape, get_profile,
+                              plan_table, plot_speedup)
 
 EXIT_USAGE = 2
 #: A tensor-parallel rank lost its peers (one died, hung past the timeout, or cannot be reached).
@@ -154,10 +156,11 @@ def speculative_from_args(args, llm, batch: int, context: int):
         return None, None
     if args.draft == "auto":
         from magicdec.autoplan import choose
+        from magicdec.profiles import model_key
 
         # `serve` has no temperature of its own (each request brings one) and plans for greedy requests.
-        return choose(llm, batch, context, profile=args.hardware,
-                      mode="greedy" if getattr(args, "temperature", 0) == 0 else "sampling")
+        return choose(llm.model, batch, context, kv_dtype=llm.kv_dtype, model_name=model_key(llm.loaded.source),
+                      profile=args.hardware, mode="greedy" if getattr(args, "temperature", 0) == 0 else "sampling")
     reindex = None if args.positions is None else args.positions == "reindex"
     return SpeculativeConfig(args.draft, budget=args.budget, gamma=args.gamma, draft_model=args.draft_model,
                              draft_cache=args.draft_cache, reindex=reindex), None
@@ -287,10 +290,6 @@ def cmd_bench(args) -> int:
 
 # --- plan -------------------------------------------------------------------------------------------
 def cmd_plan(args) -> int:
-    from magicdec.errors import InvalidRequestError
-    from magicdec.planner import (AcceptanceTable, Workload, format_table, get_model_shape, get_profile, plan_table,
-                                  plot_speedup)
-
     try:
         target = get_model_shape(args.model)
         draft = get_model_shape(args.draft_model) if args.draft_model else None
@@ -319,6 +318,7 @@ def cmd_calibrate(args) -> int:
     from magicdec import calibrate
     from magicdec.corpus import load_texts
     from magicdec.engine import LLM
+    from magicdec.profiles import default_acceptance_path, model_key
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         return calibrate_allreduce(args)
@@ -345,7 +345,7 @@ def cmd_calibrate(args) -> int:
     if args.acceptance:
         quick = dict(contexts=(1024, 2048), budgets=(64, 256), n_prompts=2, new_tokens=32) if args.quick else {}
         table = calibrate.calibrate_acceptance(llm, texts, progress=progress, **quick)
-        out = calibrate.default_acceptance_path(calibrate.model_key(llm))
+        out = default_acceptance_path(model_key(llm.loaded.source))
         out.parent.mkdir(parents=True, exist_ok=True)
         table.to_json(out)
         print(f"acceptance table written to {out}", file=sys.stderr)
@@ -357,11 +357,10 @@ def calibrate_allreduce(args) -> int:
     write its latency and bandwidth into the profile that `magicdec calibrate` made on one process."""
     from magicdec import calibrate
     from magicdec.distributed import init_tp
-    from magicdec.errors import InvalidRequestError
-    from magicdec.planner import HardwareProfile
+    from magicdec.profiles import default_profile_path
 
     tp = init_tp(args.device)
-    path = Path(args.output) if args.output else calibrate.default_profile_path(tp.device.type)
+    path = Path(args.output) if args.output else default_profile_path(tp.device.type)
     if not path.is_file():
         raise InvalidRequestError(f"no hardware profile at {path}: run `magicdec calibrate` as one process first")
     result = calibrate.measure_allreduce(tp)
