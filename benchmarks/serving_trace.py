@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 from magicdec import LLM, SamplingParams  # noqa: E402
 from magicdec.autoplan import choose  # noqa: E402
-from magicdec.calibrate import machine_info  # noqa: E402
+from magicdec.calibrate.machine import machine_info  # noqa: E402
 from magicdec.profiles import model_key  # noqa: E402
 from magicdec.corpus import cut_prompts, load_texts  # noqa: E402
 from magicdec.runner import CACHE_SLACK  # noqa: E402

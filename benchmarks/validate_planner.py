@@ -63,7 +63,7 @@ def predict(shape, hw, batch: int, context: int, drafter: str, budget: int | Non
 # --- the measurements ---------------------------------------------------------------------------------------
 def bench_points(doc: dict[str, Any]) -> list[dict[str, Any]]:
     """The greedy points of a bench run with an explicit configuration, in this script's terms."""
-    from magicdec.calibrate import acceptance_mle
+    from magicdec.calibrate.acceptance import acceptance_mle
 
     new_tokens = doc["settings"]["new_tokens"]
     points = []

@@ -71,19 +71,11 @@ Dtype = torch.dtype | str | float
 
 
 def choose(
-    model: Transformer | ModelShape,
-    batch: int,
-    context: int,
-    *,
-    kv_dtype: Dtype | None = None,
-    model_name: str | None = None,
-    profile: HardwareProfile | str | os.PathLike[str] | None = None,
-    acceptance: AcceptanceTable | str | os.PathLike[str] | None = None,
-    mode: str = "greedy",
-    budgets: Iterable[int] = DEFAULT_BUDGETS,
-    gammas: Iterable[int] = DEFAULT_GAMMAS,
-    strategies: Iterable[str] = ("ar", *SELF_STRATEGIES),
-    dtype: Dtype | None = None,
+    model: Transformer | ModelShape, batch: int, context: int, *, kv_dtype: Dtype | None = None,
+    model_name: str | None = None, profile: HardwareProfile | str | os.PathLike[str] | None = None,
+    acceptance: AcceptanceTable | str | os.PathLike[str] | None = None, mode: str = "greedy",
+    budgets: Iterable[int] = DEFAULT_BUDGETS, gammas: Iterable[int] = DEFAULT_GAMMAS,
+    strategies: Iterable[str] = ("ar", *SELF_STRATEGIES), dtype: Dtype | None = None,
 ) -> tuple[SpeculativeConfig | None, Plan]:
     """The predicted-fastest way to decode `batch` sequences of `context` tokens with `model`.
 

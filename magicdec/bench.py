@@ -96,7 +96,8 @@ def run_bench(args, grid: BenchGrid) -> dict:
     from tqdm import tqdm
 
     from magicdec.autoplan import choose
-    from magicdec.calibrate import machine_info, sampling_params
+    from magicdec.calibrate.acceptance import sampling_params
+    from magicdec.calibrate.machine import machine_info
     from magicdec.corpus import cut_prompts, load_texts
     from magicdec.engine import LLM
     from magicdec.kv import KVCache

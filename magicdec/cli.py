@@ -17,8 +17,8 @@ from pathlib import Path
 
 from magicdec import dtypes
 from magicdec.errors import DistributedError, InvalidRequestError, MagicDecError
-from magicdec.planner import (AcceptanceTable, HardwareProfile, Workload, format_table, get_model_shape, get_profile,
-                              plan_table, plot_speedup)
+from magicdec.planner import (PRESETS, AcceptanceTable, HardwareProfile, Workload, format_table, get_model_shape,
+                              get_profile, plan_table, plot_speedup)
 
 EXIT_USAGE = 2
 #: A tensor-parallel rank lost its peers (one died, hung past the timeout, or cannot be reached).
@@ -315,7 +315,9 @@ def cmd_plan(args) -> int:
 
 # --- calibrate --------------------------------------------------------------------------------------
 def cmd_calibrate(args) -> int:
-    from magicdec import calibrate
+    from magicdec.calibrate.acceptance import calibrate_acceptance
+    from magicdec.calibrate.allreduce import measure_local_allreduce, with_allreduce
+    from magicdec.calibrate.hardware import measure_hardware
     from magicdec.corpus import load_texts
     from magicdec.engine import LLM
     from magicdec.profiles import default_acceptance_path, model_key
@@ -329,11 +331,11 @@ def cmd_calibrate(args) -> int:
     def progress(done: int, total: int, label: str) -> None:
         print(f"[{done}/{total}] {label}", file=sys.stderr)
 
-    cal = calibrate.measure_hardware(llm.model.device, quick=args.quick, progress=progress, model=llm.model)
+    cal = measure_hardware(llm.model.device, quick=args.quick, progress=progress, model=llm.model)
     print("all-reduce between local processes (for tensor parallelism)", file=sys.stderr)
-    allreduce = calibrate.measure_local_allreduce(llm.model.device)
+    allreduce = measure_local_allreduce(llm.model.device)
     if allreduce is not None:
-        cal.profile = calibrate.with_allreduce(cal.profile, allreduce)
+        cal.profile = with_allreduce(cal.profile, allreduce)
         cal.measurements["allreduce"] = allreduce
     path = cal.save(args.output)
     print(json.dumps(cal.profile.__dict__, indent=1, default=str))
@@ -344,7 +346,7 @@ def cmd_calibrate(args) -> int:
     print(f"hardware profile written to {path}", file=sys.stderr)
     if args.acceptance:
         quick = dict(contexts=(1024, 2048), budgets=(64, 256), n_prompts=2, new_tokens=32) if args.quick else {}
-        table = calibrate.calibrate_acceptance(llm, texts, progress=progress, **quick)
+        table = calibrate_acceptance(llm, texts, progress=progress, **quick)
         out = default_acceptance_path(model_key(llm.loaded.source))
         out.parent.mkdir(parents=True, exist_ok=True)
         table.to_json(out)
@@ -355,7 +357,7 @@ def cmd_calibrate(args) -> int:
 def calibrate_allreduce(args) -> int:
     """`calibrate` under torchrun: measure the all-reduce of the launched ranks (any number of nodes) and
     write its latency and bandwidth into the profile that `magicdec calibrate` made on one process."""
-    from magicdec import calibrate
+    from magicdec.calibrate.allreduce import measure_allreduce, with_allreduce
     from magicdec.distributed import init_tp
     from magicdec.profiles import default_profile_path
 
@@ -363,10 +365,10 @@ def calibrate_allreduce(args) -> int:
     path = Path(args.output) if args.output else default_profile_path(tp.device.type)
     if not path.is_file():
         raise InvalidRequestError(f"no hardware profile at {path}: run `magicdec calibrate` as one process first")
-    result = calibrate.measure_allreduce(tp)
+    result = measure_allreduce(tp)
     if tp.is_main:
         try:
-            profile = calibrate.with_allreduce(HardwareProfile.from_json(path), result)
+            profile = with_allreduce(HardwareProfile.from_json(path), result)
         except ValueError as e:
             raise InvalidRequestError(str(e)) from None
         profile.to_json(path)
@@ -430,8 +432,6 @@ def cmd_serve(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from magicdec.planner import PRESETS
-
     p = Parser(
         prog="magicdec",
         description="Fast long-context, large-batch generation with sparse-KV speculative decoding (MagicDec).",

@@ -12,13 +12,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from magicdec.calibrate import (
-    acceptance_mle,
-    calibrate_acceptance,
-    measure_hardware,
-    nondecreasing,
-    row_spread,
-)
+from magicdec.calibrate.acceptance import acceptance_mle, calibrate_acceptance, row_spread
+from magicdec.calibrate.hardware import measure_hardware, nondecreasing
 from magicdec.corpus import cut_prompts
 from magicdec.autoplan import EXPLORE_EVERY, choose, describe
 from magicdec.planner.hardware import CPU_PRESETS
@@ -369,7 +364,7 @@ def test_choose_without_a_model():
 
 
 def test_target_shape_from_config():
-    from magicdec.calibrate import model_config_from_shape
+    from magicdec.calibrate.timing import model_config_from_shape
 
     cfg = model_config_from_shape(SMOL)
     shape = target_shape(cfg)

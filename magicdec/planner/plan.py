@@ -73,14 +73,8 @@ def _drafters(
                 yield _Drafter("model", cache, budget, f"{draft.name}:{cache}", draft, draft_tp)
 
 
-def round_time(
-    w: Workload,
-    gamma: int,
-    mode: str = "greedy",
-    draft: ModelShape | None = None,
-    budget: int | None = None,
-    draft_tp: int | None = None,
-) -> float:
+def round_time(w: Workload, gamma: int, mode: str = "greedy", draft: ModelShape | None = None,
+               budget: int | None = None, draft_tp: int | None = None) -> float:
     """Predicted seconds of one decode round of the workload: a plain step for gamma 0, else gamma forwards
     of `draft` (default: the target itself, self-speculation) over its cache (`budget` entries; None: dense)
     on `draft_tp` devices (default: the target's) and the target's verification of gamma + 1 tokens. In
@@ -150,16 +144,9 @@ def _best_speculative(
 
 
 def plan(
-    w: Workload,
-    acceptance: AcceptanceTable,
-    draft: ModelShape | None = None,
-    budgets: Iterable[int] = (64, 128, 256, 512, 1024, 2048),
-    gammas: Iterable[int] = range(1, 9),
-    mode: str = "greedy",
-    strategies: Iterable[str] | None = None,
-    rows: int | None = None,
-    margin: float = 1.0,
-    spec_time_scale: float = 1.0,
+    w: Workload, acceptance: AcceptanceTable, draft: ModelShape | None = None,
+    budgets: Iterable[int] = (64, 128, 256, 512, 1024, 2048), gammas: Iterable[int] = range(1, 9), mode: str = "greedy",
+    strategies: Iterable[str] | None = None, rows: int | None = None, margin: float = 1.0, spec_time_scale: float = 1.0,
 ) -> Plan:
     """Pick the strategy, budget and gamma with the highest predicted throughput for the workload.
 
