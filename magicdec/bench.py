@@ -254,7 +254,6 @@ def best_points(doc: dict) -> list[dict]:
 
 
 def format_results(doc: dict) -> str:
-
     rows = best_points(doc)
     return format_table(rows) if rows else "no results"
 

@@ -109,8 +109,8 @@ def _decode_prefilled(llm, prompts: list[list[int]], drafter: str, budget: int, 
     spec = SpeculativeConfig(drafter, budget=budget, gamma=gamma)
     outs = llm.generate(prompt_token_ids=prompts, params=sampling_params(mode, new_tokens, seed), speculative=spec)
     stats = llm.last_stats
-    return {"drafter": drafter, "budget": budget, "mode": mode, "context": context, "gamma": gamma,
-            "batch": len(prompts), "accepted_hist": list(stats.accepted_hist), "alpha": acceptance_mle(stats.accepted_hist),
+    return {"drafter": drafter, "budget": budget, "mode": mode, "context": context, "gamma": gamma, "batch": len(prompts),
+            "accepted_hist": list(stats.accepted_hist), "alpha": acceptance_mle(stats.accepted_hist),
             "row_alphas": [acceptance_mle(o.accepted_hist) for o in outs if sum(o.accepted_hist)],
             "decode_s": stats.decode_s, "draft_s": stats.draft_s, "verify_s": stats.verify_s,
             "tokens_per_step": stats.tokens_per_step}

@@ -230,7 +230,8 @@ def profile_from(m: dict[str, Any], shape: ModelShape, name: str, device: torch.
         mem_bytes=device_memory_bytes(device), matmul_efficiency=best_linear_flops / flops,
         bandwidth_efficiency=linear_rates[0][1] / bandwidth, attention_efficiency=att_flops / flops,
         # a decode step is a forward plus the loop's own work: the planner sees it as fixed overhead
-        fixed_overhead_s=overhead["fixed_s"] + overhead["decode_loop_extra_s"], per_layer_overhead_s=overhead["per_layer_s"],
+        fixed_overhead_s=overhead["fixed_s"] + overhead["decode_loop_extra_s"],
+        per_layer_overhead_s=overhead["per_layer_s"],
         linear_rates=linear_rates, attention_rates=attention_rates,
         sampling_s_per_token=m["sampling"]["seconds_per_token"], attention=attention_path(device, dtype),
         linear=linear_path(device, dtype),
