@@ -39,7 +39,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from magicdec.calibrate import machine_info  # noqa: E402
+from magicdec.calibrate.machine import machine_info  # noqa: E402
 from magicdec.corpus import cut_prompts  # noqa: E402
 from magicdec.config import EngineConfig  # noqa: E402
 from magicdec.engine import LLMEngine  # noqa: E402

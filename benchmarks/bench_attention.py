@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from magicdec import kernels  # noqa: E402
 from magicdec.model import matmul_attend  # noqa: E402
 from bench_dtype import interleaved  # noqa: E402
-from magicdec.calibrate import machine_info  # noqa: E402
+from magicdec.calibrate.machine import machine_info  # noqa: E402
 
 LAYERS, KV, G, HD = 30, 3, 3, 64
 

@@ -5,7 +5,7 @@
 
 Linear layers: the shapes of SmolLM2-135M (qkv 576->960, wo 576->576, gate+up 576->3072, down
 1536->576, LM head 576->49152) at 1..512 rows, fp32 and bf16 timed interleaved (median of repeats).
-Forwards: the model with placeholder weights (`calibrate.synthetic_model`) in fp32 (fp32 KV cache) and
+Forwards: the model with placeholder weights (`calibrate.timing.synthetic_model`) in fp32 (fp32 KV cache) and
 in bf16 (bf16 KV cache), B sequences x q new tokens over a cache of `context` tokens, interleaved.
 Writes benchmarks/results/dtype.json with the machine info (CPU flags included).
 """
@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from magicdec.calibrate import _filled_cache, machine_info, model_config_from_shape, synthetic_model  # noqa: E402
+from magicdec.calibrate.machine import machine_info  # noqa: E402
+from magicdec.calibrate.timing import filled_cache, model_config_from_shape, synthetic_model  # noqa: E402
 from magicdec.planner.models import MODEL_PRESETS  # noqa: E402
 
 LINEARS = {"wqkv": (576, 960), "wo": (576, 576), "w13": (576, 3072), "w2": (1536, 576), "output": (576, 49152)}
@@ -69,7 +70,7 @@ def bench_forwards(batches: list[int], contexts: list[int], qs: list[int], repea
     for batch in batches:
         for context in contexts:
             for q in qs:
-                caches = {d: _filled_cache(cfg, batch, context, q, m.dtype, m.device) for d, m in models.items()}
+                caches = {d: filled_cache(cfg, batch, context, q, m.dtype, m.device) for d, m in models.items()}
                 tokens = torch.randint(0, cfg.vocab_size, (batch, q))
                 with torch.inference_mode():
                     t = interleaved({d: (lambda d=d: models[d](tokens, caches[d])) for d in models}, repeats)

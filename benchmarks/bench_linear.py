@@ -25,7 +25,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_dtype import LINEARS, interleaved  # noqa: E402
 from magicdec import kernels  # noqa: E402
-from magicdec.calibrate import _filled_cache, machine_info  # noqa: E402
+from magicdec.calibrate.machine import machine_info  # noqa: E402
+from magicdec.calibrate.timing import filled_cache  # noqa: E402
 from magicdec.loading import load_model, model_identity  # noqa: E402
 
 COPIES_BYTES = 64 << 20
@@ -59,7 +60,7 @@ def bench_forwards(batches: list[int], context: int, qs: list[int], repeats: int
     out = []
     for b in batches:
         for q in qs:
-            cache = _filled_cache(packed.cfg, b, context, q, torch.bfloat16, torch.device("cpu"))
+            cache = filled_cache(packed.cfg, b, context, q, torch.bfloat16, torch.device("cpu"))
             tokens = torch.zeros(b, q, dtype=torch.long)
             with torch.inference_mode():
                 t = interleaved({"torch": lambda: plain(tokens, cache), "kernel": lambda: packed(tokens, cache)},

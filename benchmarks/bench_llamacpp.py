@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from magicdec.calibrate import machine_info  # noqa: E402
+from magicdec.calibrate.machine import machine_info  # noqa: E402
 from magicdec.loading import default_model_path, model_identity  # noqa: E402
 
 HERE = Path(__file__).resolve().parent

@@ -46,7 +46,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from magicdec.calibrate import machine_info  # noqa: E402
+from magicdec.calibrate.machine import machine_info  # noqa: E402
 from magicdec.corpus import cut_prompts, load_texts  # noqa: E402
 from magicdec.loading import model_identity  # noqa: E402
 from magicdec.planner.report import format_table  # noqa: E402

@@ -37,12 +37,14 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from magicdec import calibrate  # noqa: E402
-from magicdec.autoplan import target_shape  # noqa: E402
+from magicdec.calibrate.allreduce import measure_local_allreduce, with_allreduce  # noqa: E402
+from magicdec.calibrate.hardware import measure_hardware  # noqa: E402
+from magicdec.calibrate.machine import machine_info  # noqa: E402
+from magicdec.calibrate.timing import median_time, model_config_from_shape, synthetic_model  # noqa: E402
 from magicdec.config import ModelConfig  # noqa: E402
 from magicdec.loading import model_identity  # noqa: E402
-from magicdec.planner import HardwareProfile, forward_cost, get_model_shape, get_profile  # noqa: E402
-from magicdec.planner.cost import draft_time  # noqa: E402
+from magicdec.planner import HardwareProfile, Workload, draft_time, forward_cost, get_model_shape, get_profile  # noqa: E402
+from magicdec.profiles import target_shape  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -77,10 +79,10 @@ def build_model(args):
     device = tp.device if tp is not None else resolve_device(args.device)
     if args.shape is None:
         return load_model(args.model, device=device, tp=tp).model, ()
-    full = calibrate.model_config_from_shape(get_model_shape(args.shape), args.context + args.max_tokens + 64)
+    full = model_config_from_shape(get_model_shape(args.shape), args.context + args.max_tokens + 64)
     cfg = local_config(full, tp.world_size, tp.rank) if tp is not None else full
     choice = auto_dtype(device) if tp is None else tp.share(auto_dtype(device))  # the ranks must agree
-    model = calibrate.synthetic_model(cfg, device, choice.dtype)
+    model = synthetic_model(cfg, device, choice.dtype)
     if tp is not None:
         add_all_reduces(model, tp, full)
     return model, ()
@@ -127,11 +129,10 @@ def lm_head_costs(model, tokens: int, reps: int = 10) -> dict:
     part = w[: w.shape[0] // tp.world_size]
     logits = torch.empty(tokens, part.shape[0], device=dev, dtype=torch.float32)
     gathered = [torch.empty_like(logits) for _ in range(tp.world_size)]
-    median = calibrate._median
     return {"tokens": tokens,
-            "replicated_s": median(lambda: model.output(x).float(), dev, reps),
-            "vocab_parallel_matmul_s": median(lambda: torch.nn.functional.linear(x, part).float(), dev, reps),
-            "all_gather_logits_s": median(lambda: dist.all_gather(gathered, logits), dev, reps)}
+            "replicated_s": median_time(lambda: model.output(x).float(), dev, reps),
+            "vocab_parallel_matmul_s": median_time(lambda: torch.nn.functional.linear(x, part).float(), dev, reps),
+            "all_gather_logits_s": median_time(lambda: dist.all_gather(gathered, logits), dev, reps)}
 
 
 def worker(args) -> None:
@@ -168,17 +169,18 @@ def one_rank_profile(args, threads: int) -> HardwareProfile:
     if args.hardware:
         return get_profile(args.hardware)
     torch.set_num_threads(threads)
-    return calibrate.measure_hardware("cpu", quick=True).profile
+    return measure_hardware("cpu", quick=True).profile
 
 
 def predict(shape, hw: HardwareProfile, args, tp: int, tokens_per_step: float) -> dict:
     """The planner's step times for plain decoding and one speculative round at the measured acceptance."""
     es = 4 if args.device == "cpu" else 2
     context = args.context + args.max_tokens // 2
-    ar = forward_cost(shape, hw, args.batch, 1, context, es, es, tp)
-    verify = forward_cost(shape, hw, args.batch, args.gamma + 1, context, es, es, tp)
-    draft = draft_time(shape, hw, args.batch, context, args.budget, args.gamma, es, es, tp, first_tokens=1)
-    drafts = forward_cost(shape, hw, args.batch, 1, min(args.budget, context), es, es, tp)
+    w = Workload(shape, hw, args.batch, context, es, es, tp)
+    ar = forward_cost(w, 1, context)
+    verify = forward_cost(w, args.gamma + 1, context)
+    draft = draft_time(w, args.budget, args.gamma, first_tokens=1)
+    drafts = forward_cost(w, 1, min(args.budget, context))
     spec_round = draft + verify.time
     return {"ar": {"step_s": ar.time, "comm_s_per_step": ar.t_comm, "decode_tok_s": args.batch / ar.time},
             "spec": {"step_s": spec_round, "comm_s_per_step": verify.t_comm + args.gamma * drafts.t_comm,
@@ -192,16 +194,16 @@ def main(argv: list[str] | None = None) -> None:
         return
     runs = [tuple(map(int, r.split(":"))) for r in args.runs.split(",")]
     device = torch.device(args.device)
-    allreduce = calibrate.measure_local_allreduce(device, max(t for t, _ in runs))
+    allreduce = measure_local_allreduce(device, max(t for t, _ in runs))
     profiles = {threads: one_rank_profile(args, threads) for threads in sorted({th for _, th in runs})}
-    doc = {"machine": calibrate.machine_info(device), "model": None if args.shape else model_identity(args.model),
+    doc = {"machine": machine_info(device), "model": None if args.shape else model_identity(args.model),
            "settings": {k: v for k, v in vars(args).items()
                                                                     if k not in ("worker", "threads")},
            "allreduce": allreduce, "profiles": {th: p.name for th, p in profiles.items()}, "runs": []}
     for tp, threads in runs:
         result = run_config(args, tp, threads)
         shape = target_shape(ModelConfig(**result.pop("full_config")))
-        hw = profiles[threads] if allreduce is None else calibrate.with_allreduce(profiles[threads], allreduce)
+        hw = profiles[threads] if allreduce is None else with_allreduce(profiles[threads], allreduce)
         predicted = predict(shape, hw, args, tp, result["spec"]["tokens_per_step"])
         doc["runs"].append({"tp": tp, "threads_per_rank": threads, **result, "predicted": predicted})
         for mode in ("ar", "spec"):

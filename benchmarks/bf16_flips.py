@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from magicdec.calibrate import machine_info  # noqa: E402
+from magicdec.calibrate.machine import machine_info  # noqa: E402
 from magicdec.kv import KVCache  # noqa: E402
 from magicdec.loading import load_model, model_identity  # noqa: E402
 from magicdec.prefill import prefill_row  # noqa: E402

@@ -23,7 +23,7 @@ from magicdec.errors import OutOfMemoryError
 from magicdec.kv import KVCache
 from magicdec.memory import check_fits
 from magicdec.model import Transformer
-from magicdec.planner import forward_cost, get_model_shape, get_profile
+from magicdec.planner import Workload, forward_cost, get_model_shape, get_profile
 from magicdec.sampling import SamplingParams
 from magicdec.scheduler import FixedGamma
 from magicdec.speculative import Speculation
@@ -108,7 +108,7 @@ def step_times(device: str, batches, contexts, gamma: int, budget: int) -> list[
             t_dec = timed(lambda: model(tok1, dense))
             t_ver = timed(lambda: model(tokv, dense))
             t_dra = timed(lambda: model(tok1, sparse))
-            pred = {k: forward_cost(shape, hw, B, q, L, 2, 2).time
+            pred = {k: forward_cost(Workload(shape, hw, B, S), q, L).time
                     for k, q, L in (("decode", 1, S), ("verify", gamma + 1, S), ("draft", 1, budget))}
             row = {"B": B, "S": S, "decode_ms": t_dec * 1e3, "verify_ms": t_ver * 1e3, "draft_ms": t_dra * 1e3,
                    "verify/decode": t_ver / t_dec, "draft/decode": t_dra / t_dec,

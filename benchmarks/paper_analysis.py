@@ -20,6 +20,7 @@ from magicdec.planner import (
     HardwareProfile,
     ModelShape,
     Plan,
+    Workload,
     forward_cost,
     format_table,
     get_profile,
@@ -84,7 +85,7 @@ def tp_profile(name: str, fixed_overhead_s: float | None = None) -> HardwareProf
 def best(hw: HardwareProfile, target: ModelShape, batch: int, context: int,
          draft: ModelShape | None = None) -> Plan:
     """Best speculative plan (AR excluded, so a losing configuration shows speedup < 1)."""
-    return plan(target, hw, batch, context, ACCEPTANCE, draft=draft, tp=TP,
+    return plan(Workload(target, hw, batch, context, tp=TP), ACCEPTANCE, draft=draft,
                 strategies=MODEL if draft is not None else SELF)
 
 
@@ -113,7 +114,7 @@ def memory_bound_context(hw: HardwareProfile, target: ModelShape, batch: int) ->
     """Smallest context (in 16-token steps) where an AR step at `batch` is memory-bound."""
     context = 16
     while True:
-        cost = forward_cost(target, hw, batch, 1, context, tp=TP)
+        cost = forward_cost(Workload(target, hw, batch, context, tp=TP), 1, context)
         if cost.t_memory >= cost.t_compute:
             return context
         context += 16
@@ -178,7 +179,7 @@ def break_even_alpha(hw: HardwareProfile, batch: int, context: int, target_speed
         alpha = (low + high) / 2
         table = AcceptanceTable()
         table.add("self-streaming", alpha, budget=512)
-        if plan(LLAMA2, hw, batch, context, table, tp=TP, strategies=SELF).predicted_speedup < target_speedup:
+        if plan(Workload(LLAMA2, hw, batch, context, tp=TP), table, strategies=SELF).predicted_speedup < target_speedup:
             low = alpha
         else:
             high = alpha
@@ -191,7 +192,7 @@ def predict_paper_rows(fixed_overhead_s: float | None) -> list[dict]:
     for gpu, target, draft, context, batch, paper_gamma, _ in PAPER_ROWS:
         hw = tp_profile(gpu, fixed_overhead_s)
         p = best(hw, target, batch, context, draft)
-        at_paper_gamma = plan(target, hw, batch, context, ACCEPTANCE, draft=draft, tp=TP, gammas=[paper_gamma],
+        at_paper_gamma = plan(Workload(target, hw, batch, context, tp=TP), ACCEPTANCE, draft=draft, gammas=[paper_gamma],
                               strategies=MODEL if draft is not None else SELF)
         out.append({"gamma": p.gamma, "speedup": round(p.predicted_speedup, 2),
                     "speedup_at_paper_gamma": round(at_paper_gamma.predicted_speedup, 2)})

@@ -55,14 +55,15 @@ def relative(path: Path) -> str:
 def predict(shape, hw, batch: int, context: int, drafter: str, budget: int | None, gamma: int,
             alpha: float | None, dtype_bytes: float, kv_bytes: float) -> dict[str, float]:
     """Predicted step times and throughput of one configuration (alpha None: AR)."""
-    from magicdec.planner import decode_step_time, draft_time, expected_tokens, verify_step_time
+    from magicdec.planner import Workload, decode_step_time, draft_time, expected_tokens, verify_step_time
 
+    w = Workload(shape, hw, batch, context, dtype_bytes, kv_bytes)
     if drafter == "ar":
-        t = decode_step_time(shape, hw, batch, context, dtype_bytes, kv_bytes)
+        t = decode_step_time(w)
         return {"t_step": t, "throughput": batch / t}
     # per forward; self-speculation's first one reads one token (the others are copied from the target)
-    t_d = draft_time(shape, hw, batch, context, budget, gamma, dtype_bytes, kv_bytes, first_tokens=1) / gamma
-    t_v = verify_step_time(shape, hw, batch, context, gamma, dtype_bytes, kv_bytes)
+    t_d = draft_time(w, budget, gamma, first_tokens=1) / gamma
+    t_v = verify_step_time(w, gamma)
     e = expected_tokens(alpha, gamma)
     return {"t_draft": t_d, "t_verify": t_v, "t_step": gamma * t_d + t_v, "throughput": batch * e / (gamma * t_d + t_v)}
 
@@ -70,7 +71,7 @@ def predict(shape, hw, batch: int, context: int, drafter: str, budget: int | Non
 # --- the measurements ---------------------------------------------------------------------------------------
 def bench_points(doc: dict[str, Any]) -> list[dict[str, Any]]:
     """The greedy points of a bench run with an explicit configuration, in this script's terms."""
-    from magicdec.calibrate import acceptance_mle
+    from magicdec.calibrate.acceptance import acceptance_mle
 
     new_tokens = doc["settings"]["new_tokens"]
     points = []
@@ -106,7 +107,7 @@ def summarize(res: dict[str, Any], table, shape, hw, dtype_bytes: float, kv_byte
 
     Predictions use the acceptance of the slowest distinct row (`AcceptanceTable.alpha(rows=...)`):
     the bench decodes a static batch, which runs until its slowest row is done."""
-    from magicdec.planner import expected_tokens, plan
+    from magicdec.planner import Workload, expected_tokens, plan
 
     points = res["points"]
     if not points:
@@ -141,9 +142,8 @@ def summarize(res: dict[str, Any], table, shape, hw, dtype_bytes: float, kv_byte
         cell: dict[str, Any] = {"batch": batch, "context": context, "context_used": ctx, "n_points": len(pts),
                                 "best": _label(best), "best_throughput": best["measured_throughput"]}
         if ar is not None and drafters:
-            chosen_plan = plan(shape, hw, batch, mean_ctx, table, budgets=budgets, gammas=gammas,
-                               dtype_bytes=dtype_bytes, kv_dtype_bytes=kv_bytes,
-                               strategies=["ar", *drafters], rows=pts[0]["rows"])
+            chosen_plan = plan(Workload(shape, hw, batch, mean_ctx, dtype_bytes, kv_bytes), table, budgets=budgets,
+                               gammas=gammas, strategies=["ar", *drafters], rows=pts[0]["rows"])
             want = (chosen_plan.strategy, chosen_plan.budget if chosen_plan.gamma else None, chosen_plan.gamma)
             chosen = next((p for p in pts if (p["drafter"], p["budget"], p["gamma"]) == want), None)
             cell["choice"] = _label(chosen) if chosen else f"{chosen_plan.strategy} (not measured)"
@@ -318,7 +318,7 @@ def plot(points: list[dict[str, Any]], png: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from magicdec.autoplan import load_acceptance, load_profile, target_shape
+    from magicdec.profiles import load_acceptance, load_profile, model_key, target_shape
     from magicdec.engine import LLM
     from magicdec.planner import AcceptanceTable, HardwareProfile
 
@@ -327,10 +327,10 @@ def main(argv: list[str] | None = None) -> int:
         doc = json.load(f)
     llm = LLM(device="cpu")
     hw = HardwareProfile.from_json(args.profile) if args.profile else load_profile("cpu")
-    table = AcceptanceTable.from_json(args.acceptance) if args.acceptance else load_acceptance(llm)
+    table = AcceptanceTable.from_json(args.acceptance) if args.acceptance else load_acceptance(model_key(llm.loaded.source))
     res: dict[str, Any] = {"bench": relative(args.bench), "machine": doc.get("machine"), "settings": doc.get("settings"),
                            "profile": dataclasses.asdict(hw), "points": bench_points(doc)}
-    summarize(res, table, target_shape(llm), hw, float(llm.model.dtype.itemsize), float(llm.kv_dtype.itemsize))
+    summarize(res, table, target_shape(llm.model.cfg), hw, float(llm.model.dtype.itemsize), float(llm.kv_dtype.itemsize))
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(res, indent=1) + "\n")
     report(res, args.png)

@@ -1,20 +1,21 @@
 """`--draft auto`: pick AR or a self-speculative configuration for a batch shape with the planner.
 
     from magicdec.autoplan import choose
-    spec, why = choose(llm, batch=len(prompts), context=max_prompt_len)
-    llm.generate(prompts, params, speculative=spec)      # spec is None when plain decoding wins
+    from magicdec.profiles import model_key
+    spec, replanner, why = choose(llm.model, batch=len(prompts), context=max_prompt_len, kv_dtype=llm.kv_dtype,
+                                  model_name=model_key(llm.loaded.source))
+    llm.generate(prompts, params, speculative=spec, gamma_policy=replanner)  # spec None: plain decoding wins
 
-The draft length is re-planned every engine step (`SpeculativeConfig.replan`, the scheduler's gamma
-policy): requests arrive and finish and contexts grow, and all of it moves the best gamma. The strategy
+The draft length is re-planned every engine step (the `Replanner`, the scheduler's gamma policy): requests arrive and finish and contexts grow, and all of it moves the best gamma. The strategy
 and budget stay as chosen at the start; where plain decoding is the better choice for the live batch
 (say, few sequences at a short context), that step decodes plainly, and drafting resumes when it pays.
 The re-planner (`Replanner`) learns from the rounds it sees: the acceptance rate of the text being
 generated, and how long draft rounds and plain steps take against the cost model's predictions.
 
-The model's shape and dtypes come from the `LLM`; the hardware profile is the one `magicdec calibrate`
-saved for the device and the dtype in use (else the preset measured in that dtype, on this kind of CPU
-where there is one); the acceptance rates are the ones measured for this model (else
-the table shipped with the package, measured on SmolLM2-135M with PG-19 text).
+The model's shape and dtypes come from the Transformer; the hardware profile is the one `magicdec
+calibrate` saved for the device and the dtype in use (else the preset measured in that dtype, on this kind
+of CPU where there is one); the acceptance rates are the ones measured for this model (else the table
+shipped with the package, measured on SmolLM2-135M with PG-19 text). See `magicdec.profiles`.
 """
 
 from __future__ import annotations
@@ -24,36 +25,28 @@ import dataclasses
 import functools
 import os
 import statistics
-import warnings
-from importlib import resources
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
+from typing import Callable, Iterable, Sequence
+
+import torch
 
 from magicdec import dtypes
 from magicdec.errors import InvalidRequestError
-from magicdec.planner import PRESETS, AcceptanceTable, HardwareProfile, ModelShape, Plan, get_profile, plan, round_time
-from magicdec.planner.hardware import CPU_PRESETS
+from magicdec.model import Transformer
+from magicdec.planner import AcceptanceTable, HardwareProfile, ModelShape, Plan, Workload, get_profile, plan, round_time
+from magicdec.profiles import load_acceptance, load_profile, target_shape
 from magicdec.scheduler import GammaPolicy
-
-if TYPE_CHECKING:
-    from magicdec.speculative import SpeculativeConfig
+from magicdec.speculative import SpeculativeConfig
 
 #: Self-speculative strategies `choose` searches besides AR.
 SELF_STRATEGIES = ("self-streaming", "self-snapkv")
 #: Draft budgets and lengths searched by default (budgets are capped below the context by the planner).
 DEFAULT_BUDGETS = (64, 128, 256, 512, 1024, 2048)
 DEFAULT_GAMMAS = tuple(range(1, 9))
-#: The built-in acceptance table, package data.
-BUILTIN_ACCEPTANCE = "acceptance_smollm2.json"
-
-#: GPU name fragments (lower case) -> preset, for devices without a calibrated profile.
-_GPU_PRESETS = (("h200", "h200"), ("h100", "h100"), ("a100", "a100-80gb"), ("l40s", "l40s"), ("l40", "l40"))
 #: Contexts the per-step re-planner distinguishes (plans are cached per live batch and context bucket).
 REPLAN_GRANULARITY = 64
-FALLBACK_GPU_PRESET = "a100-80gb"
 #: How much faster than plain decoding speculation must be predicted before `--draft auto` drafts: a
 #: calibrated profile predicts forwards within ~9% (median), and a choice made on a closer call can lose
-#: (SmolLM2 bf16 at B=1 x 8k: 1.05x predicted, 0.92x measured).
+#: (benchmarks/README.md, "--draft auto").
 MIN_PREDICTED_SPEEDUP = 1.06
 #: Weight, in drafted tokens, of the acceptance table's rate against what a run observes: the table was
 #: measured on a few prompts, and other text (held-out books, chat) accepts more or less.
@@ -72,198 +65,97 @@ EXPLORE_EVERY = 32
 EXPLORE_MOST = 256
 EXPLORE_MOVED = 0.2
 
-
-def target_shape(model: Any) -> ModelShape:
-    """The planner's ModelShape of an `LLM`, a magicdec Transformer, a ModelConfig or a ModelShape."""
-    if isinstance(model, ModelShape):
-        return model
-    cfg = getattr(getattr(model, "model", None), "cfg", None) or getattr(model, "cfg", None) or model
-    for attr in ("n_layers", "dim", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "vocab_size"):
-        if not hasattr(cfg, attr):
-            raise TypeError(f"cannot get a model shape from {type(model).__name__} (no {attr})")
-    return ModelShape(
-        name=getattr(cfg, "architecture", "model"), n_layers=cfg.n_layers, dim=cfg.dim, n_heads=cfg.n_heads,
-        n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, ffn_dim=cfg.ffn_dim, vocab_size=cfg.vocab_size,
-        tie_embeddings=bool(getattr(cfg, "tie_embeddings", False)),
-    )
-
-
-def _is_cpu_profile(hw: HardwareProfile) -> bool:
-    return hw.name.startswith(("cpu", "calibrated-cpu"))
-
-
-def _device_of(model: Any) -> str | None:
-    m = getattr(model, "model", model)
-    device = getattr(m, "device", None)
-    return None if device is None else str(device)
-
-
-def preset_for_device(device: str, dtype: str | None = None) -> HardwareProfile:
-    """The preset standing in for an uncalibrated device: for a CPU, the measured preset of the same
-    dtype (fp32, bf16), from the same kind of CPU where there is one; for a GPU, the one matching its name."""
-    if not device.startswith("cuda"):
-        from magicdec.cpu import cpu_kind
-
-        kind = cpu_kind()
-        return PRESETS[min(CPU_PRESETS, key=lambda n: (PRESETS[n].dtype != dtype, not n.startswith(f"cpu-{kind}-")))]
-    try:
-        import torch
-
-        name = torch.cuda.get_device_name(torch.device(device)).lower()
-    except Exception:  # no CUDA here (planning for another machine): a common datacenter GPU
-        return PRESETS[FALLBACK_GPU_PRESET]
-    for fragment, preset in _GPU_PRESETS:
-        if fragment in name:
-            return PRESETS[preset]
-    return PRESETS[FALLBACK_GPU_PRESET]
-
-
-def load_profile(device: str = "cpu", dtype: str | None = None) -> HardwareProfile:
-    """The profile `magicdec calibrate` saved for `device` in `dtype` (default: fp32 on CPU, bf16 on
-    GPUs), else `preset_for_device`."""
-    from magicdec.calibrate import default_profile_path
-
-    dtype = dtype or ("bf16" if device.startswith("cuda") else "fp32")
-    for dev in dict.fromkeys((device, device.split(":")[0])):
-        path = default_profile_path(dev, dtype)
-        if path.is_file():
-            hw = _read_calibrated(HardwareProfile.from_json, path)
-            if _measured_with_these_kernels(hw, device, dtype):
-                return hw
-            warnings.warn(f"{path} was measured with other kernels (attention {hw.attention or 'older'}, linear "
-                          f"{hw.linear or 'older'}) than this run's: planning with the preset; run `magicdec "
-                          f"calibrate` again", stacklevel=2)
-    return preset_for_device(device, dtype)
-
-
-def _measured_with_these_kernels(hw: HardwareProfile, device: str, dtype: str) -> bool:
-    """Whether a calibrated profile's rates were measured with the attention and linear layers this run
-    uses (a profile from before a native kernel, or from a machine where it did not build, predicts the
-    wrong costs)."""
-    import torch
-
-    from magicdec.engine import parse_dtype
-    from magicdec.model import attention_path, linear_path
-
-    dev, dt = torch.device(device), parse_dtype(dtype)
-    attention, linear = attention_path(dev, dt), linear_path(dev, dt)
-    return ((hw.attention == attention if hw.attention is not None else attention != "native")
-            and (hw.linear == linear if hw.linear is not None else linear != "packed"))
-
-
-def _read_calibrated(read: Callable[[Path], Any], path: Path) -> Any:
-    """A file `magicdec calibrate` saved; a damaged one raises ValueError saying how to replace it."""
-    try:
-        return read(path)
-    except ValueError as e:
-        raise ValueError(f"{e}; run `magicdec calibrate` again, or delete the file") from None
-
-
-def builtin_acceptance() -> AcceptanceTable:
-    """The acceptance table shipped with magicdec (SmolLM2-135M self-speculation on PG-19)."""
-    ref = resources.files("magicdec") / "data" / BUILTIN_ACCEPTANCE
-    with resources.as_file(ref) as path:
-        return AcceptanceTable.from_json(path)
-
-
-def load_acceptance(model: Any = None) -> AcceptanceTable:
-    """The table `magicdec calibrate --acceptance` saved for this model, else the built-in one."""
-    if model is not None:
-        from magicdec.calibrate import default_acceptance_path, model_key
-
-        path = default_acceptance_path(model_key(model))
-        if path.is_file():
-            return _read_calibrated(AcceptanceTable.from_json, path)
-    return builtin_acceptance()
+#: A dtype as `choose` takes it: a torch dtype, a name (fp32, bf16, fp16) or bytes per element.
+Dtype = torch.dtype | str | float
 
 
 def choose(
-    llm: Any,
-    batch: int,
-    context: int,
-    *,
-    profile: HardwareProfile | str | os.PathLike[str] | None = None,
-    acceptance: AcceptanceTable | str | os.PathLike[str] | None = None,
-    mode: str = "greedy",
-    budgets: Iterable[int] = DEFAULT_BUDGETS,
-    gammas: Iterable[int] = DEFAULT_GAMMAS,
-    strategies: Iterable[str] = ("ar", *SELF_STRATEGIES),
-    dtype: Any = None,
-    kv_dtype: Any = None,
-) -> tuple["SpeculativeConfig | None", "Replanner | None", Plan]:
-    """The predicted-fastest way to decode `batch` sequences of `context` tokens with `llm`.
+    model: Transformer | ModelShape, batch: int, context: int, *, kv_dtype: Dtype | None = None,
+    model_name: str | None = None, profile: HardwareProfile | str | os.PathLike[str] | None = None,
+    acceptance: AcceptanceTable | str | os.PathLike[str] | None = None, mode: str = "greedy",
+    budgets: Iterable[int] = DEFAULT_BUDGETS, gammas: Iterable[int] = DEFAULT_GAMMAS,
+    strategies: Iterable[str] = ("ar", *SELF_STRATEGIES), dtype: Dtype | None = None,
+) -> tuple[SpeculativeConfig | None, Replanner | None, Plan]:
+    """The predicted-fastest way to decode `batch` sequences of `context` tokens with `model`.
 
     Returns (SpeculativeConfig, the Replanner that picks each step's draft length, plan), or (None, None,
-    plan) when plain autoregressive decoding is predicted to be at least as fast. `llm` is an `LLM` (or a Transformer, ModelConfig or planner ModelShape, to
-    plan for a model or machine you do not have). `profile`: a HardwareProfile, preset name or JSON
-    path (default: the calibrated profile of the model's device and dtype, else a preset). `acceptance`: a table
-    or its JSON path (default: the one measured for this model, else the built-in table). `mode`:
-    "greedy" or "sampling" (temperature > 0). `dtype`/`kv_dtype` (torch dtypes or byte counts)
-    default to the LLM's; without an LLM, to 4 bytes on a CPU profile and 2 on others.
-    Raises InvalidRequestError when the profile or the acceptance table cannot be found or read.
-    Under tensor parallelism (an LLM loaded as one rank) the ranks must use the same profile, and the plan
-    is for the whole model over the ranks when the profile knows the all-reduce (`magicdec calibrate`),
-    else for this rank's share alone.
+    plan) when plain autoregressive decoding is predicted to be at least as fast. `model` is the Transformer that will decode (a planner ModelShape plans for a
+    model or machine you do not have). `profile`: a HardwareProfile, preset name or JSON path (default: the
+    calibrated profile of the model's device and dtype, else a preset). `acceptance`: a table or its JSON
+    path (default: the one measured for the model named `model_name` (`profiles.model_key`), else the
+    built-in table). `mode`: "greedy" or "sampling" (temperature > 0). `dtype` defaults to the model's,
+    `kv_dtype` to `dtype`; for a ModelShape, `dtype` defaults to the profile's, else 4 bytes on a CPU
+    profile and 2 on others. Raises InvalidRequestError when the profile or the acceptance table cannot be
+    found or read. Under tensor parallelism (a Transformer loaded as one rank) the ranks must use the same
+    profile, and the plan is for the whole model over the ranks when the profile knows the all-reduce
+    (`magicdec calibrate`), else for this rank's share alone.
     """
-    from magicdec.speculative import SpeculativeConfig
-
     strategies = tuple(strategies)
-    shape = target_shape(llm)
-    device = _device_of(llm)
-    if dtype is None:
-        dtype = getattr(getattr(llm, "model", llm), "dtype", None)  # an LLM's or a Transformer's
-    group = getattr(getattr(llm, "model", llm), "tp", None)  # a rank of a tensor-parallel run
+    if dtype is None and isinstance(model, Transformer):
+        dtype = model.dtype
+    device = str(model.device) if isinstance(model, Transformer) else "cpu"
     try:
-        if profile is None:
-            hw = load_profile(device or "cpu", dtypes.short_name(dtype))
-        elif isinstance(profile, HardwareProfile):
-            hw = profile
-        else:
-            hw = get_profile(profile)
-        if acceptance is None:
-            table = load_acceptance(llm if hasattr(llm, "loaded") else None)
-        elif isinstance(acceptance, AcceptanceTable):
-            table = acceptance
-        else:
-            table = AcceptanceTable.from_json(acceptance)
+        hw = _hardware(profile, device, dtype)
+        table = acceptance if isinstance(acceptance, AcceptanceTable) else (
+            load_acceptance(model_name) if acceptance is None else AcceptanceTable.from_json(acceptance))
     except (ValueError, OSError) as e:
         raise InvalidRequestError(str(e)) from None
-    tp = 1
-    if group is not None:
-        # Every rank must take the same decisions: a profile that differs between machines would not.
-        group.agree("the hardware profile for --draft auto", dataclasses.asdict(hw))
-        if hw.ici_bandwidth is not None:  # plan the whole model over the ranks; else each rank's share alone
-            shape, tp = target_shape(llm.model.full_cfg if hasattr(llm, "model") else llm.full_cfg), group.world_size
-
-    if dtype is None:  # planning from a config or shape: the profile's dtype, else the device's usual one
-        dtype = hw.dtype or (4 if _is_cpu_profile(hw) else 2)
-    if kv_dtype is None:
-        kv_dtype = getattr(llm, "kv_dtype", None) or dtype
-    weight_bytes, kv_bytes = dtypes.nbytes(dtype), dtypes.nbytes(kv_dtype)
-
+    work = _workload(model, hw, batch, context, dtype, kv_dtype)
     # The decode loop caps gamma (MAX_GAMMA) and sparse budgets must be >= 8 (SpeculativeConfig).
     gammas = [g for g in gammas if 1 <= g <= 16]
     budgets = [b for b in budgets if b >= 8]
-    best = plan(shape, hw, batch, context, table, budgets=budgets, gammas=gammas, dtype_bytes=weight_bytes,
-                kv_dtype_bytes=kv_bytes, mode=mode, strategies=strategies, tp=tp, margin=MIN_PREDICTED_SPEEDUP)
+    best = plan(work, table, budgets=budgets, gammas=gammas, mode=mode, strategies=strategies,
+                margin=MIN_PREDICTED_SPEEDUP)
     if best.strategy == "ar":
         return None, None, best
-
-    # Mid-run, the choice is the chosen drafter at another length, or (if allowed) plain decoding.
-    replan = Replanner(
-        lambda live, context, alpha, scale: plan(
-            shape, hw, live, context, _single_rate(best, alpha, mode), budgets=[best.budget], gammas=gammas, tp=tp,
-            dtype_bytes=weight_bytes, kv_dtype_bytes=kv_bytes, mode=mode,
-            strategies=[best.strategy, *(["ar"] if "ar" in strategies else [])],
-            rows=1, margin=MIN_PREDICTED_SPEEDUP, spec_time_scale=scale).gamma,
-        lambda live, context, gamma: round_time(shape, hw, live, context, gamma, weight_bytes, kv_bytes, tp, mode,
-                                                budget=best.budget),
-        prior=lambda context: table.alpha(best.strategy, best.budget, context, mode),
-        min_context=best.budget + 1,
-        plain="ar" in strategies,
-    )
+    replan = _replanner(work, table, best, gammas, mode, plain="ar" in strategies)
     # Built for the longest draft it may re-plan to; the decode loop starts it at the planned length.
     return SpeculativeConfig(best.strategy, budget=best.budget, gamma=max(gammas)), replan, best
+
+
+def _hardware(profile: HardwareProfile | str | os.PathLike[str] | None, device: str,
+              dtype: Dtype | None) -> HardwareProfile:
+    """The profile `choose` was given, or the one for the device and dtype."""
+    if profile is None:
+        return load_profile(device, dtypes.short_name(dtype))
+    return profile if isinstance(profile, HardwareProfile) else get_profile(profile)
+
+
+def _workload(model: Transformer | ModelShape, hw: HardwareProfile, batch: int, context: int,
+              dtype: Dtype | None, kv_dtype: Dtype | None) -> Workload:
+    """The workload of `model` on `hw`: under tensor parallelism, the whole model over the ranks where the
+    profile knows the all-reduce, else this rank's share alone."""
+    if isinstance(model, ModelShape):
+        shape, tp = model, 1
+    else:
+        shape, tp, group = target_shape(model.cfg), 1, model.tp
+        if group is not None:
+            # Every rank must take the same decisions: a profile that differs between machines would not.
+            group.agree("the hardware profile for --draft auto", dataclasses.asdict(hw))
+            if hw.ici_bandwidth is not None:
+                shape, tp = target_shape(model.full_cfg), group.world_size
+    if dtype is None:  # planning from a shape: the profile's dtype, else the device's usual one
+        dtype = hw.dtype or (4 if hw.name.startswith(("cpu", "calibrated-cpu")) else 2)
+    return Workload(shape, hw, batch, context, dtypes.nbytes(dtype), dtypes.nbytes(kv_dtype or dtype), tp)
+
+
+def _replanner(work: Workload, table: AcceptanceTable, best: Plan, gammas: list[int], mode: str,
+               plain: bool) -> Replanner:
+    """Mid-run, the choice is the chosen drafter at another length, or (if `plain`) plain decoding."""
+
+    def at(live: int, context: int) -> Workload:
+        return dataclasses.replace(work, batch=live, context=context)
+
+    return Replanner(
+        lambda live, context, alpha, scale: plan(
+            at(live, context), _single_rate(best, alpha, mode), budgets=[best.budget], gammas=gammas, mode=mode,
+            strategies=[best.strategy, *(["ar"] if plain else [])],
+            rows=1, margin=MIN_PREDICTED_SPEEDUP, spec_time_scale=scale).gamma,
+        lambda live, context, gamma: round_time(at(live, context), gamma, mode, budget=best.budget),
+        prior=lambda context: table.alpha(best.strategy, best.budget, context, mode),
+        min_context=best.budget + 1,
+        plain=plain,
+    )
 
 
 def _single_rate(best: Plan, alpha: float, mode: str) -> AcceptanceTable:
@@ -388,14 +280,7 @@ def describe(plan_: Plan) -> str:
 
 
 __all__ = [
-    "BUILTIN_ACCEPTANCE",
-    "CPU_PRESETS",
-    "builtin_acceptance",
+    "Replanner",
     "choose",
     "describe",
-    "load_acceptance",
-    "load_profile",
-    "preset_for_device",
-    "target_shape",
 ]
-

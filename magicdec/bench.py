@@ -23,7 +23,8 @@ from typing import Callable
 from tqdm import tqdm
 
 from magicdec.autoplan import choose
-from magicdec.calibrate import machine_info, sampling_params
+from magicdec.calibrate.acceptance import sampling_params
+from magicdec.calibrate.machine import machine_info
 from magicdec.corpus import cut_prompts, load_texts
 from magicdec.engine import LLM
 from magicdec.errors import InvalidRequestError, OutOfMemoryError
@@ -32,6 +33,7 @@ from magicdec.kv.prompt_cache import PromptCache
 from magicdec.loading import model_identity
 from magicdec.memory import available_bytes, check_fits
 from magicdec.planner import format_table
+from magicdec.profiles import model_key
 from magicdec.runner import ModelRunner
 from magicdec.sampling import SamplingParams
 from magicdec.speculative import SpeculativeConfig
@@ -197,7 +199,8 @@ def _run_config(llm: LLM, args, grid: BenchGrid, rows: list[list[int]], ctx: int
     params = [sampling_params(cfg["mode"], grid.new_tokens, seed=i) for i in range(batch)]
     spec, policy, chosen = None, None, {}
     if cfg["draft"] == "auto":
-        spec, policy, plan = choose(llm, batch, ctx + grid.new_tokens // 2, profile=getattr(args, "hardware", None),
+        spec, policy, plan = choose(llm.model, batch, ctx + grid.new_tokens // 2, kv_dtype=llm.kv_dtype,
+                                    model_name=model_key(llm.loaded.source), profile=getattr(args, "hardware", None),
                                     mode=cfg["mode"])
         chosen = {"chosen": f"{spec.draft} K={spec.budget} g={plan.gamma}" if spec else "ar",
                   "predicted_speedup": plan.predicted_speedup}

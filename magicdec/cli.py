@@ -16,7 +16,9 @@ import warnings
 from pathlib import Path
 
 from magicdec import dtypes
-from magicdec.errors import DistributedError, MagicDecError
+from magicdec.errors import DistributedError, InvalidRequestError, MagicDecError, OutOfMemoryError
+from magicdec.planner import (PRESETS, AcceptanceTable, HardwareProfile, Workload, format_table, get_model_shape,
+                              get_profile, plan_table, plot_speedup)
 
 EXIT_USAGE = 2
 #: A tensor-parallel rank lost its peers (one died, hung past the timeout, or cannot be reached).
@@ -129,7 +131,6 @@ def add_draft_args(p: argparse.ArgumentParser) -> None:
 # --- generate ---------------------------------------------------------------------------------------
 def collect_prompts(args, tok) -> tuple[list[str] | None, list[list[int]]]:
     from magicdec.corpus import cut_prompts, load_texts
-    from magicdec.errors import InvalidRequestError
 
     texts = list(args.prompt)
     if args.prompt_file:
@@ -155,10 +156,11 @@ def speculative_from_args(args, llm, batch: int, context: int):
         return None, None, None
     if args.draft == "auto":
         from magicdec.autoplan import choose
+        from magicdec.profiles import model_key
 
         # `serve` has no temperature of its own (each request brings one) and plans for greedy requests.
-        return choose(llm, batch, context, profile=args.hardware,
-                      mode="greedy" if getattr(args, "temperature", 0) == 0 else "sampling")
+        return choose(llm.model, batch, context, kv_dtype=llm.kv_dtype, model_name=model_key(llm.loaded.source),
+                      profile=args.hardware, mode="greedy" if getattr(args, "temperature", 0) == 0 else "sampling")
     reindex = None if args.positions is None else args.positions == "reindex"
     return SpeculativeConfig(args.draft, budget=args.budget, gamma=args.gamma, draft_model=args.draft_model,
                              draft_cache=args.draft_cache, reindex=reindex), None, None
@@ -291,9 +293,6 @@ def cmd_bench(args) -> int:
 
 # --- plan -------------------------------------------------------------------------------------------
 def cmd_plan(args) -> int:
-    from magicdec.errors import InvalidRequestError
-    from magicdec.planner import AcceptanceTable, format_table, get_model_shape, get_profile, plan_table, plot_speedup
-
     try:
         target = get_model_shape(args.model)
         draft = get_model_shape(args.draft_model) if args.draft_model else None
@@ -302,9 +301,9 @@ def cmd_plan(args) -> int:
     except ValueError as e:  # the planner is torch-free and raises ValueError; OSError is main's
         raise InvalidRequestError(str(e)) from None
     nbytes = dtypes.BYTES[args.dtype]
-    rows = plan_table(target, hw, args.batch, args.context, acceptance, draft=draft, tp=args.tp,
-                      mode="greedy" if args.mode == "greedy" else "sampling", dtype_bytes=nbytes,
-                      kv_dtype_bytes=nbytes, rows=1 if args.steady_state else None)
+    grid = [Workload(target, hw, b, c, nbytes, nbytes, args.tp) for c in args.context for b in args.batch]
+    rows = plan_table(grid, acceptance, draft=draft, mode="greedy" if args.mode == "greedy" else "sampling",
+                      rows=1 if args.steady_state else None)
     cols = ["batch", "context", "strategy", "budget", "gamma", "predicted_speedup", "predicted_throughput",
             "verify_dominant", "draft_dominant"]
     print(format_table(rows, [c for c in cols if c in rows[0]]))
@@ -319,9 +318,12 @@ def cmd_plan(args) -> int:
 
 # --- calibrate --------------------------------------------------------------------------------------
 def cmd_calibrate(args) -> int:
-    from magicdec import calibrate
+    from magicdec.calibrate.acceptance import calibrate_acceptance
+    from magicdec.calibrate.allreduce import measure_local_allreduce, with_allreduce
+    from magicdec.calibrate.hardware import measure_hardware
     from magicdec.corpus import load_texts
     from magicdec.engine import LLM
+    from magicdec.profiles import default_acceptance_path, model_key
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         return calibrate_allreduce(args)
@@ -332,11 +334,11 @@ def cmd_calibrate(args) -> int:
     def progress(done: int, total: int, label: str) -> None:
         print(f"[{done}/{total}] {label}", file=sys.stderr)
 
-    cal = calibrate.measure_hardware(llm.model.device, quick=args.quick, progress=progress, model=llm.model)
+    cal = measure_hardware(llm.model.device, quick=args.quick, progress=progress, model=llm.model)
     print("all-reduce between local processes (for tensor parallelism)", file=sys.stderr)
-    allreduce = calibrate.measure_local_allreduce(llm.model.device)
+    allreduce = measure_local_allreduce(llm.model.device)
     if allreduce is not None:
-        cal.profile = calibrate.with_allreduce(cal.profile, allreduce)
+        cal.profile = with_allreduce(cal.profile, allreduce)
         cal.measurements["allreduce"] = allreduce
     path = cal.save(args.output)
     print(json.dumps(cal.profile.__dict__, indent=1, default=str))
@@ -347,8 +349,8 @@ def cmd_calibrate(args) -> int:
     print(f"hardware profile written to {path}", file=sys.stderr)
     if args.acceptance:
         quick = dict(contexts=(1024, 2048), budgets=(64, 256), n_prompts=2, new_tokens=32) if args.quick else {}
-        table = calibrate.calibrate_acceptance(llm, texts, progress=progress, **quick)
-        out = calibrate.default_acceptance_path(calibrate.model_key(llm))
+        table = calibrate_acceptance(llm, texts, progress=progress, **quick)
+        out = default_acceptance_path(model_key(llm.loaded.source))
         out.parent.mkdir(parents=True, exist_ok=True)
         table.to_json(out)
         print(f"acceptance table written to {out}", file=sys.stderr)
@@ -358,19 +360,18 @@ def cmd_calibrate(args) -> int:
 def calibrate_allreduce(args) -> int:
     """`calibrate` under torchrun: measure the all-reduce of the launched ranks (any number of nodes) and
     write its latency and bandwidth into the profile that `magicdec calibrate` made on one process."""
-    from magicdec import calibrate
+    from magicdec.calibrate.allreduce import measure_allreduce, with_allreduce
     from magicdec.distributed import init_tp
-    from magicdec.errors import InvalidRequestError
-    from magicdec.planner import HardwareProfile
+    from magicdec.profiles import default_profile_path
 
     tp = init_tp(args.device)
-    path = Path(args.output) if args.output else calibrate.default_profile_path(tp.device.type)
+    path = Path(args.output) if args.output else default_profile_path(tp.device.type)
     if not path.is_file():
         raise InvalidRequestError(f"no hardware profile at {path}: run `magicdec calibrate` as one process first")
-    result = calibrate.measure_allreduce(tp)
+    result = measure_allreduce(tp)
     if tp.is_main:
         try:
-            profile = calibrate.with_allreduce(HardwareProfile.from_json(path), result)
+            profile = with_allreduce(HardwareProfile.from_json(path), result)
         except ValueError as e:
             raise InvalidRequestError(str(e)) from None
         profile.to_json(path)
@@ -384,7 +385,6 @@ def calibrate_allreduce(args) -> int:
 def cmd_serve(args) -> int:
     from magicdec.autoplan import describe
     from magicdec.engine import LLM
-    from magicdec.errors import InvalidRequestError, OutOfMemoryError
     from magicdec.loading import chat_template
     from magicdec.server.app import build_app, run_server
     from magicdec.server.async_engine import AsyncEngine
@@ -431,8 +431,6 @@ def cmd_serve(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from magicdec.planner import PRESETS
-
     p = Parser(
         prog="magicdec",
         description="Fast long-context, large-batch generation with sparse-KV speculative decoding (MagicDec).",

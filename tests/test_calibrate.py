@@ -12,23 +12,16 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from magicdec.calibrate import (
-    acceptance_mle,
-    calibrate_acceptance,
-    default_acceptance_path,
-    default_profile_path,
-    measure_hardware,
-    nondecreasing,
-    row_spread,
-)
+from magicdec.calibrate.acceptance import acceptance_mle, calibrate_acceptance, row_spread
+from magicdec.calibrate.hardware import measure_hardware, nondecreasing
 from magicdec.config import EngineConfig
 from magicdec.corpus import cut_prompts
-from magicdec.autoplan import (
-    CPU_PRESETS,
-    EXPLORE_EVERY,
+from magicdec.autoplan import EXPLORE_EVERY, choose, describe
+from magicdec.planner.hardware import CPU_PRESETS
+from magicdec.profiles import (
     builtin_acceptance,
-    choose,
-    describe,
+    default_acceptance_path,
+    default_profile_path,
     load_profile,
     preset_for_device,
     target_shape,
@@ -38,6 +31,7 @@ from magicdec.planner import (
     PRESETS,
     AcceptanceTable,
     HardwareProfile,
+    Workload,
     get_profile,
     round_time,
 )
@@ -93,13 +87,13 @@ def test_calibration_in_bf16_is_what_auto_plans_with(default_model_bf16, tmp_pat
     """A bf16 model is timed in bf16; the profile says so, and `choose` for a bf16 model picks it up."""
     monkeypatch.setenv("MAGICDEC_CACHE", str(tmp_path))
     model = default_model_bf16.model
-    assert choose(model, 32, 8192)[1].hardware == load_profile("cpu", "bf16").name  # before: the bf16 preset
+    assert choose(model, 32, 8192)[2].hardware == load_profile("cpu", "bf16").name  # before: the bf16 preset
     assert PRESETS[load_profile("cpu", "bf16").name].dtype == "bf16"
     cal = measure_hardware("cpu", quick=True, model=model)
     assert cal.profile.dtype == cal.measurements["dtype"] == "bf16" and cal.profile.name.endswith("t-bf16")
     assert cal.save() == tmp_path / "hardware-cpu-bf16.json"
-    assert choose(model, 32, 8192)[1].hardware == cal.profile.name
-    assert choose(default_model_bf16, 32, 8192, dtype="fp32")[1].hardware != cal.profile.name
+    assert choose(model, 32, 8192)[2].hardware == cal.profile.name
+    assert choose(model, 32, 8192, dtype="fp32")[2].hardware != cal.profile.name
 
 
 def test_default_paths(tmp_path, monkeypatch):
@@ -247,8 +241,8 @@ def test_calibrate_acceptance_small(llm, corpus_texts):
 def test_choose_ar_at_batch_1_short_context_on_cpu(llm, profile, request):
     if profile == "calibrated":
         profile = request.getfixturevalue("quick_calibration").profile
-    spec, plan = choose(llm, 1, 1024, profile=profile)
-    assert spec is None
+    spec, replan, plan = choose(llm.model, 1, 1024, kv_dtype=llm.kv_dtype, profile=profile)
+    assert spec is None and replan is None
     assert plan.strategy == "ar" and plan.gamma == 0
     assert "autoregressive" in describe(plan)
 
@@ -257,7 +251,7 @@ def test_choose_ar_at_batch_1_short_context_on_cpu(llm, profile, request):
 @pytest.mark.parametrize("preset", ["h100", "h200", "a100-80gb"])
 def test_choose_speculates_where_kv_dominates(llm, preset):
     """The default model's shape on a GPU at batch 128 and 32k context: the KV cache dominates."""
-    spec, plan = choose(llm, 128, 32768, profile=preset, dtype=2, kv_dtype=2)
+    spec, replan, plan = choose(llm.model, 128, 32768, profile=preset, dtype="bf16", kv_dtype="bf16")
     assert isinstance(spec, SpeculativeConfig)
     assert spec.draft in ("self-streaming", "self-snapkv")
     assert spec.budget == plan.budget and plan.gamma >= 1
@@ -265,24 +259,23 @@ def test_choose_speculates_where_kv_dominates(llm, preset):
     assert plan.predicted_speedup > 1.5
     # built for the longest draft it may re-plan to; re-planned per step at the same point, for the mean
     # sequence (steady state) rather than the slowest of 128, at least as long a draft
-    assert spec.gamma == 8 and spec.replan(128, 32768) >= plan.gamma
-    drafter, policy = spec.build(llm.model)  # the config builds into a drafter for this model
-    assert drafter.gamma == spec.gamma and policy is spec.replan
+    assert spec.gamma == 8 and replan(128, 32768) >= plan.gamma
+    drafter = spec.build(llm.model)  # the config builds into a drafter for this model
+    assert drafter.gamma == spec.gamma
     # fewer live sequences and a shorter context: the KV term shrinks, and so does the best draft length,
     # down to none (plain decoding) for a few short sequences
-    assert 1 <= spec.replan(32, 4096) < spec.replan(128, 32768)
-    assert spec.replan(2, 4096) == 0
+    assert 1 <= replan(32, 4096) < replan(128, 32768)
+    assert replan(2, 4096) == 0
     # also in sampling mode, and with the LLM's own dtypes (fp32 on this CPU)
-    assert choose(llm, 128, 32768, profile=preset, mode="sampling")[0] is not None
-    assert choose(llm, 128, 32768, profile=preset)[0] is not None
+    assert choose(llm.model, 128, 32768, kv_dtype=llm.kv_dtype, profile=preset, mode="sampling")[0] is not None
+    assert choose(llm.model, 128, 32768, kv_dtype=llm.kv_dtype, profile=preset)[0] is not None
 
 
 def test_replanner_follows_the_acceptance_it_observes():
     """The per-step re-planner starts from the table's rate and moves to what the run accepts: rounds that
     reject early shorten the draft (to plain decoding); while it decodes plainly the rate drifts back to the
     table's, it drafts again, and rounds that accept everything lengthen the draft again."""
-    spec, plan = choose(SMOL, 128, 32768, profile="h100")
-    replan = spec.replan
+    _, replan, plan = choose(SMOL, 128, 32768, profile="h100")
     start = replan(128, 32768)
     assert start >= 1 and replan.alpha(32768) > plan.alpha  # the mean row's rate, not the slowest of 128
     for _ in range(20):
@@ -300,8 +293,7 @@ def test_replanner_follows_the_round_times_it_measures():
     re-planner to plain decoding; it still times a draft round now and then, less often while the times
     agree, and drafts again when rounds get cheap. Where drafting is chosen it times a plain step now and
     then, and soon after the batch changes."""
-    spec, plan = choose(SMOL, 32, 16384, profile="h100")
-    replan = spec.replan
+    _, replan, plan = choose(SMOL, 32, 16384, profile="h100")
 
     def run(rounds, slowness, live=32):
         """`rounds` steps where a round takes `slowness[drafting]` times its predicted seconds."""
@@ -309,7 +301,7 @@ def test_replanner_follows_the_round_times_it_measures():
         for _ in range(rounds):
             g = replan(live, 16384)
             chosen.append(g)
-            predicted = round_time(target_shape(SMOL), get_profile("h100"), live, 16384, g, 2, 2, budget=plan.budget)
+            predicted = round_time(Workload(SMOL, get_profile("h100"), live, 16384), g, budget=plan.budget)
             replan.observe(g, [min(g, 2)] * live, slowness[g > 0] * predicted)
         return chosen
 
@@ -351,33 +343,31 @@ def test_the_engine_reports_each_round_to_its_policy(tiny_llama):
 
 
 def test_choose_without_a_model():
-    """Planning for a machine and model you do not have: a ModelShape (or config) and a preset."""
-    spec, plan = choose(SMOL, 128, 32768, profile="h100")
+    """Planning for a machine and model you do not have: a ModelShape and a preset."""
+    spec, replan, plan = choose(SMOL, 128, 32768, profile="h100")
     assert spec is not None and plan.verify_dominant == "kv"
     # one sequence left, its context below the draft budget: plain decoding wins, speculation ends
-    assert spec.replan(1, 100) == 0
-    forced, _ = choose(SMOL, 128, 32768, profile="h100", strategies=[spec.draft])
-    assert forced.replan(1, 100) >= 1  # AR not allowed: the best draft length instead
-    spec, plan = choose(SMOL, 1, 1024, profile="cpu-amx-2t-fp32")
+    assert replan(1, 100) == 0
+    _, forced, _ = choose(SMOL, 128, 32768, profile="h100", strategies=[spec.draft])
+    assert forced(1, 100) >= 1  # AR not allowed: the best draft length instead
+    spec, _, plan = choose(SMOL, 1, 1024, profile="cpu-amx-2t-fp32")
     assert spec is None
     # an explicit table and profile file
     table = AcceptanceTable()
     table.add("self-streaming", 0.9, budget=256)
-    spec, plan = choose(SMOL, 256, 65536, profile=PRESETS["h200"], acceptance=table)
+    spec, _, plan = choose(SMOL, 256, 65536, profile=PRESETS["h200"], acceptance=table)
     assert spec == SpeculativeConfig("self-streaming", budget=256, gamma=plan.gamma)
     # no candidate with a rate: AR
-    spec, plan = choose(SMOL, 256, 65536, profile="h200", acceptance=AcceptanceTable())
+    spec, _, plan = choose(SMOL, 256, 65536, profile="h200", acceptance=AcceptanceTable())
     assert spec is None and plan.strategy == "ar"
 
 
 def test_target_shape_from_config():
-    from magicdec.calibrate import model_config_from_shape
+    from magicdec.calibrate.timing import model_config_from_shape
 
     cfg = model_config_from_shape(SMOL)
     shape = target_shape(cfg)
     assert dataclasses.replace(shape, name=SMOL.name) == SMOL
-    with pytest.raises(TypeError):
-        target_shape(object())
 
 
 def test_builtin_table_is_valid_json():

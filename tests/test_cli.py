@@ -139,7 +139,7 @@ def test_plan_prints_table_and_plot(tmp_path, capsys):
 
 
 def test_plan_static_batch_against_steady_state(tmp_path, capsys):
-    from magicdec.autoplan import builtin_acceptance
+    from magicdec.profiles import builtin_acceptance
 
     table = tmp_path / "acc.json"
     builtin_acceptance().to_json(table)  # has a per-sequence spread

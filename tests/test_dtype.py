@@ -73,7 +73,7 @@ def test_load_and_llm_follow_auto(monkeypatch, tiny_llama, dtype):
 
 
 def test_machine_info_records_cpu_flags(monkeypatch):
-    from magicdec.calibrate import machine_info
+    from magicdec.calibrate.machine import machine_info
 
     monkeypatch.setattr(cpu, "cpu_flags", lambda: frozenset({"fma", "avx512_bf16", "sse2", "amx_bf16"}))
     assert machine_info("cpu")["cpu_flags"] == ["amx_bf16", "avx512_bf16", "fma"]

@@ -26,6 +26,7 @@ from magicdec.planner import (
     plot_speedup,
     round_time,
     verify_step_time,
+    Workload,
 )
 
 LLAMA2 = MODEL_PRESETS["llama-2-7b-32k"]
@@ -65,16 +66,16 @@ def test_measured_rates_replace_the_roofline(tmp_path):
     w = LLAMA3.n_params_linear * 2
 
     def linear_time(tokens):
-        return forward_cost(LLAMA3, hw, tokens, 1, 0).time
+        return forward_cost(Workload(LLAMA3, hw, tokens, 0), 1, 0).time
 
     assert linear_time(1) == pytest.approx(w / 10e9)
     assert linear_time(2) == pytest.approx(w / (10e9 * 0.5**0.5))  # halfway (in log) from 1 to 4
     assert linear_time(4) == pytest.approx(w / 5e9)
     assert linear_time(32) == pytest.approx(2 * w / 10e9)  # beyond 16 tokens: time grows with tokens
     kv = 4 * 1000 * LLAMA3.kv_bytes_per_token(2)
-    attention = forward_cost(LLAMA3, hw, 4, 8, 1000).time - forward_cost(LLAMA3, hw, 4, 8, 0).time
+    attention = forward_cost(Workload(LLAMA3, hw, 4, 1000), 8, 1000).time - forward_cost(Workload(LLAMA3, hw, 4, 0), 8, 0).time
     assert attention == pytest.approx(kv / 4e9)
-    assert forward_cost(LLAMA3, hw, 1, 1, 0).dominant == "weights"
+    assert forward_cost(Workload(LLAMA3, hw, 1, 0), 1, 0).dominant == "weights"
     path = tmp_path / "hw.json"
     hw.to_json(path)
     assert HardwareProfile.from_json(path) == hw  # lists in JSON, tuples again when read
@@ -96,7 +97,7 @@ def test_from_hf_config_matches_preset():
 
 def test_forward_cost_memory_bound_by_hand():
     # Llama-2-7B, batch 8, one new token each, 4096 cached tokens, bf16, on TOY_HW.
-    cost = forward_cost(LLAMA2, TOY_HW, batch=8, q=1, kv_len=4096)
+    cost = forward_cost(Workload(LLAMA2, TOY_HW, batch=8, context=4096), q=1, kv_len=4096)
     # weights: 6,607,077,376 linear params * 2 bytes
     assert cost.bytes_weights == 13_214_154_752
     # KV: 8 * 4096 tokens * 524,288 bytes
@@ -123,43 +124,43 @@ def test_forward_cost_memory_bound_by_hand():
 def test_forward_cost_compute_bound_and_tensor_parallel_by_hand():
     # Batch 256 x 8 tokens, no cache: linear flops 2 * 2048 * 6,607,077,376 = 27.06e12,
     # at 50 TFLOP/s = 541.3 ms, far above (13.2e9 + 2048 * 2,141,440 * 2) / 0.5e12 = 43.9 ms.
-    cost = forward_cost(LLAMA2, TOY_HW, batch=256, q=8, kv_len=0)
+    cost = forward_cost(Workload(LLAMA2, TOY_HW, batch=256, context=0), q=8, kv_len=0)
     assert cost.time == pytest.approx(2 * 2048 * 6_607_077_376 / 50e12 + 1e-3)
     assert cost.dominant == "compute"
     # tp=2 halves every byte and flop but the LM head's (replicated: 4096 * 32000 = 131,072,000 params),
     # and adds 2 all-reduces per layer of 2048 tokens * 4096 * 2 bytes = 16 MiB, each moving
     # 2 * (2-1)/2 = 1x of it at 100 GB/s: 64 * 16,777,216 / 100e9 = 10.74 ms.
-    cost_tp = forward_cost(LLAMA2, TOY_HW, batch=256, q=8, kv_len=0, tp=2)
+    cost_tp = forward_cost(Workload(LLAMA2, TOY_HW, batch=256, context=0, tp=2), q=8, kv_len=0)
     assert cost_tp.flops_linear == 2 * 2048 * ((6_607_077_376 - 131_072_000) / 2 + 131_072_000)
     assert cost_tp.t_comm == pytest.approx(64 * 16_777_216 / 100e9)
     assert cost_tp.time == pytest.approx(cost_tp.flops_linear / 50e12 + cost_tp.t_comm + 1e-3)
     # each all-reduce also pays the measured latency
     slow = dataclasses.replace(TOY_HW, allreduce_latency_s=20e-6)
-    assert forward_cost(LLAMA2, slow, batch=256, q=8, kv_len=0, tp=2).t_comm == pytest.approx(cost_tp.t_comm + 64 * 20e-6)
+    assert forward_cost(Workload(LLAMA2, slow, batch=256, context=0, tp=2), q=8, kv_len=0).t_comm == pytest.approx(cost_tp.t_comm + 64 * 20e-6)
     with pytest.raises(ValueError, match="ici_bandwidth"):
-        forward_cost(LLAMA2, dataclasses.replace(TOY_HW, ici_bandwidth=None), 1, 1, 0, tp=2)
+        forward_cost(Workload(LLAMA2, dataclasses.replace(TOY_HW, ici_bandwidth=None), 1, 0, tp=2), 1, 0)
 
 
 def test_step_helpers():
     def time(shape, q, kv_len):
-        return forward_cost(shape, TOY_HW, 4, q, kv_len).time
+        return forward_cost(Workload(shape, TOY_HW, 4, kv_len), q, kv_len).time
 
-    assert decode_step_time(LLAMA2, TOY_HW, 4, 8000) == time(LLAMA2, 1, 8000)
-    assert verify_step_time(LLAMA2, TOY_HW, 4, 8000, gamma=3) == time(LLAMA2, 4, 8000)
+    assert decode_step_time(Workload(LLAMA2, TOY_HW, 4, 8000)) == time(LLAMA2, 1, 8000)
+    assert verify_step_time(Workload(LLAMA2, TOY_HW, 4, 8000), gamma=3) == time(LLAMA2, 4, 8000)
     # The draft's shape over the budget (a budget past the context is the context); the first draft forward
     # of a round reads `first_tokens` per row, the others one.
-    assert draft_time(LLAMA2, TOY_HW, 4, 8000, budget=512, gamma=1, first_tokens=2) == time(LLAMA2, 2, 512)
-    assert draft_time(LLAMA2, TOY_HW, 4, 8000, budget=512, gamma=3, first_tokens=2) == pytest.approx(
+    assert draft_time(Workload(LLAMA2, TOY_HW, 4, 8000), budget=512, gamma=1, first_tokens=2) == time(LLAMA2, 2, 512)
+    assert draft_time(Workload(LLAMA2, TOY_HW, 4, 8000), budget=512, gamma=3, first_tokens=2) == pytest.approx(
         time(LLAMA2, 2, 512) + 2 * time(LLAMA2, 1, 512))
-    assert draft_time(LLAMA2, TOY_HW, 4, 300, budget=512, gamma=1, first_tokens=2) == time(LLAMA2, 2, 300)
+    assert draft_time(Workload(LLAMA2, TOY_HW, 4, 300), budget=512, gamma=1, first_tokens=2) == time(LLAMA2, 2, 300)
     # Standalone draft: dense cache attends the whole context.
-    assert draft_time(TINYLLAMA, TOY_HW, 4, 8000, budget=None, gamma=1, first_tokens=2) == time(TINYLLAMA, 2, 8000)
+    assert draft_time(Workload(TINYLLAMA, TOY_HW, 4, 8000), budget=None, gamma=1, first_tokens=2) == time(TINYLLAMA, 2, 8000)
     # A self-speculative round's first draft forward reads one token: the others are copied from the target.
-    assert draft_time(LLAMA2, TOY_HW, 4, 8000, budget=512, gamma=3, first_tokens=1) == pytest.approx(
+    assert draft_time(Workload(LLAMA2, TOY_HW, 4, 8000), budget=512, gamma=3, first_tokens=1) == pytest.approx(
         3 * time(LLAMA2, 1, 512))
-    assert round_time(LLAMA2, TOY_HW, 4, 8000, 3, budget=512) == pytest.approx(
+    assert round_time(Workload(LLAMA2, TOY_HW, 4, 8000), 3, budget=512) == pytest.approx(
         3 * time(LLAMA2, 1, 512) + time(LLAMA2, 4, 8000))
-    assert round_time(LLAMA2, TOY_HW, 4, 8000, 3, draft=TINYLLAMA, budget=512) == pytest.approx(
+    assert round_time(Workload(LLAMA2, TOY_HW, 4, 8000), 3, draft=TINYLLAMA, budget=512) == pytest.approx(
         time(TINYLLAMA, 2, 512) + 2 * time(TINYLLAMA, 1, 512) + time(LLAMA2, 4, 8000))
 
 
@@ -225,14 +226,14 @@ def test_plan_counts_the_slowest_row_of_a_static_batch():
     for drafter in ("self-streaming", "self-snapkv"):
         table.set_row_spread(drafter, 0.08)
     hw = get_profile("a100-80gb")
-    static = plan(LLAMA3, hw, 32, 32768, table)
-    steady = plan(LLAMA3, hw, 32, 32768, table, rows=1)
+    static = plan(Workload(LLAMA3, hw, 32, 32768), table)
+    steady = plan(Workload(LLAMA3, hw, 32, 32768), table, rows=1)
     assert steady.alpha == 0.85
     assert static.alpha == pytest.approx(0.85 - 0.08 * expected_max_normal(32))
     assert static.predicted_speedup < steady.predicted_speedup
     assert static.gamma <= steady.gamma  # a slower slowest row makes long drafts pay less
     with pytest.raises(ValueError):
-        plan(LLAMA3, hw, 32, 32768, table, rows=0)
+        plan(Workload(LLAMA3, hw, 32, 32768), table, rows=0)
 
 
 def test_json_round_trips(tmp_path):
@@ -264,12 +265,12 @@ def test_plan_picks_ar_when_speculation_cannot_win():
     # target step, so even 90% acceptance cannot pay for drafting.
     cpu = get_profile("cpu-amx-2t-fp32")
     table = _high_acceptance_table()
-    best = plan(TINYLLAMA, cpu, batch=1, context=512, acceptance=table, dtype_bytes=4, kv_dtype_bytes=4)
+    best = plan(Workload(TINYLLAMA, cpu, batch=1, context=512, dtype_bytes=4, kv_dtype_bytes=4), acceptance=table)
     assert best.strategy == "ar"
     assert best.gamma == 0 and best.predicted_speedup == 1.0
     assert best.verify_dominant == "weights"
     # Forced to speculate, the best it can do is slower than AR.
-    forced = plan(TINYLLAMA, cpu, 1, 512, table, dtype_bytes=4, kv_dtype_bytes=4,
+    forced = plan(Workload(TINYLLAMA, cpu, 1, 512, dtype_bytes=4, kv_dtype_bytes=4), table,
                   strategies=["self-streaming", "self-snapkv"])
     assert forced.strategy != "ar" and forced.predicted_speedup < 1.0
 
@@ -277,8 +278,8 @@ def test_plan_picks_ar_when_speculation_cannot_win():
 def test_plan_speculates_when_kv_dominates():
     # Llama-3.1-8B on 8 x H100 at batch 128 and 32k context: 550 GB of KV cache against
     # 16 GB of weights, so a 512-token draft cache makes drafting cheap.
-    best = plan(LLAMA3, get_profile("h100"), batch=128, context=32768,
-                acceptance=AcceptanceTable.paper_default(), tp=8)
+    best = plan(Workload(LLAMA3, get_profile("h100"), batch=128, context=32768, tp=8),
+                acceptance=AcceptanceTable.paper_default())
     assert best.strategy == "self-streaming"
     assert best.budget == 512
     assert best.verify_dominant == "kv"
@@ -287,8 +288,8 @@ def test_plan_speculates_when_kv_dominates():
 
 
 def test_best_gamma_grows_with_batch_at_long_context():
-    rows = plan_table(LLAMA2, get_profile("a100-80gb"), batches=[1, 2, 4, 8, 16, 32, 64, 128, 256],
-                      contexts=[32768], acceptance=AcceptanceTable.paper_default())
+    rows = plan_table([Workload(LLAMA2, get_profile("a100-80gb"), b, 32768) for b in [1, 2, 4, 8, 16, 32, 64, 128, 256]],
+                      acceptance=AcceptanceTable.paper_default())
     gammas = [row["gamma"] for row in rows]
     assert gammas == sorted(gammas)
     assert gammas[-1] > gammas[0]
@@ -297,11 +298,12 @@ def test_best_gamma_grows_with_batch_at_long_context():
 
 
 def test_margin_keeps_plain_decoding_on_close_calls():
-    args = dict(batch=128, context=32768, acceptance=AcceptanceTable.paper_default(), tp=8)
-    best = plan(LLAMA3, get_profile("h100"), **args)
+    w = Workload(LLAMA3, get_profile("h100"), batch=128, context=32768, tp=8)
+    args = dict(acceptance=AcceptanceTable.paper_default())
+    best = plan(w, **args)
     assert best.strategy != "ar"
-    assert plan(LLAMA3, get_profile("h100"), **args, margin=best.predicted_speedup * 0.99) == best
-    assert plan(LLAMA3, get_profile("h100"), **args, margin=best.predicted_speedup * 1.01).strategy == "ar"
+    assert plan(w, **args, margin=best.predicted_speedup * 0.99) == best
+    assert plan(w, **args, margin=best.predicted_speedup * 1.01).strategy == "ar"
 
 
 def test_sampling_work_is_charged_per_token_drawn():
@@ -311,39 +313,41 @@ def test_sampling_work_is_charged_per_token_drawn():
     for mode in ("greedy", "sampling"):
         for budget in (256, 512, 1024):
             table.add("self-streaming", 0.8, budget=budget, mode=mode)
-    args = dict(batch=128, context=32768, acceptance=table, tp=8, strategies=["self-streaming"])
-    greedy = plan(LLAMA3, hw, **args)
-    assert greedy == plan(LLAMA3, dataclasses.replace(hw, sampling_s_per_token=0.0), **args)
-    sampled = plan(LLAMA3, hw, mode="sampling", **args, gammas=[greedy.gamma], budgets=[greedy.budget])
-    t_round = (draft_time(LLAMA3, hw, 128, 32768, greedy.budget, greedy.gamma, tp=8, first_tokens=1)
-               + verify_step_time(LLAMA3, hw, 128, 32768, greedy.gamma, tp=8) + (2 * greedy.gamma + 1) * 128e-4)
+    w = Workload(LLAMA3, hw, batch=128, context=32768, tp=8)
+    args = dict(acceptance=table, strategies=["self-streaming"])
+    greedy = plan(w, **args)
+    assert greedy == plan(dataclasses.replace(w, hw=dataclasses.replace(hw, sampling_s_per_token=0.0)), **args)
+    sampled = plan(w, mode="sampling", **args, gammas=[greedy.gamma], budgets=[greedy.budget])
+    t_round = (draft_time(w, greedy.budget, greedy.gamma, first_tokens=1)
+               + verify_step_time(w, greedy.gamma) + (2 * greedy.gamma + 1) * 128e-4)
     assert sampled.predicted_throughput == pytest.approx(128 * expected_tokens(sampled.alpha, greedy.gamma) / t_round)
-    ar = 128 / (decode_step_time(LLAMA3, hw, 128, 32768, tp=8) + 128e-4)
+    ar = 128 / (decode_step_time(w) + 128e-4)
     assert sampled.predicted_speedup == pytest.approx(sampled.predicted_throughput / ar)
     # dear enough sampling makes plain decoding (one draw per token) the better choice
     costly = dataclasses.replace(hw, sampling_s_per_token=1e-2)
-    assert plan(LLAMA3, costly, 128, 32768, table, tp=8, mode="sampling").strategy == "ar"
+    assert plan(dataclasses.replace(w, hw=costly), table, mode="sampling").strategy == "ar"
 
 
 def test_plan_with_draft_model_uses_fewer_devices_for_few_kv_heads():
-    best = plan(LLAMA2, get_profile("a100-80gb"), 64, 8000, AcceptanceTable.paper_default(),
-                draft=TINYLLAMA, tp=8, strategies=["model"])
+    best = plan(Workload(LLAMA2, get_profile("a100-80gb"), 64, 8000, tp=8), AcceptanceTable.paper_default(),
+                draft=TINYLLAMA, strategies=["model"])
     assert (best.strategy, best.draft_cache, best.budget) == ("model", "streaming", 256)
     # TinyLlama has 4 KV heads: it runs on gcd(8, 4) = 4 devices, so its draft step is
     # slower than if it were split 8 ways.
-    expected_draft = draft_time(TINYLLAMA, get_profile("a100-80gb"), 64, 8000, 256, best.gamma, tp=4, first_tokens=2)
-    t_verify = verify_step_time(LLAMA2, get_profile("a100-80gb"), 64, 8000, best.gamma, tp=8)
+    expected_draft = draft_time(Workload(TINYLLAMA, get_profile("a100-80gb"), 64, 8000, tp=4), 256, best.gamma, first_tokens=2)
+    t_verify = verify_step_time(Workload(LLAMA2, get_profile("a100-80gb"), 64, 8000, tp=8), best.gamma)
     throughput = 64 * expected_tokens(0.8, best.gamma) / (expected_draft + t_verify)
     assert best.predicted_throughput == pytest.approx(throughput)
 
 
 def test_plan_rejects_empty_search():
     with pytest.raises(ValueError, match="no speculative candidate"):
-        plan(LLAMA2, TOY_HW, 8, 8000, AcceptanceTable(), strategies=["self-snapkv"])
+        plan(Workload(LLAMA2, TOY_HW, 8, 8000), AcceptanceTable(), strategies=["self-snapkv"])
 
 
 def test_report(tmp_path):
-    rows = plan_table(LLAMA2, get_profile("a100-80gb"), [1, 64], [4096, 32768], AcceptanceTable.paper_default())
+    rows = plan_table([Workload(LLAMA2, get_profile("a100-80gb"), b, c) for c in [4096, 32768] for b in [1, 64]],
+                      AcceptanceTable.paper_default())
     text = format_table(rows, ["batch", "context", "strategy", "gamma", "predicted_speedup"])
     lines = text.splitlines()
     assert len(lines) == 2 + 4
@@ -359,7 +363,7 @@ def test_planner_does_not_import_torch():
 
 
 def test_presets_are_consistent():
-    from magicdec.autoplan import CPU_PRESETS
+    from magicdec.planner.hardware import CPU_PRESETS
 
     assert set(PRESETS) == {"a100-80gb", "h100", "h200", "l40s", "l40", *CPU_PRESETS}
     for name, profile in PRESETS.items():

@@ -112,7 +112,7 @@ def apply_tp(model: Transformer, tp: TPGroup) -> None:
 def add_all_reduces(model: Transformer, tp: TPGroup, full: ModelConfig) -> None:
     """Join a rank's share of the model (`model.cfg` is local) with the others: all-reduce the output of every
     attention and MLP. Separate from the sharding so that a benchmark can build a local-shaped model of
-    placeholder weights directly (magicdec.calibrate.synthetic_model) instead of slicing a whole one."""
+    placeholder weights directly (magicdec.calibrate.timing.synthetic_model) instead of slicing a whole one."""
     for block in model.layers:
         block.attention.register_forward_hook(lambda _module, _input, output: tp.all_reduce_(output))
         block.feed_forward.register_forward_hook(lambda _module, _input, output: tp.all_reduce_(output))

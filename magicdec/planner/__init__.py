@@ -2,7 +2,7 @@
 strategy, draft budget and draft length. Pure Python; it does not import torch."""
 
 from magicdec.planner.acceptance import AcceptanceTable, expected_max_normal, expected_tokens
-from magicdec.planner.cost import ForwardCost, decode_step_time, draft_time, forward_cost, verify_step_time
+from magicdec.planner.cost import ForwardCost, Workload, decode_step_time, draft_time, forward_cost, verify_step_time
 from magicdec.planner.hardware import PRESETS, HardwareProfile, get_profile
 from magicdec.planner.models import MODEL_PRESETS, ModelShape, get_model_shape
 from magicdec.planner.plan import DRAFT_CACHES, STRATEGIES, Plan, plan, plan_table, round_time
@@ -31,4 +31,5 @@ __all__ = [
     "plot_speedup",
     "round_time",
     "verify_step_time",
+    "Workload",
 ]

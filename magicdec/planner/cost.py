@@ -52,6 +52,22 @@ class ForwardCost:
     """The largest share of `time`: "weights", "kv", "compute" or "overhead" (incl. comm)."""
 
 
+@dataclass(frozen=True)
+class Workload:
+    """`batch` sequences at `context` tokens of one model on one machine: what the cost model and the planner
+    price. `dtype_bytes` and `kv_dtype_bytes` are bytes per weight and per KV-cache element; `tp` is the
+    number of devices the model is split over (tensor parallelism). A draft model's forwards are priced on
+    the same workload with its own shape and TP degree (`dataclasses.replace`)."""
+
+    shape: ModelShape
+    hw: HardwareProfile
+    batch: int
+    context: int
+    dtype_bytes: float = 2
+    kv_dtype_bytes: float = 2
+    tp: int = 1
+
+
 def _activation_elements_per_token(shape: ModelShape) -> int:
     """Elements each linear layer reads and writes for one token, summed over the model.
 
@@ -82,72 +98,63 @@ def rate_at(rates: tuple[tuple[float, float], ...], x: float) -> float:
     raise AssertionError("unreachable")
 
 
-def _split(t: float, memory_bound: bool) -> tuple[float, float]:
-    """(memory time, compute time) of a group measured at `t`, all of it on the roofline's bound."""
-    return (t, 0.0) if memory_bound else (0.0, t)
+def _group_times(
+    memory_s: float, compute_s: float, rates: tuple[tuple[float, float], ...] | None, nbytes: float, x: float,
+) -> tuple[float, float]:
+    """(memory time, compute time) of one kernel group: its roofline terms, or, where the profile measured
+    the group's rates, its bytes over the rate at `x`, all of it on the roofline's bound."""
+    if rates is None:
+        return memory_s, compute_s
+    t = nbytes / rate_at(rates, x)
+    return (t, 0.0) if memory_s >= compute_s else (0.0, t)
 
 
-def forward_cost(
-    shape: ModelShape,
-    hw: HardwareProfile,
-    batch: int,
-    q: int,
-    kv_len: int,
-    weight_dtype_bytes: float = 2,
-    kv_dtype_bytes: float = 2,
-    tp: int = 1,
-) -> ForwardCost:
-    """Cost of one forward pass of `batch` sequences, `q` new tokens each, attending `kv_len` keys.
+def _allreduce_time(w: Workload, message_bytes: float) -> float:
+    """Seconds of a forward's tensor-parallel all-reduces: two ring all-reduces of `message_bytes` per layer."""
+    if w.tp == 1:
+        return 0.0
+    if w.hw.ici_bandwidth is None:
+        raise ValueError(f"profile {w.hw.name!r} has no ici_bandwidth; cannot model tp={w.tp}")
+    # A ring all-reduce sends and receives 2 (tp-1)/tp of the message on each device.
+    per_call = w.hw.allreduce_latency_s + 2 * (w.tp - 1) / w.tp * message_bytes / w.hw.ici_bandwidth
+    return 2 * w.shape.n_layers * per_call
 
-    With `tp` > 1 the layers' weights, KV cache and flops are split evenly over `tp` devices (the
-    LM head is replicated on every device, as magicdec.distributed runs it), and each layer adds two
-    ring all-reduces of the B*q*dim hidden states: `hw.allreduce_latency_s` each plus the bytes over
+
+def forward_cost(w: Workload, q: int, kv_len: int) -> ForwardCost:
+    """Cost of one forward pass of the workload's sequences, `q` new tokens each, attending `kv_len` keys.
+
+    With `w.tp` > 1 the layers' weights, KV cache and flops are split evenly over the devices (the LM head
+    is replicated on every device, as magicdec.distributed runs it), and each layer adds two ring
+    all-reduces of the B*q*dim hidden states: `hw.allreduce_latency_s` each plus the bytes over
     `hw.ici_bandwidth`.
     """
+    shape, hw, batch, tp = w.shape, w.hw, w.batch, w.tp
     if batch < 1 or q < 1 or kv_len < 0 or tp < 1:
         raise ValueError(f"need batch >= 1, q >= 1, kv_len >= 0, tp >= 1; got {batch}, {q}, {kv_len}, {tp}")
     tokens = batch * q
     # Activations stay in the compute dtype (16-bit at least) even when weights are quantized.
-    act_dtype_bytes = max(weight_dtype_bytes, 2)
-
+    act_dtype_bytes = max(w.dtype_bytes, 2)
     head = shape.dim * shape.vocab_size  # replicated under TP
-    bytes_weights = ((shape.n_params_linear - head) / tp + head) * weight_dtype_bytes
-    bytes_kv = batch * kv_len * shape.kv_bytes_per_token(kv_dtype_bytes) / tp
+    params_per_device = (shape.n_params_linear - head) / tp + head
+    bytes_weights = params_per_device * w.dtype_bytes
+    bytes_kv = batch * kv_len * shape.kv_bytes_per_token(w.kv_dtype_bytes) / tp
     bytes_activations = tokens * _activation_elements_per_token(shape) * act_dtype_bytes / tp
-    flops_linear = 2 * tokens * ((shape.n_params_linear - head) / tp + head)
+    flops_linear = 2 * tokens * params_per_device
     flops_attention = 4 * tokens * kv_len * shape.n_layers * shape.n_heads * shape.head_dim / tp
 
     bandwidth = hw.mem_bandwidth * hw.bandwidth_efficiency
-    t_linear_memory = (bytes_weights + bytes_activations) / bandwidth
-    t_linear_compute = flops_linear / (hw.flops_per_s * hw.matmul_efficiency)
-    t_kv = bytes_kv / bandwidth
-    t_attention_compute = flops_attention / (hw.flops_per_s * hw.attention_efficiency)
-    if hw.linear_rates is not None:
-        t_linear = bytes_weights / rate_at(hw.linear_rates, tokens)
-        t_linear_memory, t_linear_compute = _split(t_linear, t_linear_memory >= t_linear_compute)
-    if hw.attention_rates is not None and bytes_kv > 0:
-        t_attention = bytes_kv / rate_at(hw.attention_rates, q)
-        t_kv, t_attention_compute = _split(t_attention, t_kv >= t_attention_compute)
-
-    t_comm = 0.0
-    if tp > 1:
-        if hw.ici_bandwidth is None:
-            raise ValueError(f"profile {hw.name!r} has no ici_bandwidth; cannot model tp={tp}")
-        # A ring all-reduce sends and receives 2 (tp-1)/tp of the message on each device.
-        message = tokens * shape.dim * act_dtype_bytes
-        t_comm = 2 * shape.n_layers * (hw.allreduce_latency_s + 2 * (tp - 1) / tp * message / hw.ici_bandwidth)
+    t_linear_memory, t_linear_compute = _group_times(
+        (bytes_weights + bytes_activations) / bandwidth, flops_linear / (hw.flops_per_s * hw.matmul_efficiency),
+        hw.linear_rates, bytes_weights, tokens)
+    t_kv, t_attention_compute = _group_times(
+        bytes_kv / bandwidth, flops_attention / (hw.flops_per_s * hw.attention_efficiency),
+        hw.attention_rates if bytes_kv > 0 else None, bytes_kv, q)
+    t_comm = _allreduce_time(w, tokens * shape.dim * act_dtype_bytes)
     t_overhead = hw.fixed_overhead_s + hw.per_layer_overhead_s * shape.n_layers
 
     shares = {"weights": 0.0, "kv": 0.0, "compute": 0.0, "overhead": t_overhead + t_comm}
-    if t_linear_memory >= t_linear_compute:
-        shares["weights"] += t_linear_memory
-    else:
-        shares["compute"] += t_linear_compute
-    if t_kv >= t_attention_compute:
-        shares["kv"] += t_kv
-    else:
-        shares["compute"] += t_attention_compute
-
+    shares["weights" if t_linear_memory >= t_linear_compute else "compute"] += max(t_linear_memory, t_linear_compute)
+    shares["kv" if t_kv >= t_attention_compute else "compute"] += max(t_kv, t_attention_compute)
     return ForwardCost(
         bytes_weights=bytes_weights,
         bytes_kv=bytes_kv,
@@ -163,57 +170,26 @@ def forward_cost(
     )
 
 
-def decode_step_time(
-    shape: ModelShape,
-    hw: HardwareProfile,
-    batch: int,
-    context: int,
-    weight_dtype_bytes: float = 2,
-    kv_dtype_bytes: float = 2,
-    tp: int = 1,
-) -> float:
+def decode_step_time(w: Workload) -> float:
     """Seconds of one autoregressive step: one new token per sequence over a `context`-long cache."""
-    return forward_cost(shape, hw, batch, 1, context, weight_dtype_bytes, kv_dtype_bytes, tp).time
+    return forward_cost(w, 1, w.context).time
 
 
-def verify_step_time(
-    shape: ModelShape,
-    hw: HardwareProfile,
-    batch: int,
-    context: int,
-    gamma: int,
-    weight_dtype_bytes: float = 2,
-    kv_dtype_bytes: float = 2,
-    tp: int = 1,
-) -> float:
+def verify_step_time(w: Workload, gamma: int) -> float:
     """Seconds of one target verification: gamma drafted tokens plus one, over the dense cache."""
-    return forward_cost(shape, hw, batch, gamma + 1, context, weight_dtype_bytes, kv_dtype_bytes, tp).time
+    return forward_cost(w, gamma + 1, w.context).time
 
 
-def draft_time(
-    shape: ModelShape,
-    hw: HardwareProfile,
-    batch: int,
-    context: int,
-    budget: int | None,
-    gamma: int,
-    weight_dtype_bytes: float = 2,
-    kv_dtype_bytes: float = 2,
-    tp: int = 1,
-    *,
-    first_tokens: int,
-) -> float:
+def draft_time(w: Workload, budget: int | None, gamma: int, *, first_tokens: int) -> float:
     """Seconds of the gamma draft forwards of one round.
 
     The first forward also feeds what the draft cache has not seen of the previous round: a standalone
     draft reads the last draft and the target's bonus token after a fully accepted round
     (`first_tokens` 2); self-speculation copies the target's entries for all but the newest token and
     reads one (`first_tokens` 1). The others run one token each. Self-speculation passes the target's
-    shape and the sparse cache's `budget`; a standalone draft passes its own shape, with `budget=None`
-    for a dense draft cache (it attends the whole `context`) or its sparse budget. A budget larger than
-    the context is the context.
+    workload and the sparse cache's `budget`; a standalone draft passes the workload with its own shape and
+    TP degree, with `budget=None` for a dense draft cache (it attends the whole `context`) or its sparse
+    budget. A budget larger than the context is the context.
     """
-    kv_len = context if budget is None else min(budget, context)
-    first = forward_cost(shape, hw, batch, first_tokens, kv_len, weight_dtype_bytes, kv_dtype_bytes, tp).time
-    rest = forward_cost(shape, hw, batch, 1, kv_len, weight_dtype_bytes, kv_dtype_bytes, tp).time
-    return first + (gamma - 1) * rest
+    kv_len = w.context if budget is None else min(budget, w.context)
+    return forward_cost(w, first_tokens, kv_len).time + (gamma - 1) * forward_cost(w, 1, kv_len).time

@@ -9,8 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from magicdec.planner.acceptance import MODES, AcceptanceTable, expected_tokens
-from magicdec.planner.cost import decode_step_time, draft_time, forward_cost, verify_step_time
-from magicdec.planner.hardware import HardwareProfile
+from magicdec.planner.cost import Workload, decode_step_time, draft_time, forward_cost, verify_step_time
 from magicdec.planner.models import ModelShape
 
 STRATEGIES = ("ar", "self-streaming", "self-snapkv", "model")
@@ -74,63 +73,93 @@ def _drafters(
                 yield _Drafter("model", cache, budget, f"{draft.name}:{cache}", draft, draft_tp)
 
 
-def round_time(
-    target: ModelShape,
-    hw: HardwareProfile,
-    batch: int,
-    context: int,
-    gamma: int,
-    dtype_bytes: float = 2,
-    kv_dtype_bytes: float = 2,
-    tp: int = 1,
-    mode: str = "greedy",
-    draft: ModelShape | None = None,
-    budget: int | None = None,
-    draft_tp: int | None = None,
-) -> float:
-    """Predicted seconds of one decode round of `batch` sequences at `context` tokens: a plain step for
-    gamma 0, else gamma forwards of `draft` (default: the target itself, self-speculation) over its cache
-    (`budget` entries; None: dense) and the target's verification of gamma + 1 tokens. In sampling mode,
-    every position drawn costs the profile's `sampling_s_per_token` per row (2 gamma + 1 per round)."""
-    t_sample = batch * hw.sampling_s_per_token if mode == "sampling" else 0.0
+def round_time(w: Workload, gamma: int, mode: str = "greedy", draft: ModelShape | None = None,
+               budget: int | None = None, draft_tp: int | None = None) -> float:
+    """Predicted seconds of one decode round of the workload: a plain step for gamma 0, else gamma forwards
+    of `draft` (default: the target itself, self-speculation) over its cache (`budget` entries; None: dense)
+    on `draft_tp` devices (default: the target's) and the target's verification of gamma + 1 tokens. In
+    sampling mode, every position drawn costs the profile's `sampling_s_per_token` per row (2 gamma + 1 per
+    round)."""
+    t_sample = w.batch * w.hw.sampling_s_per_token if mode == "sampling" else 0.0
     if gamma == 0:
-        return decode_step_time(target, hw, batch, context, dtype_bytes, kv_dtype_bytes, tp) + t_sample
-    t_draft = draft_time(draft or target, hw, batch, context, budget, gamma, dtype_bytes, kv_dtype_bytes,
-                         draft_tp or tp, first_tokens=2 if draft is not None else 1)
-    t_verify = verify_step_time(target, hw, batch, context, gamma, dtype_bytes, kv_dtype_bytes, tp)
-    return t_draft + t_verify + (2 * gamma + 1) * t_sample
+        return decode_step_time(w) + t_sample
+    drafting = dataclasses.replace(w, shape=draft or w.shape, tp=draft_tp or w.tp)
+    t_draft = draft_time(drafting, budget, gamma, first_tokens=2 if draft is not None else 1)
+    return t_draft + verify_step_time(w, gamma) + (2 * gamma + 1) * t_sample
+
+
+def _memory(w: Workload, shape: ModelShape, kv_len: int, devices: int, weights: bool) -> float:
+    """Bytes per device of `shape`'s KV caches for the workload's batch at `kv_len`, and its weights if asked."""
+    kv = w.batch * kv_len * shape.kv_bytes_per_token(w.kv_dtype_bytes)
+    return ((shape.weight_bytes(w.dtype_bytes) if weights else 0.0) + kv) / devices
+
+
+def _check_plan_args(w: Workload, chosen: set[str], gammas: list[int], mode: str, rows: int) -> None:
+    if not chosen or not chosen <= set(STRATEGIES):
+        raise ValueError(f"strategies must be a non-empty subset of {STRATEGIES}, got {sorted(chosen)}")
+    if not gammas or gammas[0] < 1:
+        raise ValueError(f"gammas must be positive, got {gammas}")
+    if w.batch < 1 or w.context < 1:
+        raise ValueError(f"batch and context must be positive, got {w.batch}, {w.context}")
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if rows < 1:
+        raise ValueError(f"rows must be positive, got {rows}")
+
+
+@dataclass(frozen=True)
+class _Candidate:
+    throughput: float
+    drafter: _Drafter
+    gamma: int
+    alpha: float
+    fits: bool
+
+
+def _best_speculative(
+    w: Workload, acceptance: AcceptanceTable, drafters: Iterable[_Drafter], gammas: list[int], mode: str,
+    rows: int, spec_time_scale: float,
+) -> _Candidate | None:
+    """The speculative candidate of highest predicted throughput; those that do not fit in memory are
+    skipped unless even AR does not fit."""
+    target_memory = _memory(w, w.shape, w.context, w.tp, weights=True)
+    ar_fits = target_memory <= w.hw.mem_bytes
+    best: _Candidate | None = None
+    for d in drafters:
+        try:
+            alpha = acceptance.alpha(d.key, d.budget, w.context, mode, rows=rows)
+        except KeyError:
+            continue
+        kv_len = w.context if d.budget is None else d.budget
+        # Self-speculation shares the target's weights; a draft model brings its own.
+        fits = target_memory + _memory(w, d.shape, kv_len, d.tp, weights=d.strategy == "model") <= w.hw.mem_bytes
+        if ar_fits and not fits:
+            continue
+        for g in gammas:
+            t_round = round_time(w, g, mode, d.shape if d.strategy == "model" else None, d.budget, d.tp)
+            throughput = w.batch * expected_tokens(alpha, g) / (spec_time_scale * t_round)
+            if best is None or throughput > best.throughput:
+                best = _Candidate(throughput, d, g, alpha, fits)
+    return best
 
 
 def plan(
-    target: ModelShape,
-    hw: HardwareProfile,
-    batch: int,
-    context: int,
-    acceptance: AcceptanceTable,
-    draft: ModelShape | None = None,
-    budgets: Iterable[int] = (64, 128, 256, 512, 1024, 2048),
-    gammas: Iterable[int] = range(1, 9),
-    dtype_bytes: float = 2,
-    kv_dtype_bytes: float = 2,
-    tp: int = 1,
-    mode: str = "greedy",
-    strategies: Iterable[str] | None = None,
-    rows: int | None = None,
-    margin: float = 1.0,
-    spec_time_scale: float = 1.0,
+    w: Workload, acceptance: AcceptanceTable, draft: ModelShape | None = None,
+    budgets: Iterable[int] = (64, 128, 256, 512, 1024, 2048), gammas: Iterable[int] = range(1, 9), mode: str = "greedy",
+    strategies: Iterable[str] | None = None, rows: int | None = None, margin: float = 1.0, spec_time_scale: float = 1.0,
 ) -> Plan:
-    """Pick the strategy, budget and gamma with the highest predicted throughput.
+    """Pick the strategy, budget and gamma with the highest predicted throughput for the workload.
 
     Searches plain AR decoding, StreamingLLM and SnapKV self-speculation over `budgets`, and,
     when `draft` is given, that draft model with a dense, StreamingLLM or SnapKV cache, each
-    over `gammas`, for `batch` sequences at `context` tokens. Drafters the acceptance table
-    has no rate for are skipped. Speculation must beat AR strictly to be chosen.
+    over `gammas`. Drafters the acceptance table has no rate for are skipped. Speculation must beat AR
+    strictly to be chosen.
 
     Throughput(spec) = B * E[tokens] / T_round(gamma) and Throughput(AR) = B / T_round(0), with
     `round_time`'s T_round (draft forwards, verification and, in sampling mode, the drawing of every
     position). `spec_time_scale` multiplies T_round(gamma > 0): the ratio of measured to predicted round
     times of speculation over that of plain steps, when a run has measured them (`autoplan.Replanner`).
-    E[tokens] uses the acceptance rate of the slowest of `rows` distinct sequences (default: `batch`),
+    E[tokens] uses the acceptance rate of the slowest of `rows` distinct sequences (default: the batch),
     since a static batch runs until its slowest sequence is done; `rows=1` gives the steady-state rate of
     a continuously refilled batch. Candidates that do not fit in memory are skipped, unless even AR does
     not fit (then the search ignores memory and `fits_in_memory` is False).
@@ -140,80 +169,32 @@ def plan(
     when predicted faster than `margin` times AR (a margin above 1 allows for the cost model's error).
     """
     chosen = set(STRATEGIES if strategies is None else strategies)
-    if not chosen or not chosen <= set(STRATEGIES):
-        raise ValueError(f"strategies must be a non-empty subset of {STRATEGIES}, got {sorted(chosen)}")
     gammas = sorted(set(gammas))
-    if not gammas or gammas[0] < 1:
-        raise ValueError(f"gammas must be positive, got {gammas}")
-    if batch < 1 or context < 1:
-        raise ValueError(f"batch and context must be positive, got {batch}, {context}")
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    rows = batch if rows is None else rows
-    if rows < 1:
-        raise ValueError(f"rows must be positive, got {rows}")
-
-    def memory(shape: ModelShape, kv_len: int, devices: int, weights: bool) -> float:
-        kv = batch * kv_len * shape.kv_bytes_per_token(kv_dtype_bytes)
-        return ((shape.weight_bytes(dtype_bytes) if weights else 0.0) + kv) / devices
-
-    target_memory = memory(target, context, tp, weights=True)
-    ar_fits = target_memory <= hw.mem_bytes
-    ar_throughput = batch / round_time(target, hw, batch, context, 0, dtype_bytes, kv_dtype_bytes, tp, mode)
-
-    best: tuple[float, _Drafter, int, float, bool] | None = None
-    for d in _drafters(target, draft, budgets, context, tp, chosen):
-        try:
-            alpha = acceptance.alpha(d.key, d.budget, context, mode, rows=rows)
-        except KeyError:
-            continue
-        kv_len = context if d.budget is None else d.budget
-        # Self-speculation shares the target's weights; a draft model brings its own.
-        fits = target_memory + memory(d.shape, kv_len, d.tp, weights=d.strategy == "model") <= hw.mem_bytes
-        if ar_fits and not fits:
-            continue
-        for g in gammas:
-            t_round = round_time(target, hw, batch, context, g, dtype_bytes, kv_dtype_bytes, tp, mode,
-                                 d.shape if d.strategy == "model" else None, d.budget, d.tp)
-            throughput = batch * expected_tokens(alpha, g) / (spec_time_scale * t_round)
-            if best is None or throughput > best[0]:
-                best = (throughput, d, g, alpha, fits)
-
-    if "ar" in chosen and (best is None or best[0] <= margin * ar_throughput):
-        decode = forward_cost(target, hw, batch, 1, context, dtype_bytes, kv_dtype_bytes, tp)
-        return Plan("ar", None, 0, None, None, ar_throughput, 1.0, decode.dominant, None, ar_fits, hw.name)
+    rows = w.batch if rows is None else rows
+    _check_plan_args(w, chosen, gammas, mode, rows)
+    drafters = _drafters(w.shape, draft, budgets, w.context, w.tp, chosen)
+    best = _best_speculative(w, acceptance, drafters, gammas, mode, rows, spec_time_scale)
+    ar_throughput = w.batch / round_time(w, 0, mode)
+    if "ar" in chosen and (best is None or best.throughput <= margin * ar_throughput):
+        ar_fits = _memory(w, w.shape, w.context, w.tp, weights=True) <= w.hw.mem_bytes
+        decode = forward_cost(w, 1, w.context)
+        return Plan("ar", None, 0, None, None, ar_throughput, 1.0, decode.dominant, None, ar_fits, w.hw.name)
     if best is None:
         raise ValueError(
             f"no speculative candidate among {sorted(chosen)}: none has an acceptance rate in {mode} "
             f"mode at these budgets (the table knows {acceptance.drafters()}) and fits in memory"
         )
-    throughput, d, g, alpha, fits = best
-    verify = forward_cost(target, hw, batch, g + 1, context, dtype_bytes, kv_dtype_bytes, tp)
-    kv_len = context if d.budget is None else d.budget
-    drafting = forward_cost(d.shape, hw, batch, 1, kv_len, dtype_bytes, kv_dtype_bytes, d.tp)
+    d, g = best.drafter, best.gamma
+    kv_len = w.context if d.budget is None else d.budget
+    drafting = forward_cost(dataclasses.replace(w, shape=d.shape, tp=d.tp), 1, kv_len)
     return Plan(
-        d.strategy, d.budget, g, d.cache, alpha, throughput, throughput / ar_throughput,
-        verify.dominant, drafting.dominant, fits, hw.name,
+        d.strategy, d.budget, g, d.cache, best.alpha, best.throughput, best.throughput / ar_throughput,
+        forward_cost(w, g + 1, w.context).dominant, drafting.dominant, best.fits, w.hw.name,
     )
 
 
-def plan_table(
-    target: ModelShape,
-    hw: HardwareProfile,
-    batches: Iterable[int],
-    contexts: Iterable[int],
-    acceptance: AcceptanceTable,
-    **kwargs: Any,
-) -> list[dict[str, Any]]:
-    """`plan` over a grid of batch x context; one dict per cell (batch, context, Plan fields).
-
-    `kwargs` go to `plan` (draft, budgets, gammas, dtype_bytes, kv_dtype_bytes, tp, mode,
-    strategies, rows).
-    """
-    rows = []
-    for context in contexts:
-        for batch in batches:
-            best = plan(target, hw, batch, context, acceptance, **kwargs)
-            rows.append({"target": target.name, "hardware": hw.name, "batch": batch, "context": context,
-                         **dataclasses.asdict(best)})
-    return rows
+def plan_table(workloads: Iterable[Workload], acceptance: AcceptanceTable, **kwargs: Any) -> list[dict[str, Any]]:
+    """`plan` of each workload (say, a grid of batch x context); one dict per workload (target, hardware,
+    batch, context, Plan fields). `kwargs` go to `plan` (draft, budgets, gammas, mode, strategies, rows)."""
+    return [{"target": w.shape.name, "hardware": w.hw.name, "batch": w.batch, "context": w.context,
+             **dataclasses.asdict(plan(w, acceptance, **kwargs))} for w in workloads]

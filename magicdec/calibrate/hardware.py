@@ -1,0 +1,325 @@
+"""Measure this machine for the planner: a hardware profile.
+
+`measure_hardware` times, in the compute dtype:
+
+- a plain read (reduction of a tensor larger than the last-level cache), for the peak bandwidth,
+  and a large square matmul, for the peak FLOP rate;
+- whole forwards of a tiny-dim Transformer with 30 and with 4 layers at batch 1, one token, a short
+  cache: what they take beyond their (negligible) roofline is the fixed and the per-layer overhead;
+- whole forwards of a real-sized model (the one passed in, or a randomly initialised one with the
+  default model's shape): at m = 1..384 tokens over a short cache, the linear layers' weight bytes
+  per second against m; at q = 1..8 new tokens per sequence over a long cache, less the same
+  forward over a short one, attention's KV bytes per second against q. Times that fall as the
+  work grows are noise and are pooled (`nondecreasing`) before rates are derived from them.
+
+Those measured rates make the profile (`HardwareProfile.linear_rates`, `attention_rates`): small
+matrices do not follow a roofline on CPUs (a few rows can cost twice one row), so one efficiency
+per group cannot predict both a draft step and a verification. Forwards over a batch x new tokens
+x cache length grid then check the profile (`measurements["check"]`). Everything measured is kept
+in `HardwareCalibration.measurements` for inspection.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from magicdec.calibrate.acceptance import CalibrationProgress, sampling_params
+from magicdec.calibrate.machine import device_memory_bytes, machine_info
+from magicdec.calibrate.timing import best_time, median_time, model_config_from_shape, synthetic_model, time_forward
+from magicdec.config import EngineConfig, ModelConfig
+from magicdec.cpu import auto_dtype, cpu_kind, dtype_name
+from magicdec.engine import LLMEngine
+from magicdec.memory import available_bytes
+from magicdec.model import Transformer, attention_path, linear_path
+from magicdec.planner import HardwareProfile, ModelShape, Workload, forward_cost
+from magicdec.planner.models import MODEL_PRESETS
+from magicdec.profiles import default_profile_path, target_shape
+from magicdec.sampling import RowParams, SamplingParams, sample_tokens
+
+GiB = 1024**3
+#: Stages `measure_hardware` reports progress over.
+STAGES = 7
+#: Cache length of the forwards whose attention is negligible.
+SHORT = 16
+
+
+@dataclass
+class HardwareCalibration:
+    """A calibrated profile, with everything that was measured to make it."""
+
+    profile: HardwareProfile
+    measurements: dict[str, Any] = field(default_factory=dict)
+
+    def save(self, path: str | os.PathLike[str] | None = None) -> Path:
+        """Write the profile to `path` (default: `default_profile_path`) and the measurements beside it."""
+        if path is None:
+            path = default_profile_path(self.measurements.get("device", "cpu"), self.profile.dtype or "fp32")
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.profile.to_json(path)
+        with open(path.with_suffix(".measurements.json"), "w") as f:
+            json.dump(self.measurements, f, indent=1)
+            f.write("\n")
+        return path
+
+
+
+@dataclass(frozen=True)
+class _Run:
+    """Where `measure_hardware` measures, in which dtype, and how many repetitions it times."""
+
+    device: torch.device
+    dtype: torch.dtype
+    quick: bool
+
+    @property
+    def gpu(self) -> bool:
+        return self.device.type == "cuda"
+
+    @property
+    def es(self) -> int:
+        return self.dtype.itemsize
+
+    @property
+    def reps(self) -> int:
+        return 2 if self.quick else 7
+
+
+def measure_hardware(
+    device: str | torch.device = "cpu", quick: bool = False, progress: CalibrationProgress | None = None, *,
+    model: Transformer | None = None, dtype: torch.dtype | None = None, name: str | None = None,
+) -> HardwareCalibration:
+    """Run the microbenchmarks and forward timings; return the profile and all measurements.
+
+    `model`: a magicdec Transformer to time whole forwards of (default: a randomly initialised model
+    with the default model's shape, SmolLM2-135M). `dtype`: the compute dtype (default: the model's,
+    else what `dtype="auto"` picks on this device); the profile records it. Quick mode takes seconds; the full one a few minutes.
+    """
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    run = _Run(dev, dtype or (model.dtype if model is not None else auto_dtype(dev).dtype), quick)
+    report = progress or (lambda done, total, label: None)
+    m: dict[str, Any] = {"device": str(device), "dtype": dtype_name(run.dtype), "quick": quick,
+                         "machine": machine_info(dev)}
+    report(0, STAGES, "read bandwidth")
+    m["read_bandwidth"] = measure_read_bandwidth(run)
+    report(1, STAGES, "matmul")
+    m["square_matmul"] = measure_matmul(run)
+    report(2, STAGES, "per-forward overhead")
+    m["overhead"] = measure_overhead(run)
+    report(3, STAGES, "sampling")
+    default = MODEL_PRESETS["smollm2-135m"]
+    vocab = model.cfg.vocab_size if model is not None else default.vocab_size
+    m["sampling"] = measure_sampling(vocab, dev, reps=5 if quick else 15)
+    if model is None:
+        model, shape = synthetic_model(model_config_from_shape(default), dev, run.dtype), default
+    else:
+        shape = target_shape(model.cfg)
+    t_overhead = m["overhead"]["fixed_s"] + m["overhead"]["per_layer_s"] * shape.n_layers
+    report(4, STAGES, "linear layers")
+    m["linear"] = measure_linear(run, model, shape, t_overhead)
+    report(5, STAGES, "attention")
+    m["attention"] = measure_attention(run, model, shape)
+    report(6, STAGES, "check")
+    profile = profile_from(m, shape, name or _default_name(dev, run.dtype), dev, run.dtype)
+    m["forwards"] = check_forwards(run, model, shape, profile, m["overhead"]["decode_loop_extra_s"])
+    m["model_shape"] = dataclasses.asdict(shape)
+    errors = [abs(f["predicted"] / f["seconds"] - 1) for f in m["forwards"]]
+    m["check"] = {"median_relative_error": statistics.median(errors), "worst_relative_error": max(errors)}
+    report(7, STAGES, "done")
+    return HardwareCalibration(profile, m)
+
+
+def measure_read_bandwidth(run: _Run) -> dict[str, float]:
+    """Plain read bandwidth, bytes/s: reductions over a tensor well beyond the last-level cache."""
+    nbytes = (2 * GiB if run.gpu else 512 * 2**20) if run.quick else (4 * GiB if run.gpu else 1 * GiB)
+    x = torch.empty(nbytes // run.es, dtype=run.dtype, device=run.device).fill_(0.5)  # values do not change the speed
+    # the bytes seen as fp32: a bf16 .sum() on CPU converts as it reads, at a fraction of the bandwidth
+    x32 = x.view(torch.float32)
+    t_sum = best_time(lambda: x32.sum(), run.device, run.reps)
+    cols = 4096
+    xm = x[: x.numel() // cols * cols].view(-1, cols)
+    ones = torch.ones(cols, dtype=run.dtype, device=run.device)
+    t_mv = best_time(lambda: torch.mv(xm, ones), run.device, run.reps)
+    return {"sum": nbytes / t_sum, "mv": xm.numel() * run.es / t_mv, "bytes": nbytes}
+
+
+def measure_matmul(run: _Run) -> list[dict[str, float]]:
+    """Peak matmul rate: large square products."""
+    squares = []
+    for n in ((2048,) if not run.gpu else (8192,)) if run.quick else ((2048, 4096) if not run.gpu else (8192, 16384)):
+        a = torch.randn(n, n, dtype=run.dtype, device=run.device)
+        b = torch.randn(n, n, dtype=run.dtype, device=run.device)
+        t = best_time(lambda: a @ b, run.device, 2 if n >= 4096 and not run.gpu else run.reps)
+        squares.append({"n": n, "flops_per_s": 2 * n**3 / t, "seconds": t})
+        del a, b
+    return squares
+
+
+def measure_overhead(run: _Run) -> dict[str, Any]:
+    """Fixed and per-layer seconds of a forward, from a tiny-dim Transformer with 30 and with 4 layers, batch 1,
+    one token, 16 cached; and the decode loop's own work per step (sampling, bookkeeping, the host sync)
+    beyond the forward."""
+    overhead = []
+    for layers in (4, 30):
+        cfg = ModelConfig(vocab_size=256, dim=64, n_layers=layers, n_heads=4, n_kv_heads=2, ffn_dim=128,
+                          head_dim=16, max_seq_len=4096)
+        tiny = synthetic_model(cfg, run.device, run.dtype)
+        overhead.append({"n_layers": layers, "seconds": time_forward(tiny, 1, 1, SHORT, reps=15 if run.quick else 40)})
+    loop_step = _decode_step_time(tiny, steps=16 if run.quick else 48)  # with the 30-layer model
+    per_layer = max(0.0, (overhead[1]["seconds"] - overhead[0]["seconds"]) / (30 - 4))
+    fixed = max(0.0, overhead[1]["seconds"] - 30 * per_layer)
+    loop_extra = max(0.0, loop_step - overhead[1]["seconds"])
+    return {"tiny_forwards": overhead, "fixed_s": fixed, "per_layer_s": per_layer,
+            "decode_loop_step_s": loop_step, "decode_loop_extra_s": loop_extra}
+
+
+def measure_linear(run: _Run, model: Transformer, shape: ModelShape, t_overhead: float) -> list[dict[str, Any]]:
+    """The linear layers' rate against tokens per forward: batch m, one new token each, over a cache too
+    short for attention to count."""
+    if run.quick:
+        tokens = (1, 4, 16, 64) if not run.gpu else (1, 64, 512)
+    else:
+        tokens = ((1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384) if not run.gpu
+                  else (1, 4, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192))
+    linear = [{"tokens": n, "seconds": time_forward(model, n, 1, SHORT, reps=run.reps)} for n in tokens]
+    set_linear_rates(linear, shape.n_params_linear * run.es, t_overhead)
+    return linear
+
+
+def measure_attention(run: _Run, model: Transformer, shape: ModelShape) -> list[dict[str, Any]]:
+    """Attention's rate against new tokens per sequence: a long cache less the same forward over a short one."""
+    # the longest context the model takes (the score rows per query grow with it and fall out of cache)
+    att_batch = 8 if not run.gpu else 32
+    att_len = min(8192 if not run.gpu else 16384, model.cfg.max_seq_len - 16)
+    attention = []
+    for q in ((1, 4) if run.quick else (1, 2, 3, 4, 5, 6, 8) if not run.gpu else (1, 2, 4, 8, 16)):
+        t_long = time_forward(model, att_batch, q, att_len, reps=run.reps)
+        t_short = time_forward(model, att_batch, q, SHORT, reps=run.reps)
+        attention.append({"q": q, "batch": att_batch, "kv_len": att_len, "seconds": t_long, "seconds_short": t_short})
+    set_attention_rates(attention, att_batch * att_len * shape.kv_bytes_per_token(run.es))
+    return attention
+
+
+def profile_from(m: dict[str, Any], shape: ModelShape, name: str, device: torch.device,
+                 dtype: torch.dtype) -> HardwareProfile:
+    """The profile of the measurements `m`: measured rates, and the roofline numbers they imply (for reports
+    and for work beyond the measured shapes)."""
+    linear, attention, overhead = m["linear"], m["attention"], m["overhead"]
+    t_overhead = overhead["fixed_s"] + overhead["per_layer_s"] * shape.n_layers
+    linear_rates = tuple((r["tokens"], r["weight_bytes_per_s"]) for r in linear)
+    attention_rates = tuple((r["q"], r["kv_bytes_per_s"]) for r in attention)
+    best_linear_flops = max(2 * r["tokens"] * shape.n_params_linear / max(r["seconds"] - t_overhead, 1e-9)
+                            for r in linear)
+    att_flops = max(4 * r["batch"] * r["q"] * r["kv_len"] * shape.n_layers * shape.n_heads * shape.head_dim
+                    / max(r["seconds"] - r["seconds_short"], 1e-9) for r in attention)
+    flops = max(max(r["flops_per_s"] for r in m["square_matmul"]), best_linear_flops, att_flops)
+    bandwidth = max(m["read_bandwidth"]["sum"], m["read_bandwidth"]["mv"], linear_rates[0][1], attention_rates[0][1])
+    return HardwareProfile(
+        name=name, dtype=dtype_name(dtype), flops_per_s=flops, mem_bandwidth=bandwidth,
+        mem_bytes=device_memory_bytes(device), matmul_efficiency=best_linear_flops / flops,
+        bandwidth_efficiency=linear_rates[0][1] / bandwidth, attention_efficiency=att_flops / flops,
+        # a decode step is a forward plus the loop's own work: the planner sees it as fixed overhead
+        fixed_overhead_s=overhead["fixed_s"] + overhead["decode_loop_extra_s"],
+        per_layer_overhead_s=overhead["per_layer_s"],
+        linear_rates=linear_rates, attention_rates=attention_rates,
+        sampling_s_per_token=m["sampling"]["seconds_per_token"], attention=attention_path(device, dtype),
+        linear=linear_path(device, dtype),
+    )
+
+
+def check_forwards(run: _Run, model: Transformer, shape: ModelShape, profile: HardwareProfile,
+                   loop_extra: float) -> list[dict[str, Any]]:
+    """Forwards over a batch x q x context grid, timed and as `profile` predicts them (less the decode loop's
+    own work, which a forward does not do)."""
+    if run.quick:
+        grid = [(1, 1, 2048), (1, 5, 2048), (8, 3, 1024)]
+    else:
+        grid = [(b, q, L) for b in (1, 8, 32) for q in (1, 3, 5) for L in (256, 2048, 8192)]
+        if run.gpu:
+            grid = [(b * 4, q, L * 4) for b, q, L in grid]
+    avail = available_bytes(run.device)
+    forwards = []
+    for b, q, L in grid:
+        if b * (L + q) * model.cfg.kv_bytes_per_token(run.es) > min(0.3 * avail, (64 if run.gpu else 4) * GiB):
+            continue
+        t = time_forward(model, b, q, L, reps=run.reps)
+        pred = forward_cost(Workload(shape, profile, b, L, run.es, run.es), q, L).time - loop_extra
+        forwards.append({"batch": b, "q": q, "kv_len": L, "seconds": t, "predicted": pred})
+    return forwards
+
+
+def set_linear_rates(linear: list[dict[str, Any]], weight_bytes: float, t_overhead: float) -> None:
+    """Add "weight_bytes_per_s" to forwards timed at growing token counts ({"tokens", "seconds"})."""
+    for r, t in zip(linear, nondecreasing([r["seconds"] for r in linear])):
+        r["weight_bytes_per_s"] = weight_bytes / max(t - t_overhead, 0.05 * t)
+
+
+def set_attention_rates(attention: list[dict[str, Any]], kv_bytes: float) -> None:
+    """Add "kv_bytes_per_s" to long-cache forwards timed at growing q ({"q", "seconds", "seconds_short"}):
+    the KV bytes over what the long cache adds to the short one's time."""
+    extra = nondecreasing([max(r["seconds"] - r["seconds_short"], 0.05 * r["seconds"]) for r in attention])
+    for r, t in zip(attention, extra):
+        r["kv_bytes_per_s"] = kv_bytes / t
+
+
+def nondecreasing(values: Sequence[float]) -> list[float]:
+    """The least-squares closest non-decreasing sequence (pool adjacent violators).
+
+    More work per forward cannot take less time, so where a measured time falls as the work grows,
+    the pair is noise: both get their mean. Rates derived from the pooled times keep the planner's
+    cost monotone in the number of tokens."""
+    blocks: list[list[float]] = []  # [sum, count] of runs pooled so far
+    for v in values:
+        blocks.append([v, 1])
+        while len(blocks) > 1 and blocks[-2][0] * blocks[-1][1] > blocks[-1][0] * blocks[-2][1]:
+            total, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+    return [total / count for total, count in blocks for _ in range(int(count))]
+
+
+def measure_sampling(vocab: int, device: torch.device, reps: int, batch: int = 32) -> dict[str, Any]:
+    """Seconds per token that drawing with the sampling preset (T 0.7, top-p 0.9) adds to a greedy argmax.
+
+    The logits are shaped like a language model's at these settings: most rows peaked (a nucleus of a few
+    tokens), some wide (SmolLM2 on PG-19: nucleus past 64 tokens at ~11% of positions, past 1024 at 1-3%),
+    as 28 rows of N(0, 6^2) logits, 3 of N(0, 3^2) (nuclei of 100-260 tokens) and 1 of N(0, 1)
+    (over 20k tokens)."""
+    scale = torch.tensor([6.0] * (batch - 4) + [3.0] * 3 + [1.0])[:, None, None]
+    logits = (torch.randn(batch, 1, vocab, generator=torch.Generator().manual_seed(0)) * scale).to(device)
+    position = torch.zeros(batch, 1, dtype=torch.long, device=device)
+    sampled = RowParams.of([sampling_params("sampling", 1)] * batch, range(batch), device)
+    t_sampled = median_time(lambda: sample_tokens(logits, sampled, position), device, reps)
+    t_greedy = median_time(lambda: sample_tokens(logits, RowParams(batch, device), position), device, reps)
+    return {"batch": batch, "vocab": vocab, "seconds_sampled": t_sampled, "seconds_greedy": t_greedy,
+            "seconds_per_token": max(0.0, t_sampled - t_greedy) / batch}
+
+
+def _decode_step_time(model: Transformer, steps: int) -> float:
+    """Median seconds per step of autoregressive decoding (batch 1, short prompt) with the real engine."""
+    params = SamplingParams(max_tokens=steps + 1, ignore_eos=True)
+    times = []
+    for _ in range(3):
+        engine = LLMEngine(model, EngineConfig(max_num_seqs=1, max_model_len=16 + steps + 1))
+        engine.generate([[1] * 16], params)
+        times.append(engine.stats.decode_s / engine.stats.steps)
+    return statistics.median(times)
+
+
+def _default_name(device: torch.device, dtype: torch.dtype) -> str:
+    """calibrated-<GPU>-<dtype>, or calibrated-cpu-<matmul hardware>-<threads>t-<dtype> (as CPU presets)."""
+    if device.type == "cuda":
+        gpu = torch.cuda.get_device_name(device).lower().replace("nvidia", "").strip().replace(" ", "-")
+        return f"calibrated-{gpu}-{dtype_name(dtype)}"
+    return f"calibrated-cpu-{cpu_kind()}-{torch.get_num_threads()}t-{dtype_name(dtype)}"
+

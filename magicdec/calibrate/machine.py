@@ -1,0 +1,60 @@
+"""What measurements were taken on: the machine's CPU, memory, load and software versions."""
+
+from __future__ import annotations
+
+import os
+import platform
+from typing import Any
+
+import torch
+
+from magicdec.cpu import reported_flags
+
+
+def device_memory_bytes(device: torch.device) -> float:
+    """Device memory (CUDA) or physical memory (CPU), bytes."""
+    if device.type == "cuda":
+        return float(torch.cuda.get_device_properties(device).total_memory)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return float(int(line.split()[1]) * 1024)
+    except OSError:
+        pass
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_info(device: str | torch.device = "cpu") -> dict[str, Any]:
+    """What the measurements were taken on: device, threads, CPU model and the flags that pick its kernels
+    (AMX, AVX512-BF16, ...), memory, load, versions."""
+    dev = torch.device(device)
+    info: dict[str, Any] = {
+        "device": str(dev),
+        "cpu": _cpu_model(),
+        "cpu_flags": reported_flags(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "memory_bytes": device_memory_bytes(torch.device("cpu")),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }
+    if hasattr(os, "getloadavg"):
+        info["loadavg"] = list(os.getloadavg())
+    if dev.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(dev)
+        info["gpu_memory_bytes"] = device_memory_bytes(dev)
+    return info
+

@@ -1,0 +1,99 @@
+"""Timing on a device, and the placeholder-weight models and filled caches that calibration and the
+benchmarks time."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Callable
+
+import torch
+
+from magicdec.config import ModelConfig
+from magicdec.kv import KVCache
+from magicdec.model import Transformer, pack_linears, rope_inv_freq
+from magicdec.planner import ModelShape
+from magicdec.runner import synchronize
+
+
+def times(fn: Callable[[], Any], device: torch.device, reps: int, warmup: int = 1) -> list[float]:
+    """Seconds of each of `reps` runs of `fn` after `warmup` ones, the device synchronized around each."""
+    for _ in range(warmup):
+        fn()
+    synchronize(device)
+    out = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        synchronize(device)
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def best_time(fn: Callable[[], Any], device: torch.device, reps: int, warmup: int = 1) -> float:
+    """Fastest of `reps` runs: the estimate of a peak rate least disturbed by other processes."""
+    return min(times(fn, device, reps, warmup))
+
+
+def median_time(fn: Callable[[], Any], device: torch.device, reps: int, warmup: int = 1) -> float:
+    """Median of `reps` runs: the estimate of what a real run takes."""
+    return statistics.median(times(fn, device, reps, warmup))
+
+
+def model_config_from_shape(shape: ModelShape, max_seq_len: int = 1 << 17) -> ModelConfig:
+    """A model config of a planner shape, to build a model of that shape for timing."""
+    return ModelConfig(
+        vocab_size=shape.vocab_size, dim=shape.dim, n_layers=shape.n_layers, n_heads=shape.n_heads,
+        n_kv_heads=shape.n_kv_heads, ffn_dim=shape.ffn_dim, head_dim=shape.head_dim,
+        max_seq_len=max_seq_len, tie_embeddings=shape.tie_embeddings,
+    )
+
+
+def synthetic_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, seed: int = 0,
+                    random: bool = False) -> Transformer:
+    """A Transformer of `cfg` with placeholder weights, for timing only (its outputs mean nothing).
+
+    Weights are a constant (filling is much faster than drawing random numbers, and the speed of a
+    dense forward does not depend on the values); `random=True` draws them uniformly instead.
+    """
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model = model.to_empty(device=device)
+    g = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif random:
+                p.uniform_(-0.05, 0.05, generator=g)
+            else:
+                p.fill_(0.01)
+    if cfg.tie_embeddings:
+        model.output.weight = model.tok_embeddings.weight
+    model = model.to(dtype=dtype).eval().requires_grad_(False)
+    model.inv_freq = rope_inv_freq(cfg).to(device=device, dtype=torch.float32)
+    pack_linears(model)
+    return model
+
+
+def filled_cache(cfg: ModelConfig, batch: int, length: int, slack: int, dtype: torch.dtype,
+                 device: torch.device) -> KVCache:
+    """A dense cache holding `length` committed tokens per row (values touched, so pages are real)."""
+    cache = KVCache(cfg, batch, length + slack, dtype, device)
+    cache.k.fill_(0.5)  # attention's speed does not depend on the values; the pages must exist
+    cache.v.fill_(0.5)
+    if length:
+        cache.commit(length)
+    return cache
+
+
+def time_forward(model: Transformer, batch: int, q: int, kv_len: int, reps: int = 3,
+                 kv_dtype: torch.dtype | None = None) -> float:
+    """Median seconds of one forward of `batch` x `q` new tokens over a cache of `kv_len` tokens."""
+    device, dtype = model.device, kv_dtype or model.dtype
+    cache = filled_cache(model.cfg, batch, kv_len, q, dtype, device)
+    tokens = torch.randint(0, model.cfg.vocab_size, (batch, q), device=device)
+    with torch.inference_mode():
+        t = median_time(lambda: model(tokens, cache), device, reps, warmup=2)
+    del cache
+    return t

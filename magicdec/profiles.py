@@ -1,0 +1,124 @@
+"""What the planner plans with on this machine: the hardware profile and the acceptance table that
+`magicdec calibrate` saved (where they live, how they are read back), the presets standing in for them
+when nothing was measured, and the planner's shape of a model.
+
+Both `autoplan` (which reads these files) and `calibrate` (which writes them) import this module.
+"""
+
+from __future__ import annotations
+
+import warnings
+from importlib import resources
+from pathlib import Path
+from typing import Callable, TypeVar
+
+import torch
+
+from magicdec import cpu
+from magicdec.config import ModelConfig
+from magicdec.engine import parse_dtype
+from magicdec.loading.cache import cache_root
+from magicdec.model import attention_path, linear_path
+from magicdec.planner import PRESETS, AcceptanceTable, HardwareProfile, ModelShape
+from magicdec.planner.hardware import CPU_PRESETS
+
+#: The built-in acceptance table, package data.
+BUILTIN_ACCEPTANCE = "acceptance_smollm2.json"
+#: GPU name fragments (lower case) -> preset, for devices without a calibrated profile.
+_GPU_PRESETS = (("h200", "h200"), ("h100", "h100"), ("a100", "a100-80gb"), ("l40s", "l40s"), ("l40", "l40"))
+FALLBACK_GPU_PRESET = "a100-80gb"
+
+T = TypeVar("T")
+
+
+def default_profile_path(device: str | torch.device, dtype: str) -> Path:
+    """Where `magicdec calibrate` saves the profile of `device` measured in `dtype` (fp32, bf16):
+    <cache>/hardware-<device>-<dtype>.json, in the folder the converted weights live in."""
+    key = str(device).replace(":", "-").replace("/", "-")
+    return cache_root() / f"hardware-{key}-{dtype}.json"
+
+
+def default_acceptance_path(model_name: str) -> Path:
+    """Where a measured acceptance table of `model_name` is saved: <cache>/acceptance-<name>.json."""
+    safe = "".join(c if c.isalnum() or c in "-_." else "-" for c in model_name)
+    return cache_root() / f"acceptance-{safe}.json"
+
+
+def model_key(source: str | None) -> str:
+    """A short name for a model loaded from `source` (its file or folder name), for file names."""
+    if not source:
+        return "model"
+    p = Path(source)
+    return p.stem if p.suffix else p.name
+
+
+def target_shape(cfg: ModelConfig) -> ModelShape:
+    """The planner's shape of a model of `cfg`."""
+    return ModelShape(
+        name=cfg.architecture, n_layers=cfg.n_layers, dim=cfg.dim, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
+        head_dim=cfg.head_dim, ffn_dim=cfg.ffn_dim, vocab_size=cfg.vocab_size, tie_embeddings=cfg.tie_embeddings,
+    )
+
+
+def preset_for_device(device: str, dtype: str | None = None) -> HardwareProfile:
+    """The preset standing in for an uncalibrated device: for a CPU, the measured preset of the same
+    dtype (fp32, bf16), from the same kind of CPU where there is one; for a GPU, the one matching its name."""
+    if not device.startswith("cuda"):
+        kind = cpu.cpu_kind()
+        return PRESETS[min(CPU_PRESETS, key=lambda n: (PRESETS[n].dtype != dtype, not n.startswith(f"cpu-{kind}-")))]
+    try:
+        name = torch.cuda.get_device_name(torch.device(device)).lower()
+    except Exception:  # no CUDA here (planning for another machine): a common datacenter GPU
+        return PRESETS[FALLBACK_GPU_PRESET]
+    return PRESETS[next((preset for fragment, preset in _GPU_PRESETS if fragment in name), FALLBACK_GPU_PRESET)]
+
+
+def load_profile(device: str = "cpu", dtype: str | None = None) -> HardwareProfile:
+    """The profile `magicdec calibrate` saved for `device` in `dtype` (default: fp32 on CPU, bf16 on
+    GPUs), else `preset_for_device`."""
+    dtype = dtype or ("bf16" if device.startswith("cuda") else "fp32")
+    for dev in dict.fromkeys((device, device.split(":")[0])):
+        path = default_profile_path(dev, dtype)
+        if path.is_file():
+            hw = _read_calibrated(HardwareProfile.from_json, path)
+            if _measured_with_these_kernels(hw, device, dtype):
+                return hw
+            warnings.warn(f"{path} was measured with other kernels (attention {hw.attention or 'older'}, linear "
+                          f"{hw.linear or 'older'}) than this run's: planning with the preset; run `magicdec "
+                          f"calibrate` again", stacklevel=2)
+    return preset_for_device(device, dtype)
+
+
+def _measured_with_these_kernels(hw: HardwareProfile, device: str, dtype: str) -> bool:
+    """Whether a calibrated profile's rates were measured with the attention and linear layers this run
+    uses (a profile from before a native kernel, or from a machine where it did not build, predicts the
+    wrong costs)."""
+    dev, dt = torch.device(device), parse_dtype(dtype)
+    attention, linear = attention_path(dev, dt), linear_path(dev, dt)
+    return ((hw.attention == attention if hw.attention is not None else attention != "native")
+            and (hw.linear == linear if hw.linear is not None else linear != "packed"))
+
+
+def _read_calibrated(read: Callable[[Path], T], path: Path) -> T:
+    """A file `magicdec calibrate` saved; a damaged one raises ValueError saying how to replace it."""
+    try:
+        return read(path)
+    except ValueError as e:
+        raise ValueError(f"{e}; run `magicdec calibrate` again, or delete the file") from None
+
+
+def builtin_acceptance() -> AcceptanceTable:
+    """The acceptance table shipped with magicdec (SmolLM2-135M self-speculation on PG-19)."""
+    ref = resources.files("magicdec") / "data" / BUILTIN_ACCEPTANCE
+    with resources.as_file(ref) as path:
+        return AcceptanceTable.from_json(path)
+
+
+def load_acceptance(model_name: str | None = None) -> AcceptanceTable:
+    """The table `magicdec calibrate --acceptance` saved for the model named `model_name` (`model_key`),
+    else the built-in one."""
+    if model_name is not None:
+        path = default_acceptance_path(model_name)
+        if path.is_file():
+            return _read_calibrated(AcceptanceTable.from_json, path)
+    return builtin_acceptance()
