@@ -26,6 +26,7 @@ import hashlib
 import logging
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -45,13 +46,15 @@ HEAD_DIMS = (64, 128)
 CHUNK = 1024
 #: Output columns per packed weight group (kGroup in linear.cpp).
 LINEAR_GROUP = 64
+#: Age after which a build lock is taken to be left by a killed build (a build takes a minute at most).
+STALE_LOCK_S = 600
 
 
 def _build_dir(name: str, source: Path, flags: list[str]) -> Path:
-    """One build folder per kernel, torch version, source and flags (torch's own cache key ignores the
-    version)."""
+    """One build folder per kernel, torch version, source (its text and its path: two checkouts do not
+    rebuild each other's) and flags (torch's own cache key ignores the version)."""
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR", Path.home() / ".cache" / "torch_extensions"))
-    key = hashlib.sha256(source.read_bytes() + " ".join(flags).encode()).hexdigest()[:12]
+    key = hashlib.sha256(source.read_bytes() + f"{source.resolve()} {' '.join(flags)}".encode()).hexdigest()[:12]
     return root / f"magicdec-{name}-torch{torch.__version__.replace('+', '_')}-{key}"
 
 
@@ -79,6 +82,10 @@ def _extension(name: str) -> Any | None:
     if not build_dir.exists():
         log.info("compiling the %s kernel for this CPU (once, about 30 s)", what)
         build_dir.mkdir(parents=True)
+    lock = build_dir / "lock"  # torch waits on it forever; a build killed midway leaves it behind
+    if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+        log.warning("removing %s, left by an interrupted build", lock)
+        lock.unlink(missing_ok=True)
     try:
         from torch.utils.cpp_extension import load
 
