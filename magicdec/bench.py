@@ -107,8 +107,9 @@ def run_bench(args, grid: BenchGrid) -> dict:
         raise InvalidRequestError(f"every batch size must be a multiple of --distinct-prompts {grid.distinct_prompts}")
     out = Path(args.out)
     texts = load_texts(args.corpus)[: grid.n_texts]
+    doc = load_results(out)  # a bad results file stops the run before the model loads
     llm = LLM(args.model, device=args.device, dtype=args.dtype, kv_dtype=args.kv_dtype, prefill_chunk=args.prefill_chunk)
-    doc, save = _open_results(out, llm, grid)
+    doc, save = _open_results(doc, llm, grid)
     configs = grid.configs()
     bar = tqdm(total=len(grid.batches) * len(grid.contexts) * len(configs) * grid.repeats, desc="bench", unit="run",
                file=sys.stderr)
@@ -153,11 +154,10 @@ def run_bench(args, grid: BenchGrid) -> dict:
     return doc
 
 
-def _open_results(out: Path, llm: LLM, grid: BenchGrid) -> tuple[dict, Callable[[Path, dict], None]]:
-    """The results so far (a resumed run's points are kept) with this run's machine and settings, and the
+def _open_results(doc: dict, llm: LLM, grid: BenchGrid) -> tuple[dict, Callable[[Path, dict], None]]:
+    """The results so far (`doc`, a resumed run's points kept) with this run's machine and settings, and the
     function that saves them. Under tensor parallelism every rank runs the points left in rank 0's file,
     and only rank 0 writes."""
-    doc = load_results(out)
     tp = llm.model.tp
     if tp is not None:
         doc = tp.gather(doc if tp.is_main else None)[0]

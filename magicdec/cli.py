@@ -1,4 +1,5 @@
-"""`magicdec generate | bench | plan | calibrate | serve`.
+"""`magicdec generate | bench | plan | calibrate | serve`: the parser and `main`, which imports only the chosen
+command's module (`magicdec.commands.<command>`, its `run(args)`), so `--help` and `plan` load no torch.
 
 Every expected failure (bad path, bad value, too-long prompt, not enough memory) prints one line,
 `magicdec: error: ...`, and exits with status 2; nothing prints a traceback.
@@ -7,18 +8,15 @@ Every expected failure (bad path, bad value, too-long prompt, not enough memory)
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
+import importlib
 import logging
 import os
 import sys
 import warnings
 from pathlib import Path
 
-from magicdec import dtypes
-from magicdec.errors import DistributedError, InvalidRequestError, MagicDecError, OutOfMemoryError
-from magicdec.planner import (PRESETS, AcceptanceTable, HardwareProfile, Workload, format_table, get_model_shape,
-                              get_profile, plan_table, plot_speedup)
+from magicdec.errors import DistributedError, MagicDecError
+from magicdec.planner import PRESETS
 
 EXIT_USAGE = 2
 #: A tensor-parallel rank lost its peers (one died, hung past the timeout, or cannot be reached).
@@ -44,26 +42,25 @@ def size_list(text: str) -> list[int]:
     return sizes
 
 
+def at_least_1(value: int, text: str) -> int:
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1: {text!r}")
+    return value
+
+
 def positive_int(text: str) -> int:
     try:
-        v = int(text)
+        return at_least_1(int(text), text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1: {text!r}")
-    return v
 
 
 def positive_size(text: str) -> int:
-    v = parse_size(text)
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1: {text!r}")
-    return v
+    return at_least_1(parse_size(text), text)
 
 
 def port_number(text: str) -> int:
-    v = positive_int(text)
-    if v > 65535:
+    if (v := positive_int(text)) > 65535:
         raise argparse.ArgumentTypeError(f"not a TCP port (1-65535): {text!r}")
     return v
 
@@ -76,7 +73,6 @@ class Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"magicdec: error: {message} (see {self.prog} --help)\n")
 
 
-# --- shared options ---------------------------------------------------------------------------------
 def add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--model", help="Hugging Face model folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
@@ -86,29 +82,6 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "or AVX512-BF16, fp32 on other CPUs)")
     g.add_argument("--kv-dtype", choices=["fp32", "bf16", "fp16"], help="KV cache storage dtype (default: the compute dtype)")
     g.add_argument("--prefill-chunk", type=positive_int, default=512, help="prompt tokens per prefill forward (default 512)")
-
-
-def add_prompt_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("prompts")
-    g.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
-    g.add_argument("--prompt-file", help="a .txt file (one prompt) or .jsonl file (one prompt per line, key 'prompt' or 'text')")
-    g.add_argument("--corpus", help="a text or .jsonl file to cut prompts from (e.g. ../shared/data/pg19_dev.jsonl)")
-    g.add_argument("--num-prompts", type=positive_int, default=8, help="prompts to cut from --corpus (default 8)")
-    g.add_argument("--prompt-tokens", type=parse_size, default=1024, help="tokens per prompt cut from --corpus (default 1024; 4k works)")
-
-
-def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
-    g = p.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=max_tokens, help=f"new tokens per prompt (default {max_tokens})")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
-    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
-    g.add_argument("--seed", type=int, help="random seed for sampling")
-    g.add_argument("--n", type=positive_int, default=1,
-                   help="completions per prompt, as OpenAI's n (default 1): sampled ones get seeds --seed, "
-                        "--seed + 1, ... (or random ones); each prompt is prefilled once and copied")
-    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    g.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
 
 
 def add_draft_args(p: argparse.ArgumentParser) -> None:
@@ -128,313 +101,9 @@ def add_draft_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--hardware", help="hardware profile for --draft auto: preset name or JSON from `magicdec calibrate`")
 
 
-# --- generate ---------------------------------------------------------------------------------------
-def collect_prompts(args, tok) -> tuple[list[str] | None, list[list[int]]]:
-    from magicdec.corpus import cut_prompts, load_texts
-
-    texts = list(args.prompt)
-    if args.prompt_file:
-        texts += load_texts(args.prompt_file)
-    if args.corpus:
-        if texts:
-            raise InvalidRequestError("use either --corpus or --prompt/--prompt-file, not both")
-        ids = cut_prompts(tok, load_texts(args.corpus), args.num_prompts, args.prompt_tokens)
-        return None, ids
-    if not texts:
-        raise InvalidRequestError("no prompts: give --prompt, --prompt-file or --corpus")
-    for i, t in enumerate(texts):
-        if not t.strip():
-            raise InvalidRequestError(f"prompt {i} is empty")
-    return texts, tok.encode_batch(texts)
-
-
-def speculative_from_args(args, llm, batch: int, context: int):
-    """(SpeculativeConfig or None, the gamma policy or None, the plan of --draft auto or None)."""
-    from magicdec.speculative import SpeculativeConfig
-
-    if args.draft == "none":
-        return None, None, None
-    if args.draft == "auto":
-        from magicdec.autoplan import choose
-        from magicdec.profiles import model_key
-
-        # `serve` has no temperature of its own (each request brings one) and plans for greedy requests.
-        return choose(llm.model, batch, context, kv_dtype=llm.kv_dtype, model_name=model_key(llm.loaded.source),
-                      profile=args.hardware, mode="greedy" if getattr(args, "temperature", 0) == 0 else "sampling")
-    reindex = None if args.positions is None else args.positions == "reindex"
-    return SpeculativeConfig(args.draft, budget=args.budget, gamma=args.gamma, draft_model=args.draft_model,
-                             draft_cache=args.draft_cache, reindex=reindex), None, None
-
-
-def progress_bar(desc: str, enabled: bool):
-    """A tqdm bar on stderr fed with (done, total) calls; returns (callback, close)."""
-    from tqdm import tqdm
-
-    bar = None
-
-    def update(done: int, total: int) -> None:
-        nonlocal bar
-        if bar is None:
-            bar = tqdm(total=total, desc=desc, unit="tok", disable=not enabled, leave=False, file=sys.stderr)
-        bar.n = done
-        bar.refresh()
-
-    def close() -> None:
-        if bar is not None:
-            bar.close()
-
-    return update, close
-
-
-def format_stats(stats, label: str) -> str:
-    gib = stats.peak_memory_bytes / 1024**3
-    line = (f"[{label}] {stats.requests} requests ({stats.dtype}), at most {stats.max_batch} decoding together: "
-            f"prefill {stats.prompt_tokens} tok in {stats.prefill_s:.2f}s ({stats.prefill_tok_s:.0f} tok/s); "
-            f"decode {stats.decode_tokens} tok in {stats.decode_s:.2f}s ({stats.decode_tok_s:.1f} tok/s); "
-            f"peak memory {gib:.2f} GiB")
-    if stats.gamma:
-        changes = ", ".join(f"{g or 'plain'} from round {r}" for r, g in stats.gamma_changes)
-        line += (f"\n[{label}] draft length {changes}: acceptance {stats.acceptance_rate:.3f}, "
-                 f"{stats.tokens_per_step:.2f} tokens/round, accepted-length histogram {stats.accepted_hist}, "
-                 f"draft {stats.draft_s:.2f}s verify {stats.verify_s:.2f}s")
-    return line
-
-
-def dtype_line(llm) -> str:
-    """The dtypes a run computes and caches in, and why (printed with the run's stats)."""
-    kv = str(llm.kv_dtype).removeprefix("torch.")
-    return f"dtype {llm.loaded.dtype_choice}; KV cache {kv}; attention {llm.attention}; linear {llm.linear}"
-
-
-def cmd_generate(args) -> int:
-    from magicdec.engine import LLM
-    from magicdec.kv.prompt_cache import PromptCache
-    from magicdec.sampling import SamplingParams
-
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                            top_p=args.top_p, seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
-    llm = LLM(args.model, device=args.device, dtype=args.dtype, kv_dtype=args.kv_dtype, prefill_chunk=args.prefill_chunk,
-              max_num_seqs=args.batch_size or 256)
-    texts, ids = collect_prompts(args, llm.tokenizer)
-    unique = ids
-    if args.n > 1:  # row i is sample i % n of prompt i // n
-        ids = [p for p in ids for _ in range(args.n)]
-        texts = texts and [t for t in texts for _ in range(args.n)]
-        params = [dataclasses.replace(params, seed=None if args.seed is None else args.seed + i % args.n)
-                  for i in range(len(ids))]
-    show = sys.stderr.isatty() and not args.json
-    batch = min(args.batch_size or len(ids), len(ids))
-    spec, policy, plan = speculative_from_args(args, llm, batch, max(map(len, ids)) + args.max_tokens // 2)
-    if plan is not None:
-        from magicdec.autoplan import describe
-
-        print(describe(plan), file=sys.stderr)
-    modes = [("spec" if spec else "ar", spec)]
-    if args.compare_ar and spec is not None:
-        modes.insert(0, ("ar", None))
-    if len(modes) > 1 or args.n > 1:
-        # every prompt is prefilled once: its repeats (--n) and the second run copy that prefill
-        llm.prompt_cache.resize(PromptCache.bytes_for(llm.model.cfg, [len(p) for p in unique], llm.kv_dtype))
-    results, runs = {}, []
-    for label, cfg in modes:
-        update, close = progress_bar(f"{label}", show)
-        try:
-            results[label] = llm.generate(prompt_token_ids=ids, params=params, speculative=cfg,
-                                          gamma_policy=policy, progress=update)
-        finally:
-            close()
-        stats = llm.last_stats
-        if not args.json:
-            print(format_stats(stats, label), file=sys.stderr)
-            print(f"[{label}] {dtype_line(llm)}", file=sys.stderr)
-        runs.append({"mode": label, "stats": stats.as_dict(), "speculative": cfg and dataclasses.asdict(cfg)
-                     | {"replanned": policy is not None}})
-    final = results[modes[-1][0]]
-    if len(runs) == 2:
-        runs.append(_compare(results["ar"], results["spec"], runs, quiet=args.json))
-    if args.json:
-        doc = {"outputs": [{"index": o.index, "text": o.text, "token_ids": o.token_ids, "finish_reason": o.finish_reason,
-                            "prompt_tokens": len(o.prompt_token_ids)} for o in final], "runs": runs,
-               "dtype": dtype_line(llm)}
-        json.dump(doc, sys.stdout, indent=1)
-        print()
-    else:
-        for o in final:
-            head = texts[o.index][-60:] if texts else f"<{len(o.prompt_token_ids)} corpus tokens>"
-            print(f"--- [{o.index}] {head!r} ({o.finish_reason})\n{o.text}")
-    return 0
-
-
-def _compare(ar: list, spec: list, runs: list[dict], quiet: bool) -> dict:
-    """The speedup of the speculative run over plain decoding and how many outputs are identical."""
-    ar_tok_s, sp_tok_s = runs[0]["stats"]["decode_tok_s"], runs[1]["stats"]["decode_tok_s"]
-    same = sum(a.token_ids == b.token_ids for a, b in zip(ar, spec))
-    speedup = sp_tok_s / ar_tok_s if ar_tok_s and sp_tok_s else None  # None: no decode rounds (max_tokens 1)
-    if not quiet:
-        measured = (f"{speedup:.2f}x ({sp_tok_s:.1f} vs {ar_tok_s:.1f} decode tok/s)" if speedup is not None
-                    else "none measured (no decode rounds: every token came from the prefill)")
-        print(f"speedup over autoregressive decoding: {measured}; identical outputs: {same}/{len(spec)}",
-              file=sys.stderr)
-    return {"speedup": speedup, "identical": same}
-
-
-# --- bench ------------------------------------------------------------------------------------------
-def cmd_bench(args) -> int:
-    from magicdec.bench import BenchGrid, run_bench
-
-    grid = BenchGrid(batches=args.batch, contexts=args.context, drafters=args.drafters.split(","),
-                     budgets=args.budget, gammas=args.gamma, modes=args.modes.split(","),
-                     new_tokens=args.max_tokens, n_texts=args.num_texts, distinct_prompts=args.distinct_prompts,
-                     positions=[None if p == "default" else p for p in args.positions.split(",")],
-                     repeats=args.repeats)
-    run_bench(args, grid)
-    return 0
-
-
-# --- plan -------------------------------------------------------------------------------------------
-def cmd_plan(args) -> int:
-    try:
-        target = get_model_shape(args.model)
-        draft = get_model_shape(args.draft_model) if args.draft_model else None
-        hw = get_profile(args.hardware)
-        acceptance = AcceptanceTable.from_json(args.acceptance) if args.acceptance else AcceptanceTable.paper_default()
-    except ValueError as e:  # the planner is torch-free and raises ValueError; OSError is main's
-        raise InvalidRequestError(str(e)) from None
-    nbytes = dtypes.BYTES[args.dtype]
-    grid = [Workload(target, hw, b, c, nbytes, nbytes, args.tp) for c in args.context for b in args.batch]
-    rows = plan_table(grid, acceptance, draft=draft, mode="greedy" if args.mode == "greedy" else "sampling",
-                      rows=1 if args.steady_state else None)
-    cols = ["batch", "context", "strategy", "budget", "gamma", "predicted_speedup", "predicted_throughput",
-            "verify_dominant", "draft_dominant"]
-    print(format_table(rows, [c for c in cols if c in rows[0]]))
-    if args.plot:
-        plot_speedup(rows, args.plot, x="batch", y="predicted_speedup", group="context",
-                     title=f"{target.name} on {hw.name}: planned speedup", ylabel="speedup over AR", logx=True)
-        print(f"plot written to {args.plot}", file=sys.stderr)
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1, default=str))
-    return 0
-
-
-# --- calibrate --------------------------------------------------------------------------------------
-def cmd_calibrate(args) -> int:
-    from magicdec.calibrate.acceptance import calibrate_acceptance
-    from magicdec.calibrate.allreduce import measure_local_allreduce, with_allreduce
-    from magicdec.calibrate.hardware import measure_hardware
-    from magicdec.corpus import load_texts
-    from magicdec.engine import LLM
-    from magicdec.profiles import default_acceptance_path, model_key
-
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        return calibrate_allreduce(args)
-    texts = load_texts(args.corpus) if args.acceptance else []  # checked before minutes of measuring
-    llm = LLM(args.model, device=args.device, dtype=args.dtype)
-    print(dtype_line(llm), file=sys.stderr)
-
-    def progress(done: int, total: int, label: str) -> None:
-        print(f"[{done}/{total}] {label}", file=sys.stderr)
-
-    cal = measure_hardware(llm.model.device, quick=args.quick, progress=progress, model=llm.model)
-    print("all-reduce between local processes (for tensor parallelism)", file=sys.stderr)
-    allreduce = measure_local_allreduce(llm.model.device)
-    if allreduce is not None:
-        cal.profile = with_allreduce(cal.profile, allreduce)
-        cal.measurements["allreduce"] = allreduce
-    path = cal.save(args.output)
-    print(json.dumps(cal.profile.__dict__, indent=1, default=str))
-    check = cal.measurements["check"]
-    print(f"profile check: {len(cal.measurements['forwards'])} forwards predicted within "
-          f"{100 * check['median_relative_error']:.0f}% (median), {100 * check['worst_relative_error']:.0f}% (worst)",
-          file=sys.stderr)
-    print(f"hardware profile written to {path}", file=sys.stderr)
-    if args.acceptance:
-        quick = dict(contexts=(1024, 2048), budgets=(64, 256), n_prompts=2, new_tokens=32) if args.quick else {}
-        table = calibrate_acceptance(llm, texts, progress=progress, **quick)
-        out = default_acceptance_path(model_key(llm.loaded.source))
-        out.parent.mkdir(parents=True, exist_ok=True)
-        table.to_json(out)
-        print(f"acceptance table written to {out}", file=sys.stderr)
-    return 0
-
-
-def calibrate_allreduce(args) -> int:
-    """`calibrate` under torchrun: measure the all-reduce of the launched ranks (any number of nodes) and
-    write its latency and bandwidth into the profile that `magicdec calibrate` made on one process."""
-    from magicdec.calibrate.allreduce import measure_allreduce, with_allreduce
-    from magicdec.distributed import init_tp
-    from magicdec.profiles import default_profile_path
-
-    tp = init_tp(args.device)
-    path = Path(args.output) if args.output else default_profile_path(tp.device.type)
-    if not path.is_file():
-        raise InvalidRequestError(f"no hardware profile at {path}: run `magicdec calibrate` as one process first")
-    result = measure_allreduce(tp)
-    if tp.is_main:
-        try:
-            profile = with_allreduce(HardwareProfile.from_json(path), result)
-        except ValueError as e:
-            raise InvalidRequestError(str(e)) from None
-        profile.to_json(path)
-        print(json.dumps(result, indent=1))
-        print(f"all-reduce over {tp.world_size} ranks ({tp.backend}): {result['latency_s'] * 1e6:.0f} us + "
-              f"{result['bus_bandwidth'] / 1e9:.2f} GB/s bus bandwidth, written to {path}", file=sys.stderr)
-    return 0
-
-
-# --- serve ------------------------------------------------------------------------------------------
-def cmd_serve(args) -> int:
-    from magicdec.autoplan import describe
-    from magicdec.engine import LLM
-    from magicdec.loading import chat_template
-    from magicdec.server.app import build_app, run_server
-    from magicdec.server.async_engine import AsyncEngine
-    from magicdec.server.metrics import ServerMetrics
-
-    llm = LLM(args.model, device=args.device, dtype=args.dtype, kv_dtype=args.kv_dtype, prefill_chunk=args.prefill_chunk,
-              max_num_seqs=args.max_running, max_model_len=args.max_model_len)
-    max_len = llm.max_model_len
-    # Planned where the KV cache weighs most (every slot full at the longest context): if drafting pays
-    # anywhere within the server's limits it pays there; each step then re-plans for its live batch and
-    # context (plain decoding where drafting does not pay).
-    spec, policy, plan = speculative_from_args(args, llm, args.max_running, max_len)
-    draft = describe(plan) if plan is not None else spec.draft if spec is not None else "none"
-    try:
-        engine = llm.engine(spec, policy, max_prefill_tokens=args.prefill_chunk, max_queued=args.max_queued)
-    except OutOfMemoryError as e:
-        raise OutOfMemoryError(f"{e} (or lower --max-running / --max-model-len)") from None
-    tp = llm.model.tp
-    if tp is not None and not tp.is_main:  # rank 0 serves; the others follow its engine turn by turn
-        from magicdec.distributed.serving import follow
-
-        follow(engine, tp)
-        return 0
-    source = llm.loaded.source
-    name = args.served_model_name or args.model or Path(source).name.split(".")[0]
-    metrics = ServerMetrics(name, spec.draft if spec is not None else "none", spec.budget if spec is not None else None)
-
-    def ready() -> None:
-        print(f"magicdec serve: ready on http://{args.host}:{args.port}/v1 (model {name}; {args.max_running} slots "
-              f"x {max_len} tokens; draft {draft})", file=sys.stderr, flush=True)
-
-    def stopped() -> None:
-        print("magicdec serve: stopped", file=sys.stderr, flush=True)
-
-    mirror = None
-    if tp is not None:
-        from magicdec.distributed.serving import StepMirror
-
-        mirror = StepMirror(tp)
-    app = build_app(AsyncEngine(engine, metrics, mirror), llm.tokenizer, metrics, model_name=name, model_root=source,
-                    chat_template=chat_template(source), api_key=args.api_key, on_ready=ready, on_stopped=stopped)
-    run_server(app, args.host, args.port, log_level=args.log_level)
-    return 0
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = Parser(
-        prog="magicdec",
-        description="Fast long-context, large-batch generation with sparse-KV speculative decoding (MagicDec).",
-    )
+    p = Parser(prog="magicdec",
+               description="Fast long-context, large-batch generation with sparse-KV speculative decoding (MagicDec).")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     g = sub.add_parser("generate", help="generate completions (optionally speculative)",
@@ -442,15 +111,29 @@ def build_parser() -> argparse.ArgumentParser:
                                    "Prints the completions and final stats (prefill/decode tok/s, peak memory, "
                                    "acceptance).")
     add_model_args(g)
-    add_prompt_args(g)
-    add_sampling_args(g, max_tokens=64)
+    a = g.add_argument_group("prompts")
+    a.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
+    a.add_argument("--prompt-file", help="a .txt file (one prompt) or .jsonl file (one prompt per line, key 'prompt' or 'text')")
+    a.add_argument("--corpus", help="a text or .jsonl file to cut prompts from (e.g. ../shared/data/pg19_dev.jsonl)")
+    a.add_argument("--num-prompts", type=positive_int, default=8, help="prompts to cut from --corpus (default 8)")
+    a.add_argument("--prompt-tokens", type=parse_size, default=1024, help="tokens per prompt cut from --corpus (default 1024; 4k works)")
+    a = g.add_argument_group("sampling")
+    a.add_argument("--max-tokens", type=int, default=64, help="new tokens per prompt (default 64)")
+    a.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    a.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
+    a.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    a.add_argument("--seed", type=int, help="random seed for sampling")
+    a.add_argument("--n", type=positive_int, default=1,
+                   help="completions per prompt, as OpenAI's n (default 1): sampled ones get seeds --seed, "
+                        "--seed + 1, ... (or random ones); each prompt is prefilled once and copied")
+    a.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    a.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
     add_draft_args(g)
     g.add_argument("--batch-size", type=positive_int, help="most prompts decoded together; the rest queue for a free slot (default: all)")
     g.add_argument("--compare-ar", action="store_true", help="also run plain decoding first (its prefill is reused) and report the speedup")
     g.add_argument("--json", action="store_true",
                    help="print outputs and stats as JSON on stdout; each output carries the index of its prompt "
                         "(--prompt ones first, then the lines of --prompt-file, in order)")
-    g.set_defaults(func=cmd_generate)
 
     b = sub.add_parser("bench", help="sweep batch, context, drafter, budget and gamma; write JSON and plots",
                        description="Throughput and acceptance sweep on prompts cut from a corpus. Each (batch, "
@@ -478,7 +161,6 @@ def build_parser() -> argparse.ArgumentParser:
                         "its median run: steadier ratios on a machine whose speed drifts (default 1)")
     b.add_argument("--out", default="bench.json", help="results JSON (resumed if it exists)")
     b.add_argument("--plots", help="folder for PNG plots (default: beside --out)")
-    b.set_defaults(func=cmd_bench)
 
     pl = sub.add_parser("plan", help="predict the best drafting strategy with the cost model (no weights needed)",
                         description="Roofline model of draft, verify and decode cost over batch and context; "
@@ -500,7 +182,6 @@ def build_parser() -> argparse.ArgumentParser:
                          "spread, as `magicdec calibrate --acceptance` writes)")
     pl.add_argument("--plot", help="write a speedup-vs-batch PNG here")
     pl.add_argument("--json", help="write the table as JSON here")
-    pl.set_defaults(func=cmd_plan)
 
     c = sub.add_parser("calibrate", help="measure this machine (and acceptance) for the planner",
                        description="Measures peak FLOP/s and read bandwidth, the fixed per-forward overhead, and the "
@@ -519,7 +200,6 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--model", help="model for --acceptance (default: the embedded model)")
     c.add_argument("--dtype", choices=["auto", "fp32", "bf16", "fp16"], default="auto",
                    help="dtype to measure in (default auto, as `generate` picks it)")
-    c.set_defaults(func=cmd_calibrate)
 
     s = sub.add_parser("serve", help="serve the OpenAI API (completions, chat, streaming, metrics) over HTTP",
                        description="An OpenAI-compatible server as vLLM serves it: /v1/completions, "
@@ -537,7 +217,6 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--api-key", help="require `Authorization: Bearer <key>` on /v1 routes")
     s.add_argument("--served-model-name", help="the model name clients send (default: --model, or the default model's name)")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="uvicorn's log level")
-    s.set_defaults(func=cmd_serve)
     return p
 
 
@@ -565,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with warnings.catch_warnings():
             warnings.showwarning = print_warning
-            status = args.func(args)
+            status = importlib.import_module(f"magicdec.commands.{args.command}").run(args)
     except DistributedError as e:  # its message names the rank
         print(f"magicdec: error: {e}", file=err, flush=True)
         os._exit(EXIT_DISTRIBUTED)  # without tearing the process group down: with a dead peer that can block
@@ -578,10 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("magicdec: interrupted", file=err)
         status = 130
-    if launched:
-        from magicdec.distributed import shutdown_tp
-
-        shutdown_tp()
+    if launched and (group := sys.modules.get("magicdec.distributed.group")) is not None:
+        group.shutdown_tp()  # the group, if a command joined one (importing this module first)
     return status
 
 

@@ -14,8 +14,12 @@ from hypothesis import strategies as st
 
 from magicdec.calibrate.acceptance import acceptance_mle, calibrate_acceptance, row_spread
 from magicdec.calibrate.hardware import measure_hardware, nondecreasing
+from magicdec.cli import build_parser
+from magicdec.commands.calibrate import calibrate_allreduce
 from magicdec.config import EngineConfig
 from magicdec.corpus import cut_prompts
+from magicdec.distributed import shutdown_tp
+from magicdec.errors import InvalidRequestError
 from magicdec.autoplan import EXPLORE_EVERY, choose, describe
 from magicdec.planner.hardware import CPU_PRESETS
 from magicdec.profiles import (
@@ -103,6 +107,21 @@ def test_default_paths(tmp_path, monkeypatch):
     # nothing calibrated: the CPU preset measured in that dtype
     for dtype in ("fp32", "bf16"):
         assert load_profile("cpu", dtype).dtype == dtype and load_profile("cpu", dtype).name.startswith("cpu-")
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_calibrate_under_torchrun_reads_the_profile_of_its_dtype(tmp_path, monkeypatch, dtype):
+    """`magicdec calibrate` under torchrun, without --output, adds the all-reduce to the profile saved for
+    its device and --dtype (here a one-rank group: the profile is missing, which it says)."""
+    monkeypatch.setenv("MAGICDEC_CACHE", str(tmp_path))
+    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29517"}.items():
+        monkeypatch.setenv(key, value)
+    args = build_parser().parse_args(["calibrate", "--device", "cpu", "--dtype", dtype])
+    try:
+        with pytest.raises(InvalidRequestError, match=f"hardware-cpu-{dtype}.json"):
+            calibrate_allreduce(args)
+    finally:
+        shutdown_tp()
 
 
 def test_a_profile_measured_with_other_kernels_is_set_aside(tmp_path, monkeypatch):

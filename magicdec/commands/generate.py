@@ -1,0 +1,137 @@
+"""`magicdec generate`: completions for prompts or corpus cuts, optionally speculative, and the runs' stats."""
+
+import dataclasses
+import json
+import sys
+
+from tqdm import tqdm
+
+from magicdec.autoplan import choose, describe
+from magicdec.corpus import cut_prompts, load_texts
+from magicdec.engine import LLM
+from magicdec.errors import InvalidRequestError
+from magicdec.kv.prompt_cache import PromptCache
+from magicdec.profiles import model_key
+from magicdec.sampling import SamplingParams
+from magicdec.speculative import SpeculativeConfig
+
+
+def speculative_from_args(args, llm, batch: int, context: int):
+    """(SpeculativeConfig or None, the gamma policy or None, the plan of --draft auto or None); `serve` too."""
+    if args.draft == "none":
+        return None, None, None
+    if args.draft == "auto":
+        # `serve` has no temperature of its own (each request brings one) and plans for greedy requests.
+        return choose(llm.model, batch, context, kv_dtype=llm.kv_dtype, model_name=model_key(llm.loaded.source),
+                      profile=args.hardware, mode="greedy" if getattr(args, "temperature", 0) == 0 else "sampling")
+    return SpeculativeConfig(args.draft, budget=args.budget, gamma=args.gamma, draft_model=args.draft_model,
+                             draft_cache=args.draft_cache,
+                             reindex=None if args.positions is None else args.positions == "reindex"), None, None
+
+
+def dtype_line(llm) -> str:
+    """The dtypes a run computes and caches in, and why (printed with the run's stats; `calibrate` too)."""
+    kv = str(llm.kv_dtype).removeprefix("torch.")
+    return f"dtype {llm.loaded.dtype_choice}; KV cache {kv}; attention {llm.attention}; linear {llm.linear}"
+
+
+def collect_prompts(args, tok) -> tuple[list[str] | None, list[list[int]]]:
+    texts = list(args.prompt)
+    if args.prompt_file:
+        texts += load_texts(args.prompt_file)
+    if args.corpus:
+        if texts:
+            raise InvalidRequestError("use either --corpus or --prompt/--prompt-file, not both")
+        return None, cut_prompts(tok, load_texts(args.corpus), args.num_prompts, args.prompt_tokens)
+    if not texts:
+        raise InvalidRequestError("no prompts: give --prompt, --prompt-file or --corpus")
+    for i, t in enumerate(texts):
+        if not t.strip():
+            raise InvalidRequestError(f"prompt {i} is empty")
+    return texts, tok.encode_batch(texts)
+
+
+def progress_bar(desc: str, enabled: bool):
+    """A tqdm bar on stderr fed with (done, total) calls; returns (callback, close)."""
+    bar = tqdm(desc=desc, unit="tok", disable=not enabled, leave=False, file=sys.stderr)
+
+    def update(done: int, total: int) -> None:
+        bar.total, bar.n = total, done
+        bar.refresh()
+
+    return update, bar.close
+
+
+def format_stats(stats, label: str) -> str:
+    gib = stats.peak_memory_bytes / 1024**3
+    line = (f"[{label}] {stats.requests} requests ({stats.dtype}), at most {stats.max_batch} decoding together: "
+            f"prefill {stats.prompt_tokens} tok in {stats.prefill_s:.2f}s ({stats.prefill_tok_s:.0f} tok/s); "
+            f"decode {stats.decode_tokens} tok in {stats.decode_s:.2f}s ({stats.decode_tok_s:.1f} tok/s); "
+            f"peak memory {gib:.2f} GiB")
+    if stats.gamma:
+        changes = ", ".join(f"{g or 'plain'} from round {r}" for r, g in stats.gamma_changes)
+        line += (f"\n[{label}] draft length {changes}: acceptance {stats.acceptance_rate:.3f}, "
+                 f"{stats.tokens_per_step:.2f} tokens/round, accepted-length histogram {stats.accepted_hist}, "
+                 f"draft {stats.draft_s:.2f}s verify {stats.verify_s:.2f}s")
+    return line
+
+
+def run(args) -> int:
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, kv_dtype=args.kv_dtype, prefill_chunk=args.prefill_chunk,
+              max_num_seqs=args.batch_size or 256)
+    texts, ids = collect_prompts(args, llm.tokenizer)
+    unique = ids
+    if args.n > 1:  # row i is sample i % n of prompt i // n
+        ids = [p for p in ids for _ in range(args.n)]
+        texts = texts and [t for t in texts for _ in range(args.n)]
+        params = [dataclasses.replace(params, seed=None if args.seed is None else args.seed + i % args.n)
+                  for i in range(len(ids))]
+    batch = min(args.batch_size or len(ids), len(ids))
+    spec, policy, plan = speculative_from_args(args, llm, batch, max(map(len, ids)) + args.max_tokens // 2)
+    if plan is not None:
+        print(describe(plan), file=sys.stderr)
+    modes = [("ar", None)] if args.compare_ar and spec is not None else []
+    modes.append(("spec" if spec else "ar", spec))
+    if len(modes) > 1 or args.n > 1:
+        # every prompt is prefilled once: its repeats (--n) and the second run copy that prefill
+        llm.prompt_cache.resize(PromptCache.bytes_for(llm.model.cfg, [len(p) for p in unique], llm.kv_dtype))
+    results, runs = {}, []
+    for label, cfg in modes:
+        update, close = progress_bar(label, sys.stderr.isatty() and not args.json)
+        try:
+            results[label] = llm.generate(prompt_token_ids=ids, params=params, speculative=cfg,
+                                          gamma_policy=policy, progress=update)
+        finally:
+            close()
+        if not args.json:
+            print(f"{format_stats(llm.last_stats, label)}\n[{label}] {dtype_line(llm)}", file=sys.stderr)
+        runs.append({"mode": label, "stats": llm.last_stats.as_dict(), "speculative": cfg and dataclasses.asdict(cfg)
+                     | {"replanned": policy is not None}})
+    if len(runs) == 2:
+        runs.append(_compare(results["ar"], results["spec"], runs, quiet=args.json))
+    outputs = results[modes[-1][0]]
+    if args.json:
+        docs = [{"index": o.index, "text": o.text, "token_ids": o.token_ids, "finish_reason": o.finish_reason,
+                 "prompt_tokens": len(o.prompt_token_ids)} for o in outputs]
+        json.dump({"outputs": docs, "runs": runs, "dtype": dtype_line(llm)}, sys.stdout, indent=1)
+        print()
+    else:
+        for o in outputs:
+            head = texts[o.index][-60:] if texts else f"<{len(o.prompt_token_ids)} corpus tokens>"
+            print(f"--- [{o.index}] {head!r} ({o.finish_reason})\n{o.text}")
+    return 0
+
+
+def _compare(ar: list, spec: list, runs: list[dict], quiet: bool) -> dict:
+    """The speedup of the speculative run over plain decoding and how many outputs are identical."""
+    ar_tok_s, sp_tok_s = runs[0]["stats"]["decode_tok_s"], runs[1]["stats"]["decode_tok_s"]
+    same = sum(a.token_ids == b.token_ids for a, b in zip(ar, spec))
+    speedup = sp_tok_s / ar_tok_s if ar_tok_s and sp_tok_s else None  # None: no decode rounds (max_tokens 1)
+    if not quiet:
+        measured = (f"{speedup:.2f}x ({sp_tok_s:.1f} vs {ar_tok_s:.1f} decode tok/s)" if speedup is not None
+                    else "none measured (no decode rounds: every token came from the prefill)")
+        print(f"speedup over autoregressive decoding: {measured}; identical outputs: {same}/{len(spec)}",
+              file=sys.stderr)
+    return {"speedup": speedup, "identical": same}

@@ -1,0 +1,49 @@
+"""`magicdec serve`: the OpenAI-compatible HTTP server (under torchrun rank 0 serves, the others follow)."""
+
+import sys
+from pathlib import Path
+
+from magicdec.autoplan import describe
+from magicdec.commands.generate import speculative_from_args
+from magicdec.distributed.serving import StepMirror, follow
+from magicdec.engine import LLM
+from magicdec.errors import OutOfMemoryError
+from magicdec.loading import chat_template
+from magicdec.server.app import build_app, run_server
+from magicdec.server.async_engine import AsyncEngine
+from magicdec.server.metrics import ServerMetrics
+
+
+def run(args) -> int:
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, kv_dtype=args.kv_dtype, prefill_chunk=args.prefill_chunk,
+              max_num_seqs=args.max_running, max_model_len=args.max_model_len)
+    max_len = llm.max_model_len
+    # Planned where the KV cache weighs most (every slot full at the longest context): if drafting pays
+    # anywhere within the server's limits it pays there; each step then re-plans for its live batch and
+    # context (plain decoding where drafting does not pay).
+    spec, policy, plan = speculative_from_args(args, llm, args.max_running, max_len)
+    draft = describe(plan) if plan is not None else spec.draft if spec is not None else "none"
+    try:
+        engine = llm.engine(spec, policy, max_prefill_tokens=args.prefill_chunk, max_queued=args.max_queued)
+    except OutOfMemoryError as e:
+        raise OutOfMemoryError(f"{e} (or lower --max-running / --max-model-len)") from None
+    tp = llm.model.tp
+    if tp is not None and not tp.is_main:  # rank 0 serves; the others follow its engine turn by turn
+        follow(engine, tp)
+        return 0
+    source = llm.loaded.source
+    name = args.served_model_name or args.model or Path(source).name.split(".")[0]
+    metrics = ServerMetrics(name, spec.draft if spec is not None else "none", spec.budget if spec is not None else None)
+
+    def ready() -> None:
+        print(f"magicdec serve: ready on http://{args.host}:{args.port}/v1 (model {name}; {args.max_running} slots "
+              f"x {max_len} tokens; draft {draft})", file=sys.stderr, flush=True)
+
+    def stopped() -> None:
+        print("magicdec serve: stopped", file=sys.stderr, flush=True)
+
+    mirror = StepMirror(tp) if tp is not None else None
+    app = build_app(AsyncEngine(engine, metrics, mirror), llm.tokenizer, metrics, model_name=name, model_root=source,
+                    chat_template=chat_template(source), api_key=args.api_key, on_ready=ready, on_stopped=stopped)
+    run_server(app, args.host, args.port, log_level=args.log_level)
+    return 0
