@@ -30,17 +30,9 @@ def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[str] | None =
     return "\n".join(lines)
 
 
-def plot_speedup(
-    rows: Sequence[dict[str, Any]],
-    path: str | os.PathLike[str],
-    *,
-    x: str = "batch",
-    y: str = "predicted_speedup",
-    group: str = "context",
-    title: str = "",
-    ylabel: str | None = None,
-    logx: bool = True,
-) -> None:
+def plot_speedup(rows: Sequence[dict[str, Any]], path: str | os.PathLike[str], *, x: str = "batch",
+                 y: str = "predicted_speedup", group: str = "context", title: str = "", ylabel: str | None = None,
+                 logx: bool = True) -> None:
     """Plot `y` against `x`, one line per value of `group`, and save a PNG at `path`.
 
     The defaults draw predicted speedup against batch size, one line per context length.
