@@ -279,8 +279,4 @@ def describe(plan_: Plan) -> str:
             f"{plan_.hardware}, {plan_.predicted_speedup:.2f}x over AR; verify dominated by {plan_.verify_dominant})")
 
 
-__all__ = [
-    "Replanner",
-    "choose",
-    "describe",
-]
+__all__ = ["Replanner", "choose", "describe"]

@@ -33,6 +33,7 @@ from magicdec.kv.prompt_cache import PromptCache
 from magicdec.loading import model_identity
 from magicdec.memory import available_bytes, check_fits
 from magicdec.planner import format_table
+from magicdec.planner.report import save_figure
 from magicdec.profiles import model_key
 from magicdec.runner import ModelRunner
 from magicdec.sampling import SamplingParams
@@ -74,10 +75,9 @@ class BenchGrid:
         """Decode configurations at one (batch, context) point; plain decoding first."""
         out = []
         for mode in self.modes:
-            if "none" in self.drafters:
-                out.append({"mode": mode, "draft": "none", "budget": 0, "gamma": 0})
-            if "auto" in self.drafters:  # the planner picks drafter, budget and gamma (or plain decoding)
-                out.append({"mode": mode, "draft": "auto", "budget": 0, "gamma": 0})
+            for draft in ("none", "auto"):  # auto: the planner picks drafter, budget and gamma (or plain decoding)
+                if draft in self.drafters:
+                    out.append({"mode": mode, "draft": draft, "budget": 0, "gamma": 0})
             fixed = [d for d in self.drafters if d not in ("none", "auto")]
             for d, b, g, pos in itertools.product(fixed, self.budgets, self.gammas, self.positions):
                 out.append({"mode": mode, "draft": d, "budget": b, "gamma": g, **({"positions": pos} if pos else {})})
@@ -308,10 +308,7 @@ def plot_results(doc: dict, folder: Path, stem: str) -> list[Path]:
     for ax in axes:
         if ax.get_legend_handles_labels()[0]:  # a grid of plain decoding and auto alone draws no speedup lines
             ax.legend(fontsize=7)
-    fig.tight_layout()
-    written.append(folder / f"{stem}_throughput.png")
-    fig.savefig(written[-1], dpi=110)
-    plt.close(fig)
+    written.append(save_figure(fig, folder / f"{stem}_throughput.png", dpi=110))
 
     acc = [p for p in doc["points"].values() if p.get("draft", "none") not in ("none", "auto") and "tokens_per_step" in p]
     if acc:
@@ -328,8 +325,5 @@ def plot_results(doc: dict, folder: Path, stem: str) -> list[Path]:
         ax.set(xscale="log", xlabel="draft budget (KV entries)", ylabel="tokens per verify step",
                title="acceptance against budget")
         ax.legend(fontsize=6)
-        fig.tight_layout()
-        written.append(folder / f"{stem}_acceptance.png")
-        fig.savefig(written[-1], dpi=110)
-        plt.close(fig)
+        written.append(save_figure(fig, folder / f"{stem}_acceptance.png", dpi=110))
     return written

@@ -117,10 +117,6 @@ def exponential_noise(seed: Tensor, position: Tensor, token: Tensor) -> Tensor:
     return (-u.log()).float()
 
 
-def normalize_seed(seed: int) -> int:
-    return seed & _SEED_MASK
-
-
 # --- logits -> distribution -----------------------------------------------------------------------------------
 def _nucleus_floor(probs: Tensor, top_p: Tensor) -> Tensor:
     """The smallest probability in each row's top-p nucleus, [..., 1] (tokens tied with it stay in).
@@ -161,7 +157,7 @@ class RowParams:
         self.temperature[i] = 1.0 if params.greedy else params.temperature
         self.top_k[i] = params.top_k
         self.top_p[i] = params.top_p
-        self.seed[i] = normalize_seed(seed)
+        self.seed[i] = seed & _SEED_MASK  # the low 63 bits: non-negative in an int64 tensor
 
     def copy_row(self, src: int, dst: int) -> None:
         """Row dst samples as row src does (same parameters and noise)."""
@@ -172,17 +168,14 @@ class RowParams:
 
     def head(self, n: int) -> "RowParams":
         """The first n rows (tensor views)."""
-        return self._view(slice(0, n))
+        return self.select(slice(0, n))
 
     def row(self, i: int) -> "RowParams":
         """Row i alone (tensor views)."""
-        return self._view(slice(i, i + 1))
+        return self.select(slice(i, i + 1))
 
-    def select(self, index: Tensor) -> "RowParams":
-        """The rows at index [n] (copies), in that order."""
-        return self._view(index)
-
-    def _view(self, rows: slice | Tensor) -> "RowParams":
+    def select(self, rows: slice | Tensor) -> "RowParams":
+        """The rows of a slice (tensor views) or at an index [n] (copies, in that order)."""
         view = object.__new__(RowParams)
         view.params = self.params[rows] if isinstance(rows, slice) else [self.params[i] for i in rows.tolist()]
         for name in self.TENSORS:

@@ -65,11 +65,8 @@ class HardwareCalibration:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         self.profile.to_json(path)
-        with open(path.with_suffix(".measurements.json"), "w") as f:
-            json.dump(self.measurements, f, indent=1)
-            f.write("\n")
+        path.with_suffix(".measurements.json").write_text(json.dumps(self.measurements, indent=1) + "\n")
         return path
-
 
 
 @dataclass(frozen=True)
@@ -192,7 +189,8 @@ def measure_linear(run: _Run, model: Transformer, shape: ModelShape, t_overhead:
         tokens = ((1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384) if not run.gpu
                   else (1, 4, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192))
     linear = [{"tokens": n, "seconds": time_forward(model, n, 1, SHORT, reps=run.reps)} for n in tokens]
-    set_linear_rates(linear, shape.n_params_linear * run.es, t_overhead)
+    for r, t in zip(linear, nondecreasing([r["seconds"] for r in linear])):
+        r["weight_bytes_per_s"] = shape.n_params_linear * run.es / max(t - t_overhead, 0.05 * t)
     return linear
 
 
@@ -206,7 +204,10 @@ def measure_attention(run: _Run, model: Transformer, shape: ModelShape) -> list[
         t_long = time_forward(model, att_batch, q, att_len, reps=run.reps)
         t_short = time_forward(model, att_batch, q, SHORT, reps=run.reps)
         attention.append({"q": q, "batch": att_batch, "kv_len": att_len, "seconds": t_long, "seconds_short": t_short})
-    set_attention_rates(attention, att_batch * att_len * shape.kv_bytes_per_token(run.es))
+    # the KV bytes over what the long cache adds to the short one's time
+    extra = nondecreasing([max(r["seconds"] - r["seconds_short"], 0.05 * r["seconds"]) for r in attention])
+    for r, t in zip(attention, extra):
+        r["kv_bytes_per_s"] = att_batch * att_len * shape.kv_bytes_per_token(run.es) / t
     return attention
 
 
@@ -256,20 +257,6 @@ def check_forwards(run: _Run, model: Transformer, shape: ModelShape, profile: Ha
         pred = forward_cost(Workload(shape, profile, b, L, run.es, run.es), q, L).time - loop_extra
         forwards.append({"batch": b, "q": q, "kv_len": L, "seconds": t, "predicted": pred})
     return forwards
-
-
-def set_linear_rates(linear: list[dict[str, Any]], weight_bytes: float, t_overhead: float) -> None:
-    """Add "weight_bytes_per_s" to forwards timed at growing token counts ({"tokens", "seconds"})."""
-    for r, t in zip(linear, nondecreasing([r["seconds"] for r in linear])):
-        r["weight_bytes_per_s"] = weight_bytes / max(t - t_overhead, 0.05 * t)
-
-
-def set_attention_rates(attention: list[dict[str, Any]], kv_bytes: float) -> None:
-    """Add "kv_bytes_per_s" to long-cache forwards timed at growing q ({"q", "seconds", "seconds_short"}):
-    the KV bytes over what the long cache adds to the short one's time."""
-    extra = nondecreasing([max(r["seconds"] - r["seconds_short"], 0.05 * r["seconds"]) for r in attention])
-    for r, t in zip(attention, extra):
-        r["kv_bytes_per_s"] = kv_bytes / t
 
 
 def nondecreasing(values: Sequence[float]) -> list[float]:

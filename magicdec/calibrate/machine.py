@@ -11,29 +11,23 @@ import torch
 from magicdec.cpu import reported_flags
 
 
+def _proc_field(path: str, key: str) -> str | None:
+    """The value of the first `key: value` line of a /proc file; None where there is none (or no file)."""
+    try:
+        with open(path) as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith(key)), None)
+    except OSError:
+        return None
+
+
 def device_memory_bytes(device: torch.device) -> float:
     """Device memory (CUDA) or physical memory (CPU), bytes."""
     if device.type == "cuda":
         return float(torch.cuda.get_device_properties(device).total_memory)
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    return float(int(line.split()[1]) * 1024)
-    except OSError:
-        pass
+    total = _proc_field("/proc/meminfo", "MemTotal:")  # "<n> kB"
+    if total is not None:
+        return float(int(total.split()[0]) * 1024)
     return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def machine_info(device: str | torch.device = "cpu") -> dict[str, Any]:
@@ -42,7 +36,7 @@ def machine_info(device: str | torch.device = "cpu") -> dict[str, Any]:
     dev = torch.device(device)
     info: dict[str, Any] = {
         "device": str(dev),
-        "cpu": _cpu_model(),
+        "cpu": _proc_field("/proc/cpuinfo", "model name") or platform.processor() or platform.machine(),
         "cpu_flags": reported_flags(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),

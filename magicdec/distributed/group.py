@@ -12,8 +12,9 @@ from __future__ import annotations
 import os
 import random
 import time
+from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -55,35 +56,35 @@ class TPGroup:
         self.rank, self.world_size, self.device = rank, world_size, device
         self.backend, self.timeout_s = backend, timeout_s
         self.comm_s = 0.0
-        self.n_all_reduce = 0
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
 
-    def _failed(self, e: Exception) -> DistributedError:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        return DistributedError(f"rank {self.rank} of {self.world_size}: a collective failed (another rank died, "
-                                f"hung for more than {self.timeout_s:g}s, or is unreachable): {first}")
+    @contextmanager
+    def _collective(self) -> Iterator[None]:
+        """Turn a collective's failure (DistBackendError, gloo's timeouts and closed connections) into one
+        DistributedError."""
+        try:
+            yield
+        except RuntimeError as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise DistributedError(f"rank {self.rank} of {self.world_size}: a collective failed (another rank died, "
+                                   f"hung for more than {self.timeout_s:g}s, or is unreachable): {first}") from None
 
     def all_reduce_(self, x: Tensor) -> Tensor:
         """Sum x over the ranks, in place; returns x."""
         t = time.perf_counter()
-        try:
+        with self._collective():
             dist.all_reduce(x)
-        except RuntimeError as e:  # DistBackendError, gloo's timeouts and closed connections
-            raise self._failed(e) from None
         self.comm_s += time.perf_counter() - t
-        self.n_all_reduce += 1
         return x
 
     def gather(self, value: Any) -> list[Any]:
         """Every rank's `value` (a picklable object), in rank order."""
         out: list[Any] = [None] * self.world_size
-        try:
+        with self._collective():
             dist.all_gather_object(out, value)
-        except RuntimeError as e:
-            raise self._failed(e) from None
         return out
 
     def agree(self, what: str, value: Any) -> None:
@@ -101,10 +102,8 @@ class TPGroup:
     def share(self, value: Any) -> Any:
         """Rank 0's `value` (a picklable object; the others pass anything) on every rank."""
         box = [value]
-        try:
+        with self._collective():
             dist.broadcast_object_list(box, src=0)
-        except RuntimeError as e:
-            raise self._failed(e) from None
         return box[0]
 
     def shared_seed(self) -> int:

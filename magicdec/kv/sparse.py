@@ -48,18 +48,8 @@ class SparseKVCache(KVCache):
 
     PER_ROW = KVCache.PER_ROW + ("slot_pos", "win_start", "n_prefix")
 
-    def __init__(
-        self,
-        cfg: ModelConfig,
-        batch: int,
-        budget: int,
-        keep: int,
-        slack: int,
-        dtype: torch.dtype,
-        device: torch.device | str,
-        reindex: bool,
-        inv_freq: Tensor,
-    ):
+    def __init__(self, cfg: ModelConfig, batch: int, budget: int, keep: int, slack: int, dtype: torch.dtype,
+                 device: torch.device | str, reindex: bool, inv_freq: Tensor):
         if not 0 <= keep < budget:
             raise ValueError(f"the fixed prefix ({keep}) must be smaller than the budget ({budget})")
         super().__init__(cfg, batch, budget + slack, dtype, device)

@@ -48,30 +48,27 @@ def config_from_gguf(meta: dict) -> ModelConfig:
     if arch != "llama":
         raise UnsupportedModelError(f"unsupported GGUF architecture {arch!r} (supported: 'llama')")
 
-    def required(field: str) -> object:
-        if meta.get(GGUF_KEYS[field]) is None:
-            raise ModelLoadError(f"GGUF metadata lacks {GGUF_KEYS[field]}")
-        return meta[GGUF_KEYS[field]]
+    def value(field: str, default: object = None) -> object:
+        return meta.get(GGUF_KEYS[field], default)
 
-    p = "llama."
+    def required(field: str) -> object:
+        if value(field) is None:
+            raise ModelLoadError(f"GGUF metadata lacks {GGUF_KEYS[field]}")
+        return value(field)
+
     n_heads = required("n_heads")
-    eos = meta.get("tokenizer.ggml.eos_token_id")
+    eos = value("eos_token_ids")
     tokens = meta.get("tokenizer.ggml.tokens")
     try:
         return ModelConfig(
-            vocab_size=meta.get(p + "vocab_size") or (len(tokens) if isinstance(tokens, list) else 0),
-            dim=required("dim"),
-            n_layers=required("n_layers"),
-            n_heads=n_heads,
-            n_kv_heads=meta.get(p + "attention.head_count_kv", n_heads),
-            ffn_dim=required("ffn_dim"),
-            head_dim=meta.get(p + "attention.key_length") or meta.get(p + "rope.dimension_count") or 0,
-            norm_eps=meta.get(p + "attention.layer_norm_rms_epsilon", 1e-5),
-            rope_theta=meta.get(p + "rope.freq_base", 10000.0),
-            max_seq_len=meta.get(p + "context_length", 4096),
+            vocab_size=value("vocab_size") or (len(tokens) if isinstance(tokens, list) else 0),
+            dim=required("dim"), n_layers=required("n_layers"), n_heads=n_heads,
+            n_kv_heads=value("n_kv_heads", n_heads), ffn_dim=required("ffn_dim"),
+            head_dim=value("head_dim") or meta.get("llama.rope.dimension_count") or 0,
+            norm_eps=value("norm_eps", 1e-5), rope_theta=value("rope_theta", 10000.0),
+            max_seq_len=value("max_seq_len", 4096),
             tie_embeddings=False,  # decided by the presence of output.weight, see load_gguf_state_dict
-            bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-            eos_token_ids=() if eos is None else (eos,),
+            bos_token_id=value("bos_token_id"), eos_token_ids=() if eos is None else (eos,),
             architecture="LlamaForCausalLM",
         )
     except ConfigFieldError as e:
@@ -92,18 +89,10 @@ def load_gguf_state_dict(reader, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     from gguf.quants import dequantize
 
     names = {
-        "token_embd": "model.embed_tokens",
-        "output_norm": "model.norm",
-        "output": "lm_head",
-        "attn_norm": "input_layernorm",
-        "attn_q": "self_attn.q_proj",
-        "attn_k": "self_attn.k_proj",
-        "attn_v": "self_attn.v_proj",
-        "attn_output": "self_attn.o_proj",
-        "ffn_norm": "post_attention_layernorm",
-        "ffn_gate": "mlp.gate_proj",
-        "ffn_up": "mlp.up_proj",
-        "ffn_down": "mlp.down_proj",
+        "token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
+        "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+        "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
+        "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
     }
     sd = {}
     for t in reader.tensors:

@@ -31,10 +31,10 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self.tok.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of a prompt, with BOS prepended when the model expects it."""
+    def encode(self, text: str, add_bos: bool = True) -> list[int]:
+        """Token ids of a prompt, with BOS prepended when the model expects it (and `add_bos` allows it)."""
         ids = self.tok.encode(text, add_special_tokens=False).ids
-        return [self.bos_id, *ids] if self.add_bos else ids
+        return [self.bos_id, *ids] if self.add_bos and add_bos else ids
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         ids = [e.ids for e in self.tok.encode_batch(list(texts), add_special_tokens=False)]

@@ -6,6 +6,7 @@ import bisect
 import json
 import math
 import os
+from pathlib import Path
 from statistics import NormalDist
 
 from magicdec.jsonfile import read_json_object
@@ -34,6 +35,12 @@ def expected_max_normal(n: int) -> float:
     if n < 1:
         raise ValueError(f"n must be positive, got {n}")
     return NormalDist().inv_cdf((n - 0.375) / (n + 0.25))
+
+
+def check_mode(mode: str) -> None:
+    """Raise ValueError unless `mode` is one of MODES."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
 
 
 def _interpolate_log(x: float, xs: list[float], ys: list[float]) -> float:
@@ -94,19 +101,12 @@ class AcceptanceTable:
         self._data: dict[tuple[str, str], dict[int | None, dict[int | None, float]]] = {}
         self._row_spread: dict[tuple[str, str], float] = {}
 
-    def add(
-        self,
-        drafter: str,
-        alpha: float,
-        budget: int | None = None,
-        mode: str = "greedy",
-        context: int | None = None,
-    ) -> None:
+    def add(self, drafter: str, alpha: float, budget: int | None = None, mode: str = "greedy",
+            context: int | None = None) -> None:
         """Record a measured rate; `context=None` means it holds at every context length."""
         if not 0.0 <= alpha <= 1.0:
             raise ValueError(f"alpha must be in [0, 1], got {alpha}")
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        check_mode(mode)
         if budget is not None and budget < 1:
             raise ValueError(f"budget must be positive or None, got {budget}")
         if context is not None and context < 1:
@@ -120,8 +120,7 @@ class AcceptanceTable:
         """Record the standard deviation of per-sequence acceptance rates of `drafter` in `mode`."""
         if not 0.0 <= sd <= 1.0:
             raise ValueError(f"row spread must be in [0, 1], got {sd}")
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        check_mode(mode)
         self._row_spread[(drafter, mode)] = sd
 
     def row_spread(self, drafter: str, mode: str = "greedy") -> float:
@@ -178,9 +177,7 @@ class AcceptanceTable:
         data: dict = {"entries": entries, "row_spread": spread}
         if meta is not None:
             data["meta"] = meta
-        with open(path, "w") as f:
-            json.dump(data, f, indent=2)
-            f.write("\n")
+        Path(path).write_text(json.dumps(data, indent=2) + "\n")
 
     @classmethod
     def from_json(cls, path: str | os.PathLike[str]) -> AcceptanceTable:
@@ -189,13 +186,8 @@ class AcceptanceTable:
         table = cls()
         try:
             for entry in data["entries"]:
-                table.add(
-                    _text(entry["drafter"]),
-                    _number(entry["alpha"]),
-                    budget=_count(entry.get("budget")),
-                    mode=entry.get("mode", "greedy"),
-                    context=_count(entry.get("context")),
-                )
+                table.add(_text(entry["drafter"]), _number(entry["alpha"]), budget=_count(entry.get("budget")),
+                          mode=entry.get("mode", "greedy"), context=_count(entry.get("context")))
             for entry in data.get("row_spread", []):
                 table.set_row_spread(_text(entry["drafter"]), _number(entry["sd"]), mode=entry.get("mode", "greedy"))
         except KeyError as e:

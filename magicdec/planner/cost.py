@@ -156,17 +156,10 @@ def forward_cost(w: Workload, q: int, kv_len: int) -> ForwardCost:
     shares["weights" if t_linear_memory >= t_linear_compute else "compute"] += max(t_linear_memory, t_linear_compute)
     shares["kv" if t_kv >= t_attention_compute else "compute"] += max(t_kv, t_attention_compute)
     return ForwardCost(
-        bytes_weights=bytes_weights,
-        bytes_kv=bytes_kv,
-        bytes_activations=bytes_activations,
-        flops_linear=flops_linear,
-        flops_attention=flops_attention,
-        t_memory=t_linear_memory + t_kv,
-        t_compute=t_linear_compute + t_attention_compute,
-        t_comm=t_comm,
-        t_overhead=t_overhead,
-        time=sum(shares.values()),
-        dominant=max(shares, key=lambda k: shares[k]),
+        bytes_weights=bytes_weights, bytes_kv=bytes_kv, bytes_activations=bytes_activations,
+        flops_linear=flops_linear, flops_attention=flops_attention,
+        t_memory=t_linear_memory + t_kv, t_compute=t_linear_compute + t_attention_compute, t_comm=t_comm,
+        t_overhead=t_overhead, time=sum(shares.values()), dominant=max(shares, key=lambda k: shares[k]),
     )
 
 

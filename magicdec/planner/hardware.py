@@ -8,6 +8,7 @@ import math
 import os
 from dataclasses import dataclass
 from importlib import resources
+from pathlib import Path
 
 from magicdec.jsonfile import read_json_object
 
@@ -105,9 +106,7 @@ class HardwareProfile:
 
     def to_json(self, path: str | os.PathLike[str]) -> None:
         """Write this profile to a JSON file."""
-        with open(path, "w") as f:
-            json.dump(dataclasses.asdict(self), f, indent=2)
-            f.write("\n")
+        Path(path).write_text(json.dumps(dataclasses.asdict(self), indent=2) + "\n")
 
     @classmethod
     def from_json(cls, path: str | os.PathLike[str]) -> HardwareProfile:
@@ -130,48 +129,32 @@ GB = 1e9
 TB = 1e12
 TFLOPS = 1e12
 
-# GPU presets. Peak numbers are from the NVIDIA datasheets; the efficiencies and the fixed
-# overhead are our assumptions (typical of a compiled PyTorch decode loop), not measurements.
-# Datasheets quote "with sparsity" tensor FLOP/s; we use the dense figure (half of it).
-_GPU_EFFICIENCY = dict(
-    matmul_efficiency=0.7,
-    bandwidth_efficiency=0.8,
-    attention_efficiency=0.5,
-    fixed_overhead_s=2e-3,
-)
 
-PRESETS: dict[str, HardwareProfile] = {
+# GPU presets. Peak numbers are from the NVIDIA datasheets; the efficiencies (the profile's defaults) and
+# the fixed overhead are our assumptions (typical of a compiled PyTorch decode loop), not measurements.
+# Datasheets quote "with sparsity" tensor FLOP/s; we use the dense figure (half of it).
+def _gpu(name: str, tflops: float, mem_bandwidth: float, mem_gb: float, ici_gb: float) -> HardwareProfile:
+    return HardwareProfile(name=name, flops_per_s=tflops * TFLOPS, mem_bandwidth=mem_bandwidth, mem_bytes=mem_gb * GB,
+                           ici_bandwidth=ici_gb * GB, fixed_overhead_s=2e-3)
+
+
+PRESETS: dict[str, HardwareProfile] = {p.name: p for p in (
     # NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB): BF16 312 TFLOPS dense,
     # 2,039 GB/s HBM2e, 80 GB; NVLink 600 GB/s total = 300 GB/s each direction.
-    "a100-80gb": HardwareProfile(
-        name="a100-80gb", flops_per_s=312 * TFLOPS, mem_bandwidth=2.039 * TB, mem_bytes=80 * GB,
-        ici_bandwidth=300 * GB, **_GPU_EFFICIENCY,
-    ),
+    _gpu("a100-80gb", tflops=312, mem_bandwidth=2.039 * TB, mem_gb=80, ici_gb=300),
     # NVIDIA H100 Tensor Core GPU datasheet (SXM 80GB): BF16 1,979 TFLOPS with sparsity
     # = 989 dense, 3.35 TB/s HBM3, 80 GB; NVLink 900 GB/s total = 450 GB/s each direction.
-    "h100": HardwareProfile(
-        name="h100", flops_per_s=989 * TFLOPS, mem_bandwidth=3.35 * TB, mem_bytes=80 * GB,
-        ici_bandwidth=450 * GB, **_GPU_EFFICIENCY,
-    ),
+    _gpu("h100", tflops=989, mem_bandwidth=3.35 * TB, mem_gb=80, ici_gb=450),
     # NVIDIA H200 datasheet (SXM): same compute as H100 (989 TFLOPS BF16 dense),
     # 4.8 TB/s HBM3e, 141 GB; NVLink 900 GB/s total.
-    "h200": HardwareProfile(
-        name="h200", flops_per_s=989 * TFLOPS, mem_bandwidth=4.8 * TB, mem_bytes=141 * GB,
-        ici_bandwidth=450 * GB, **_GPU_EFFICIENCY,
-    ),
+    _gpu("h200", tflops=989, mem_bandwidth=4.8 * TB, mem_gb=141, ici_gb=450),
     # NVIDIA L40S datasheet: BF16 362 TFLOPS dense (733 with sparsity), 864 GB/s GDDR6,
     # 48 GB; no NVLink, PCIe Gen4 x16 = 64 GB/s bidirectional = 32 GB/s each direction.
-    "l40s": HardwareProfile(
-        name="l40s", flops_per_s=362 * TFLOPS, mem_bandwidth=864 * GB, mem_bytes=48 * GB,
-        ici_bandwidth=32 * GB, **_GPU_EFFICIENCY,
-    ),
+    _gpu("l40s", tflops=362, mem_bandwidth=864 * GB, mem_gb=48, ici_gb=32),
     # NVIDIA L40 datasheet: BF16 181 TFLOPS dense (362 with sparsity), 864 GB/s GDDR6,
     # 48 GB; PCIe Gen4 x16 as L40S.
-    "l40": HardwareProfile(
-        name="l40", flops_per_s=181 * TFLOPS, mem_bandwidth=864 * GB, mem_bytes=48 * GB,
-        ici_bandwidth=32 * GB, **_GPU_EFFICIENCY,
-    ),
-}
+    _gpu("l40", tflops=181, mem_bandwidth=864 * GB, mem_gb=48, ici_gb=32),
+)}
 
 #: CPU presets: profiles `magicdec calibrate` measured on this project's machines (package data), each
 #: named after what it measured: cpu-<matmul hardware (`magicdec.cpu.cpu_kind`)>-<threads>t-<dtype>.

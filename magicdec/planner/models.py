@@ -66,15 +66,12 @@ class ModelShape:
             dim = config["hidden_size"]
             return cls(
                 name=name or config.get("_name_or_path") or config.get("model_type") or "custom",
-                n_layers=config["num_hidden_layers"],
-                dim=dim,
-                n_heads=n_heads,
+                n_layers=config["num_hidden_layers"], dim=dim, n_heads=n_heads,
                 n_kv_heads=config.get("num_key_value_heads") or n_heads,
                 # Some configs carry "head_dim": null; then it is the usual dim / heads (0, refused, when
                 # those are not positive integers themselves).
                 head_dim=config.get("head_dim") or (dim // n_heads if _positive_ints(dim, n_heads) else 0),
-                ffn_dim=config["intermediate_size"],
-                vocab_size=config["vocab_size"],
+                ffn_dim=config["intermediate_size"], vocab_size=config["vocab_size"],
                 tie_embeddings=bool(config.get("tie_word_embeddings", False)),
             )
         except KeyError as e:

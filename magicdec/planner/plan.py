@@ -8,7 +8,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from magicdec.planner.acceptance import MODES, AcceptanceTable, expected_tokens
+from magicdec.planner.acceptance import AcceptanceTable, check_mode, expected_tokens
 from magicdec.planner.cost import Workload, decode_step_time, draft_time, forward_cost, verify_step_time
 from magicdec.planner.models import ModelShape
 
@@ -101,8 +101,7 @@ def _check_plan_args(w: Workload, chosen: set[str], gammas: list[int], mode: str
         raise ValueError(f"gammas must be positive, got {gammas}")
     if w.batch < 1 or w.context < 1:
         raise ValueError(f"batch and context must be positive, got {w.batch}, {w.context}")
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    check_mode(mode)
     if rows < 1:
         raise ValueError(f"rows must be positive, got {rows}")
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 
@@ -30,17 +31,9 @@ def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[str] | None =
     return "\n".join(lines)
 
 
-def plot_speedup(
-    rows: Sequence[dict[str, Any]],
-    path: str | os.PathLike[str],
-    *,
-    x: str = "batch",
-    y: str = "predicted_speedup",
-    group: str = "context",
-    title: str = "",
-    ylabel: str | None = None,
-    logx: bool = True,
-) -> None:
+def plot_speedup(rows: Sequence[dict[str, Any]], path: str | os.PathLike[str], *, x: str = "batch",
+                 y: str = "predicted_speedup", group: str = "context", title: str = "", ylabel: str | None = None,
+                 logx: bool = True) -> None:
     """Plot `y` against `x`, one line per value of `group`, and save a PNG at `path`.
 
     The defaults draw predicted speedup against batch size, one line per context length.
@@ -59,12 +52,17 @@ def plot_speedup(
         ax.set_xscale("log", base=2)
     if y == "predicted_speedup":
         ax.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
-    ax.set_xlabel(x)
-    ax.set_ylabel(ylabel or y)
-    if title:
-        ax.set_title(title)
+    ax.set(xlabel=x, ylabel=ylabel or y, title=title)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize="small")
+    save_figure(fig, path)
+
+
+def save_figure(fig: Any, path: str | os.PathLike[str], dpi: int = 100) -> Path:
+    """Lay out a matplotlib figure, write it to `path` and close it; returns the path."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=dpi)
     plt.close(fig)
+    return Path(path)

@@ -222,7 +222,7 @@ class Server:
         if self.template is None:
             raise InvalidRequestError("this model has no chat template; use /v1/completions")
         text = self.template.render([{"role": m.role, "content": m.text()} for m in messages], add_generation_prompt)
-        return self.tokenizer.tok.encode(text, add_special_tokens=False).ids  # the template places BOS itself
+        return self.tokenizer.encode(text, add_bos=False)  # the template places BOS itself
 
     def completion_prompts(self, prompt: str | list) -> list[list[int]]:
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
@@ -280,10 +280,8 @@ class Server:
             raise InvalidRequestError("give either `prompt` or `messages`")
         if body.messages is not None:
             tokens = self.render_chat(body.messages, body.add_generation_prompt)
-        elif body.add_special_tokens:
-            tokens = self.tokenizer.encode(body.prompt)
         else:
-            tokens = self.tokenizer.tok.encode(body.prompt, add_special_tokens=False).ids
+            tokens = self.tokenizer.encode(body.prompt, add_bos=body.add_special_tokens)
         return {"count": len(tokens), "max_model_len": self.engine.max_model_len, "tokens": tokens,
                 "token_strs": None}
 

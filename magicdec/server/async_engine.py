@@ -86,7 +86,6 @@ class _Add:
     stream: _Stream
     done: asyncio.Future = field(repr=False)
 
-
     def mirrored(self) -> tuple:
         return ("add", self.request_id, self.prompt_ids, self.params)
 

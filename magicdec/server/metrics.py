@@ -34,40 +34,33 @@ class ServerMetrics:
         labels = {"model_name": model_name}
         names = list(labels)
 
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(f"magicdec:{name}", doc, names, registry=r).labels(**labels)
+        def metric(kind: type, name: str, doc: str, more_labels: Sequence[str] = (), **kwargs):
+            """A `kind` metric named magicdec:`name`, labelled with the model (the other labels left open)."""
+            m = kind(f"magicdec:{name}", doc, names + list(more_labels), registry=r, **kwargs)
+            return m if more_labels else m.labels(**labels)
 
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(f"magicdec:{name}", doc, names, registry=r).labels(**labels)
-
-        def histogram(name: str, doc: str, buckets: Sequence[float]) -> Histogram:
-            return Histogram(f"magicdec:{name}", doc, names, buckets=buckets, registry=r).labels(**labels)
-
-        self.running = gauge("num_requests_running", "Requests holding a slot (prefilling or decoding).")
-        self.waiting = gauge("num_requests_waiting", "Requests queued for a slot.")
-        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of the preallocated KV slots in use (1 = all).")
-        self.gamma = gauge("spec_decode_gamma", "Draft length of the latest decode round (0: plain decoding).")
-        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens prefilled.")
-        self.generation_tokens = counter("generation_tokens", "Output tokens generated.")
-        self._success = Counter("magicdec:request_success", "Requests finished, by reason.",
-                                names + ["finished_reason"], registry=r)
-        self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token.", TTFT_BUCKETS)
-        self.itl = histogram("inter_token_latency_seconds", "Time between a request's engine steps that gave "
-                             "it tokens (a speculative step can give several).", TOKEN_BUCKETS)
-        self.tpot = histogram("time_per_output_token_seconds", "Per request: (e2e - TTFT) / (output tokens - 1).",
-                              TOKEN_BUCKETS)
-        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to last token.", E2E_BUCKETS)
-        self.drafts = counter("spec_decode_num_drafts", "Verify rounds, counted per request.")
-        self.draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens proposed.")
-        self.accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
-        self._per_pos = Counter("magicdec:spec_decode_num_accepted_tokens_per_pos",
-                                "Draft tokens accepted, by position in the draft (0 = first).",
-                                names + ["position"], registry=r)
-        self.acceptance = histogram("request_acceptance_length",
-                                    "Per finished speculative request: mean tokens per verify round.",
-                                    ACCEPTANCE_BUCKETS)
-        info = Gauge("magicdec:spec_decode_info", "The drafter this server runs (value 1).",
-                     names + ["drafter", "budget"], registry=r)
+        self.running = metric(Gauge, "num_requests_running", "Requests holding a slot (prefilling or decoding).")
+        self.waiting = metric(Gauge, "num_requests_waiting", "Requests queued for a slot.")
+        self.kv_usage = metric(Gauge, "kv_cache_usage_perc", "Fraction of the preallocated KV slots in use (1 = all).")
+        self.gamma = metric(Gauge, "spec_decode_gamma", "Draft length of the latest decode round (0: plain decoding).")
+        self.prompt_tokens = metric(Counter, "prompt_tokens", "Prompt tokens prefilled.")
+        self.generation_tokens = metric(Counter, "generation_tokens", "Output tokens generated.")
+        self._success = metric(Counter, "request_success", "Requests finished, by reason.", ["finished_reason"])
+        self.ttft = metric(Histogram, "time_to_first_token_seconds", "Arrival to first token.", buckets=TTFT_BUCKETS)
+        self.itl = metric(Histogram, "inter_token_latency_seconds", "Time between a request's engine steps that gave "
+                          "it tokens (a speculative step can give several).", buckets=TOKEN_BUCKETS)
+        self.tpot = metric(Histogram, "time_per_output_token_seconds",
+                           "Per request: (e2e - TTFT) / (output tokens - 1).", buckets=TOKEN_BUCKETS)
+        self.e2e = metric(Histogram, "e2e_request_latency_seconds", "Arrival to last token.", buckets=E2E_BUCKETS)
+        self.drafts = metric(Counter, "spec_decode_num_drafts", "Verify rounds, counted per request.")
+        self.draft_tokens = metric(Counter, "spec_decode_num_draft_tokens", "Draft tokens proposed.")
+        self.accepted_tokens = metric(Counter, "spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self._per_pos = metric(Counter, "spec_decode_num_accepted_tokens_per_pos",
+                               "Draft tokens accepted, by position in the draft (0 = first).", ["position"])
+        self.acceptance = metric(Histogram, "request_acceptance_length",
+                                 "Per finished speculative request: mean tokens per verify round.",
+                                 buckets=ACCEPTANCE_BUCKETS)
+        info = metric(Gauge, "spec_decode_info", "The drafter this server runs (value 1).", ["drafter", "budget"])
         info.labels(**labels, drafter=drafter, budget=str(budget or 0)).set(1)
         self._labels = labels
         self._last_token: dict[str, float] = {}  # request id -> when its latest tokens arrived
