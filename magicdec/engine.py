@@ -148,9 +148,7 @@ class LLMEngine:
                  progress: ProgressFn | None = None) -> list[Request]:
         """The offline loop: queue every prompt (ids), step until all are done; the requests in prompt order.
         `params` is one for all or one per prompt; `progress` gets (prompt + output tokens done, in all)."""
-        per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
-        if len(per_prompt) != len(prompts) or not all(isinstance(p, SamplingParams) for p in per_prompt):
-            raise InvalidRequestError("params must be one SamplingParams or one per prompt")
+        per_prompt = per_prompt_params(params, len(prompts))
         requests = [self.add_request(f"offline-{next(self._offline_ids)}", p, sp) for p, sp in zip(prompts, per_prompt)]
         total = sum(len(p) + sp.max_tokens for p, sp in zip(prompts, per_prompt))
         while self.has_unfinished():
@@ -180,6 +178,14 @@ class LLMEngine:
             if s in text:
                 text = text[: text.index(s)]
         return text
+
+
+def per_prompt_params(params: SamplingParams | Sequence[SamplingParams], n: int) -> list[SamplingParams]:
+    """One SamplingParams for each of n prompts, from one for all or one per prompt."""
+    per_prompt = [params] * n if isinstance(params, SamplingParams) else list(params)
+    if len(per_prompt) != n or not all(isinstance(p, SamplingParams) for p in per_prompt):
+        raise InvalidRequestError("params must be one SamplingParams or one per prompt")
+    return per_prompt
 
 
 def check_token_ids(ids: Sequence[int], vocab_size: int) -> list[int]:
@@ -318,10 +324,7 @@ class LLM:
             if prompt_token_ids is not None else self.encode(prompts or [])
         if not ids:
             raise InvalidRequestError("no prompts given")
-        params = params if params is not None else SamplingParams()
-        per_prompt = [params] * len(ids) if isinstance(params, SamplingParams) else list(params)
-        if len(per_prompt) != len(ids) or not all(isinstance(p, SamplingParams) for p in per_prompt):
-            raise InvalidRequestError("params must be one SamplingParams or one per prompt")
+        per_prompt = per_prompt_params(SamplingParams() if params is None else params, len(ids))
         for i, (p, sp) in enumerate(zip(ids, per_prompt)):
             if len(p) + sp.max_tokens > self.max_model_len:
                 raise InvalidRequestError(
