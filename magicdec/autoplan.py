@@ -6,16 +6,17 @@
                                   model_name=model_key(llm.loaded.source))
     llm.generate(prompts, params, speculative=spec, gamma_policy=replanner)  # spec None: plain decoding wins
 
-The draft length is re-planned every engine step (the `Replanner`, the scheduler's gamma policy): requests arrive and finish and contexts grow, and all of it moves the best gamma. The strategy
-and budget stay as chosen at the start; where plain decoding is the better choice for the live batch
-(say, few sequences at a short context), that step decodes plainly, and drafting resumes when it pays.
-The re-planner (`Replanner`) learns from the rounds it sees: the acceptance rate of the text being
-generated, and how long draft rounds and plain steps take against the cost model's predictions.
+The draft length is re-planned every engine step (the `Replanner`, the scheduler's gamma policy): requests arrive and
+finish and contexts grow, and all of it moves the best gamma. The strategy and budget stay as chosen at the start;
+where plain decoding is the better choice for the live batch (say, few sequences at a short context), that step
+decodes plainly, and drafting resumes when it pays. The re-planner (`Replanner`) learns from the rounds it sees: the
+acceptance rate of the text being generated, and how long draft rounds and plain steps take against the cost model's
+predictions.
 
-The model's shape and dtypes come from the Transformer; the hardware profile is the one `magicdec
-calibrate` saved for the device and the dtype in use (else the preset measured in that dtype, on this kind
-of CPU where there is one); the acceptance rates are the ones measured for this model (else the table
-shipped with the package, measured on SmolLM2-135M with PG-19 text). See `magicdec.profiles`.
+The model's shape and dtypes come from the Transformer; the hardware profile is the one `magicdec calibrate` saved
+for the device and the dtype in use (else the preset measured in that dtype, on this kind of CPU where there is one);
+the acceptance rates are the ones measured for this model (else the table shipped with the package, measured on
+SmolLM2-135M with PG-19 text). See `magicdec.profiles`.
 """
 
 from __future__ import annotations
@@ -78,18 +79,17 @@ def choose(
 ) -> tuple[SpeculativeConfig | None, Replanner | None, Plan]:
     """The predicted-fastest way to decode `batch` sequences of `context` tokens with `model`.
 
-    Returns (SpeculativeConfig, the Replanner that picks each step's draft length, plan), or (None, None,
-    plan) when plain autoregressive decoding is predicted to be at least as fast. `model` is the Transformer that will decode (a planner ModelShape plans for a
-    model or machine you do not have). `profile`: a HardwareProfile, preset name or JSON path (default: the
-    calibrated profile of the model's device and dtype, else a preset). `acceptance`: a table or its JSON
-    path (default: the one measured for the model named `model_name` (`profiles.model_key`), else the
-    built-in table). `mode`: "greedy" or "sampling" (temperature > 0). `dtype` defaults to the model's,
-    `kv_dtype` to `dtype`; for a ModelShape, `dtype` defaults to the profile's, else 4 bytes on a CPU
-    profile and 2 on others. Raises InvalidRequestError when the profile or the acceptance table cannot be
-    found or read. Under tensor parallelism (a Transformer loaded as one rank) the ranks must use the same
-    profile, and the plan is for the whole model over the ranks when the profile knows the all-reduce
-    (`magicdec calibrate`), else for this rank's share alone.
-    """
+    Returns (SpeculativeConfig, the Replanner that picks each step's draft length, plan), or (None, None, plan) when
+    plain autoregressive decoding is predicted to be at least as fast. `model` is the Transformer that will decode (a
+    planner ModelShape plans for a model or machine you do not have). `profile`: a HardwareProfile, preset name or
+    JSON path (default: the calibrated profile of the model's device and dtype, else a preset). `acceptance`: a table
+    or its JSON path (default: the one measured for the model named `model_name` (`profiles.model_key`), else the
+    built-in table). `mode`: "greedy" or "sampling" (temperature > 0). `dtype` defaults to the model's, `kv_dtype` to
+    `dtype`; for a ModelShape, `dtype` defaults to the profile's, else 4 bytes on a CPU profile and 2 on others.
+    Raises InvalidRequestError when the profile or the acceptance table cannot be found or read. Under tensor
+    parallelism (a Transformer loaded as one rank) the ranks must use the same profile, and the plan is for the whole
+    model over the ranks when the profile knows the all-reduce (`magicdec calibrate`), else for this rank's share
+    alone."""
     strategies = tuple(strategies)
     if dtype is None and isinstance(model, Transformer):
         dtype = model.dtype
@@ -123,8 +123,8 @@ def _hardware(profile: HardwareProfile | str | os.PathLike[str] | None, device: 
 
 def _workload(model: Transformer | ModelShape, hw: HardwareProfile, batch: int, context: int,
               dtype: Dtype | None, kv_dtype: Dtype | None) -> Workload:
-    """The workload of `model` on `hw`: under tensor parallelism, the whole model over the ranks where the
-    profile knows the all-reduce, else this rank's share alone."""
+    """The workload of `model` on `hw`: under tensor parallelism, the whole model over the ranks where the profile
+    knows the all-reduce, else this rank's share alone."""
     if isinstance(model, ModelShape):
         shape, tp = model, 1
     else:
@@ -166,30 +166,29 @@ def _single_rate(best: Plan, alpha: float, mode: str) -> AcceptanceTable:
 
 
 class Replanner(GammaPolicy):
-    """`--draft auto`'s per-step draft length for the chosen drafter: the plan at the live batch and mean
-    context, corrected by what this run measures.
+    """`--draft auto`'s per-step draft length for the chosen drafter: the plan at the live batch and mean context,
+    corrected by what this run measures.
 
-    Steady state (rows=1): one step's tokens are its rows' mean acceptance; slower rows stay on to be
-    re-planned as the batch they leave behind shrinks. Two measurements correct the plan (`observe`, called
-    by the engine after every decode round):
+    Steady state (rows=1): one step's tokens are its rows' mean acceptance; slower rows stay on to be re-planned as
+    the batch they leave behind shrinks. Two measurements correct the plan (`observe`, called by the engine after
+    every decode round):
     - acceptance: the rate starts at the acceptance table's and moves toward the rounds observed, the
-      truncated-geometric estimate of (accepted tokens + PRIOR_TOKENS x table rate) / (accepted +
-      rejections + PRIOR_TOKENS), counts decaying by ACCEPTANCE_DECAY a round, so that text which accepts
-      less (sampling, held-out books) drafts shorter or not at all;
-    - cost: the seconds of recent speculative rounds over the cost model's prediction, relative to the same
-      ratio of plain steps, scales the predicted cost of speculation (the model errs differently for the
-      two, e.g. at a batch or context the profile did not measure; per-forward overheads weigh most at a
-      few rows). So that both are known, a round of the kind not chosen runs now and then (EXPLORE_EVERY,
-      and soon after the live batch changes): a plain step costs nothing against plain decoding; a
-      one-token draft round, where the timings alone turned drafting off, risks a fraction of one step.
-    """
+      truncated-geometric estimate of (accepted tokens + PRIOR_TOKENS x table rate) / (accepted + rejections +
+      PRIOR_TOKENS), counts decaying by ACCEPTANCE_DECAY a round, so that text which accepts less (sampling, held-out
+      books) drafts shorter or not at all;
+    - cost: the seconds of recent speculative rounds over the cost model's prediction, relative to the same ratio of
+      plain steps, scales the predicted cost of speculation (the model errs differently for the two, e.g. at a batch
+      or context the profile did not measure; per-forward overheads weigh most at a few rows). So that both are
+      known, a round of the kind not chosen runs now and then (EXPLORE_EVERY, and soon after the live batch changes):
+      a plain step costs nothing against plain decoding; a one-token draft round, where the timings alone turned
+      drafting off, risks a fraction of one step."""
 
     def __init__(self, gamma_at: Callable[[int, int, float, float], int], predict: Callable[[int, int, int], float],
                  prior: Callable[[int], float], min_context: int, plain: bool = True):
         """`gamma_at(live, context, alpha, spec_time_scale)`: the planned draft length (0: plain decoding);
-        `predict(live, context, gamma)`: the cost model's seconds of that round; `prior(context)`: the
-        acceptance table's rate; `min_context`: the shortest context planned at (beyond the draft budget);
-        `plain`: whether plain steps may run (else every round drafts and only the acceptance is learned)."""
+        `predict(live, context, gamma)`: the cost model's seconds of that round; `prior(context)`: the acceptance
+        table's rate; `min_context`: the shortest context planned at (beyond the draft budget); `plain`: whether
+        plain steps may run (else every round drafts and only the acceptance is learned)."""
         self._gamma_at = functools.lru_cache(maxsize=4096)(gamma_at)
         self._predict = functools.lru_cache(maxsize=4096)(predict)
         self._prior = prior
@@ -197,9 +196,9 @@ class Replanner(GammaPolicy):
         self._plain = plain
         self.accepted = 0.0
         self.rejected = 0.0
-        # measured / predicted seconds of recent rounds: [plain steps, speculative rounds]; the first round
-        # of each kind is left out (first calls allocate and warm up). A draft round after plain steps is
-        # timed like any other: the self-speculative drafter copies the entries of the tokens it missed.
+        # measured / predicted seconds of recent rounds: [plain steps, speculative rounds]; the first round of each
+        # kind is left out (first calls allocate and warm up). A draft round after plain steps is timed like any
+        # other: the self-speculative drafter copies the entries of the tokens it missed.
         self._slowness = (collections.deque(maxlen=TIMING_WINDOW), collections.deque(maxlen=TIMING_WINDOW))
         self._warm = [False, False]
         self._timed_live: list[int | None] = [None, None]  # live rows when each kind was last timed
@@ -216,9 +215,8 @@ class Replanner(GammaPolicy):
 
     def spec_time_scale(self) -> float:
         """Measured over predicted seconds of speculative rounds, relative to plain steps (1 until both are
-        measured), rounded to 0.05 and kept within [1, 4]: timings only ever make drafting dearer than the
-        cost model says (they mix batches and contexts; the plan's margin covers the model's error the
-        other way)."""
+        measured), rounded to 0.05 and kept within [1, 4]: timings only ever make drafting dearer than the cost model
+        says (they mix batches and contexts; the plan's margin covers the model's error the other way)."""
         plain, spec = self._slowness
         if not plain or not spec:
             return 1.0
@@ -226,8 +224,8 @@ class Replanner(GammaPolicy):
         return min(4.0, max(1.0, round(ratio * 20) / 20))
 
     def __call__(self, live: int, mean_context: int) -> int:
-        """The draft length at the live batch and mean context (planned at REPLAN_GRANULARITY tokens); 0 where
-        plain decoding is predicted faster; now and then the other kind of round, to time it."""
+        """The draft length at the live batch and mean context (planned at REPLAN_GRANULARITY tokens); 0 where plain
+        decoding is predicted faster; now and then the other kind of round, to time it."""
         # Rows with long prompts may finish first; the plan needs a context beyond the sparse budget.
         context = max(mean_context // REPLAN_GRANULARITY * REPLAN_GRANULARITY, self._min_context)
         self._planned = (live, context)
@@ -246,8 +244,8 @@ class Replanner(GammaPolicy):
         return gamma
 
     def observe(self, gamma: int, accepted: Sequence[int], seconds: float) -> None:
-        """A round that drafted `gamma` tokens per row (0: a plain step) in `seconds`; `accepted` holds each
-        live row's accepted count."""
+        """A round that drafted `gamma` tokens per row (0: a plain step) in `seconds`; `accepted` holds each live
+        row's accepted count."""
         self.accepted *= ACCEPTANCE_DECAY
         self.rejected *= ACCEPTANCE_DECAY
         if gamma:

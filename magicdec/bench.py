@@ -1,11 +1,11 @@
 """`magicdec bench`: sweep batch x context x drafter x budget x gamma, with resumable JSON and plots.
 
-The distinct prompts of a context are prefilled once into the LLM's prompt cache; every (batch, decode
-configuration) then runs through the engine from copies of that prefill, the batch tiling the distinct
-prompts, side by side with plain decoding in the same process, so speedups are ratios of measurements
-taken minutes apart on the same machine state. With `repeats` > 1 the configurations of a point run in
-turn that many times (plain, auto, ..., plain, auto, ...) and each keeps its median run: on a machine
-whose speed drifts, a ratio of medians of interleaved runs is steadier than one of two single runs.
+The distinct prompts of a context are prefilled once into the LLM's prompt cache; every (batch, decode configuration)
+then runs through the engine from copies of that prefill, the batch tiling the distinct prompts, side by side with
+plain decoding in the same process, so speedups are ratios of measurements taken minutes apart on the same machine
+state. With `repeats` > 1 the configurations of a point run in turn that many times (plain, auto, ..., plain, auto,
+...) and each keeps its median run: on a machine whose speed drifts, a ratio of medians of interleaved runs is
+steadier than one of two single runs.
 """
 
 from __future__ import annotations
@@ -119,8 +119,8 @@ def run_bench(args, grid: BenchGrid) -> dict:
         bar.update((len(configs) - len(todo)) * grid.repeats)
         if not todo:
             continue
-        # A context the model cannot hold with the new tokens (8192 + 128 on an 8k model) is shortened
-        # to the longest that fits; the point keeps its nominal name and records the length used.
+        # A context the model cannot hold with the new tokens (8192 + 128 on an 8k model) is shortened to the longest
+        # that fits; the point keeps its nominal name and records the length used.
         ctx = min(context, llm.max_model_len - grid.new_tokens)
         distinct = min(batch, grid.distinct_prompts or batch)
         try:
@@ -155,9 +155,9 @@ def run_bench(args, grid: BenchGrid) -> dict:
 
 
 def _open_results(doc: dict, llm: LLM, grid: BenchGrid) -> tuple[dict, Callable[[Path, dict], None]]:
-    """The results so far (`doc`, a resumed run's points kept) with this run's machine and settings, and the
-    function that saves them. Under tensor parallelism every rank runs the points left in rank 0's file,
-    and only rank 0 writes."""
+    """The results so far (`doc`, a resumed run's points kept) with this run's machine and settings, and the function
+    that saves them. Under tensor parallelism every rank runs the points left in rank 0's file, and only rank 0
+    writes."""
     tp = llm.model.tp
     if tp is not None:
         doc = tp.gather(doc if tp.is_main else None)[0]
@@ -171,8 +171,8 @@ def _open_results(doc: dict, llm: LLM, grid: BenchGrid) -> tuple[dict, Callable[
 
 
 def _check_fits(llm: LLM, batch: int, max_model_len: int, prompts: list[int]) -> None:
-    """Raise OutOfMemoryError unless `batch` slots of `max_model_len` tokens and the prefilled `prompts`
-    (lengths) fit, on every rank under tensor parallelism."""
+    """Raise OutOfMemoryError unless `batch` slots of `max_model_len` tokens and the prefilled `prompts` (lengths)
+    fit, on every rank under tensor parallelism."""
     llm.free_engine()  # the previous point's caches do not stay beside this one's
     config = dataclasses.replace(llm.config, max_num_seqs=batch, max_model_len=max_model_len)
     needed = (ModelRunner.memory_bytes(llm.model, config, None)

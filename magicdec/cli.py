@@ -1,8 +1,8 @@
 """`magicdec generate | bench | plan | calibrate | serve`: the parser and `main`, which imports only the chosen
 command's module (`magicdec.commands.<command>`, its `run(args)`), so `--help` and `plan` load no torch.
 
-Every expected failure (bad path, bad value, too-long prompt, not enough memory) prints one line,
-`magicdec: error: ...`, and exits with status 2; nothing prints a traceback.
+Every expected failure (bad path, bad value, too-long prompt, not enough memory) prints one line, `magicdec: error:
+...`, and exits with status 2; nothing prints a traceback.
 """
 
 from __future__ import annotations
@@ -66,8 +66,8 @@ def port_number(text: str) -> int:
 
 
 class Parser(argparse.ArgumentParser):
-    """An argument parser whose errors are one line, `magicdec: error: ...`, and exit status 2, like the
-    errors of the commands themselves (argparse's own print the usage first)."""
+    """An argument parser whose errors are one line, `magicdec: error: ...`, and exit status 2, like the errors of
+    the commands themselves (argparse's own print the usage first)."""
 
     def error(self, message: str):
         self.exit(EXIT_USAGE, f"magicdec: error: {message} (see {self.prog} --help)\n")
@@ -227,8 +227,8 @@ def print_warning(message, category, filename, lineno, file=None, line=None) -> 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    # Under torchrun every rank runs the same command; only rank 0 prints results and writes files, the
-    # others keep their errors, which name the rank (torchrun interleaves the ranks' output).
+    # Under torchrun every rank runs the same command; only rank 0 prints results and writes files, the others keep
+    # their errors, which name the rank (torchrun interleaves the ranks' output).
     launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
     rank = int(os.environ.get("RANK", "0")) if launched else 0
     err, prefix = sys.stderr, f"[rank {rank}] " if rank else ""

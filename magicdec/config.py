@@ -1,5 +1,5 @@
-"""Configuration: the dimensions and conventions of a Llama-family transformer (`ModelConfig`), and how an
-engine over it is sized (`EngineConfig`)."""
+"""Configuration: the dimensions and conventions of a Llama-family transformer (`ModelConfig`), and how an engine
+over it is sized (`EngineConfig`)."""
 
 from __future__ import annotations
 
@@ -57,9 +57,8 @@ def _check_architecture(arch: str) -> None:
 class ModelConfig:
     """Dimensions of a decoder-only Llama-family model (Llama 2/3, SmolLM2, Mistral, Qwen2).
 
-    Every value is checked on construction (types, ranges, consistency), so a config that would make the
-    forward pass fail or produce NaN is refused with a ConfigFieldError naming the field.
-    """
+    Every value is checked on construction (types, ranges, consistency), so a config that would make the forward pass
+    fail or produce NaN is refused with a ConfigFieldError naming the field."""
 
     vocab_size: int
     dim: int
@@ -91,9 +90,7 @@ class ModelConfig:
         if self.head_dim % 2:
             raise ConfigFieldError("head_dim", f"must be even (rotary embeddings turn pairs), got {self.head_dim}")
         if self.n_heads % self.n_kv_heads:
-            raise UnsupportedModelError(
-                f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}"
-            )
+            raise UnsupportedModelError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
         if not (_is_real(self.norm_eps) and self.norm_eps > 0):
             raise ConfigFieldError("norm_eps", f"must be a finite number > 0, got {self.norm_eps!r}")
         # Below 1 the rotary frequencies exceed one turn per token, and a tiny base overflows them to inf.
@@ -201,8 +198,8 @@ class ModelConfig:
         if uses_window and window is not None:
             if not (_is_int(window) and window >= 1):
                 raise ModelLoadError(f"sliding_window must be a positive integer or null, got {window!r}")
-            # Sliding-window attention is not implemented: within the window it equals full attention,
-            # so the usable context is capped at the window.
+            # Sliding-window attention is not implemented: within the window it equals full attention, so the usable
+            # context is capped at the window.
             config = dataclasses.replace(config, max_seq_len=min(config.max_seq_len, window))
         return config
 
@@ -211,13 +208,12 @@ class ModelConfig:
 class EngineConfig:
     """How an engine is sized, passed whole to it; its memory is planned once from these values.
 
-    max_num_seqs: request slots (requests running at once); max_model_len: most prompt + output tokens of
-    one request (None: the model's context); prefill_chunk: prompt tokens per prefill forward;
-    max_prefill_tokens: prompt tokens prefilled per step across requests (None: every admitted prompt at
-    once, as an offline batch wants; a server bounds it so that arrivals do not stall running streams);
-    kv_dtype: the KV cache's dtype (None: the model's); max_queued: most waiting requests (None:
-    unbounded); prompt_cache_bytes: prefilled prompts kept for reuse (0: off).
-    """
+    max_num_seqs: request slots (requests running at once); max_model_len: most prompt + output tokens of one request
+    (None: the model's context); prefill_chunk: prompt tokens per prefill forward; max_prefill_tokens: prompt tokens
+    prefilled per step across requests (None: every admitted prompt at once, as an offline batch wants; a server
+    bounds it so that arrivals do not stall running streams); kv_dtype: the KV cache's dtype (None: the model's);
+    max_queued: most waiting requests (None: unbounded); prompt_cache_bytes: prefilled prompts kept for reuse (0:
+    off)."""
 
     max_num_seqs: int = 256
     max_model_len: int | None = None

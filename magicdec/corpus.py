@@ -14,13 +14,12 @@ CHARS_PER_TOKEN = 8
 
 
 def load_texts(path: str | Path) -> list[str]:
-    """The texts of a prompt file or corpus: one per line of a .jsonl file (a `text` or `prompt` string),
-    else the whole file.
+    """The texts of a prompt file or corpus: one per line of a .jsonl file (a `text` or `prompt` string), else the
+    whole file.
 
-    Nothing is dropped silently, so that output i always belongs to text i: a blank line between records,
-    a record whose text is blank, a line that is not such a JSON record, and bytes that are not UTF-8
-    raise InvalidRequestError naming the line. Blank lines at the end of the file are ignored.
-    """
+    Nothing is dropped silently, so that output i always belongs to text i: a blank line between records, a record
+    whose text is blank, a line that is not such a JSON record, and bytes that are not UTF-8 raise
+    InvalidRequestError naming the line. Blank lines at the end of the file are ignored."""
     path = Path(path)
     if not path.is_file():
         raise InvalidRequestError(f"corpus file not found: {path}")
@@ -62,11 +61,9 @@ def cut_prompts(tok: Tokenizer, texts: Sequence[str], n: int, length: int, *, lo
                 hi: float = 0.7) -> list[list[int]]:
     """`n` prompts of exactly `length` ids (BOS first if the model uses one), cut from inside the texts.
 
-    Prompt i comes from text i % len(texts), starting at a word boundary at a fraction of the text
-    spread over [lo, hi] (later passes over the same text start elsewhere), so prompts sit well
-    inside books, away from front matter, as the MagicDec paper cuts PG-19 prompts. Texts too short
-    for a prompt are skipped.
-    """
+    Prompt i comes from text i % len(texts), starting at a word boundary at a fraction of the text spread over [lo,
+    hi] (later passes over the same text start elsewhere), so prompts sit well inside books, away from front matter,
+    as the MagicDec paper cuts PG-19 prompts. Texts too short for a prompt are skipped."""
     if n < 1 or length < 1:
         raise InvalidRequestError("the number of prompts and their length must be >= 1")
     if not texts:

@@ -1,11 +1,11 @@
 """What this CPU computes fast: its instruction-set flags, and the compute dtype they call for.
 
-bf16 pays on a CPU only where the hardware multiplies bf16 natively: on Intel Xeons with AMX-BF16 and
-AVX512-BF16, and AMD Zen 4 (AVX512-BF16), torch's bf16 matmul runs on native bf16 products, faster than
-fp32, and halves the bytes of weights and KV cache; on a CPU without them (an AMD Zen 3) bf16 matmul
-converts every element and runs far slower than fp32 (measurements: benchmarks/README.md, "bf16 on CPU"). So `dtype="auto"` on CPU asks for the flags first, then confirms with one
-quick timing that bf16 matmul is not slower here (a build of torch without the fast kernels, or a
-hypervisor hiding the feature, would otherwise pick the slow path).
+bf16 pays on a CPU only where the hardware multiplies bf16 natively: on Intel Xeons with AMX-BF16 and AVX512-BF16,
+and AMD Zen 4 (AVX512-BF16), torch's bf16 matmul runs on native bf16 products, faster than fp32, and halves the bytes
+of weights and KV cache; on a CPU without them (an AMD Zen 3) bf16 matmul converts every element and runs far slower
+than fp32 (measurements: benchmarks/README.md, "bf16 on CPU"). So `dtype="auto"` on CPU asks for the flags first,
+then confirms with one quick timing that bf16 matmul is not slower here (a build of torch without the fast kernels,
+or a hypervisor hiding the feature, would otherwise pick the slow path).
 """
 
 from __future__ import annotations
@@ -46,8 +46,8 @@ def reported_flags(flags: frozenset[str] | None = None) -> list[str]:
 
 
 def cpu_kind(flags: frozenset[str] | None = None) -> str:
-    """The CPU's fastest matmul hardware, as presets and calibrated profiles are named:
-    amx, avx512bf16, avx512, avx2 or generic."""
+    """The CPU's fastest matmul hardware, as presets and calibrated profiles are named: amx, avx512bf16, avx512, avx2
+    or generic."""
     flags = cpu_flags() if flags is None else flags
     for flag, kind in (("amx_bf16", "amx"), ("avx512_bf16", "avx512bf16"), ("avx512f", "avx512"), ("avx2", "avx2")):
         if flag in flags:
@@ -67,8 +67,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 def bf16_matmul_speedup() -> float:
     """fp32 time over bf16 time of a small linear layer (32 x 576 -> 1536), timed side by side.
 
-    Takes a few milliseconds on a CPU with bf16 hardware; computed once per process.
-    """
+    Takes a few milliseconds on a CPU with bf16 hardware; computed once per process."""
     x = torch.randn(32, 576)
     w = torch.randn(1536, 576)
     pairs = {torch.float32: (x, w), torch.bfloat16: (x.bfloat16(), w.bfloat16())}
@@ -99,8 +98,8 @@ class DtypeChoice:
 
 
 def auto_dtype(device: torch.device, flags: frozenset[str] | None = None) -> DtypeChoice:
-    """`dtype="auto"`: bf16 on accelerators; on CPU, bf16 where the CPU multiplies bf16 natively and a
-    quick timing confirms bf16 matmul is not slower than fp32, fp32 elsewhere."""
+    """`dtype="auto"`: bf16 on accelerators; on CPU, bf16 where the CPU multiplies bf16 natively and a quick timing
+    confirms bf16 matmul is not slower than fp32, fp32 elsewhere."""
     if device.type != "cpu":
         return DtypeChoice(torch.bfloat16, f"auto: {device.type}")
     flags = cpu_flags() if flags is None else flags

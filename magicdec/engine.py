@@ -1,13 +1,13 @@
-"""The engine: `LLMEngine` runs the step loop that both the offline API and the server drive, and `LLM` is
-the offline API in the spirit of vLLM's.
+"""The engine: `LLMEngine` runs the step loop that both the offline API and the server drive, and `LLM` is the
+offline API in the spirit of vLLM's.
 
     from magicdec import LLM, SamplingParams
     llm = LLM()                                   # the embedded SmolLM2-135M-Instruct
     outs = llm.generate(["Once upon a time"], SamplingParams(max_tokens=32))
     outs = llm.generate(prompts, params, speculative=SpeculativeConfig("self-streaming", budget=256, gamma=3))
 
-A step is schedule -> execute -> update: the scheduler decides (admissions, prefill chunks, the draft
-length), the runner executes on the model and caches, and the results update the requests.
+A step is schedule -> execute -> update: the scheduler decides (admissions, prefill chunks, the draft length), the
+runner executes on the model and caches, and the results update the requests.
 """
 
 from __future__ import annotations
@@ -67,11 +67,10 @@ class RequestOutput:
 class LLMEngine:
     """Requests in, tokens out, one step at a time, over the slots and limits of `config`.
 
-    `speculation` turns drafting on (its policy picks each step's draft length from the live batch and
-    context; 0 means plain decoding for that step); `set_speculation` changes it between runs. `eos_ids`
-    end requests that do not ignore EOS; `tokenizer` decodes output text (and stop strings); a shared
-    `prompt_cache` copies prompts prefilled before.
-    """
+    `speculation` turns drafting on (its policy picks each step's draft length from the live batch and context; 0
+    means plain decoding for that step); `set_speculation` changes it between runs. `eos_ids` end requests that do
+    not ignore EOS; `tokenizer` decodes output text (and stop strings); a shared `prompt_cache` copies prompts
+    prefilled before."""
 
     def __init__(self, model: Transformer, config: EngineConfig, *, eos_ids: Sequence[int] = (),
                  tokenizer: Tokenizer | None = None, speculation: Speculation | None = None,
@@ -87,9 +86,9 @@ class LLMEngine:
         self.scheduler.set_speculation(*self._policy(speculation))
         self.requests: dict[str, Request] = {}
         self._offline_ids = itertools.count()
-        # Seeds of unseeded requests. Under tensor parallelism every rank must sample with the same seeds
-        # (identical logits then give identical tokens with no broadcast), so the generator is seeded from
-        # rank 0 once; the ranks add the same requests in the same order and so draw the same seeds.
+        # Seeds of unseeded requests. Under tensor parallelism every rank must sample with the same seeds (identical
+        # logits then give identical tokens with no broadcast), so the generator is seeded from rank 0 once; the ranks
+        # add the same requests in the same order and so draw the same seeds.
         self._seeds = random.Random(model.tp.shared_seed() if model.tp is not None else random.getrandbits(63))
         self.stats = GenerationStats()
         self.reset_stats()
@@ -203,8 +202,8 @@ def check_token_ids(ids: Sequence[int], vocab_size: int) -> list[int]:
 
 
 class LLM:
-    """A loaded model ready to generate. Device, dtypes and the engine configuration are decided here, once;
-    the engine (its caches) and each speculative setting's drafter are built on first use and reused."""
+    """A loaded model ready to generate. Device, dtypes and the engine configuration are decided here, once; the
+    engine (its caches) and each speculative setting's drafter are built on first use and reused."""
 
     def __init__(
         self,
@@ -220,9 +219,9 @@ class LLM:
         tp: bool | None = None,
     ):
         """`max_model_len`: most prompt + output tokens of a request (None: the model's context). `tp`: run this
-        process as one rank of a tensor-parallel group that torchrun launched (see magicdec.distributed);
-        None: when the launcher started more than one process. Every rank must then make the same calls with
-        the same arguments; each returns the same outputs."""
+        process as one rank of a tensor-parallel group that torchrun launched (see magicdec.distributed); None: when
+        the launcher started more than one process. Every rank must then make the same calls with the same arguments;
+        each returns the same outputs."""
         config = EngineConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len, prefill_chunk=prefill_chunk,
                               prompt_cache_bytes=prompt_cache_bytes)  # checked before the model loads
         tp = launched_world_size() > 1 if tp is None else tp
@@ -272,10 +271,10 @@ class LLM:
 
     def engine(self, speculative: SpeculativeConfig | None = None, gamma_policy: GammaPolicy | None = None, *,
                fit_memory: bool = False, **overrides) -> LLMEngine:
-        """The LLM's engine, drafting as `speculative` says, with `overrides` (EngineConfig fields) over the
-        LLM's configuration. An engine whose slots and request length cover these (and whose other settings
-        match) is reused with its caches; else it is replaced. With `fit_memory`, a new engine takes fewer
-        slots where free memory holds fewer (at least one; it says clearly if even that does not fit)."""
+        """The LLM's engine, drafting as `speculative` says, with `overrides` (EngineConfig fields) over the LLM's
+        configuration. An engine whose slots and request length cover these (and whose other settings match) is
+        reused with its caches; else it is replaced. With `fit_memory`, a new engine takes fewer slots where free
+        memory holds fewer (at least one; it says clearly if even that does not fit)."""
         speculation = self.speculation(speculative, gamma_policy)
         config = dataclasses.replace(self.config, **overrides)
         engine = self._engine
@@ -316,8 +315,8 @@ class LLM:
         """Generate a completion for each prompt (text, or token ids); `params` is one for all or one per prompt.
         `speculative` drafts (with `gamma_policy` picking each step's draft length, e.g. autoplan's re-planner).
 
-        All prompts are queued at once; up to `max_num_seqs` (fewer if memory is short) run together, and a
-        finished one's slot goes to the next. Stats land in `self.last_stats`."""
+        All prompts are queued at once; up to `max_num_seqs` (fewer if memory is short) run together, and a finished
+        one's slot goes to the next. Stats land in `self.last_stats`."""
         if prompts is not None and prompt_token_ids is not None:
             raise InvalidRequestError("give prompts or prompt_token_ids, not both")
         ids = [check_token_ids(p, self.model.cfg.vocab_size) for p in prompt_token_ids] \
@@ -343,7 +342,7 @@ class LLM:
 
 
 def _covers(built: EngineConfig, wanted: EngineConfig) -> bool:
-    """Whether an engine built with `built` can run what `wanted` asks: as many slots and as long requests or
-    more, every other setting the same."""
+    """Whether an engine built with `built` can run what `wanted` asks: as many slots and as long requests or more,
+    every other setting the same."""
     return (wanted.max_num_seqs <= built.max_num_seqs and wanted.max_model_len <= built.max_model_len
             and dataclasses.replace(wanted, max_num_seqs=built.max_num_seqs, max_model_len=built.max_model_len) == built)

@@ -13,8 +13,8 @@ _JSON_KINDS = {list: "an array", str: "a string", int: "a number", float: "a num
 
 
 def read_json_object(path: str | os.PathLike[str], what: str, error: type[Exception] = ValueError) -> dict[str, Any]:
-    """The JSON object in `path`; raises `error` naming the file and `what` it should hold when the file is
-    not UTF-8, not JSON, or holds something other than an object (a list, null, ...)."""
+    """The JSON object in `path`; raises `error` naming the file and `what` it should hold when the file is not
+    UTF-8, not JSON, or holds something other than an object (a list, null, ...)."""
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)

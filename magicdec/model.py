@@ -1,7 +1,7 @@
 """The transformer, in plain PyTorch: embeddings, RMSNorm, RoPE, grouped-query attention, SwiGLU, LM head.
 
-Weights use fused projections (one `wqkv` and one `w13` matmul per layer) because on small models the
-per-op overhead of eager PyTorch, not arithmetic, dominates a decode step.
+Weights use fused projections (one `wqkv` and one `w13` matmul per layer) because on small models the per-op overhead
+of eager PyTorch, not arithmetic, dominates a decode step.
 """
 
 from __future__ import annotations
@@ -60,45 +60,42 @@ def rope_cos_sin(inv_freq: Tensor, positions: Tensor, dtype: torch.dtype) -> tup
 
 
 def matmul_attention(device: torch.device, kv_dtype: torch.dtype) -> bool:
-    """Whether `attend` uses two matmuls (a bf16 cache on CPU) rather than SDPA where the native kernel
-    does not run (a CPU without AVX512-BF16).
+    """Whether `attend` uses two matmuls (a bf16 cache on CPU) rather than SDPA where the native kernel does not run
+    (a CPU without AVX512-BF16).
 
-    Over a bf16 cache on CPU, two bf16 matmuls with a bf16 softmax between them (the kernel computes in
-    fp32 inside) are faster than with the scores converted to fp32 for the softmax (that conversion is
-    three extra passes over the scores), with the same output but for rare one-ulp roundings (the QK^T
-    product is already rounded to bf16, and a power-of-two scale and a 0 / -inf bias add no rounding),
-    and faster than SDPA's flash kernel, which converts the bf16 cache as it reads it; over an fp32
-    cache SDPA is the faster one, as it is on GPUs (measurements: benchmarks/README.md, "Attention over
-    a bf16 cache").
-    """
+    Over a bf16 cache on CPU, two bf16 matmuls with a bf16 softmax between them (the kernel computes in fp32 inside)
+    are faster than with the scores converted to fp32 for the softmax (that conversion is three extra passes over the
+    scores), with the same output but for rare one-ulp roundings (the QK^T product is already rounded to bf16, and a
+    power-of-two scale and a 0 / -inf bias add no rounding), and faster than SDPA's flash kernel, which converts the
+    bf16 cache as it reads it; over an fp32 cache SDPA is the faster one, as it is on GPUs (measurements:
+    benchmarks/README.md, "Attention over a bf16 cache")."""
     return device.type == "cpu" and kv_dtype == torch.bfloat16
 
 
 def attention_path(device: torch.device, kv_dtype: torch.dtype) -> str:
-    """How decode and verification attention run over a cache of this dtype: "native" (the AVX512-BF16
-    kernel of magicdec.kernels, built here on the first call), "matmul" or "sdpa"."""
+    """How decode and verification attention run over a cache of this dtype: "native" (the AVX512-BF16 kernel of
+    magicdec.kernels, built here on the first call), "matmul" or "sdpa"."""
     if kernels.supported(device, kv_dtype):
         return "native"
     return "matmul" if matmul_attention(device, kv_dtype) else "sdpa"
 
 
 def linear_path(device: torch.device, dtype: torch.dtype) -> str:
-    """How the linear layers of a model of this dtype run: "packed" (the native kernel of magicdec.kernels,
-    see `pack_linears`) or "torch"."""
+    """How the linear layers of a model of this dtype run: "packed" (the native kernel of magicdec.kernels, see
+    `pack_linears`) or "torch"."""
     return "packed" if kernels.linear_supported(device, dtype) else "torch"
 
 
 def attention_bias(mask: Tensor, groups: int, kv_dtype: torch.dtype) -> Tensor:
-    """Bool mask [B, 1, q, L] -> additive bias [B, 1, groups*q, L] (0 or -inf) for grouped queries, in the
-    cache's dtype (on CPU an additive bias is markedly faster than a bool mask for SDPA). Built once per
-    forward."""
+    """Bool mask [B, 1, q, L] -> additive bias [B, 1, groups*q, L] (0 or -inf) for grouped queries, in the cache's
+    dtype (on CPU an additive bias is markedly faster than a bool mask for SDPA). Built once per forward."""
     bias = torch.zeros(mask.shape, dtype=kv_dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
     return bias.repeat(1, 1, groups, 1) if groups > 1 else bias
 
 
 def attend(xq: Tensor, keys: Tensor, values: Tensor, bias: Tensor) -> Tensor:
-    """Attention of queries [B, KV, G*q, hd] over K/V [B, KV, L, hd] with an additive bias from
-    `attention_bias`; returns [B, KV, G*q, hd]."""
+    """Attention of queries [B, KV, G*q, hd] over K/V [B, KV, L, hd] with an additive bias from `attention_bias`;
+    returns [B, KV, G*q, hd]."""
     if kernels.takes(xq, keys, values, bias):
         return kernels.decode_attention(xq, keys, values, bias)
     if matmul_attention(keys.device, keys.dtype):
@@ -119,10 +116,10 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class PackedLinear(nn.Module):
-    """A bias-optional linear layer whose bf16 weight is packed for the native kernel (`kernels.linear`):
-    it reads each weight once per call, where torch's bf16 matmul reads them well below the memory
-    bandwidth at the few rows of a decode step (benchmarks/README.md, "A packed bf16 linear kernel"), and
-    a row gets the same bits in any batch. `pack_linears` puts it in place of nn.Linear at load time."""
+    """A bias-optional linear layer whose bf16 weight is packed for the native kernel (`kernels.linear`): it reads
+    each weight once per call, where torch's bf16 matmul reads them well below the memory bandwidth at the few rows
+    of a decode step (benchmarks/README.md, "A packed bf16 linear kernel"), and a row gets the same bits in any
+    batch. `pack_linears` puts it in place of nn.Linear at load time."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
@@ -172,8 +169,8 @@ class Attention(nn.Module):
         keys, values = cache.update(self.layer, xk, xv)  # [B, KV, L, hd]
         if observer is not None:
             observer(self.layer, xq, keys, mask)
-        # Grouped-query attention without repeating K/V: the G query heads of a KV head become G*q rows
-        # of one attention over that head, so each cached K/V element is read once.
+        # Grouped-query attention without repeating K/V: the G query heads of a KV head become G*q rows of one
+        # attention over that head, so each cached K/V element is read once.
         xq = xq.reshape(B, KV, (H // KV) * q, hd).to(keys.dtype)
         out = attend(xq, keys, values, bias)  # [B, KV, G*q, hd]
         out = out.to(x.dtype).reshape(B, H, q, hd).transpose(1, 2).reshape(B, q, H * hd)
@@ -210,8 +207,8 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        # Under tensor parallelism `cfg` is this rank's share and these hold the whole model's shape and the
-        # process group (set by magicdec.distributed.apply_tp).
+        # Under tensor parallelism `cfg` is this rank's share and these hold the whole model's shape and the process
+        # group (set by magicdec.distributed.apply_tp).
         self.full_cfg = cfg
         self.tp = None
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
@@ -239,9 +236,8 @@ class Transformer(nn.Module):
     ) -> Tensor:
         """Run q new tokens per sequence through the model, writing their K/V into `cache`.
 
-        Returns logits [B, n, vocab] (n = q unless `logits_at` picks positions). The cache's lengths are
-        not advanced: the caller commits how many of the q tokens to keep (see `KVCache.commit`).
-        """
+        Returns logits [B, n, vocab] (n = q unless `logits_at` picks positions). The cache's lengths are not
+        advanced: the caller commits how many of the q tokens to keep (see `KVCache.commit`)."""
         q = tokens.shape[1]
         x = self.tok_embeddings(tokens)
         cos, sin = rope_cos_sin(self.inv_freq, cache.rope_positions(q)[:, None], x.dtype)  # [B, 1, q, hd]
@@ -255,10 +251,9 @@ class Transformer(nn.Module):
 
 
 def pack_linears(model: Transformer) -> None:
-    """Swap the model's nn.Linear layers for `PackedLinear` where the native linear kernel runs (bf16 on a
-    CPU with AVX512-BF16); elsewhere nothing changes. A load-time transform: run it last (tensor
-    parallelism shards nn.Linear weights first). A tied LM head gets its own packed copy of the
-    embedding table."""
+    """Swap the model's nn.Linear layers for `PackedLinear` where the native linear kernel runs (bf16 on a CPU with
+    AVX512-BF16); elsewhere nothing changes. A load-time transform: run it last (tensor parallelism shards nn.Linear
+    weights first). A tied LM head gets its own packed copy of the embedding table."""
     if not kernels.linear_supported(model.device, model.dtype):
         return
     for module in list(model.modules()):

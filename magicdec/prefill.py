@@ -1,9 +1,9 @@
 """Prompt prefill of one cache row, in chunks that a scheduler can interleave with decoding.
 
-A prompt of T tokens runs as chunks of at most `chunk` tokens over its first T - tail tokens, then its
-last `tail` (OBSERVATION_WINDOW) tokens as one final forward. The split depends on T alone, so a prompt's
-K/V are computed identically whatever else the engine runs, and the final forward is the one whose
-attention SnapKV observes to select which prompt tokens a sparse draft cache keeps.
+A prompt of T tokens runs as chunks of at most `chunk` tokens over its first T - tail tokens, then its last `tail`
+(OBSERVATION_WINDOW) tokens as one final forward. The split depends on T alone, so a prompt's K/V are computed
+identically whatever else the engine runs, and the final forward is the one whose attention SnapKV observes to select
+which prompt tokens a sparse draft cache keeps.
 """
 
 from __future__ import annotations

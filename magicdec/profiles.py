@@ -1,6 +1,6 @@
-"""What the planner plans with on this machine: the hardware profile and the acceptance table that
-`magicdec calibrate` saved (where they live, how they are read back), the presets standing in for them
-when nothing was measured, and the planner's shape of a model.
+"""What the planner plans with on this machine: the hardware profile and the acceptance table that `magicdec
+calibrate` saved (where they live, how they are read back), the presets standing in for them when nothing was
+measured, and the planner's shape of a model.
 
 Both `autoplan` (which reads these files) and `calibrate` (which writes them) import this module.
 """
@@ -61,8 +61,8 @@ def target_shape(cfg: ModelConfig) -> ModelShape:
 
 
 def preset_for_device(device: str, dtype: str | None = None) -> HardwareProfile:
-    """The preset standing in for an uncalibrated device: for a CPU, the measured preset of the same
-    dtype (fp32, bf16), from the same kind of CPU where there is one; for a GPU, the one matching its name."""
+    """The preset standing in for an uncalibrated device: for a CPU, the measured preset of the same dtype (fp32,
+    bf16), from the same kind of CPU where there is one; for a GPU, the one matching its name."""
     if not device.startswith("cuda"):
         kind = cpu.cpu_kind()
         return PRESETS[min(CPU_PRESETS, key=lambda n: (PRESETS[n].dtype != dtype, not n.startswith(f"cpu-{kind}-")))]
@@ -74,8 +74,8 @@ def preset_for_device(device: str, dtype: str | None = None) -> HardwareProfile:
 
 
 def load_profile(device: str = "cpu", dtype: str | None = None) -> HardwareProfile:
-    """The profile `magicdec calibrate` saved for `device` in `dtype` (default: fp32 on CPU, bf16 on
-    GPUs), else `preset_for_device`."""
+    """The profile `magicdec calibrate` saved for `device` in `dtype` (default: fp32 on CPU, bf16 on GPUs), else
+    `preset_for_device`."""
     dtype = dtype or ("bf16" if device.startswith("cuda") else "fp32")
     for dev in dict.fromkeys((device, device.split(":")[0])):
         path = default_profile_path(dev, dtype)
@@ -90,9 +90,8 @@ def load_profile(device: str = "cpu", dtype: str | None = None) -> HardwareProfi
 
 
 def _measured_with_these_kernels(hw: HardwareProfile, device: str, dtype: str) -> bool:
-    """Whether a calibrated profile's rates were measured with the attention and linear layers this run
-    uses (a profile from before a native kernel, or from a machine where it did not build, predicts the
-    wrong costs)."""
+    """Whether a calibrated profile's rates were measured with the attention and linear layers this run uses (a
+    profile from before a native kernel, or from a machine where it did not build, predicts the wrong costs)."""
     dev, dt = torch.device(device), parse_dtype(dtype)
     attention, linear = attention_path(dev, dt), linear_path(dev, dt)
     return ((hw.attention == attention if hw.attention is not None else attention != "native")
@@ -115,8 +114,8 @@ def builtin_acceptance() -> AcceptanceTable:
 
 
 def load_acceptance(model_name: str | None = None) -> AcceptanceTable:
-    """The table `magicdec calibrate --acceptance` saved for the model named `model_name` (`model_key`),
-    else the built-in one."""
+    """The table `magicdec calibrate --acceptance` saved for the model named `model_name` (`model_key`), else the
+    built-in one."""
     if model_name is not None:
         path = default_acceptance_path(model_name)
         if path.is_file():

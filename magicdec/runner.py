@@ -1,12 +1,12 @@
 """The model runner: the only code that touches the model and the caches while requests run.
 
-It owns one row per request slot in every cache, the slots' token buffers and sampling parameters, and
-executes what the scheduler decided for a step: prefill chunks of arriving requests, then one decode
-round (plain, or draft gamma tokens, verify them in one target forward and commit) for the first n
-slots. Everything per slot lives in tensors; the step ends with one host transfer of its results.
+It owns one row per request slot in every cache, the slots' token buffers and sampling parameters, and executes what
+the scheduler decided for a step: prefill chunks of arriving requests, then one decode round (plain, or draft gamma
+tokens, verify them in one target forward and commit) for the first n slots. Everything per slot lives in tensors;
+the step ends with one host transfer of its results.
 
-Slots that are inside the decoded range but not decoding (free, or still prefilling) ride along: their
-forwards compute garbage that is never committed, and a slot's state is rebuilt when it is handed out.
+Slots that are inside the decoded range but not decoding (free, or still prefilling) ride along: their forwards
+compute garbage that is never committed, and a slot's state is rebuilt when it is handed out.
 """
 
 from __future__ import annotations
@@ -53,8 +53,8 @@ def workspace_bytes(model: Transformer, rows: int, chunk: int) -> int:
 
 
 class ModelRunner:
-    """Caches and buffers for `config.max_num_seqs` request slots of up to `config.max_model_len` tokens
-    each (the engine resolves both, and the KV dtype, before building its runner)."""
+    """Caches and buffers for `config.max_num_seqs` request slots of up to `config.max_model_len` tokens each (the
+    engine resolves both, and the KV dtype, before building its runner)."""
 
     def __init__(self, model: Transformer, config: EngineConfig, eos_ids: Sequence[int], *,
                  drafter: Drafter | None = None, prompt_cache: PromptCache | None = None):
@@ -86,8 +86,8 @@ class ModelRunner:
 
     def use_drafter(self, drafter: Drafter | None, checked: bool = False) -> None:
         """Draft with `drafter` from now on (None: plain decoding), between runs (no slot in use): the previous
-        drafter's cache is dropped and the new one's allocated for these slots. `checked`: its bytes were
-        counted in this runner's memory check already."""
+        drafter's cache is dropped and the new one's allocated for these slots. `checked`: its bytes were counted in
+        this runner's memory check already."""
         if self.drafter is not None:
             self.drafter.cache = None
         if drafter is not None:
@@ -110,8 +110,8 @@ class ModelRunner:
         self.prompts[slot] = a.prompt
 
     def release(self, slot: int) -> None:
-        """The slot's request is done (or aborted): stop decoding it and empty its cache row, so that its
-        length no longer widens the attention of the slots decoded with it."""
+        """The slot's request is done (or aborted): stop decoding it and empty its cache row, so that its length no
+        longer widens the attention of the slots decoded with it."""
         self.live[slot] = False
         self.rows.set(slot, GREEDY, 0)  # an idle row rides along: keep it off the sampler's work
         self.cache.row(slot).clear()
@@ -119,8 +119,8 @@ class ModelRunner:
             self.drafter.release(slot)
 
     def _move(self, src: int, dst: int) -> None:
-        """Move a running request from slot src to the free slot dst: its tokens, limits, sampling and
-        caches (the filled part of its target row: one copy, against a row riding along in every round)."""
+        """Move a running request from slot src to the free slot dst: its tokens, limits, sampling and caches (the
+        filled part of its target row: one copy, against a row riding along in every round)."""
         n = int(self.n_tokens[src])
         self.seq[dst, :n] = self.seq[src, :n]
         for per_slot in (self.n_tokens, self.limit, self.use_eos, self.live):
@@ -135,8 +135,8 @@ class ModelRunner:
     # --- one step -------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, step: ScheduledStep) -> StepResult:
-        """Run the step's moves, assignments and prefill chunks, then its decode round; return the results on
-        the host (one transfer)."""
+        """Run the step's moves, assignments and prefill chunks, then its decode round; return the results on the
+        host (one transfer)."""
         t0 = time.perf_counter()
         for src, dst in step.moves:
             self._move(src, dst)
@@ -167,8 +167,8 @@ class ModelRunner:
         return StepResult(first, decoded, t1 - t0, t2 - t1, draft_s)
 
     def _prefill(self, work: PrefillWork) -> Tensor | None:
-        """Run one prefill chunk; after the last one, sample the first token and start decoding the slot.
-        Returns (first token, finish code) [2] after the last chunk, else None."""
+        """Run one prefill chunk; after the last one, sample the first token and start decoding the slot. Returns
+        (first token, finish code) [2] after the last chunk, else None."""
         slot, ids = work.slot, self.prompts[work.slot]
         T = len(ids)
         row, prompt = self.cache.row(slot), self.seq[slot, :T]
@@ -221,8 +221,8 @@ class ModelRunner:
         return new, kept, finish, accepted, draft_s
 
     def _emit(self, rows: slice, new: Tensor, count: Tensor) -> tuple[Tensor, Tensor]:
-        """Append the first count[b] tokens of new [m, k] to live slots, stopping at EOS and max_tokens.
-        Returns (tokens kept [m], finish code [m])."""
+        """Append the first count[b] tokens of new [m, k] to live slots, stopping at EOS and max_tokens. Returns
+        (tokens kept [m], finish code [m])."""
         live, n_tokens, limit = self.live[rows], self.n_tokens[rows], self.limit[rows]
         k = new.shape[1]
         idx = torch.arange(k, device=self.device)

@@ -1,21 +1,21 @@
 """Sampling parameters, and the per-row sampler shared by plain decoding, drafting and verification.
 
-Every random choice is a deterministic function of (request seed, token position, token id): the token
-at position t of a sequence is argmax_x p_t(x) / E_t(x), with E_t(x) an exponential variate hashed from
-(seed, t, x) (the exponential-race form of the Gumbel-max trick). Three things follow:
+Every random choice is a deterministic function of (request seed, token position, token id): the token at position t
+of a sequence is argmax_x p_t(x) / E_t(x), with E_t(x) an exponential variate hashed from (seed, t, x) (the
+exponential-race form of the Gumbel-max trick). Three things follow:
 
-* Rows need no generator objects: a batch of requests, each with its own seed, samples in one tensor
-  op, and a request's tokens do not depend on which other requests share the batch.
-* Draft and target share the noise of each position. A draft token is accepted exactly when it equals
-  the target's own sample at that position, so speculative output is token for token the output of
-  plain decoding with the same seed (greedy rows are the special case of no noise). A drafter can make
-  generation faster, never different, for sampled requests too.
-* Noise can be computed for any subset of the vocabulary: on CPU, rows whose (top-p / top-k filtered)
-  distribution lies within their few most probable tokens (CPU_CANDIDATES) draw noise for those alone.
+* Rows need no generator objects: a batch of requests, each with its own seed, samples in one tensor op, and a
+  request's tokens do not depend on which other requests share the batch.
+* Draft and target share the noise of each position. A draft token is accepted exactly when it equals the target's
+  own sample at that position, so speculative output is token for token the output of plain decoding with the same
+  seed (greedy rows are the special case of no noise). A drafter can make generation faster, never different, for
+  sampled requests too.
+* Noise can be computed for any subset of the vocabulary: on CPU, rows whose (top-p / top-k filtered) distribution
+  lies within their few most probable tokens (CPU_CANDIDATES) draw noise for those alone.
 
-Against Leviathan-style rejection sampling, the shared-noise coupling accepts slightly fewer draft
-tokens (SmolLM2 self-speculation on PG-19, T 0.7, top-p 0.9: 0.775 against 0.804 per token) and needs
-no draft distributions or residuals.
+Against Leviathan-style rejection sampling, the shared-noise coupling accepts slightly fewer draft tokens (SmolLM2
+self-speculation on PG-19, T 0.7, top-p 0.9: 0.775 against 0.804 per token) and needs no draft distributions or
+residuals.
 """
 
 from __future__ import annotations
@@ -37,9 +37,8 @@ GREEDY_BELOW = 1e-5
 class SamplingParams:
     """How to pick tokens. temperature 0 means greedy; top_k 0 and top_p 1 disable those filters.
 
-    seed: makes a sampled request reproducible (the same tokens alone or in any batch, with or without
-    speculation). stop: strings that end the text (excluded from it). ignore_eos: keep going past EOS.
-    """
+    seed: makes a sampled request reproducible (the same tokens alone or in any batch, with or without speculation).
+    stop: strings that end the text (excluded from it). ignore_eos: keep going past EOS."""
 
     max_tokens: int = 128
     temperature: float = 0.0
@@ -109,8 +108,7 @@ def _mix(x: Tensor) -> Tensor:
 def exponential_noise(seed: Tensor, position: Tensor, token: Tensor) -> Tensor:
     """Exp(1) variates E(seed, position, token), independent across all three keys.
 
-    seed [B] int64, position [B, q] int64, token [B, q, K] or [K] int64 -> [B, q, K] float32.
-    """
+    seed [B] int64, position [B, q] int64, token [B, q, K] or [K] int64 -> [B, q, K] float32."""
     row = _mix(_mix(seed[:, None]) + position * _GOLDEN)  # [B, q]
     h = _mix(row[..., None] + token * _GOLDEN)
     u = (_shr(h, 11).double() + 0.5) * 2.0**-53  # uniform in (0, 1)
@@ -121,16 +119,16 @@ def exponential_noise(seed: Tensor, position: Tensor, token: Tensor) -> Tensor:
 def _nucleus_floor(probs: Tensor, top_p: Tensor) -> Tensor:
     """The smallest probability in each row's top-p nucleus, [..., 1] (tokens tied with it stay in).
 
-    probs [..., V] (rows sorted or not), top_p [..., 1]: keep a token unless the tokens more probable than it
-    already hold top_p of the mass (the most probable one always stays; NaN rows keep one)."""
+    probs [..., V] (rows sorted or not), top_p [..., 1]: keep a token unless the tokens more probable than it already
+    hold top_p of the mass (the most probable one always stays; NaN rows keep one)."""
     sorted_p = probs.sort(dim=-1, descending=True).values
     n_keep = ((sorted_p.cumsum(dim=-1) - sorted_p) < top_p).sum(dim=-1, keepdim=True)
     return sorted_p.gather(-1, n_keep.clamp_min(1) - 1)
 
 
 class RowParams:
-    """Sampling parameters of a batch's rows (or an engine's slots) as tensors, with the host-side facts
-    that choose the code path (all greedy, widest top-k, any top-p)."""
+    """Sampling parameters of a batch's rows (or an engine's slots) as tensors, with the host-side facts that choose
+    the code path (all greedy, widest top-k, any top-p)."""
 
     #: the per-row tensors (what a view slices and a moved row takes along)
     TENSORS = ("greedy", "temperature", "top_k", "top_p", "seed")
@@ -202,8 +200,7 @@ class RowParams:
 def probs_from_logits(logits: Tensor, rows: RowParams) -> Tensor:
     """The distribution tokens are drawn from: softmax(logits / T) restricted by top-k and top-p, per row.
 
-    logits [B, q, V] fp32 -> probs [B, q, V]. Applied identically to target and draft logits.
-    """
+    logits [B, q, V] fp32 -> probs [B, q, V]. Applied identically to target and draft logits."""
     logits = logits / rows.temperature[:, None, None]
     if rows.max_top_k:
         kth = logits.topk(min(rows.max_top_k, logits.shape[-1]), dim=-1).values  # [B, q, kmax]
@@ -241,10 +238,9 @@ def _sample_candidates(
 ) -> tuple[Tensor, Tensor]:
     """Draw from each row's k most probable tokens, where that is the same draw as over the whole vocabulary.
 
-    probs [n, V] (softmax at the row's temperature), logits [n, V], top_k / top_p / seed / position [n].
-    Returns (done [n] bool, tokens [n]): a row is done when every token its filters keep is a candidate, so
-    the race below (noise keyed by token id, as in `sample_probs`) picks what the full race would.
-    """
+    probs [n, V] (softmax at the row's temperature), logits [n, V], top_k / top_p / seed / position [n]. Returns
+    (done [n] bool, tokens [n]): a row is done when every token its filters keep is a candidate, so the race below
+    (noise keyed by token id, as in `sample_probs`) picks what the full race would."""
     index = logits.topk(k, dim=-1).indices  # [n, k], most probable first
     p = probs.gather(-1, index)
     in_top_k = (top_k[:, None] == 0) | (torch.arange(k, device=p.device) < top_k[:, None])
@@ -293,8 +289,8 @@ def _sample_cpu(logits: Tensor, rows: RowParams, position: Tensor) -> Tensor:
 def sample_tokens(logits: Tensor, rows: RowParams, position: Tensor) -> Tensor:
     """The tokens at sequence positions position [B, q] given logits [B, q, V] predicting them.
 
-    On CPU the sampled rows take `_sample_cpu` (the same draws as the full path, most of them from a few
-    dozen candidates); on CUDA the full path, whose sort is fast and which needs no per-row host checks."""
+    On CPU the sampled rows take `_sample_cpu` (the same draws as the full path, most of them from a few dozen
+    candidates); on CUDA the full path, whose sort is fast and which needs no per-row host checks."""
     if rows.all_greedy:
         return logits.argmax(dim=-1)
     if logits.device.type == "cpu":

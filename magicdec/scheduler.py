@@ -1,14 +1,13 @@
 """The scheduler: which requests run each step, and how (policy; the runner is the mechanism).
 
-Requests wait in arrival order until a slot is free (slots are preallocated, so a free slot is memory
-for the request's whole cache). An admitted request's prompt is prefilled in chunks, at most
-`max_prefill_tokens` per step across requests, interleaved with the decode rounds of the running ones,
-so a long arrival does not stall the streams already running. With a prompt cache, a request whose
-prompt is being prefilled for another waits for that prefill and is then copied from the cache (n samples
-of one prompt cost one prefill). Each step decodes the slots below the highest running one, with the
-draft length the speculation policy picks for the live batch; when no request waits for a slot, running
-requests move down into free slots so that the decoded rows stay few. Every finish (EOS or the token limit,
-as the runner reports them, a stop string, an abort) is decided here, and frees the request's slot at once.
+Requests wait in arrival order until a slot is free (slots are preallocated, so a free slot is memory for the
+request's whole cache). An admitted request's prompt is prefilled in chunks, at most `max_prefill_tokens` per step
+across requests, interleaved with the decode rounds of the running ones, so a long arrival does not stall the streams
+already running. With a prompt cache, a request whose prompt is being prefilled for another waits for that prefill
+and is then copied from the cache (n samples of one prompt cost one prefill). Each step decodes the slots below the
+highest running one, with the draft length the speculation policy picks for the live batch; when no request waits for
+a slot, running requests move down into free slots so that the decoded rows stay few. Every finish (EOS or the token
+limit, as the runner reports them, a stop string, an abort) is decided here, and frees the request's slot at once.
 """
 
 from __future__ import annotations
@@ -27,15 +26,15 @@ from magicdec.sampling import SamplingParams
 from magicdec.step import LENGTH, RUNNING, STOPPED, PrefillWork, ScheduledStep, SlotAssignment, SlotOutput, StepResult
 
 class GammaPolicy:
-    """Each step's draft length (0: plain decoding) from the live sequences and their mean context; told
-    how every decode round went, so that a policy may learn (`autoplan.Replanner`)."""
+    """Each step's draft length (0: plain decoding) from the live sequences and their mean context; told how every
+    decode round went, so that a policy may learn (`autoplan.Replanner`)."""
 
     def __call__(self, live: int, context: int) -> int:
         raise NotImplementedError
 
     def observe(self, gamma: int, accepted: Sequence[int], seconds: float) -> None:
-        """A decode round that drafted `gamma` tokens per row (0: a plain step) took `seconds`; `accepted`
-        holds each live row's accepted drafts."""
+        """A decode round that drafted `gamma` tokens per row (0: a plain step) took `seconds`; `accepted` holds each
+        live row's accepted drafts."""
 
 
 @dataclass(frozen=True)
@@ -144,8 +143,8 @@ class Scheduler:
 
     # --- one step -------------------------------------------------------------------------------------------
     def _next_admissible(self, in_flight: set[tuple[int, ...]]) -> Request | None:
-        """The first waiting request whose prompt is not being prefilled for another (such a request waits
-        for that prefill to reach the prompt cache; `in_flight` is empty without one)."""
+        """The first waiting request whose prompt is not being prefilled for another (such a request waits for that
+        prefill to reach the prompt cache; `in_flight` is empty without one)."""
         for i, request in enumerate(self.waiting):
             if not in_flight or tuple(request.prompt_ids) not in in_flight:
                 del self.waiting[i]
@@ -194,9 +193,9 @@ class Scheduler:
         return step
 
     def _compact(self, step: ScheduledStep) -> None:
-        """Move running requests from the highest slots into free lower ones. A round decodes every slot
-        below the highest running one, and an empty slot still rides through the linear layers at a row's
-        cost; a move is one copy of the request's cache row. Called when no request waits for a slot."""
+        """Move running requests from the highest slots into free lower ones. A round decodes every slot below the
+        highest running one, and an empty slot still rides through the linear layers at a row's cost; a move is one
+        copy of the request's cache row. Called when no request waits for a slot."""
         while True:
             free = next((i for i, r in enumerate(self.slots) if r is None), None)
             top = max((r.slot for r in self.running), default=-1)
@@ -207,8 +206,8 @@ class Scheduler:
             step.moves.append((top, free))
 
     def update(self, step: ScheduledStep, result: StepResult) -> tuple[list[Request], list[int]]:
-        """Apply a step's results and decide which requests finish; returns the requests that gained tokens
-        or finished, and the slots their finishing freed."""
+        """Apply a step's results and decide which requests finish; returns the requests that gained tokens or
+        finished, and the slots their finishing freed."""
         now = time.monotonic()
         changed: dict[int, Request] = {}
         freed: list[int] = []
@@ -233,8 +232,8 @@ class Scheduler:
         return list(changed.values()), freed
 
     def _append(self, request: Request, out: SlotOutput) -> list[int]:
-        """Add a slot's new tokens to its request and finish it at EOS, its token limit or a stop string;
-        returns the slot when that freed it."""
+        """Add a slot's new tokens to its request and finish it at EOS, its token limit or a stop string; returns the
+        slot when that freed it."""
         request.output_ids.extend(out.tokens)
         if out.finish != RUNNING:
             return [self._finish(request, FINISH_NAMES[out.finish])]
@@ -247,9 +246,9 @@ class Scheduler:
 
 
 def stop_string_end(decode: Callable[[list[int]], str], ids: list[int], stops: Sequence[str]) -> int | None:
-    """The fewest leading tokens of `ids` whose text contains one of `stops` (None: none does). Only the
-    text of the last tokens is decoded: every token adds at least one character, so a stop string that the
-    last token completed spans at most as many tokens as it has characters."""
+    """The fewest leading tokens of `ids` whose text contains one of `stops` (None: none does). Only the text of the
+    last tokens is decoded: every token adds at least one character, so a stop string that the last token completed
+    spans at most as many tokens as it has characters."""
     window = max(0, len(ids) - max(map(len, stops)) - 16)
     if not any(s in decode(ids[window:]) for s in stops):
         return None
@@ -268,6 +267,6 @@ class QueueFullError(InvalidRequestError):
 
 
 def cuda_row_bucket(n: int) -> int:
-    """Decoded rows rounded up to 1, 2, 4, 8, then multiples of 8: few distinct shapes, so a step can be
-    captured once per bucket (CUDA graphs) and replayed; the extra rows are idle slots."""
+    """Decoded rows rounded up to 1, 2, 4, 8, then multiples of 8: few distinct shapes, so a step can be captured
+    once per bucket (CUDA graphs) and replayed; the extra rows are idle slots."""
     return 1 << (n - 1).bit_length() if n <= 8 else -(-n // 8) * 8

@@ -1,5 +1,5 @@
-"""Speculative decoding: the settings (`SpeculativeConfig`, frozen) and what they build (`Speculation`: a
-drafter, whose weights and caches are state, and the policy that picks each step's draft length)."""
+"""Speculative decoding: the settings (`SpeculativeConfig`, frozen) and what they build (`Speculation`: a drafter,
+whose weights and caches are state, and the policy that picks each step's draft length)."""
 
 from __future__ import annotations
 
@@ -23,10 +23,9 @@ DEFAULT_REINDEX = {"streaming": True, "snapkv": True}
 class SpeculativeConfig:
     """How to draft. `draft`: none | self-streaming | self-snapkv | model (then `draft_model` is a path).
 
-    budget: KV entries the draft may read per sequence (sparse caches); gamma: tokens drafted per round;
-    draft_cache: dense | streaming | snapkv for a standalone draft model; reindex: rotate sparse-cache
-    keys by slot (StreamingLLM style) instead of their original positions (None: per-kind default).
-    """
+    budget: KV entries the draft may read per sequence (sparse caches); gamma: tokens drafted per round; draft_cache:
+    dense | streaming | snapkv for a standalone draft model; reindex: rotate sparse-cache keys by slot (StreamingLLM
+    style) instead of their original positions (None: per-kind default)."""
 
     draft: str = "self-streaming"
     budget: int = 256
@@ -68,8 +67,8 @@ class SpeculativeConfig:
 
 @dataclass(frozen=True)
 class Speculation:
-    """A built drafter and the policy that picks each step's draft length (up to the drafter's gamma; 0:
-    a plain step): `FixedGamma` for a fixed length, `autoplan.Replanner` for `--draft auto`."""
+    """A built drafter and the policy that picks each step's draft length (up to the drafter's gamma; 0: a plain
+    step): `FixedGamma` for a fixed length, `autoplan.Replanner` for `--draft auto`."""
 
     drafter: Drafter
     policy: GammaPolicy

@@ -11,9 +11,8 @@ from magicdec.step import ScheduledStep, StepResult
 class GenerationStats:
     """Totals over the engine steps of one `LLM.generate` call (or a server's lifetime). Seconds are wall time.
 
-    Decode throughput counts the tokens decode rounds produced over the time of those rounds: each
-    request's first token comes from its prefill and is counted there.
-    """
+    Decode throughput counts the tokens decode rounds produced over the time of those rounds: each request's first
+    token comes from its prefill and is counted there."""
 
     requests: int = 0
     prompt_tokens: int = 0

@@ -39,9 +39,9 @@ class PrefillWork:
 
 @dataclass
 class ScheduledStep:
-    """What one step runs, in order: move running requests (from, to) into free lower slots, hand slots to
-    new requests, run prefill chunks, then a decode round (draft length gamma, 0 for plain decoding) over
-    slots [0, n_rows)."""
+    """What one step runs, in order: move running requests (from, to) into free lower slots, hand slots to new
+    requests, run prefill chunks, then a decode round (draft length gamma, 0 for plain decoding) over slots [0,
+    n_rows)."""
 
     moves: list[tuple[int, int]] = field(default_factory=list)
     assign: list[SlotAssignment] = field(default_factory=list)
@@ -52,8 +52,8 @@ class ScheduledStep:
 
 @dataclass
 class SlotOutput:
-    """The tokens a slot gained in a step (after EOS and the token limit cut them), how they ended
-    (RUNNING, STOPPED or LENGTH) and, in a speculative round, how many of its drafts the target accepted."""
+    """The tokens a slot gained in a step (after EOS and the token limit cut them), how they ended (RUNNING, STOPPED
+    or LENGTH) and, in a speculative round, how many of its drafts the target accepted."""
 
     slot: int
     tokens: list[int]
@@ -63,8 +63,8 @@ class SlotOutput:
 
 @dataclass
 class StepResult:
-    """A step's results on the host: the first token of each request whose prefill finished, and the
-    tokens of each decoded slot that gained any; seconds spent in prefill, the decode round and its drafting."""
+    """A step's results on the host: the first token of each request whose prefill finished, and the tokens of each
+    decoded slot that gained any; seconds spent in prefill, the decode round and its drafting."""
 
     first: list[SlotOutput]
     decoded: list[SlotOutput]

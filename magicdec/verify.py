@@ -1,9 +1,9 @@
 """Verification of draft tokens, one rule for greedy and sampled rows.
 
-The target's token at each of the gamma+1 verified positions is what plain decoding would produce there
-(its argmax, or its seeded draw: see magicdec.sampling). A draft token is accepted while it equals the
-target's token; at the first mismatch the target's token replaces it, and when all match the target's
-last token is a bonus. The output is therefore exactly the plain-decoding output.
+The target's token at each of the gamma+1 verified positions is what plain decoding would produce there (its argmax,
+or its seeded draw: see magicdec.sampling). A draft token is accepted while it equals the target's token; at the
+first mismatch the target's token replaces it, and when all match the target's last token is a bonus. The output is
+therefore exactly the plain-decoding output.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Per-token acceptance rates of the self-speculative drafters, measured on real text.
 
-`calibrate_acceptance` cuts prompts from inside long books, prefills them once per context length and
-decodes with every (drafter, budget, mode) from the same prefill; the rate is the maximum-likelihood
-estimate from the histogram of accepted draft counts (`acceptance_mle`).
+`calibrate_acceptance` cuts prompts from inside long books, prefills them once per context length and decodes with
+every (drafter, budget, mode) from the same prefill; the rate is the maximum-likelihood estimate from the histogram
+of accepted draft counts (`acceptance_mle`).
 """
 
 from __future__ import annotations
@@ -22,11 +22,10 @@ CalibrationProgress = Callable[[int, int, str], None]
 def acceptance_mle(hist: Sequence[int]) -> float:
     """Per-token acceptance rate from a histogram of accepted draft counts (hist[k]: steps accepting k).
 
-    The accepted count of a step with draft length gamma = len(hist) - 1 is a geometric variable
-    truncated at gamma: P(k) = alpha^k (1 - alpha) for k < gamma and alpha^gamma for k = gamma. Its
-    likelihood is alpha^(sum k n_k) (1 - alpha)^(sum_{k<gamma} n_k), maximised at
-    alpha = sum k n_k / (sum k n_k + sum_{k<gamma} n_k).
-    """
+    The accepted count of a step with draft length gamma = len(hist) - 1 is a geometric variable truncated at gamma:
+    P(k) = alpha^k (1 - alpha) for k < gamma and alpha^gamma for k = gamma. Its likelihood is
+    alpha^(sum k n_k) (1 - alpha)^(sum_{k<gamma} n_k), maximised at
+    alpha = sum k n_k / (sum k n_k + sum_{k<gamma} n_k)."""
     if len(hist) < 2:
         raise ValueError("need a histogram over 0..gamma accepted drafts with gamma >= 1")
     if any(n < 0 for n in hist):
@@ -55,18 +54,16 @@ def calibrate_acceptance(
 ) -> AcceptanceTable:
     """Measure acceptance rates of self-speculative drafters on `texts` with `llm` (an `LLM`).
 
-    For each context length, `n_prompts` prompts of that many tokens are cut from inside the texts
-    and prefilled once into the LLM's prompt cache (with the attention observation SnapKV needs); every
-    (drafter, budget, mode) then decodes `new_tokens` tokens per prompt (EOS ignored) from copies of that
-    prefill with draft length `gamma`. The rate stored for (drafter, budget, mode, context) is `acceptance_mle`
-    of the summed histogram; each (drafter, mode) also gets the spread of per-sequence rates around
-    their batch's rate (`row_spread`), which the planner uses for the slowest sequence of a batch.
-    Budgets not below the context are skipped (the planner treats them as dense). A context that
-    does not fit the model (context + new tokens + gamma + 2 beyond its max_seq_len) is shortened to
-    fit, and stored under the length actually used.
+    For each context length, `n_prompts` prompts of that many tokens are cut from inside the texts and prefilled once
+    into the LLM's prompt cache (with the attention observation SnapKV needs); every (drafter, budget, mode) then
+    decodes `new_tokens` tokens per prompt (EOS ignored) from copies of that prefill with draft length `gamma`. The
+    rate stored for (drafter, budget, mode, context) is `acceptance_mle` of the summed histogram; each (drafter,
+    mode) also gets the spread of per-sequence rates around their batch's rate (`row_spread`), which the planner uses
+    for the slowest sequence of a batch. Budgets not below the context are skipped (the planner treats them as
+    dense). A context that does not fit the model (context + new tokens + gamma + 2 beyond its max_seq_len) is
+    shortened to fit, and stored under the length actually used.
 
-    `records`, when given, receives one dict per decode (histogram, alpha, timings).
-    """
+    `records`, when given, receives one dict per decode (histogram, alpha, timings)."""
     drafters, budgets, modes = list(drafters), sorted(set(budgets)), list(modes)
     for mode in modes:
         sampling_params(mode, 1)  # validates
@@ -75,8 +72,7 @@ def calibrate_acceptance(
     report = progress or (lambda done, total, label: None)
     table = AcceptanceTable()
     deviations: dict[tuple[str, str], list[float]] = {}  # (drafter, mode) -> per-row rate minus batch rate
-    jobs = [(c, d, b, mo) for c in contexts for d in drafters for b in budgets for mo in modes
-            if b < min(c, limit)]
+    jobs = [(c, d, b, mo) for c in contexts for d in drafters for b in budgets for mo in modes if b < min(c, limit)]
     done = 0
     for context in contexts:
         ctx = min(context, limit)
@@ -117,8 +113,8 @@ def _decode_prefilled(llm, prompts: list[list[int]], drafter: str, budget: int, 
 
 
 def row_spread(deviations: Sequence[float]) -> float:
-    """Standard deviation of per-sequence acceptance rates, from their deviations from their batch's
-    rate (pooled over batches; the batch rates are estimated, hence n - 1)."""
+    """Standard deviation of per-sequence acceptance rates, from their deviations from their batch's rate (pooled
+    over batches; the batch rates are estimated, hence n - 1)."""
     if len(deviations) < 2:
         raise ValueError("need at least two per-sequence rates")
     return min(1.0, (sum(d * d for d in deviations) / (len(deviations) - 1)) ** 0.5)

@@ -19,11 +19,11 @@ ALLREDUCE_BYTES = (4 << 10, 64 << 10, 1 << 20, 8 << 20)
 
 
 def measure_allreduce(tp: TPGroup, sizes: Sequence[int] = ALLREDUCE_BYTES, reps: int = 10) -> dict[str, Any]:
-    """Median seconds of an fp32 all-reduce of each size over tp's group (a TPGroup), and the line
-    t = latency + bytes / bandwidth through the smallest and the largest message: `latency_s`, and
-    `bus_bandwidth` in the profile's units (bytes/s times 2 (w - 1) / w, what a ring moves over each link).
-    Not a least-squares fit: that follows the large messages and misses the small ones' latency, which is
-    what a decode step's all-reduces of B x dim hidden states pay."""
+    """Median seconds of an fp32 all-reduce of each size over tp's group (a TPGroup), and the line t = latency +
+    bytes / bandwidth through the smallest and the largest message: `latency_s`, and `bus_bandwidth` in the profile's
+    units (bytes/s times 2 (w - 1) / w, what a ring moves over each link). Not a least-squares fit: that follows the
+    large messages and misses the small ones' latency, which is what a decode step's all-reduces of B x dim hidden
+    states pay."""
     points = []
     for n in sizes:
         x = torch.ones(n // 4, device=tp.device)
@@ -47,8 +47,8 @@ def _allreduce_rank(rank: int, world_size: int, port: int, device: str, out) -> 
 
 
 def measure_local_allreduce(device: torch.device, world_size: int | None = None) -> dict[str, Any] | None:
-    """`measure_allreduce` over processes of this machine: gloo between `world_size` (default 2) CPU
-    processes, or NCCL over this machine's GPUs (all of them by default); None with fewer than two GPUs."""
+    """`measure_allreduce` over processes of this machine: gloo between `world_size` (default 2) CPU processes, or
+    NCCL over this machine's GPUs (all of them by default); None with fewer than two GPUs."""
     import torch.multiprocessing as mp
 
     if device.type == "cuda":

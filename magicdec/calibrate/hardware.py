@@ -2,21 +2,20 @@
 
 `measure_hardware` times, in the compute dtype:
 
-- a plain read (reduction of a tensor larger than the last-level cache), for the peak bandwidth,
-  and a large square matmul, for the peak FLOP rate;
-- whole forwards of a tiny-dim Transformer with 30 and with 4 layers at batch 1, one token, a short
-  cache: what they take beyond their (negligible) roofline is the fixed and the per-layer overhead;
-- whole forwards of a real-sized model (the one passed in, or a randomly initialised one with the
-  default model's shape): at m = 1..384 tokens over a short cache, the linear layers' weight bytes
-  per second against m; at q = 1..8 new tokens per sequence over a long cache, less the same
-  forward over a short one, attention's KV bytes per second against q. Times that fall as the
-  work grows are noise and are pooled (`nondecreasing`) before rates are derived from them.
+- a plain read (reduction of a tensor larger than the last-level cache), for the peak bandwidth, and a large square
+  matmul, for the peak FLOP rate;
+- whole forwards of a tiny-dim Transformer with 30 and with 4 layers at batch 1, one token, a short cache: what they
+  take beyond their (negligible) roofline is the fixed and the per-layer overhead;
+- whole forwards of a real-sized model (the one passed in, or a randomly initialised one with the default model's
+  shape): at m = 1..384 tokens over a short cache, the linear layers' weight bytes per second against m; at q = 1..8
+  new tokens per sequence over a long cache, less the same forward over a short one, attention's KV bytes per second
+  against q. Times that fall as the work grows are noise and are pooled (`nondecreasing`) before rates are derived
+  from them.
 
-Those measured rates make the profile (`HardwareProfile.linear_rates`, `attention_rates`): small
-matrices do not follow a roofline on CPUs (a few rows can cost twice one row), so one efficiency
-per group cannot predict both a draft step and a verification. Forwards over a batch x new tokens
-x cache length grid then check the profile (`measurements["check"]`). Everything measured is kept
-in `HardwareCalibration.measurements` for inspection.
+Those measured rates make the profile (`HardwareProfile.linear_rates`, `attention_rates`): small matrices do not
+follow a roofline on CPUs (a few rows can cost twice one row), so one efficiency per group cannot predict both a
+draft step and a verification. Forwards over a batch x new tokens x cache length grid then check the profile
+(`measurements["check"]`). Everything measured is kept in `HardwareCalibration.measurements` for inspection.
 """
 
 from __future__ import annotations
@@ -96,10 +95,9 @@ def measure_hardware(
 ) -> HardwareCalibration:
     """Run the microbenchmarks and forward timings; return the profile and all measurements.
 
-    `model`: a magicdec Transformer to time whole forwards of (default: a randomly initialised model
-    with the default model's shape, SmolLM2-135M). `dtype`: the compute dtype (default: the model's,
-    else what `dtype="auto"` picks on this device); the profile records it. Quick mode takes seconds; the full one a few minutes.
-    """
+    `model`: a magicdec Transformer to time whole forwards of (default: a randomly initialised model with the default
+    model's shape, SmolLM2-135M). `dtype`: the compute dtype (default: the model's, else what `dtype="auto"` picks on
+    this device); the profile records it. Quick mode takes seconds; the full one a few minutes."""
     dev = torch.device(device)
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
@@ -163,9 +161,9 @@ def measure_matmul(run: _Run) -> list[dict[str, float]]:
 
 
 def measure_overhead(run: _Run) -> dict[str, Any]:
-    """Fixed and per-layer seconds of a forward, from a tiny-dim Transformer with 30 and with 4 layers, batch 1,
-    one token, 16 cached; and the decode loop's own work per step (sampling, bookkeeping, the host sync)
-    beyond the forward."""
+    """Fixed and per-layer seconds of a forward, from a tiny-dim Transformer with 30 and with 4 layers, batch 1, one
+    token, 16 cached; and the decode loop's own work per step (sampling, bookkeeping, the host sync) beyond the
+    forward."""
     overhead = []
     for layers in (4, 30):
         cfg = ModelConfig(vocab_size=256, dim=64, n_layers=layers, n_heads=4, n_kv_heads=2, ffn_dim=128,
@@ -181,8 +179,8 @@ def measure_overhead(run: _Run) -> dict[str, Any]:
 
 
 def measure_linear(run: _Run, model: Transformer, shape: ModelShape, t_overhead: float) -> list[dict[str, Any]]:
-    """The linear layers' rate against tokens per forward: batch m, one new token each, over a cache too
-    short for attention to count."""
+    """The linear layers' rate against tokens per forward: batch m, one new token each, over a cache too short for
+    attention to count."""
     if run.quick:
         tokens = (1, 4, 16, 64) if not run.gpu else (1, 64, 512)
     else:
@@ -213,8 +211,8 @@ def measure_attention(run: _Run, model: Transformer, shape: ModelShape) -> list[
 
 def profile_from(m: dict[str, Any], shape: ModelShape, name: str, device: torch.device,
                  dtype: torch.dtype) -> HardwareProfile:
-    """The profile of the measurements `m`: measured rates, and the roofline numbers they imply (for reports
-    and for work beyond the measured shapes)."""
+    """The profile of the measurements `m`: measured rates, and the roofline numbers they imply (for reports and for
+    work beyond the measured shapes)."""
     linear, attention, overhead = m["linear"], m["attention"], m["overhead"]
     t_overhead = overhead["fixed_s"] + overhead["per_layer_s"] * shape.n_layers
     linear_rates = tuple((r["tokens"], r["weight_bytes_per_s"]) for r in linear)
@@ -240,8 +238,8 @@ def profile_from(m: dict[str, Any], shape: ModelShape, name: str, device: torch.
 
 def check_forwards(run: _Run, model: Transformer, shape: ModelShape, profile: HardwareProfile,
                    loop_extra: float) -> list[dict[str, Any]]:
-    """Forwards over a batch x q x context grid, timed and as `profile` predicts them (less the decode loop's
-    own work, which a forward does not do)."""
+    """Forwards over a batch x q x context grid, timed and as `profile` predicts them (less the decode loop's own
+    work, which a forward does not do)."""
     if run.quick:
         grid = [(1, 1, 2048), (1, 5, 2048), (8, 3, 1024)]
     else:
@@ -262,9 +260,9 @@ def check_forwards(run: _Run, model: Transformer, shape: ModelShape, profile: Ha
 def nondecreasing(values: Sequence[float]) -> list[float]:
     """The least-squares closest non-decreasing sequence (pool adjacent violators).
 
-    More work per forward cannot take less time, so where a measured time falls as the work grows,
-    the pair is noise: both get their mean. Rates derived from the pooled times keep the planner's
-    cost monotone in the number of tokens."""
+    More work per forward cannot take less time, so where a measured time falls as the work grows, the pair is noise:
+    both get their mean. Rates derived from the pooled times keep the planner's cost monotone in the number of
+    tokens."""
     blocks: list[list[float]] = []  # [sum, count] of runs pooled so far
     for v in values:
         blocks.append([v, 1])
@@ -278,10 +276,9 @@ def nondecreasing(values: Sequence[float]) -> list[float]:
 def measure_sampling(vocab: int, device: torch.device, reps: int, batch: int = 32) -> dict[str, Any]:
     """Seconds per token that drawing with the sampling preset (T 0.7, top-p 0.9) adds to a greedy argmax.
 
-    The logits are shaped like a language model's at these settings: most rows peaked (a nucleus of a few
-    tokens), some wide (SmolLM2 on PG-19: nucleus past 64 tokens at ~11% of positions, past 1024 at 1-3%),
-    as 28 rows of N(0, 6^2) logits, 3 of N(0, 3^2) (nuclei of 100-260 tokens) and 1 of N(0, 1)
-    (over 20k tokens)."""
+    The logits are shaped like a language model's at these settings: most rows peaked (a nucleus of a few tokens),
+    some wide (SmolLM2 on PG-19: nucleus past 64 tokens at ~11% of positions, past 1024 at 1-3%), as 28 rows of N(0,
+    6^2) logits, 3 of N(0, 3^2) (nuclei of 100-260 tokens) and 1 of N(0, 1) (over 20k tokens)."""
     scale = torch.tensor([6.0] * (batch - 4) + [3.0] * 3 + [1.0])[:, None, None]
     logits = (torch.randn(batch, 1, vocab, generator=torch.Generator().manual_seed(0)) * scale).to(device)
     position = torch.zeros(batch, 1, dtype=torch.long, device=device)

@@ -31,8 +31,8 @@ def device_memory_bytes(device: torch.device) -> float:
 
 
 def machine_info(device: str | torch.device = "cpu") -> dict[str, Any]:
-    """What the measurements were taken on: device, threads, CPU model and the flags that pick its kernels
-    (AMX, AVX512-BF16, ...), memory, load, versions."""
+    """What the measurements were taken on: device, threads, CPU model and the flags that pick its kernels (AMX,
+    AVX512-BF16, ...), memory, load, versions."""
     dev = torch.device(device)
     info: dict[str, Any] = {
         "device": str(dev),

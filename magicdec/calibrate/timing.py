@@ -1,5 +1,5 @@
-"""Timing on a device, and the placeholder-weight models and filled caches that calibration and the
-benchmarks time."""
+"""Timing on a device, and the placeholder-weight models and filled caches that calibration and the benchmarks
+time."""
 
 from __future__ import annotations
 
@@ -53,9 +53,8 @@ def synthetic_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, 
                     random: bool = False) -> Transformer:
     """A Transformer of `cfg` with placeholder weights, for timing only (its outputs mean nothing).
 
-    Weights are a constant (filling is much faster than drawing random numbers, and the speed of a
-    dense forward does not depend on the values); `random=True` draws them uniformly instead.
-    """
+    Weights are a constant (filling is much faster than drawing random numbers, and the speed of a dense forward does
+    not depend on the values); `random=True` draws them uniformly instead."""
     with torch.device("meta"):
         model = Transformer(cfg)
     model = model.to_empty(device=device)

@@ -52,9 +52,8 @@ def run(args) -> int:
 
 
 def calibrate_allreduce(args) -> int:
-    """`calibrate` under torchrun: measure the all-reduce of the launched ranks (any number of nodes) and
-    write its latency and bandwidth into the profile that `magicdec calibrate` made on one process (in the
-    same --dtype)."""
+    """`calibrate` under torchrun: measure the all-reduce of the launched ranks (any number of nodes) and write its
+    latency and bandwidth into the profile that `magicdec calibrate` made on one process (in the same --dtype)."""
     tp = init_tp(args.device)
     dtype = dtype_name(auto_dtype(tp.device).dtype) if args.dtype == "auto" else args.dtype
     path = Path(args.output) if args.output else default_profile_path(tp.device.type, dtype)

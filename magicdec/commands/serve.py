@@ -18,9 +18,9 @@ def run(args) -> int:
     llm = LLM(args.model, device=args.device, dtype=args.dtype, kv_dtype=args.kv_dtype, prefill_chunk=args.prefill_chunk,
               max_num_seqs=args.max_running, max_model_len=args.max_model_len)
     max_len = llm.max_model_len
-    # Planned where the KV cache weighs most (every slot full at the longest context): if drafting pays
-    # anywhere within the server's limits it pays there; each step then re-plans for its live batch and
-    # context (plain decoding where drafting does not pay).
+    # Planned where the KV cache weighs most (every slot full at the longest context): if drafting pays anywhere
+    # within the server's limits it pays there; each step then re-plans for its live batch and context (plain decoding
+    # where drafting does not pay).
     spec, policy, plan = speculative_from_args(args, llm, args.max_running, max_len)
     draft = describe(plan) if plan is not None else spec.draft if spec is not None else "none"
     try:

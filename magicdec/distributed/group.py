@@ -1,10 +1,10 @@
 """The process group of a tensor-parallel run, set up from torchrun's environment.
 
-torchrun (or any launcher that sets the same variables) gives every process RANK, WORLD_SIZE,
-LOCAL_RANK, MASTER_ADDR and MASTER_PORT; `init_tp` joins the default process group over gloo on CPUs
-and NCCL on CUDA devices (one device per local rank). Every collective carries the group's timeout and
-its failures become one `DistributedError`, so a rank that died or hangs ends the others within the
-timeout with one clear line instead of a silent hang or a traceback per rank.
+torchrun (or any launcher that sets the same variables) gives every process RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR
+and MASTER_PORT; `init_tp` joins the default process group over gloo on CPUs and NCCL on CUDA devices (one device per
+local rank). Every collective carries the group's timeout and its failures become one `DistributedError`, so a rank
+that died or hangs ends the others within the timeout with one clear line instead of a silent hang or a traceback per
+rank.
 """
 
 from __future__ import annotations
@@ -47,10 +47,9 @@ def timeout_from_env() -> float:
 class TPGroup:
     """This process's place in a tensor-parallel run, and the collectives the engine uses.
 
-    `comm_s` accumulates the seconds spent inside the model's all-reduces (on CPU, gloo's all-reduce is
-    synchronous, so this is communication plus waiting for the slowest rank; on CUDA it is only the
-    launch time unless the caller synchronizes).
-    """
+    `comm_s` accumulates the seconds spent inside the model's all-reduces (on CPU, gloo's all-reduce is synchronous,
+    so this is communication plus waiting for the slowest rank; on CUDA it is only the launch time unless the caller
+    synchronizes)."""
 
     def __init__(self, rank: int, world_size: int, device: torch.device, backend: str, timeout_s: float):
         self.rank, self.world_size, self.device = rank, world_size, device
@@ -134,8 +133,7 @@ _GROUP: TPGroup | None = None
 def init_tp(device: str | None = None, timeout_s: float | None = None) -> TPGroup:
     """Join the process group torchrun describes in the environment (once per process; later calls return it).
 
-    Backend: NCCL when the rank runs on CUDA, gloo on CPU.
-    """
+    Backend: NCCL when the rank runs on CUDA, gloo on CPU."""
     global _GROUP
     if _GROUP is not None:
         return _GROUP
@@ -160,8 +158,8 @@ def init_tp(device: str | None = None, timeout_s: float | None = None) -> TPGrou
 
 
 def shutdown_tp() -> None:
-    """Leave the process group after a run that ended normally (a failed one exits without it: tearing
-    down a group whose peer is dead can block)."""
+    """Leave the process group after a run that ended normally (a failed one exits without it: tearing down a group
+    whose peer is dead can block)."""
     global _GROUP
     if _GROUP is not None and dist.is_initialized():
         dist.destroy_process_group()

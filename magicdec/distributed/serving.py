@@ -1,11 +1,10 @@
 """`magicdec serve` under tensor parallelism: rank 0 runs HTTP and the scheduler, the other ranks follow.
 
-Every rank holds an identical LLMEngine. Each turn of rank 0's engine thread (magicdec.server.async_engine)
-sends the commands it is about to apply (add a request, abort one) to the other ranks before applying
-them; every rank then applies the same commands to the same state, so they all make the same scheduling
-decision and step together, with the model's all-reduces as the only other communication. While idle,
-rank 0 sends an empty turn every quarter of the collective timeout, so waiting for requests never
-counts as a hung rank.
+Every rank holds an identical LLMEngine. Each turn of rank 0's engine thread (magicdec.server.async_engine) sends the
+commands it is about to apply (add a request, abort one) to the other ranks before applying them; every rank then
+applies the same commands to the same state, so they all make the same scheduling decision and step together, with
+the model's all-reduces as the only other communication. While idle, rank 0 sends an empty turn every quarter of the
+collective timeout, so waiting for requests never counts as a hung rank.
 """
 
 from __future__ import annotations
@@ -42,8 +41,8 @@ class StepMirror:
             pass
 
     def lost(self, error: DistributedError) -> None:
-        """A collective failed: end this rank now with one line (the CLI's contract), without tearing the
-        group down (with a dead peer that can block)."""
+        """A collective failed: end this rank now with one line (the CLI's contract), without tearing the group down
+        (with a dead peer that can block)."""
         print(f"magicdec: error: {error}", file=sys.stderr, flush=True)
         os._exit(3)
 

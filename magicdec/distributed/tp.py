@@ -1,24 +1,23 @@
-"""Tensor parallelism applied at load time, in the style of gpt-fast's tp.py: shard a loaded Transformer
-in place so that each rank holds its share of every layer and one all-reduce joins the shares.
+"""Tensor parallelism applied at load time, in the style of gpt-fast's tp.py: shard a loaded Transformer in place so
+that each rank holds its share of every layer and one all-reduce joins the shares.
 
-- Attention by heads: each rank takes a contiguous run of KV heads together with their query groups
-  (GQA query head h reads KV head h // G), so attention needs nothing from the other ranks. The fused
-  wqkv is split by output rows (q, k and v each keep their rank's heads); wo by input columns, so each
-  rank's output is a partial sum over its heads, all-reduced.
-- MLP: the fused w13 keeps the rank's columns of the gate half and of the up half; w2 its rows; one
-  all-reduce of the output.
-- The token embedding and the LM head are replicated. The embedding is a row gather that costs next to
-  nothing. The head is kept whole because sampling needs the whole distribution on every rank (each rank
-  samples the same token from identical logits, with no broadcast): a vocab-parallel head would compute
-  1/tp of the logits and all-gather B x q x vocab of them per forward. Replicated is the simpler choice,
-  not the fastest one: half the head plus an all-gather of the logits costs less than the whole head,
-  so a vocab-parallel head would shorten a TP=2 decode step (measured for SmolLM2-135M in
-  benchmarks/README.md, "bench_tp.py"). It is the next step (see the planner's TP cost, which models the
-  head as built: replicated).
+- Attention by heads: each rank takes a contiguous run of KV heads together with their query groups (GQA query head h
+  reads KV head h // G), so attention needs nothing from the other ranks. The fused wqkv is split by output rows (q,
+  k and v each keep their rank's heads); wo by input columns, so each rank's output is a partial sum over its heads,
+  all-reduced.
+- MLP: the fused w13 keeps the rank's columns of the gate half and of the up half; w2 its rows; one all-reduce of the
+  output.
+- The token embedding and the LM head are replicated. The embedding is a row gather that costs next to nothing. The
+  head is kept whole because sampling needs the whole distribution on every rank (each rank samples the same token
+  from identical logits, with no broadcast): a vocab-parallel head would compute 1/tp of the logits and all-gather B
+  x q x vocab of them per forward. Replicated is the simpler choice, not the fastest one: half the head plus an
+  all-gather of the logits costs less than the whole head, so a vocab-parallel head would shorten a TP=2 decode step
+  (measured for SmolLM2-135M in benchmarks/README.md, "bench_tp.py"). It is the next step (see the planner's TP cost,
+  which models the head as built: replicated).
 
-Splits need not be even: KV heads (and the MLP's columns) go out as evenly as they divide, the first
-ranks taking one more (SmolLM2-135M's 3 KV heads over 2 ranks: 2 + 1, query heads 6 + 3). Each rank's
-`model.cfg` becomes its local shape, so the dense and sparse caches it allocates hold its KV heads only.
+Splits need not be even: KV heads (and the MLP's columns) go out as evenly as they divide, the first ranks taking one
+more (SmolLM2-135M's 3 KV heads over 2 ranks: 2 + 1, query heads 6 + 3). Each rank's `model.cfg` becomes its local
+shape, so the dense and sparse caches it allocates hold its KV heads only.
 """
 
 from __future__ import annotations
@@ -94,9 +93,8 @@ def _shard_ffn(ffn: FeedForward, full: ModelConfig, f0: int, f1: int) -> None:
 def apply_tp(model: Transformer, tp: TPGroup) -> None:
     """Shard `model` in place for tp.rank of tp.world_size, and make its config the local one.
 
-    Call it on the loaded weights before moving them to the device, so a rank only ever copies its share.
-    The model keeps the whole model's config as `model.full_cfg` and the group as `model.tp`.
-    """
+    Call it on the loaded weights before moving them to the device, so a rank only ever copies its share. The model
+    keeps the whole model's config as `model.full_cfg` and the group as `model.tp`."""
     full = model.cfg
     check_shardable(full, tp.world_size)
     local = local_config(full, tp.world_size, tp.rank)
@@ -111,8 +109,8 @@ def apply_tp(model: Transformer, tp: TPGroup) -> None:
 
 def add_all_reduces(model: Transformer, tp: TPGroup, full: ModelConfig) -> None:
     """Join a rank's share of the model (`model.cfg` is local) with the others: all-reduce the output of every
-    attention and MLP. Separate from the sharding so that a benchmark can build a local-shaped model of
-    placeholder weights directly (magicdec.calibrate.timing.synthetic_model) instead of slicing a whole one."""
+    attention and MLP. Separate from the sharding so that a benchmark can build a local-shaped model of placeholder
+    weights directly (magicdec.calibrate.timing.synthetic_model) instead of slicing a whole one."""
     for block in model.layers:
         block.attention.register_forward_hook(lambda _module, _input, output: tp.all_reduce_(output))
         block.feed_forward.register_forward_hook(lambda _module, _input, output: tp.all_reduce_(output))

@@ -16,12 +16,11 @@ from magicdec.sampling import RowParams, sample_tokens
 class Drafter(ABC):
     """Proposes gamma tokens per sequence from a cheap model/cache, then follows what the target accepted.
 
-    A drafter keeps one cache row per engine slot. `admit` builds a slot's row once the target has
-    prefilled its prompt; per round, `propose` drafts for the first n slots and `accept` rolls the draft
-    cache back to what the target kept. The draft cache trails the sequence: at the start of a round it
-    first catches up on the tokens it has not seen (usually 1 or 2; more after rounds of plain decoding,
-    which leave it alone), taken from the engine's token buffer (`catch_up`, then the round's first forward).
-    """
+    A drafter keeps one cache row per engine slot. `admit` builds a slot's row once the target has prefilled its
+    prompt; per round, `propose` drafts for the first n slots and `accept` rolls the draft cache back to what the
+    target kept. The draft cache trails the sequence: at the start of a round it first catches up on the tokens it
+    has not seen (usually 1 or 2; more after rounds of plain decoding, which leave it alone), taken from the engine's
+    token buffer (`catch_up`, then the round's first forward)."""
 
     name: str = "drafter"
     #: whether `admit` needs the attention of the prompt's last tokens observed in the target's prefill
@@ -59,14 +58,14 @@ class Drafter(ABC):
 
     @staticmethod
     def _feed_limit(cache: KVCache) -> int:
-        """Most tokens one forward may write: a sparse ring must not overwrite entries it still shows, and a
-        dense cache must hold q more slots in its longest row (every row writes q)."""
+        """Most tokens one forward may write: a sparse ring must not overwrite entries it still shows, and a dense
+        cache must hold q more slots in its longest row (every row writes q)."""
         budget = getattr(cache, "budget", None)
         return cache.capacity - cache.max_len if budget is None else cache.capacity - budget
 
     def _feed(self, cache: KVCache, seq: Tensor, start: Tensor, count: Tensor, live: Tensor) -> Tensor:
-        """Run seq[b, start[b] : start[b] + count[b]] through the draft model (count >= 1 for live rows);
-        returns each row's logits after its last token, [n, V]."""
+        """Run seq[b, start[b] : start[b] + count[b]] through the draft model (count >= 1 for live rows); returns
+        each row's logits after its last token, [n, V]."""
         q = int(count.max())
         index = (start[:, None] + torch.arange(q, device=seq.device)).clamp_max(seq.shape[1] - 1)
         at = (count - 1).clamp_min(0)[:, None]
@@ -78,11 +77,10 @@ class Drafter(ABC):
                 target: KVCache) -> Tensor:
         """Draft gamma tokens for each of the first n slots: [n, gamma].
 
-        seq [n, C]: every slot's tokens (prompt and output); n_tokens [n]: how many are known; live [n]:
-        slots that are decoding (others compute garbage and keep nothing); target: the target's cache over
-        the same slots, holding every known token but the last. Draft token i of a row is its sample at
-        position n_tokens + i, with the row's own sampling parameters and noise.
-        """
+        seq [n, C]: every slot's tokens (prompt and output); n_tokens [n]: how many are known; live [n]: slots that
+        are decoding (others compute garbage and keep nothing); target: the target's cache over the same slots,
+        holding every known token but the last. Draft token i of a row is its sample at position n_tokens + i, with
+        the row's own sampling parameters and noise."""
         cache = self.cache.head(n)
         self.catch_up(cache, seq, n_tokens, live, target, gamma)
         start = cache.next_pos.clone()
@@ -98,9 +96,9 @@ class Drafter(ABC):
 
     def catch_up(self, cache: KVCache, seq: Tensor, n_tokens: Tensor, live: Tensor, target: KVCache,
                  gamma: int) -> None:
-        """Read the tokens the draft cache has not seen (after rounds of plain decoding, which leave it alone)
-        in forwards the cache can hold, leaving the last few for the round's first forward and room for
-        its drafts. A drafter that can take these entries from `target` instead overrides this."""
+        """Read the tokens the draft cache has not seen (after rounds of plain decoding, which leave it alone) in
+        forwards the cache can hold, leaving the last few for the round's first forward and room for its drafts. A
+        drafter that can take these entries from `target` instead overrides this."""
         start = cache.next_pos.clone()
         unseen = torch.where(live, n_tokens - start, 1)
         while int(unseen.max()) > (last_limit := self._feed_limit(cache) - gamma + 1):
@@ -110,8 +108,8 @@ class Drafter(ABC):
             start, unseen = start + count, unseen - count
 
     def accept(self, n: int, n_tokens: Tensor, live: Tensor) -> None:
-        """After verification the first n slots know n_tokens [n] tokens; keep the draft entries that
-        match them (positions below n_tokens - 1) and drop the rest."""
+        """After verification the first n slots know n_tokens [n] tokens; keep the draft entries that match them
+        (positions below n_tokens - 1) and drop the rest."""
         cache = self.cache.head(n)
         keep = torch.where(live, torch.minimum(n_tokens - 1, cache.next_pos), cache.next_pos)
         cache.truncate(cache.lens - (cache.next_pos - keep))

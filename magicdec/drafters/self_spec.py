@@ -14,12 +14,11 @@ from magicdec.model import Transformer
 class SelfSpecDrafter(Drafter):
     """Drafts with the target model reading only `budget` cached tokens (StreamingLLM or SnapKV).
 
-    A slot's sparse cache is cut from the target's dense cache after prefill, so drafting costs no extra
-    prefill; SnapKV's selection uses the attention of the prompt's last tokens, observed during the
-    target's own prefill. Catching up works the same way: the entries of tokens decoded since the draft
-    last ran are copied from the target's cache, so each round's first draft forward reads one token and
-    a switch from plain decoding back to drafting costs no forward over the tokens decoded meanwhile.
-    """
+    A slot's sparse cache is cut from the target's dense cache after prefill, so drafting costs no extra prefill;
+    SnapKV's selection uses the attention of the prompt's last tokens, observed during the target's own prefill.
+    Catching up works the same way: the entries of tokens decoded since the draft last ran are copied from the
+    target's cache, so each round's first draft forward reads one token and a switch from plain decoding back to
+    drafting costs no forward over the tokens decoded meanwhile."""
 
     def __init__(self, model: Transformer, kind: str, budget: int, gamma: int, reindex: bool):
         super().__init__(model, gamma)

@@ -1,22 +1,20 @@
 """Native CPU kernels, compiled on first use for the CPU at hand.
 
-`decode_attention` is attention over a bf16 KV cache on CPUs with AVX512-BF16, for decode and
-verification (a few new tokens per row) and for prefill chunks. torch's two bf16 matmuls read the cache
-well below the memory bandwidth at one new token and are compute-bound at verification shapes; the
-kernel reads each cached K/V element once with `vdpbf16ps`, whatever the number of queries
-(benchmarks/README.md, "A decode attention kernel"), and with no scores tensor between two matmuls it
-also runs prefill chunks faster than they do ("Prefill chunks on the kernel").
+`decode_attention` is attention over a bf16 KV cache on CPUs with AVX512-BF16, for decode and verification (a few new
+tokens per row) and for prefill chunks. torch's two bf16 matmuls read the cache well below the memory bandwidth at
+one new token and are compute-bound at verification shapes; the kernel reads each cached K/V element once with
+`vdpbf16ps`, whatever the number of queries (benchmarks/README.md, "A decode attention kernel"), and with no scores
+tensor between two matmuls it also runs prefill chunks faster than they do ("Prefill chunks on the kernel").
 
-`linear` is a bf16 linear layer over weights packed once at load time (`pack_linear`). torch's bf16
-matmul reads the weights well below the memory bandwidth at a few rows, and rounds a row differently
-at different row counts; the kernel reads each weight once per call, which pays most at a few rows,
-where the weights are what a forward reads (benchmarks/README.md, "A packed bf16 linear kernel"), and gives a row the same bits in any batch, so
-that a one-token step and a verification forward agree exactly in the linear layers.
+`linear` is a bf16 linear layer over weights packed once at load time (`pack_linear`). torch's bf16 matmul reads the
+weights well below the memory bandwidth at a few rows, and rounds a row differently at different row counts; the
+kernel reads each weight once per call, which pays most at a few rows, where the weights are what a forward reads
+(benchmarks/README.md, "A packed bf16 linear kernel"), and gives a row the same bits in any batch, so that a
+one-token step and a verification forward agree exactly in the linear layers.
 
-Each kernel is built with torch's C++ extension tooling (a C++ compiler and ninja; once per
-torch version, cached under TORCH_EXTENSIONS_DIR). Where the CPU lacks the instructions or a build fails,
-that kernel is off, the reason is logged, and torch's operators run instead. MAGICDEC_NATIVE=0 turns the
-kernels off.
+Each kernel is built with torch's C++ extension tooling (a C++ compiler and ninja; once per torch version, cached
+under TORCH_EXTENSIONS_DIR). Where the CPU lacks the instructions or a build fails, that kernel is off, the reason is
+logged, and torch's operators run instead. MAGICDEC_NATIVE=0 turns the kernels off.
 """
 
 from __future__ import annotations
@@ -51,8 +49,8 @@ STALE_LOCK_S = 600
 
 
 def _build_dir(name: str, source: Path, flags: list[str]) -> Path:
-    """One build folder per kernel, torch version, source (its text and its path: two checkouts do not
-    rebuild each other's) and flags (torch's own cache key ignores the version)."""
+    """One build folder per kernel, torch version, source (its text and its path: two checkouts do not rebuild each
+    other's) and flags (torch's own cache key ignores the version)."""
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR", Path.home() / ".cache" / "torch_extensions"))
     key = hashlib.sha256(source.read_bytes() + f"{source.resolve()} {' '.join(flags)}".encode()).hexdigest()[:12]
     return root / f"magicdec-{name}-torch{torch.__version__.replace('+', '_')}-{key}"
@@ -60,8 +58,8 @@ def _build_dir(name: str, source: Path, flags: list[str]) -> Path:
 
 @functools.cache
 def _extension(name: str) -> Any | None:
-    """The compiled kernel `name` (the source file `name`.cpp beside this module), or None (the reason
-    logged) where it cannot run here."""
+    """The compiled kernel `name` (the source file `name`.cpp beside this module), or None (the reason logged) where
+    it cannot run here."""
     if os.environ.get("MAGICDEC_NATIVE", "1") == "0":
         return None
     what = f"native {name.replace('_', ' ')}"
@@ -98,21 +96,20 @@ def _extension(name: str) -> Any | None:
 
 
 def supported(device: torch.device, kv_dtype: torch.dtype) -> bool:
-    """Whether attention over a cache of this dtype on this device runs the native kernel (building it
-    on the first call)."""
+    """Whether attention over a cache of this dtype on this device runs the native kernel (building it on the first
+    call)."""
     return device.type == "cpu" and kv_dtype == torch.bfloat16 and _extension("decode_attention") is not None
 
 
 def linear_supported(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether linear layers of this dtype on this device run the native kernel (building it on the
-    first call)."""
+    """Whether linear layers of this dtype on this device run the native kernel (building it on the first call)."""
     return device.type == "cpu" and dtype == torch.bfloat16 and _extension("linear") is not None
 
 
 def pack_linear(weight: Tensor) -> Tensor:
-    """A linear layer's weight [N, K] (bf16, K even) in the kernel's layout [ceil(N / 64), K / 2, 64, 2]:
-    for each group of 64 output columns and each pair of inputs, the columns' two weights side by side
-    (columns past N are zero)."""
+    """A linear layer's weight [N, K] (bf16, K even) in the kernel's layout [ceil(N / 64), K / 2, 64, 2]: for each
+    group of 64 output columns and each pair of inputs, the columns' two weights side by side (columns past N are
+    zero)."""
     n, k = weight.shape
     groups = -(-n // LINEAR_GROUP)
     padded = torch.nn.functional.pad(weight, (0, 0, 0, groups * LINEAR_GROUP - n))
@@ -120,20 +117,20 @@ def pack_linear(weight: Tensor) -> Tensor:
 
 
 def linear(x: Tensor, packed: Tensor, out_features: int, bias: Tensor | None = None) -> Tensor:
-    """x [..., K] @ W^T (+ bias) in bf16 with W packed by `pack_linear`; returns [..., out_features]. Call
-    only where `linear_supported` is True."""
+    """x [..., K] @ W^T (+ bias) in bf16 with W packed by `pack_linear`; returns [..., out_features]. Call only where
+    `linear_supported` is True."""
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     return _extension("linear").linear(rows, packed, out_features, bias).view(*x.shape[:-1], out_features)
 
 
 def takes(xq: Tensor, keys: Tensor, values: Tensor, bias: Tensor) -> bool:
-    """Whether `decode_attention` takes these operands (see `supported`; a supported head size, contiguous
-    last dimensions)."""
+    """Whether `decode_attention` takes these operands (see `supported`; a supported head size, contiguous last
+    dimensions)."""
     return (keys.shape[-1] in HEAD_DIMS and keys.stride(-1) == 1 and values.stride(-1) == 1 and bias.stride(-1) == 1
             and values.dtype == bias.dtype == keys.dtype and supported(keys.device, keys.dtype))
 
 
 def decode_attention(xq: Tensor, keys: Tensor, values: Tensor, bias: Tensor) -> Tensor:
-    """Softmax attention of queries [B, KV, M, hd] over K/V [B, KV, L, hd] (bf16) with an additive bias
-    [B, 1, M, L] (bf16, 0 or -inf); returns [B, KV, M, hd] fp32. Call only where `takes` is True."""
+    """Softmax attention of queries [B, KV, M, hd] over K/V [B, KV, L, hd] (bf16) with an additive bias [B, 1, M, L]
+    (bf16, 0 or -inf); returns [B, KV, M, hd] fp32. Call only where `takes` is True."""
     return _extension("decode_attention").decode_attention(xq, keys, values, bias, CHUNK)

@@ -1,16 +1,16 @@
 """The KV cache shared by dense and sparse variants.
 
-Storage is one tensor per K and V for all layers, [n_layers, B, KV, capacity, hd], so that a rollback,
-a row selection or a sliding-window eviction is one tensor op for the whole model.
+Storage is one tensor per K and V for all layers, [n_layers, B, KV, capacity, hd], so that a rollback, a row
+selection or a sliding-window eviction is one tensor op for the whole model.
 
-Each row (sequence) has its own `lens` (slots filled) and `next_pos` (absolute position of its next
-token). New tokens are written at slots lens..lens+q-1; nothing is kept until `commit` says how many of
-them each row accepts, so a rollback is simply committing fewer. Slots past `lens` may hold stale data;
-the attention mask never lets a query see them.
+Each row (sequence) has its own `lens` (slots filled) and `next_pos` (absolute position of its next token). New
+tokens are written at slots lens..lens+q-1; nothing is kept until `commit` says how many of them each row accepts, so
+a rollback is simply committing fewer. Slots past `lens` may hold stale data; the attention mask never lets a query
+see them.
 
-The serving engine keeps one row per request slot. `head(n)` (the first n rows) and `row(i)` are views
-sharing the storage and the per-row state, so a forward over the running slots or a prefill into one
-slot writes straight into the cache; every change of per-row state is therefore made in place.
+The serving engine keeps one row per request slot. `head(n)` (the first n rows) and `row(i)` are views sharing the
+storage and the per-row state, so a forward over the running slots or a prefill into one slot writes straight into
+the cache; every change of per-row state is therefore made in place.
 """
 
 from __future__ import annotations
@@ -29,14 +29,7 @@ class KVCache:
     #: per-row state tensors ([B, ...]): what a row view slices and a moved row takes along
     PER_ROW: tuple[str, ...] = ("lens", "next_pos")
 
-    def __init__(
-        self,
-        cfg: ModelConfig,
-        batch: int,
-        capacity: int,
-        dtype: torch.dtype,
-        device: torch.device | str,
-    ):
+    def __init__(self, cfg: ModelConfig, batch: int, capacity: int, dtype: torch.dtype, device: torch.device | str):
         self.cfg = cfg
         shape = (cfg.n_layers, batch, cfg.n_kv_heads, capacity, cfg.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
@@ -96,10 +89,10 @@ class KVCache:
     def attended_slots(self, q: int) -> int:
         """How many leading slots a forward of q new tokens attends over (the rest are never filled).
 
-        On CPU, every slot once the filled prefix reaches half the capacity: a prefix of each row is a
-        strided view, which the matmuls (and SDPA) copy before multiplying, while the whole buffer is
-        contiguous; reading it costs at most twice the bytes and saves that copy, which made decode steps
-        faster in bf16 and in fp32 (benchmarks/README.md, "Whole buffers"). The unfilled slots are masked."""
+        On CPU, every slot once the filled prefix reaches half the capacity: a prefix of each row is a strided view,
+        which the matmuls (and SDPA) copy before multiplying, while the whole buffer is contiguous; reading it costs
+        at most twice the bytes and saves that copy, which made decode steps faster in bf16 and in fp32
+        (benchmarks/README.md, "Whole buffers"). The unfilled slots are masked."""
         n = self.max_len + q
         return self.capacity if self.device.type == "cpu" and 2 * n >= self.capacity else n
 

@@ -29,10 +29,10 @@ class _Prefilled:
 class PromptCache:
     """Prefilled prompts kept for reuse, matched on the whole prompt, least recently used evicted first.
 
-    Benchmarks and `generate --compare-ar` decode the same prompts under several configurations, and
-    `generate --n` samples one prompt many times; a hit costs a copy of the prompt's K/V instead of its
-    prefill. Entries hold the K/V in the cache dtype, the last logits and SnapKV's observation, so every
-    drafter can start from a hit. A cache of 0 bytes is off."""
+    Benchmarks and `generate --compare-ar` decode the same prompts under several configurations, and `generate --n`
+    samples one prompt many times; a hit costs a copy of the prompt's K/V instead of its prefill. Entries hold the
+    K/V in the cache dtype, the last logits and SnapKV's observation, so every drafter can start from a hit. A cache
+    of 0 bytes is off."""
 
     def __init__(self, max_bytes: int = 0):
         self.max_bytes = max_bytes
@@ -45,8 +45,8 @@ class PromptCache:
 
     @staticmethod
     def bytes_for(cfg: ModelConfig, lengths: Sequence[int], kv_dtype: torch.dtype) -> int:
-        """Bytes that hold exactly one entry per prompt of these lengths (tokens): the K/V, the logits and
-        SnapKV's observation (fp32)."""
+        """Bytes that hold exactly one entry per prompt of these lengths (tokens): the K/V, the logits and SnapKV's
+        observation (fp32)."""
         return sum(KVCache.nbytes(cfg, 1, n, kv_dtype) + 4 * (cfg.vocab_size + cfg.n_layers * cfg.n_kv_heads * n)
                    for n in lengths)
 

@@ -1,17 +1,16 @@
 """Fixed-budget sparse KV caches for drafting: StreamingLLM (sink + sliding window) and SnapKV.
 
-Both keep `budget` slots per sequence: a fixed prefix (`keep` slots: the attention sinks for
-StreamingLLM, the SnapKV-selected prompt tokens for SnapKV) followed by a window of the most recent
-tokens that slides as generation proceeds, so the draft's cost never grows with the context.
+Both keep `budget` slots per sequence: a fixed prefix (`keep` slots: the attention sinks for StreamingLLM, the
+SnapKV-selected prompt tokens for SnapKV) followed by a window of the most recent tokens that slides as generation
+proceeds, so the draft's cost never grows with the context.
 
-Positions: with `reindex=True` (StreamingLLM's choice) the draft sees its cache as one contiguous
-sequence, the prefix directly followed by the window; with `reindex=False` every key keeps the rotation
-of its original position. RoPE scores depend only on the distance between query and key, and the
-window is contiguous in the original positions, so re-indexing needs no rotation of the window at all:
-queries and window keys keep their original positions, and only the prefix keys are rotated to sit
-just before the window's first position (`rotate_keys`: rotations compose, moving a key from position
-a to b is one more rotation by b - a). Sliding the window by s then moves the prefix by s too: a
-rotation of `keep` entries, not of the whole cache.
+Positions: with `reindex=True` (StreamingLLM's choice) the draft sees its cache as one contiguous sequence, the
+prefix directly followed by the window; with `reindex=False` every key keeps the rotation of its original position.
+RoPE scores depend only on the distance between query and key, and the window is contiguous in the original
+positions, so re-indexing needs no rotation of the window at all: queries and window keys keep their original
+positions, and only the prefix keys are rotated to sit just before the window's first position (`rotate_keys`:
+rotations compose, moving a key from position a to b is one more rotation by b - a). Sliding the window by s then
+moves the prefix by s too: a rotation of `keep` entries, not of the whole cache.
 """
 
 from __future__ import annotations
@@ -38,13 +37,12 @@ def rotate_keys(k: Tensor, delta: Tensor, inv_freq: Tensor) -> Tensor:
 class SparseKVCache(KVCache):
     """A KV cache of `budget` entries (+ `slack` for tokens in flight) whose window slides without copies.
 
-    Layout per row: slots [0, keep) hold the fixed prefix; slots [keep, capacity) are a ring holding the
-    window, position t in slot keep + (t - keep) mod ring. `slot_pos` records the position held by each
-    slot (set by `attn_mask` for the tokens a forward is about to write) and the mask shows a query the
-    prefix plus the window entries in [win_start, its position].
-    Sliding the window is advancing `win_start`; nothing moves (and with `reindex`, only the `keep`
-    prefix keys are rotated). `lens` counts the entries a row currently holds (prefix + window).
-    """
+    Layout per row: slots [0, keep) hold the fixed prefix; slots [keep, capacity) are a ring holding the window,
+    position t in slot keep + (t - keep) mod ring. `slot_pos` records the position held by each slot (set by
+    `attn_mask` for the tokens a forward is about to write) and the mask shows a query the prefix plus the window
+    entries in [win_start, its position]. Sliding the window is advancing `win_start`; nothing moves (and with
+    `reindex`, only the `keep` prefix keys are rotated). `lens` counts the entries a row currently holds (prefix +
+    window)."""
 
     PER_ROW = KVCache.PER_ROW + ("slot_pos", "win_start", "n_prefix")
 
@@ -79,10 +77,9 @@ class SparseKVCache(KVCache):
     def load_slots(self, src: KVCache, index: Tensor, n: Tensor) -> None:
         """Fill from src: entry j of row b is src slot index[l, b, h, j] ([L|1, B, KV|1, budget]).
 
-        Entries [0, keep) form the prefix, the rest the window; n [B] is the number of valid entries
-        per row. src must hold keys rotated by absolute position (slot == position); the window part
-        of `index` must be the row's last positions, in order.
-        """
+        Entries [0, keep) form the prefix, the rest the window; n [B] is the number of valid entries per row. src
+        must hold keys rotated by absolute position (slot == position); the window part of `index` must be the row's
+        last positions, in order."""
         L, B, KV, _, hd = src.k.shape
         K = index.shape[-1]
         valid = torch.arange(K, device=index.device)[None, :] < n[:, None]  # [B, K]
@@ -106,9 +103,9 @@ class SparseKVCache(KVCache):
             self._rotate_prefix((target[None, :, None, :] - idx[..., : self.keep]))
 
     def append_from(self, src: KVCache, end: Tensor, rows: Tensor) -> None:
-        """Append src's entries at positions [next_pos, end) to the windows of the rows where rows [B] is set,
-        then slide the windows to their budget; only the latest budget - keep of them are copied (the rest
-        would slide out). src must hold keys rotated by absolute position (slot == position)."""
+        """Append src's entries at positions [next_pos, end) to the windows of the rows where rows [B] is set, then
+        slide the windows to their budget; only the latest budget - keep of them are copied (the rest would slide
+        out). src must hold keys rotated by absolute position (slot == position)."""
         count = torch.where(rows, end - self.next_pos, 0).clamp_min(0)  # [B]
         q = min(int(count.max()), self.budget - self.keep)
         if q == 0:
@@ -194,9 +191,8 @@ class SnapKVObserver:
 def snapkv_index(observer: SnapKVObserver, lens: Tensor, budget: int, window: int) -> Tensor:
     """Per layer and KV head: the top budget-window prompt slots by pooled score, then the last window.
 
-    Returns [L, B, KV, budget] slot indices, each row's selected prefix in ascending order. Rows whose
-    prompt fits in the budget keep every slot.
-    """
+    Returns [L, B, KV, budget] slot indices, each row's selected prefix in ascending order. Rows whose prompt fits in
+    the budget keep every slot."""
     scores = torch.stack(observer.scores)  # [L, B, KV, S]
     L, B, KV, S = scores.shape
     if int(lens.max()) <= budget:
@@ -235,8 +231,8 @@ def prefix_size(kind: str, budget: int) -> int:
 
 
 def compress_into(sparse: SparseKVCache, dense: KVCache, kind: str, observer: SnapKVObserver | None = None) -> None:
-    """Fill every row of `sparse` (a view, typically one slot) with the entries of the same rows of
-    `dense` that `kind` keeps; `observer` holds those rows' prefill attention (SnapKV)."""
+    """Fill every row of `sparse` (a view, typically one slot) with the entries of the same rows of `dense` that
+    `kind` keeps; `observer` holds those rows' prefill attention (SnapKV)."""
     lens, budget = dense.lens, sparse.budget
     if kind == "streaming":
         index = streaming_index(lens, budget, sparse.keep)

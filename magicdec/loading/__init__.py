@@ -1,8 +1,8 @@
 """Load a model and its tokenizer from a Hugging Face folder or a GGUF file.
 
-GGUF files are dequantized once and the result is kept in a converted-weights cache
-(`$MAGICDEC_CACHE` or `~/.cache/magicdec`, see `magicdec.loading.cache`), keyed by the file's content,
-so later loads memory-map fp32 safetensors instead of parsing and dequantizing the GGUF again.
+GGUF files are dequantized once and the result is kept in a converted-weights cache (`$MAGICDEC_CACHE` or
+`~/.cache/magicdec`, see `magicdec.loading.cache`), keyed by the file's content, so later loads memory-map fp32
+safetensors instead of parsing and dequantizing the GGUF again.
 """
 
 from __future__ import annotations
@@ -55,8 +55,8 @@ def default_model_path() -> Path:
 def model_identity(path: str | os.PathLike | None = None) -> dict[str, str]:
     """How results name a model: `{"name": ..., "sha256": ...}`, the checkpoint's name (a GGUF file's stem, a
     folder's name) and the first 16 hex digits of the SHA-256 of its weights (the GGUF file; a folder's
-    `*.safetensors` files in name order, each file's digest hashed in turn), rather than the install path
-    of one machine. None: the embedded default model."""
+    `*.safetensors` files in name order, each file's digest hashed in turn), rather than the install path of one
+    machine. None: the embedded default model."""
     path = default_model_path() if path is None else Path(path)
     if path.is_dir():
         files = sorted(path.glob("*.safetensors"))
@@ -68,8 +68,8 @@ def model_identity(path: str | os.PathLike | None = None) -> dict[str, str]:
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
-    """The device to run on: `device` if this machine has it (cpu, or cuda[:N]), else InvalidRequestError;
-    None means cuda when available, else cpu."""
+    """The device to run on: `device` if this machine has it (cpu, or cuda[:N]), else InvalidRequestError; None means
+    cuda when available, else cpu."""
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -111,10 +111,8 @@ def _build(cfg: ModelConfig, sd: dict[str, torch.Tensor], device: torch.device, 
 def chat_template(source: str | os.PathLike) -> str | None:
     """The Jinja chat template of a model (a Hugging Face folder or GGUF file), or None if it has none.
 
-    Hugging Face folders keep it in `chat_template.jinja` or tokenizer_config.json's `chat_template`
-    (a string, or a list of named templates of which "default" is used); GGUF files in the metadata
-    key `tokenizer.chat_template`.
-    """
+    Hugging Face folders keep it in `chat_template.jinja` or tokenizer_config.json's `chat_template` (a string, or a
+    list of named templates of which "default" is used); GGUF files in the metadata key `tokenizer.chat_template`."""
     path = Path(source)
     if path.suffix.lower() == ".gguf":
         template = gguf_metadata(read_gguf(path)).get("tokenizer.chat_template")
@@ -137,10 +135,9 @@ def load_model(
 ) -> LoadedModel:
     """Load a Hugging Face folder or a GGUF file (None: the embedded default model).
 
-    `dtype` None is "auto": bf16 on accelerators and on CPUs that multiply bf16 natively, else fp32
-    (see `magicdec.cpu.auto_dtype`). With `tp`, this rank's share of the model (see
-    magicdec.distributed.apply_tp) on tp.device; every rank must load the same model, which is checked.
-    """
+    `dtype` None is "auto": bf16 on accelerators and on CPUs that multiply bf16 natively, else fp32 (see
+    `magicdec.cpu.auto_dtype`). With `tp`, this rank's share of the model (see magicdec.distributed.apply_tp) on
+    tp.device; every rank must load the same model, which is checked."""
     dev = tp.device if tp is not None else resolve_device(device)
     choice = DtypeChoice(dtype, "requested") if dtype is not None else auto_dtype(dev)
     if tp is not None:

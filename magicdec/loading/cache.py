@@ -8,8 +8,8 @@ Layout of `cache_root()` (`$MAGICDEC_CACHE`, else ~/.cache/magicdec):
     <entry>.tmp-<pid>/             a conversion in progress (left behind if that process died)
     sha256/<path hash>.json        a GGUF file's SHA-256, with the file's identity when it was hashed
 
-Entries are keyed by content, not by name, size and mtime: two different files can share all three
-(a copy edited with `gguf-set-metadata` and `touch -r`), and must not share converted weights.
+Entries are keyed by content, not by name, size and mtime: two different files can share all three (a copy edited
+with `gguf-set-metadata` and `touch -r`), and must not share converted weights.
 """
 
 from __future__ import annotations
@@ -60,9 +60,8 @@ def cache_root() -> Path:
 def load_gguf(path: Path) -> Converted:
     """Config, fp32 weights and tokenizer of a GGUF file: from its cache entry, else converted (and cached).
 
-    A damaged entry is converted again. Where the cache cannot be written (read-only, or not a folder),
-    the file is converted in memory with a MagicDecWarning; that is checked before the conversion work.
-    """
+    A damaged entry is converted again. Where the cache cannot be written (read-only, or not a folder), the file is
+    converted in memory with a MagicDecWarning; that is checked before the conversion work."""
     digest = content_digest(path)
     root = cache_root()
     entry = root / f"{path.stem}-{digest[:24]}"
@@ -108,12 +107,11 @@ def convert_gguf(path: Path) -> Converted:
 def content_digest(path: Path) -> str:
     """SHA-256 of a file's bytes, hashed once per version of the file and remembered in the cache.
 
-    Hashing the whole file is the only key that is correct (a header plus a strided sample misses an
-    edit between the samples), but it reads every byte of the file, on every load. So the digest is kept
-    with the file's (device, inode, size, mtime, ctime): any write to the file, and any `touch`, even
-    `touch -r` that restores the old mtime, sets the ctime to now, and no call sets it back; a copy
-    is a new inode. While all five match, the file holds the bytes that were hashed.
-    """
+    Hashing the whole file is the only key that is correct (a header plus a strided sample misses an edit between the
+    samples), but it reads every byte of the file, on every load. So the digest is kept with the file's (device,
+    inode, size, mtime, ctime): any write to the file, and any `touch`, even `touch -r` that restores the old mtime,
+    sets the ctime to now, and no call sets it back; a copy is a new inode. While all five match, the file holds the
+    bytes that were hashed."""
     path = path.resolve()
     st = path.stat()
     identity = [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]

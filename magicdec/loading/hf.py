@@ -44,9 +44,8 @@ def safetensors_files(folder: Path) -> list[Path]:
 def _shard_name(index: Path, shard: str) -> str:
     """A shard path from an index, refused unless it stays inside the model folder.
 
-    Checked on the path as written, not on the resolved one: symbolic links inside a model folder
-    (as the Hugging Face hub cache makes them) are the folder owner's choice and stay allowed.
-    """
+    Checked on the path as written, not on the resolved one: symbolic links inside a model folder (as the Hugging
+    Face hub cache makes them) are the folder owner's choice and stay allowed."""
     norm = os.path.normpath(shard)
     if os.path.isabs(shard) or norm == os.pardir or norm.startswith(os.pardir + os.sep):
         raise ModelLoadError(f"{index}: shard path {shard!r} points outside the model folder")

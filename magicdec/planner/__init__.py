@@ -1,5 +1,5 @@
-"""Planner: hardware profiles, a roofline cost model, an acceptance model and the choice of
-strategy, draft budget and draft length. Pure Python; it does not import torch."""
+"""Planner: hardware profiles, a roofline cost model, an acceptance model and the choice of strategy, draft budget
+and draft length. Pure Python; it does not import torch."""
 
 from magicdec.planner.acceptance import AcceptanceTable, expected_max_normal, expected_tokens
 from magicdec.planner.cost import ForwardCost, Workload, decode_step_time, draft_time, forward_cost, verify_step_time

@@ -17,10 +17,8 @@ MODES = ("greedy", "sampling")
 def expected_tokens(alpha: float, gamma: int) -> float:
     """Expected tokens per speculative step: (1 - alpha^(gamma+1)) / (1 - alpha).
 
-    `alpha` is the per-token acceptance rate and `gamma` the draft length; the step always
-    yields at least the target's own token, so gamma=0 or alpha=0 gives 1 and alpha=1 gives
-    gamma + 1.
-    """
+    `alpha` is the per-token acceptance rate and `gamma` the draft length; the step always yields at least the
+    target's own token, so gamma=0 or alpha=0 gives 1 and alpha=1 gives gamma + 1."""
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"alpha must be in [0, 1], got {alpha}")
     if gamma < 0:
@@ -80,21 +78,18 @@ def _text(value: object) -> str:
 class AcceptanceTable:
     """Per-token acceptance rates keyed by drafter, draft KV budget, mode and context length.
 
-    Drafter names: "self-streaming" and "self-snapkv" for self-speculation; for a standalone
-    draft model, "<model name>:<cache>" with cache "dense", "streaming" or "snapkv". Dense
-    caches have no budget (`budget=None`).
+    Drafter names: "self-streaming" and "self-snapkv" for self-speculation; for a standalone draft model, "<model
+    name>:<cache>" with cache "dense", "streaming" or "snapkv". Dense caches have no budget (`budget=None`).
 
-    Lookups interpolate linearly in log(context) between measured contexts (clamped at the
-    ends; an entry without a context holds at every context) and in log(budget) between
-    measured budgets. A budget above the largest measured one gets that one's rate, which
-    is conservative since a larger cache only helps; a budget below the smallest measured
-    one is unknown (KeyError) because a smaller cache could be much worse.
+    Lookups interpolate linearly in log(context) between measured contexts (clamped at the ends; an entry without a
+    context holds at every context) and in log(budget) between measured budgets. A budget above the largest measured
+    one gets that one's rate, which is conservative since a larger cache only helps; a budget below the smallest
+    measured one is unknown (KeyError) because a smaller cache could be much worse.
 
-    Sequences differ: some texts are easier to draft than others. The table can hold, per
-    drafter and mode, the standard deviation of per-sequence rates around the rate of their
-    batch (`set_row_spread`); `alpha(..., rows=n)` then gives the expected rate of the slowest
-    of n sequences, which is what sets the number of rounds a static batch takes.
-    """
+    Sequences differ: some texts are easier to draft than others. The table can hold, per drafter and mode, the
+    standard deviation of per-sequence rates around the rate of their batch (`set_row_spread`); `alpha(..., rows=n)`
+    then gives the expected rate of the slowest of n sequences, which is what sets the number of rounds a static
+    batch takes."""
 
     def __init__(self) -> None:
         # (drafter, mode) -> budget -> {context or None: alpha}
@@ -134,12 +129,11 @@ class AcceptanceTable:
     def alpha(self, drafter: str, budget: int | None, context: int, mode: str = "greedy", rows: int = 1) -> float:
         """Acceptance rate of `drafter` with a cache of `budget` at `context` tokens.
 
-        With `rows` > 1: the expected rate of the slowest of that many sequences, the mean rate
-        less the row spread times the expected largest of `rows` standard normal draws.
+        With `rows` > 1: the expected rate of the slowest of that many sequences, the mean rate less the row spread
+        times the expected largest of `rows` standard normal draws.
 
-        Raises KeyError when the table cannot answer: unknown drafter or mode, a budget below
-        every measured one, or a dense lookup (`budget=None`) without a dense entry.
-        """
+        Raises KeyError when the table cannot answer: unknown drafter or mode, a budget below every measured one, or
+        a dense lookup (`budget=None`) without a dense entry."""
         mean = self._mean_alpha(drafter, budget, context, mode)
         return max(0.0, mean - self.row_spread(drafter, mode) * expected_max_normal(rows))
 
@@ -165,8 +159,8 @@ class AcceptanceTable:
         return _interpolate_log(context, [float(c) for c in contexts], [curve[c] for c in contexts])
 
     def to_json(self, path: str | os.PathLike[str], meta: dict | None = None) -> None:
-        """Write the table as {"entries": [{drafter, mode, budget, context, alpha}, ...],
-        "row_spread": [{drafter, mode, sd}, ...]}, with `meta` (how it was measured) beside them."""
+        """Write the table as {"entries": [{drafter, mode, budget, context, alpha}, ...], "row_spread": [{drafter,
+        mode, sd}, ...]}, with `meta` (how it was measured) beside them."""
         entries = [
             {"drafter": drafter, "mode": mode, "budget": budget, "context": context, "alpha": alpha}
             for (drafter, mode), curves in sorted(self._data.items())
@@ -205,13 +199,10 @@ class AcceptanceTable:
     def paper_default(cls) -> AcceptanceTable:
         """Rates published with MagicDec (arXiv 2408.11049 and its blog), greedy decoding on PG-19.
 
-        - StreamingLLM self-speculation, budget 512: measured on Llama-3.1-8B at 4k..100k
-          context. We use the same curve for every target (e.g. Llama-2-7B-32K), which the
-          paper does not measure.
-        - TinyLlama-1.1B drafting Llama-2-7B-32K with a StreamingLLM cache: about 0.8 and
-          roughly flat in context. The budget is not tabulated; 256 is the one in the
-          authors' example command.
-        """
+        - StreamingLLM self-speculation, budget 512: measured on Llama-3.1-8B at 4k..100k context. We use the same
+          curve for every target (e.g. Llama-2-7B-32K), which the paper does not measure.
+        - TinyLlama-1.1B drafting Llama-2-7B-32K with a StreamingLLM cache: about 0.8 and roughly flat in context.
+          The budget is not tabulated; 256 is the one in the authors' example command."""
         table = cls()
         for context, alpha in ((4000, 0.84), (8000, 0.83), (16000, 0.82), (32000, 0.81), (64000, 0.79), (100000, 0.79)):
             table.add("self-streaming", alpha, budget=512, mode="greedy", context=context)

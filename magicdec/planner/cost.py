@@ -2,22 +2,20 @@
 
 The forward pass is split into two groups of kernels that are bound separately:
 
-- the linear layers (q/k/v/o, MLP, lm head) stream the weights and the activations, and do
-  2 * B * q * n_params_linear flops;
+- the linear layers (q/k/v/o, MLP, lm head) stream the weights and the activations, and do 2 * B * q *
+  n_params_linear flops;
 - attention streams the KV cache and does 4 * B * q * L * n_layers * n_heads * head_dim flops.
 
-Each group takes max(bytes / effective bandwidth, flops / effective FLOP rate), and the pass
-takes the sum of the two plus overhead (plus all-reduce time under tensor parallelism). Taking
-one max over the whole pass would let the attention's idle compute hide the linear layers'
-compute: once verification of gamma+1 tokens makes the linear layers compute-bound while
-attention is still streaming a long KV cache, the two add up, which is why verification gets
+Each group takes max(bytes / effective bandwidth, flops / effective FLOP rate), and the pass takes the sum of the two
+plus overhead (plus all-reduce time under tensor parallelism). Taking one max over the whole pass would let the
+attention's idle compute hide the linear layers' compute: once verification of gamma+1 tokens makes the linear layers
+compute-bound while attention is still streaming a long KV cache, the two add up, which is why verification gets
 dearer with gamma even when the KV cache dominates.
 
-A calibrated profile may carry measured rates instead of a single efficiency per group: the
-weight bytes/s of the linear layers against the tokens per forward, and the KV bytes/s of
-attention against the new tokens per sequence (`HardwareProfile.linear_rates`,
-`attention_rates`). A group's time is then its bytes over the rate interpolated at its shape;
-the roofline still names the bound ("weights", "kv" or "compute").
+A calibrated profile may carry measured rates instead of a single efficiency per group: the weight bytes/s of the
+linear layers against the tokens per forward, and the KV bytes/s of attention against the new tokens per sequence
+(`HardwareProfile.linear_rates`, `attention_rates`). A group's time is then its bytes over the rate interpolated at
+its shape; the roofline still names the bound ("weights", "kv" or "compute").
 """
 
 from __future__ import annotations
@@ -54,10 +52,10 @@ class ForwardCost:
 
 @dataclass(frozen=True)
 class Workload:
-    """`batch` sequences at `context` tokens of one model on one machine: what the cost model and the planner
-    price. `dtype_bytes` and `kv_dtype_bytes` are bytes per weight and per KV-cache element; `tp` is the
-    number of devices the model is split over (tensor parallelism). A draft model's forwards are priced on
-    the same workload with its own shape and TP degree (`dataclasses.replace`)."""
+    """`batch` sequences at `context` tokens of one model on one machine: what the cost model and the planner price.
+    `dtype_bytes` and `kv_dtype_bytes` are bytes per weight and per KV-cache element; `tp` is the number of devices
+    the model is split over (tensor parallelism). A draft model's forwards are priced on the same workload with its
+    own shape and TP degree (`dataclasses.replace`)."""
 
     shape: ModelShape
     hw: HardwareProfile
@@ -71,10 +69,9 @@ class Workload:
 def _activation_elements_per_token(shape: ModelShape) -> int:
     """Elements each linear layer reads and writes for one token, summed over the model.
 
-    Per layer: the qkv projection reads dim and writes (n_heads + 2 n_kv_heads) head_dim,
-    o reads n_heads head_dim and writes dim, gate/up read dim and write 2 ffn, down reads
-    ffn and writes dim. The lm head reads dim and writes vocab logits.
-    """
+    Per layer: the qkv projection reads dim and writes (n_heads + 2 n_kv_heads) head_dim, o reads n_heads head_dim
+    and writes dim, gate/up read dim and write 2 ffn, down reads ffn and writes dim. The lm head reads dim and writes
+    vocab logits."""
     per_layer = (
         shape.dim + (shape.n_heads + 2 * shape.n_kv_heads) * shape.head_dim
         + shape.n_heads * shape.head_dim + shape.dim
@@ -85,8 +82,8 @@ def _activation_elements_per_token(shape: ModelShape) -> int:
 
 
 def rate_at(rates: tuple[tuple[float, float], ...], x: float) -> float:
-    """A measured rate at `x`: log-log interpolation between the (x, rate) pairs; below the first the
-    first rate, beyond the last the work grows as x at the last point's time (compute-bound)."""
+    """A measured rate at `x`: log-log interpolation between the (x, rate) pairs; below the first the first rate,
+    beyond the last the work grows as x at the last point's time (compute-bound)."""
     if x <= rates[0][0]:
         return rates[0][1]
     if x >= rates[-1][0]:
@@ -101,8 +98,8 @@ def rate_at(rates: tuple[tuple[float, float], ...], x: float) -> float:
 def _group_times(
     memory_s: float, compute_s: float, rates: tuple[tuple[float, float], ...] | None, nbytes: float, x: float,
 ) -> tuple[float, float]:
-    """(memory time, compute time) of one kernel group: its roofline terms, or, where the profile measured
-    the group's rates, its bytes over the rate at `x`, all of it on the roofline's bound."""
+    """(memory time, compute time) of one kernel group: its roofline terms, or, where the profile measured the
+    group's rates, its bytes over the rate at `x`, all of it on the roofline's bound."""
     if rates is None:
         return memory_s, compute_s
     t = nbytes / rate_at(rates, x)
@@ -123,11 +120,9 @@ def _allreduce_time(w: Workload, message_bytes: float) -> float:
 def forward_cost(w: Workload, q: int, kv_len: int) -> ForwardCost:
     """Cost of one forward pass of the workload's sequences, `q` new tokens each, attending `kv_len` keys.
 
-    With `w.tp` > 1 the layers' weights, KV cache and flops are split evenly over the devices (the LM head
-    is replicated on every device, as magicdec.distributed runs it), and each layer adds two ring
-    all-reduces of the B*q*dim hidden states: `hw.allreduce_latency_s` each plus the bytes over
-    `hw.ici_bandwidth`.
-    """
+    With `w.tp` > 1 the layers' weights, KV cache and flops are split evenly over the devices (the LM head is
+    replicated on every device, as magicdec.distributed runs it), and each layer adds two ring all-reduces of the
+    B*q*dim hidden states: `hw.allreduce_latency_s` each plus the bytes over `hw.ici_bandwidth`."""
     shape, hw, batch, tp = w.shape, w.hw, w.batch, w.tp
     if batch < 1 or q < 1 or kv_len < 0 or tp < 1:
         raise ValueError(f"need batch >= 1, q >= 1, kv_len >= 0, tp >= 1; got {batch}, {q}, {kv_len}, {tp}")
@@ -176,13 +171,11 @@ def verify_step_time(w: Workload, gamma: int) -> float:
 def draft_time(w: Workload, budget: int | None, gamma: int, *, first_tokens: int) -> float:
     """Seconds of the gamma draft forwards of one round.
 
-    The first forward also feeds what the draft cache has not seen of the previous round: a standalone
-    draft reads the last draft and the target's bonus token after a fully accepted round
-    (`first_tokens` 2); self-speculation copies the target's entries for all but the newest token and
-    reads one (`first_tokens` 1). The others run one token each. Self-speculation passes the target's
-    workload and the sparse cache's `budget`; a standalone draft passes the workload with its own shape and
-    TP degree, with `budget=None` for a dense draft cache (it attends the whole `context`) or its sparse
-    budget. A budget larger than the context is the context.
-    """
+    The first forward also feeds what the draft cache has not seen of the previous round: a standalone draft reads
+    the last draft and the target's bonus token after a fully accepted round (`first_tokens` 2); self-speculation
+    copies the target's entries for all but the newest token and reads one (`first_tokens` 1). The others run one
+    token each. Self-speculation passes the target's workload and the sparse cache's `budget`; a standalone draft
+    passes the workload with its own shape and TP degree, with `budget=None` for a dense draft cache (it attends the
+    whole `context`) or its sparse budget. A budget larger than the context is the context."""
     kv_len = w.context if budget is None else min(budget, w.context)
     return forward_cost(w, first_tokens, kv_len).time + (gamma - 1) * forward_cost(w, 1, kv_len).time

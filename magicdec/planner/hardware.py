@@ -17,9 +17,8 @@ from magicdec.jsonfile import read_json_object
 class HardwareProfile:
     """Peak rates of one device, and how much of them a real forward pass gets.
 
-    All rates are per device. With tensor parallelism the cost model divides the work by
-    `tp` and adds the all-reduce traffic over `ici_bandwidth`.
-    """
+    All rates are per device. With tensor parallelism the cost model divides the work by `tp` and adds the all-reduce
+    traffic over `ici_bandwidth`."""
 
     name: str
     flops_per_s: float
@@ -130,29 +129,28 @@ TB = 1e12
 TFLOPS = 1e12
 
 
-# GPU presets. Peak numbers are from the NVIDIA datasheets; the efficiencies (the profile's defaults) and
-# the fixed overhead are our assumptions (typical of a compiled PyTorch decode loop), not measurements.
-# Datasheets quote "with sparsity" tensor FLOP/s; we use the dense figure (half of it).
+# GPU presets. Peak numbers are from the NVIDIA datasheets; the efficiencies (the profile's defaults) and the fixed
+# overhead are our assumptions (typical of a compiled PyTorch decode loop), not measurements. Datasheets quote "with
+# sparsity" tensor FLOP/s; we use the dense figure (half of it).
 def _gpu(name: str, tflops: float, mem_bandwidth: float, mem_gb: float, ici_gb: float) -> HardwareProfile:
     return HardwareProfile(name=name, flops_per_s=tflops * TFLOPS, mem_bandwidth=mem_bandwidth, mem_bytes=mem_gb * GB,
                            ici_bandwidth=ici_gb * GB, fixed_overhead_s=2e-3)
 
 
 PRESETS: dict[str, HardwareProfile] = {p.name: p for p in (
-    # NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB): BF16 312 TFLOPS dense,
-    # 2,039 GB/s HBM2e, 80 GB; NVLink 600 GB/s total = 300 GB/s each direction.
+    # NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB): BF16 312 TFLOPS dense, 2,039 GB/s HBM2e, 80 GB; NVLink 600
+    # GB/s total = 300 GB/s each direction.
     _gpu("a100-80gb", tflops=312, mem_bandwidth=2.039 * TB, mem_gb=80, ici_gb=300),
-    # NVIDIA H100 Tensor Core GPU datasheet (SXM 80GB): BF16 1,979 TFLOPS with sparsity
-    # = 989 dense, 3.35 TB/s HBM3, 80 GB; NVLink 900 GB/s total = 450 GB/s each direction.
+    # NVIDIA H100 Tensor Core GPU datasheet (SXM 80GB): BF16 1,979 TFLOPS with sparsity = 989 dense, 3.35 TB/s HBM3,
+    # 80 GB; NVLink 900 GB/s total = 450 GB/s each direction.
     _gpu("h100", tflops=989, mem_bandwidth=3.35 * TB, mem_gb=80, ici_gb=450),
-    # NVIDIA H200 datasheet (SXM): same compute as H100 (989 TFLOPS BF16 dense),
-    # 4.8 TB/s HBM3e, 141 GB; NVLink 900 GB/s total.
+    # NVIDIA H200 datasheet (SXM): same compute as H100 (989 TFLOPS BF16 dense), 4.8 TB/s HBM3e, 141 GB; NVLink 900
+    # GB/s total.
     _gpu("h200", tflops=989, mem_bandwidth=4.8 * TB, mem_gb=141, ici_gb=450),
-    # NVIDIA L40S datasheet: BF16 362 TFLOPS dense (733 with sparsity), 864 GB/s GDDR6,
-    # 48 GB; no NVLink, PCIe Gen4 x16 = 64 GB/s bidirectional = 32 GB/s each direction.
+    # NVIDIA L40S datasheet: BF16 362 TFLOPS dense (733 with sparsity), 864 GB/s GDDR6, 48 GB; no NVLink, PCIe Gen4
+    # x16 = 64 GB/s bidirectional = 32 GB/s each direction.
     _gpu("l40s", tflops=362, mem_bandwidth=864 * GB, mem_gb=48, ici_gb=32),
-    # NVIDIA L40 datasheet: BF16 181 TFLOPS dense (362 with sparsity), 864 GB/s GDDR6,
-    # 48 GB; PCIe Gen4 x16 as L40S.
+    # NVIDIA L40 datasheet: BF16 181 TFLOPS dense (362 with sparsity), 864 GB/s GDDR6, 48 GB; PCIe Gen4 x16 as L40S.
     _gpu("l40", tflops=181, mem_bandwidth=864 * GB, mem_gb=48, ici_gb=32),
 )}
 

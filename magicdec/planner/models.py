@@ -35,9 +35,8 @@ class ModelShape:
     def n_params_linear(self) -> int:
         """Parameters that take part in a matmul each forward pass: q/k/v/o, gate/up/down, lm head.
 
-        The embedding table is not counted: a forward pass gathers B*q rows of it, it does not
-        stream it (when tied, the same matrix is counted once, as the lm head).
-        """
+        The embedding table is not counted: a forward pass gathers B*q rows of it, it does not stream it (when tied,
+        the same matrix is counted once, as the lm head)."""
         attention = self.dim * (self.n_heads + 2 * self.n_kv_heads) * self.head_dim
         attention += self.n_heads * self.head_dim * self.dim
         mlp = 3 * self.dim * self.ffn_dim
@@ -68,8 +67,8 @@ class ModelShape:
                 name=name or config.get("_name_or_path") or config.get("model_type") or "custom",
                 n_layers=config["num_hidden_layers"], dim=dim, n_heads=n_heads,
                 n_kv_heads=config.get("num_key_value_heads") or n_heads,
-                # Some configs carry "head_dim": null; then it is the usual dim / heads (0, refused, when
-                # those are not positive integers themselves).
+                # Some configs carry "head_dim": null; then it is the usual dim / heads (0, refused, when those are
+                # not positive integers themselves).
                 head_dim=config.get("head_dim") or (dim // n_heads if _positive_ints(dim, n_heads) else 0),
                 ffn_dim=config["intermediate_size"], vocab_size=config["vocab_size"],
                 tie_embeddings=bool(config.get("tie_word_embeddings", False)),

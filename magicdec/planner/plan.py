@@ -65,8 +65,8 @@ def _drafters(
             for budget in sparse_budgets:
                 yield _Drafter(strategy, None, budget, strategy, target, tp)
     if draft is not None and "model" in strategies:
-        # Tensor parallelism splits KV heads, so a draft with fewer KV heads than devices runs
-        # on gcd(tp, n_kv_heads) of them (as MagicDec runs TinyLlama on 4 of 8 GPUs).
+        # Tensor parallelism splits KV heads, so a draft with fewer KV heads than devices runs on gcd(tp, n_kv_heads)
+        # of them (as MagicDec runs TinyLlama on 4 of 8 GPUs).
         draft_tp = math.gcd(tp, draft.n_kv_heads)
         for cache in DRAFT_CACHES:
             for budget in [None] if cache == "dense" else sparse_budgets:
@@ -75,11 +75,10 @@ def _drafters(
 
 def round_time(w: Workload, gamma: int, mode: str = "greedy", draft: ModelShape | None = None,
                budget: int | None = None, draft_tp: int | None = None) -> float:
-    """Predicted seconds of one decode round of the workload: a plain step for gamma 0, else gamma forwards
-    of `draft` (default: the target itself, self-speculation) over its cache (`budget` entries; None: dense)
-    on `draft_tp` devices (default: the target's) and the target's verification of gamma + 1 tokens. In
-    sampling mode, every position drawn costs the profile's `sampling_s_per_token` per row (2 gamma + 1 per
-    round)."""
+    """Predicted seconds of one decode round of the workload: a plain step for gamma 0, else gamma forwards of
+    `draft` (default: the target itself, self-speculation) over its cache (`budget` entries; None: dense) on
+    `draft_tp` devices (default: the target's) and the target's verification of gamma + 1 tokens. In sampling mode,
+    every position drawn costs the profile's `sampling_s_per_token` per row (2 gamma + 1 per round)."""
     t_sample = w.batch * w.hw.sampling_s_per_token if mode == "sampling" else 0.0
     if gamma == 0:
         return decode_step_time(w) + t_sample
@@ -119,8 +118,8 @@ def _best_speculative(
     w: Workload, acceptance: AcceptanceTable, drafters: Iterable[_Drafter], gammas: list[int], mode: str,
     rows: int, spec_time_scale: float,
 ) -> _Candidate | None:
-    """The speculative candidate of highest predicted throughput; those that do not fit in memory are
-    skipped unless even AR does not fit."""
+    """The speculative candidate of highest predicted throughput; those that do not fit in memory are skipped unless
+    even AR does not fit."""
     target_memory = _memory(w, w.shape, w.context, w.tp, weights=True)
     ar_fits = target_memory <= w.hw.mem_bytes
     best: _Candidate | None = None
@@ -149,24 +148,21 @@ def plan(
 ) -> Plan:
     """Pick the strategy, budget and gamma with the highest predicted throughput for the workload.
 
-    Searches plain AR decoding, StreamingLLM and SnapKV self-speculation over `budgets`, and,
-    when `draft` is given, that draft model with a dense, StreamingLLM or SnapKV cache, each
-    over `gammas`. Drafters the acceptance table has no rate for are skipped. Speculation must beat AR
-    strictly to be chosen.
+    Searches plain AR decoding, StreamingLLM and SnapKV self-speculation over `budgets`, and, when `draft` is given,
+    that draft model with a dense, StreamingLLM or SnapKV cache, each over `gammas`. Drafters the acceptance table
+    has no rate for are skipped. Speculation must beat AR strictly to be chosen.
 
-    Throughput(spec) = B * E[tokens] / T_round(gamma) and Throughput(AR) = B / T_round(0), with
-    `round_time`'s T_round (draft forwards, verification and, in sampling mode, the drawing of every
-    position). `spec_time_scale` multiplies T_round(gamma > 0): the ratio of measured to predicted round
-    times of speculation over that of plain steps, when a run has measured them (`autoplan.Replanner`).
-    E[tokens] uses the acceptance rate of the slowest of `rows` distinct sequences (default: the batch),
-    since a static batch runs until its slowest sequence is done; `rows=1` gives the steady-state rate of
-    a continuously refilled batch. Candidates that do not fit in memory are skipped, unless even AR does
-    not fit (then the search ignores memory and `fits_in_memory` is False).
+    Throughput(spec) = B * E[tokens] / T_round(gamma) and Throughput(AR) = B / T_round(0), with `round_time`'s
+    T_round (draft forwards, verification and, in sampling mode, the drawing of every position). `spec_time_scale`
+    multiplies T_round(gamma > 0): the ratio of measured to predicted round times of speculation over that of plain
+    steps, when a run has measured them (`autoplan.Replanner`). E[tokens] uses the acceptance rate of the slowest of
+    `rows` distinct sequences (default: the batch), since a static batch runs until its slowest sequence is done;
+    `rows=1` gives the steady-state rate of a continuously refilled batch. Candidates that do not fit in memory are
+    skipped, unless even AR does not fit (then the search ignores memory and `fits_in_memory` is False).
 
-    `strategies` restricts the search (default: all of STRATEGIES); leaving "ar" out returns
-    the best speculative plan even when it is slower than AR. With "ar" in it, speculation is chosen only
-    when predicted faster than `margin` times AR (a margin above 1 allows for the cost model's error).
-    """
+    `strategies` restricts the search (default: all of STRATEGIES); leaving "ar" out returns the best speculative
+    plan even when it is slower than AR. With "ar" in it, speculation is chosen only when predicted faster than
+    `margin` times AR (a margin above 1 allows for the cost model's error)."""
     chosen = set(STRATEGIES if strategies is None else strategies)
     gammas = sorted(set(gammas))
     rows = w.batch if rows is None else rows
@@ -193,7 +189,7 @@ def plan(
 
 
 def plan_table(workloads: Iterable[Workload], acceptance: AcceptanceTable, **kwargs: Any) -> list[dict[str, Any]]:
-    """`plan` of each workload (say, a grid of batch x context); one dict per workload (target, hardware,
-    batch, context, Plan fields). `kwargs` go to `plan` (draft, budgets, gammas, mode, strategies, rows)."""
+    """`plan` of each workload (say, a grid of batch x context); one dict per workload (target, hardware, batch,
+    context, Plan fields). `kwargs` go to `plan` (draft, budgets, gammas, mode, strategies, rows)."""
     return [{"target": w.shape.name, "hardware": w.hw.name, "batch": w.batch, "context": w.context,
              **dataclasses.asdict(plan(w, acceptance, **kwargs))} for w in workloads]

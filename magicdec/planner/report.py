@@ -36,8 +36,7 @@ def plot_speedup(rows: Sequence[dict[str, Any]], path: str | os.PathLike[str], *
                  logx: bool = True) -> None:
     """Plot `y` against `x`, one line per value of `group`, and save a PNG at `path`.
 
-    The defaults draw predicted speedup against batch size, one line per context length.
-    """
+    The defaults draw predicted speedup against batch size, one line per context length."""
     # Imported here so the planner works without matplotlib, and with the headless backend.
     import matplotlib
 

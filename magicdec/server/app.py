@@ -1,9 +1,9 @@
 """The OpenAI-compatible HTTP API over the AsyncEngine (FastAPI), and running it with uvicorn.
 
-Routes as vLLM serves them: /v1/completions, /v1/chat/completions (SSE streaming with `stream`),
-/v1/models, /tokenize, /detokenize, /health, /metrics. Every error is the OpenAI envelope
-`{"error": {"message", "type", "param", "code"}}`: 400 bad input, 401 missing key, 404 unknown model,
-429 full queue, 500 an engine failure, 503 a dead engine.
+Routes as vLLM serves them: /v1/completions, /v1/chat/completions (SSE streaming with `stream`), /v1/models,
+/tokenize, /detokenize, /health, /metrics. Every error is the OpenAI envelope `{"error": {"message", "type", "param",
+"code"}}`: 400 bad input, 401 missing key, 404 unknown model, 429 full queue, 500 an engine failure, 503 a dead
+engine.
 """
 
 from __future__ import annotations
@@ -168,8 +168,8 @@ class _Call:
 
 
 class _CallStream(StreamingResponse):
-    """An SSE response that withdraws its requests however it ends: done, failed, or the client gone (even
-    before the first byte, when the event generator never starts and so cannot clean up itself)."""
+    """An SSE response that withdraws its requests however it ends: done, failed, or the client gone (even before the
+    first byte, when the event generator never starts and so cannot clean up itself)."""
 
     def __init__(self, events: AsyncIterator[str], withdraw: Callable[[], None]):
         super().__init__(events, media_type="text/event-stream")
@@ -233,8 +233,8 @@ class Server:
 
     async def generate(self, http: Request, body: GenerationRequest, prompts: list[list[int]], kind: str,
                        max_tokens: int | None) -> Response:
-        """Queue every choice (n per prompt), on any refusal withdrawing those already queued; then the
-        response: a stream of events, or the whole completion."""
+        """Queue every choice (n per prompt), on any refusal withdrawing those already queued; then the response: a
+        stream of events, or the whole completion."""
         body.check_supported()
         call = _Call(kind, self.check_model(body.model), self.engine)
         try:
@@ -282,8 +282,7 @@ class Server:
             tokens = self.render_chat(body.messages, body.add_generation_prompt)
         else:
             tokens = self.tokenizer.encode(body.prompt, add_bos=body.add_special_tokens)
-        return {"count": len(tokens), "max_model_len": self.engine.max_model_len, "tokens": tokens,
-                "token_strs": None}
+        return {"count": len(tokens), "max_model_len": self.engine.max_model_len, "tokens": tokens, "token_strs": None}
 
     async def detokenize(self, body: DetokenizeRequest) -> dict:
         self.check_model(body.model)
@@ -323,8 +322,8 @@ async def _on_validation(request: Request, e: RequestValidationError) -> JSONRes
 def build_app(engine: AsyncEngine, tokenizer: Tokenizer, metrics: ServerMetrics, *, model_name: str,
               model_root: str, chat_template: str | None = None, api_key: str | None = None,
               on_ready: Callable[[], None] | None = None, on_stopped: Callable[[], None] | None = None) -> FastAPI:
-    """The FastAPI app; it starts the engine thread on startup and stops it on shutdown (calling
-    `on_ready` and `on_stopped` after each)."""
+    """The FastAPI app; it starts the engine thread on startup and stops it on shutdown (calling `on_ready` and
+    `on_stopped` after each)."""
     template = ChatTemplate(chat_template, tokenizer) if chat_template else None
     server = Server(engine, tokenizer, metrics, model_name, model_root, template, api_key, on_ready, on_stopped)
     app = FastAPI(title="magicdec", lifespan=server.lifespan)
@@ -344,9 +343,9 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, metrics: ServerMetrics,
 
 
 def run_server(app: FastAPI, host: str, port: int, *, log_level: str = "info") -> None:
-    """Serve until Ctrl-C or SIGTERM (uvicorn's handlers: stop accepting, let open requests finish for up to
-    5 s, then the app's shutdown stops the engine). The socket is bound and listening before the app
-    starts, so the "ready" line is true when printed, and a busy port is a plain OSError."""
+    """Serve until Ctrl-C or SIGTERM (uvicorn's handlers: stop accepting, let open requests finish for up to 5 s,
+    then the app's shutdown stops the engine). The socket is bound and listening before the app starts, so the
+    "ready" line is true when printed, and a busy port is a plain OSError."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -1,10 +1,10 @@
 """The engine behind the server: one thread owns the `LLMEngine` and runs its step loop.
 
-The LLMEngine is not thread-safe, so only the engine thread touches it. Request handlers on the asyncio
-loop send it commands (add, abort) and receive each request's progress as `Output`s on an asyncio
-queue, handed over with `loop.call_soon_threadsafe`. The thread sleeps on a condition while there is
-no work. An exception inside a step fails the requests that step touched and the loop goes on; if the
-thread itself dies, every open request is failed and `alive` turns False (the server's /health says 503).
+The LLMEngine is not thread-safe, so only the engine thread touches it. Request handlers on the asyncio loop send it
+commands (add, abort) and receive each request's progress as `Output`s on an asyncio queue, handed over with
+`loop.call_soon_threadsafe`. The thread sleeps on a condition while there is no work. An exception inside a step
+fails the requests that step touched and the loop goes on; if the thread itself dies, every open request is failed
+and `alive` turns False (the server's /health says 503).
 """
 
 from __future__ import annotations
@@ -224,8 +224,7 @@ class AsyncEngine:
             self._fail_touched(f"the engine failed while running this request: {type(e).__name__}: {e}")
             return
         if self._observer is not None:  # before the clients hear of the step, so /metrics is never behind them
-            self._observer.observe_step(self._engine, [(r, max(0, len(r.output_ids) - self._sent(r)))
-                                                      for r in changed])
+            self._observer.observe_step(self._engine, [(r, max(0, len(r.output_ids) - self._sent(r))) for r in changed])
         for request in changed:
             stream = self._streams.get(request.request_id)
             if stream is None:

@@ -13,10 +13,9 @@ REPLACEMENT = "\ufffd"
 class IncrementalDetokenizer:
     """Turns a request's growing token ids into text deltas.
 
-    A delta holds back text that may still change: a trailing incomplete UTF-8 sequence, and a tail that
-    could be the start of a stop string (the engine ends the request at a stop string, and the text
-    excludes it). `finish` returns the rest of the final text, so the deltas add up to it exactly.
-    """
+    A delta holds back text that may still change: a trailing incomplete UTF-8 sequence, and a tail that could be the
+    start of a stop string (the engine ends the request at a stop string, and the text excludes it). `finish` returns
+    the rest of the final text, so the deltas add up to it exactly."""
 
     def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = ()):
         self.tokenizer, self.stop = tokenizer, tuple(stop)
@@ -28,9 +27,9 @@ class IncrementalDetokenizer:
     def push(self, new_ids: Sequence[int]) -> str:
         """Add tokens; return the text that became final."""
         self.ids.extend(new_ids)
-        # Decode only the new tokens, with the previous ones as context (a tokenizer may render a token
-        # differently at the start of a text, e.g. without its leading space), as vLLM does: decoding
-        # everything each time would cost time quadratic in the output length.
+        # Decode only the new tokens, with the previous ones as context (a tokenizer may render a token differently at
+        # the start of a text, e.g. without its leading space), as vLLM does: decoding everything each time would cost
+        # time quadratic in the output length.
         context = self.tokenizer.decode(self.ids[self._prefix : self._read])
         window = self.tokenizer.decode(self.ids[self._prefix :])
         if not window.endswith(REPLACEMENT) and window.startswith(context):

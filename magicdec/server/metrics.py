@@ -1,9 +1,8 @@
 """Prometheus metrics with vLLM's names under `magicdec:`, updated on the engine thread after every step.
 
-Each app gets its own CollectorRegistry, so several servers (tests) can live in one process.
-Acceptance length reads off the speculation counters: 1 + accepted_tokens / drafts per drafter
-(one server runs one drafter, named by `magicdec:spec_decode_info`), and per request from the
-`magicdec:request_acceptance_length` histogram.
+Each app gets its own CollectorRegistry, so several servers (tests) can live in one process. Acceptance length reads
+off the speculation counters: 1 + accepted_tokens / drafts per drafter (one server runs one drafter, named by
+`magicdec:spec_decode_info`), and per request from the `magicdec:request_acceptance_length` histogram.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Request bodies of the OpenAI API as vLLM serves it, and how they become SamplingParams.
 
-Unknown fields are ignored (as vLLM does); fields magicdec does not implement are refused with a 400
-when they ask for something (`logprobs`, penalties, ...) rather than silently dropped.
+Unknown fields are ignored (as vLLM does); fields magicdec does not implement are refused with a 400 when they ask
+for something (`logprobs`, penalties, ...) rather than silently dropped.
 """
 
 from __future__ import annotations
