@@ -75,8 +75,7 @@ class LLMEngine:
     def __init__(self, model: Transformer, config: EngineConfig, *, eos_ids: Sequence[int] = (),
                  tokenizer: Tokenizer | None = None, speculation: Speculation | None = None,
                  prompt_cache: PromptCache | None = None):
-        config = dataclasses.replace(config, max_model_len=config.max_model_len or model.cfg.max_seq_len,
-                                     kv_dtype=config.kv_dtype or model.dtype)
+        config = resolve_config(config, model)
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.runner = ModelRunner(model, config, eos_ids, drafter=speculation.drafter if speculation else None,
                                   prompt_cache=prompt_cache)
@@ -90,7 +89,6 @@ class LLMEngine:
         # logits then give identical tokens with no broadcast), so the generator is seeded from rank 0 once; the ranks
         # add the same requests in the same order and so draw the same seeds.
         self._seeds = random.Random(model.tp.shared_seed() if model.tp is not None else random.getrandbits(63))
-        self.stats = GenerationStats()
         self.reset_stats()
 
     @property
@@ -179,6 +177,12 @@ class LLMEngine:
         return text
 
 
+def resolve_config(config: EngineConfig, model: Transformer) -> EngineConfig:
+    """`config` with the model's defaults filled in: its context as `max_model_len`, its dtype as the KV dtype."""
+    return dataclasses.replace(config, max_model_len=config.max_model_len or model.cfg.max_seq_len,
+                               kv_dtype=config.kv_dtype or model.dtype)
+
+
 def per_prompt_params(params: SamplingParams | Sequence[SamplingParams], n: int) -> list[SamplingParams]:
     """One SamplingParams for each of n prompts, from one for all or one per prompt."""
     per_prompt = [params] * n if isinstance(params, SamplingParams) else list(params)
@@ -222,8 +226,9 @@ class LLM:
         process as one rank of a tensor-parallel group that torchrun launched (see magicdec.distributed); None: when
         the launcher started more than one process. Every rank must then make the same calls with the same arguments;
         each returns the same outputs."""
+        # the settings are checked before the model loads
         config = EngineConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len, prefill_chunk=prefill_chunk,
-                              prompt_cache_bytes=prompt_cache_bytes)  # checked before the model loads
+                              kv_dtype=parse_dtype(kv_dtype), prompt_cache_bytes=prompt_cache_bytes)
         tp = launched_world_size() > 1 if tp is None else tp
         group = init_tp(device) if tp else None
         self.loaded: LoadedModel = load_model(model, device=device, dtype=parse_dtype(dtype), tp=group)
@@ -232,8 +237,7 @@ class LLM:
         context = self.model.cfg.max_seq_len
         if (max_model_len or 0) > context:
             raise InvalidRequestError(f"max_model_len {max_model_len} exceeds the model's context of {context}")
-        self.config = dataclasses.replace(config, max_model_len=max_model_len or context,
-                                          kv_dtype=parse_dtype(kv_dtype) or self.model.dtype)
+        self.config = resolve_config(config, self.model)
         self.attention = attention_path(self.model.device, self.kv_dtype)  # builds a native kernel now, not mid-run
         self.linear = linear_path(self.model.device, self.model.dtype)  # "packed" where load_model packed them
         self.prompt_cache = PromptCache(prompt_cache_bytes)  # prefilled prompts kept across generate calls

@@ -88,6 +88,8 @@ class ModelRunner:
         """Draft with `drafter` from now on (None: plain decoding), between runs (no slot in use): the previous
         drafter's cache is dropped and the new one's allocated for these slots. `checked`: its bytes were counted in
         this runner's memory check already."""
+        if drafter is not None and drafter is self.drafter:  # its cache is allocated for these slots already
+            return
         if self.drafter is not None:
             self.drafter.cache = None
         if drafter is not None:
