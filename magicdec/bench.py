@@ -1,7 +1,7 @@
 """`magicdec bench`: sweep batch x context x drafter x budget x gamma, with resumable JSON and plots.
 
-The distinct prompts of a context are prefilled once into the LLM's prompt cache; every (batch, decode configuration)
-then runs through the engine from copies of that prefill, the batch tiling the distinct prompts, side by side with
+The distinct prompts of a context are prefilled once, cold, into the LLM's prefix cache; every (batch, decode
+configuration) then runs through the engine from copies of that prefill, the batch tiling the distinct prompts, side by side with
 plain decoding in the same process, so speedups are ratios of measurements taken minutes apart on the same machine
 state. With `repeats` > 1 the configurations of a point run in turn that many times (plain, auto, ..., plain, auto,
 ...) and each keeps its median run: on a machine whose speed drifts, a ratio of medians of interleaved runs is
@@ -25,11 +25,12 @@ from tqdm import tqdm
 from magicdec.autoplan import choose
 from magicdec.calibrate.acceptance import sampling_params
 from magicdec.calibrate.machine import machine_info
+from magicdec.cli import llm_options
 from magicdec.corpus import cut_prompts, load_texts
 from magicdec.engine import LLM
 from magicdec.errors import InvalidRequestError, OutOfMemoryError
 from magicdec.jsonfile import read_json_object
-from magicdec.kv.prompt_cache import PromptCache
+from magicdec.kv.prefix_cache import PrefixCache
 from magicdec.loading import model_identity
 from magicdec.memory import available_bytes, check_fits
 from magicdec.planner import format_table
@@ -108,12 +109,12 @@ def run_bench(args, grid: BenchGrid) -> dict:
     out = Path(args.out)
     texts = load_texts(args.corpus)[: grid.n_texts]
     doc = load_results(out)  # a bad results file stops the run before the model loads
-    llm = LLM(args.model, device=args.device, dtype=args.dtype, kv_dtype=args.kv_dtype, prefill_chunk=args.prefill_chunk)
+    llm = LLM(args.model, **llm_options(args))
     doc, save = _open_results(doc, llm, grid)
     configs = grid.configs()
     bar = tqdm(total=len(grid.batches) * len(grid.contexts) * len(configs) * grid.repeats, desc="bench", unit="run",
                file=sys.stderr)
-    prefilled = None  # (context, distinct prompts, the prompts, prefill seconds), held in the prompt cache
+    prefilled = None  # (context, distinct prompts, the prompts, prefill seconds), held in the prefix cache
     for context, batch in itertools.product(grid.contexts, grid.batches):
         todo = [c for c in configs if point_key(batch, context, c) not in doc["points"]]
         bar.update((len(configs) - len(todo)) * grid.repeats)
@@ -124,7 +125,7 @@ def run_bench(args, grid: BenchGrid) -> dict:
         ctx = min(context, llm.max_model_len - grid.new_tokens)
         distinct = min(batch, grid.distinct_prompts or batch)
         try:
-            _check_fits(llm, batch, ctx + grid.new_tokens, [ctx] * distinct)
+            _check_fits(llm, batch, ctx + grid.new_tokens, ctx * distinct)
             if prefilled is None or prefilled[:2] != (ctx, distinct):
                 bar.set_postfix_str(f"prefill {distinct} x {ctx}")
                 prefilled = (ctx, distinct, *_prefill(llm, texts, distinct, ctx))
@@ -145,7 +146,8 @@ def run_bench(args, grid: BenchGrid) -> dict:
                 doc["points"][key] = median_run(runs[key])
                 save(out, doc)
             bar.update(1)
-    llm.prompt_cache.resize(0)
+    if llm.prefix_cache is not None:
+        llm.prefix_cache.clear()
     bar.close()
     add_speedups(doc)
     save(out, doc)
@@ -170,13 +172,13 @@ def _open_results(doc: dict, llm: LLM, grid: BenchGrid) -> tuple[dict, Callable[
     return doc, _save if tp is None or tp.is_main else lambda path, doc: None
 
 
-def _check_fits(llm: LLM, batch: int, max_model_len: int, prompts: list[int]) -> None:
-    """Raise OutOfMemoryError unless `batch` slots of `max_model_len` tokens and the prefilled `prompts` (lengths)
-    fit, on every rank under tensor parallelism."""
+def _check_fits(llm: LLM, batch: int, max_model_len: int, prompt_tokens: int) -> None:
+    """Raise OutOfMemoryError unless `batch` slots of `max_model_len` tokens and the prefix cache holding the
+    prefilled prompts (`prompt_tokens` in all) fit, on every rank under tensor parallelism."""
     llm.free_engine()  # the previous point's caches do not stay beside this one's
     config = dataclasses.replace(llm.config, max_num_seqs=batch, max_model_len=max_model_len)
     needed = (ModelRunner.memory_bytes(llm.model, config, None)
-              + PromptCache.bytes_for(llm.model.cfg, prompts, llm.kv_dtype))
+              + PrefixCache.bytes_for(llm.model.cfg, prompt_tokens, llm.kv_dtype))
     tp = llm.model.tp
     if tp is not None and not tp.min_int(needed <= available_bytes(llm.model.device)):
         raise OutOfMemoryError(f"batch {batch} x {max_model_len} tokens does not fit on every rank")  # skip on all
@@ -184,10 +186,11 @@ def _check_fits(llm: LLM, batch: int, max_model_len: int, prompts: list[int]) ->
 
 
 def _prefill(llm: LLM, texts: list[str], distinct: int, ctx: int) -> tuple[list[list[int]], float]:
-    """`distinct` prompts of `ctx` tokens, prefilled into the LLM's prompt cache; and the seconds it took."""
+    """`distinct` prompts of `ctx` tokens, prefilled cold into the LLM's prefix cache; and the seconds it took."""
     prompts = cut_prompts(llm.tokenizer, texts, distinct, ctx)
-    llm.prompt_cache.resize(0)
-    llm.prompt_cache.resize(PromptCache.bytes_for(llm.model.cfg, [ctx] * distinct, llm.kv_dtype))
+    llm.reserve_prefix_cache(distinct * ctx)
+    if llm.prefix_cache is not None:
+        llm.prefix_cache.clear()  # a shorter context's prompts are prefixes of these
     t0 = time.perf_counter()
     llm.generate(prompt_token_ids=prompts, params=SamplingParams(max_tokens=1))
     return prompts, time.perf_counter() - t0

@@ -59,6 +59,17 @@ def positive_size(text: str) -> int:
     return at_least_1(parse_size(text), text)
 
 
+def gib_size(text: str) -> int:
+    """'1.5' (GiB) -> bytes; 0 and up."""
+    try:
+        gib = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size in GiB: {text!r} (e.g. 4 or 0.5)") from None
+    if not 0 <= gib < float("inf"):
+        raise argparse.ArgumentTypeError(f"a size in GiB must be 0 or more, got {text!r}")
+    return int(gib * 2**30)
+
+
 def port_number(text: str) -> int:
     if (v := positive_int(text)) > 65535:
         raise argparse.ArgumentTypeError(f"not a TCP port (1-65535): {text!r}")
@@ -82,6 +93,18 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "or AVX512-BF16, fp32 on other CPUs)")
     g.add_argument("--kv-dtype", choices=["fp32", "bf16", "fp16"], help="KV cache storage dtype (default: the compute dtype)")
     g.add_argument("--prefill-chunk", type=positive_int, default=512, help="prompt tokens per prefill forward (default 512)")
+    g.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                   help="prefill every prompt in full instead of reusing the K/V of an earlier request's shared prefix "
+                        "(prefix caching is on by default)")
+    g.add_argument("--prefix-cache-gb", dest="prefix_cache_bytes", type=gib_size,
+                   help="most memory the prefix cache holds, in GiB (default: a quarter of the memory available "
+                        "after the model loads)")
+
+
+def llm_options(args: argparse.Namespace) -> dict:
+    """The `LLM` keyword arguments of the model options (add_model_args)."""
+    return {"device": args.device, "dtype": args.dtype, "kv_dtype": args.kv_dtype, "prefill_chunk": args.prefill_chunk,
+            "enable_prefix_caching": args.prefix_caching, "prefix_cache_bytes": args.prefix_cache_bytes}
 
 
 def add_draft_args(p: argparse.ArgumentParser) -> None:

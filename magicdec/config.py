@@ -212,8 +212,9 @@ class EngineConfig:
     (None: the model's context); prefill_chunk: prompt tokens per prefill forward; max_prefill_tokens: prompt tokens
     prefilled per step across requests (None: every admitted prompt at once, as an offline batch wants; a server
     bounds it so that arrivals do not stall running streams); kv_dtype: the KV cache's dtype (None: the model's);
-    max_queued: most waiting requests (None: unbounded); prompt_cache_bytes: prefilled prompts kept for reuse (0:
-    off)."""
+    max_queued: most waiting requests (None: unbounded); enable_prefix_caching: keep the K/V of requests' token
+    blocks for later requests with the same prefix (`magicdec.kv.prefix_cache`); prefix_cache_bytes: the most that
+    cache holds (None: a quarter of the memory available when it is made)."""
 
     max_num_seqs: int = 256
     max_model_len: int | None = None
@@ -221,12 +222,15 @@ class EngineConfig:
     max_prefill_tokens: int | None = None
     kv_dtype: torch.dtype | None = None
     max_queued: int | None = None
-    prompt_cache_bytes: int = 0
+    enable_prefix_caching: bool = True
+    prefix_cache_bytes: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "prefill_chunk", "max_model_len", "max_prefill_tokens", "max_queued"):
             value = getattr(self, name)
             if value is not None and not (_is_int(value) and value >= 1):
                 raise InvalidRequestError(f"{name} must be an integer >= 1, got {value!r}")
-        if not (_is_int(self.prompt_cache_bytes) and self.prompt_cache_bytes >= 0):
-            raise InvalidRequestError(f"prompt_cache_bytes must be an integer >= 0, got {self.prompt_cache_bytes!r}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise InvalidRequestError(f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
+        if not (self.prefix_cache_bytes is None or (_is_int(self.prefix_cache_bytes) and self.prefix_cache_bytes >= 0)):
+            raise InvalidRequestError(f"prefix_cache_bytes must be an integer >= 0, got {self.prefix_cache_bytes!r}")

@@ -26,7 +26,7 @@ from magicdec.config import EngineConfig
 from magicdec.distributed import init_tp, launched_world_size
 from magicdec.drafters.base import Drafter
 from magicdec.errors import InvalidRequestError
-from magicdec.kv.prompt_cache import PromptCache
+from magicdec.kv.prefix_cache import PrefixCache
 from magicdec.loading import LoadedModel, load_model
 from magicdec.loading.tokenizer import Tokenizer
 from magicdec.memory import available_bytes, peak_bytes
@@ -69,17 +69,21 @@ class LLMEngine:
 
     `speculation` turns drafting on (its policy picks each step's draft length from the live batch and context; 0
     means plain decoding for that step); `set_speculation` changes it between runs. `eos_ids` end requests that do
-    not ignore EOS; `tokenizer` decodes output text (and stop strings); a shared `prompt_cache` copies prompts
-    prefilled before."""
+    not ignore EOS; `tokenizer` decodes output text (and stop strings). `prefix_cache` is one shared with other
+    engines (`LLM` keeps one across the engines it builds); without one, the engine makes its own where `config`
+    enables prefix caching."""
 
     def __init__(self, model: Transformer, config: EngineConfig, *, eos_ids: Sequence[int] = (),
                  tokenizer: Tokenizer | None = None, speculation: Speculation | None = None,
-                 prompt_cache: PromptCache | None = None):
+                 prefix_cache: PrefixCache | None = None):
         config = resolve_config(config, model)
         self.model, self.tokenizer, self.config = model, tokenizer, config
+        self.prefix_cache = prefix_cache if prefix_cache is not None else make_prefix_cache(model, config)
+        if self.prefix_cache is not None and self.prefix_cache.dtype != config.kv_dtype:
+            raise ValueError(f"a prefix cache of {self.prefix_cache.dtype} serves no {config.kv_dtype} KV cache")
         self.runner = ModelRunner(model, config, eos_ids, drafter=speculation.drafter if speculation else None,
-                                  prompt_cache=prompt_cache)
-        self.scheduler = Scheduler(config, FixedGamma(0), prompt_cache=prompt_cache,
+                                  prefix_cache=self.prefix_cache)
+        self.scheduler = Scheduler(config, FixedGamma(0), prefix_cache=self.prefix_cache,
                                    decode=tokenizer.decode if tokenizer is not None else None,
                                    row_bucket=cuda_row_bucket if model.device.type == "cuda" else lambda n: n)
         self.scheduler.set_speculation(*self._policy(speculation))
@@ -183,6 +187,19 @@ def resolve_config(config: EngineConfig, model: Transformer) -> EngineConfig:
                                kv_dtype=config.kv_dtype or model.dtype)
 
 
+def make_prefix_cache(model: Transformer, config: EngineConfig) -> PrefixCache | None:
+    """The prefix cache `config` (resolved) asks for; None where caching is off. Its default size is a quarter of the
+    memory available now, the same on every tensor-parallel rank (they must make the same hit decisions)."""
+    if not config.enable_prefix_caching:
+        return None
+    size = config.prefix_cache_bytes
+    if size is None:
+        size = available_bytes(model.device) // 4
+        if model.tp is not None:
+            size = model.tp.min_int(size)
+    return PrefixCache(model.cfg, size, config.kv_dtype)
+
+
 def per_prompt_params(params: SamplingParams | Sequence[SamplingParams], n: int) -> list[SamplingParams]:
     """One SamplingParams for each of n prompts, from one for all or one per prompt."""
     per_prompt = [params] * n if isinstance(params, SamplingParams) else list(params)
@@ -219,16 +236,20 @@ class LLM:
         prefill_chunk: int = 512,
         max_num_seqs: int = 256,
         max_model_len: int | None = None,
-        prompt_cache_bytes: int = 0,
+        enable_prefix_caching: bool = True,
+        prefix_cache_bytes: int | None = None,
         tp: bool | None = None,
     ):
-        """`max_model_len`: most prompt + output tokens of a request (None: the model's context). `tp`: run this
+        """`max_model_len`: most prompt + output tokens of a request (None: the model's context).
+        `enable_prefix_caching`: reuse the K/V of earlier requests' token blocks (kept across generate calls, at most
+        `prefix_cache_bytes`; None: a quarter of the memory available after the model loads). `tp`: run this
         process as one rank of a tensor-parallel group that torchrun launched (see magicdec.distributed); None: when
         the launcher started more than one process. Every rank must then make the same calls with the same arguments;
         each returns the same outputs."""
         # the settings are checked before the model loads
         config = EngineConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len, prefill_chunk=prefill_chunk,
-                              kv_dtype=parse_dtype(kv_dtype), prompt_cache_bytes=prompt_cache_bytes)
+                              kv_dtype=parse_dtype(kv_dtype), enable_prefix_caching=enable_prefix_caching,
+                              prefix_cache_bytes=prefix_cache_bytes)
         tp = launched_world_size() > 1 if tp is None else tp
         group = init_tp(device) if tp else None
         self.loaded: LoadedModel = load_model(model, device=device, dtype=parse_dtype(dtype), tp=group)
@@ -240,7 +261,7 @@ class LLM:
         self.config = resolve_config(config, self.model)
         self.attention = attention_path(self.model.device, self.kv_dtype)  # builds a native kernel now, not mid-run
         self.linear = linear_path(self.model.device, self.model.dtype)  # "packed" where load_model packed them
-        self.prompt_cache = PromptCache(prompt_cache_bytes)  # prefilled prompts kept across generate calls
+        self.prefix_cache = make_prefix_cache(self.model, self.config)  # shared by the engines built here
         self.last_stats: GenerationStats | None = None
         self._drafters: dict[SpeculativeConfig, Drafter | None] = {}
         self._engine: LLMEngine | None = None
@@ -253,6 +274,13 @@ class LLM:
     def max_model_len(self) -> int:
         """Most prompt + output tokens of one request."""
         return self.config.max_model_len
+
+    def reserve_prefix_cache(self, tokens: int) -> None:
+        """Let the prefix cache hold `tokens` tokens' blocks at least (runs that decode the same prompts several
+        times: bench, calibrate); nothing where prefix caching is off."""
+        if self.prefix_cache is not None:
+            need = PrefixCache.bytes_for(self.model.cfg, tokens, self.kv_dtype)
+            self.prefix_cache.resize(max(self.prefix_cache.max_bytes, need))
 
     def encode(self, prompts: Sequence[str]) -> list[list[int]]:
         if isinstance(prompts, str):
@@ -289,7 +317,7 @@ class LLM:
         if fit_memory:
             config = dataclasses.replace(config, max_num_seqs=self._slots_that_fit(config, speculation))
         self._engine = LLMEngine(self.model, config, eos_ids=self.tokenizer.eos_ids, tokenizer=self.tokenizer,
-                                 speculation=speculation, prompt_cache=self.prompt_cache)
+                                 speculation=speculation, prefix_cache=self.prefix_cache)
         return self._engine
 
     def free_engine(self) -> None:
@@ -301,7 +329,8 @@ class LLM:
     def _slots_that_fit(self, config: EngineConfig, speculation: Speculation | None) -> int:
         drafter = speculation.drafter if speculation is not None else None
         per_slot = ModelRunner.memory_bytes(self.model, dataclasses.replace(config, max_num_seqs=1), drafter)
-        slots = max(1, min(config.max_num_seqs, int(0.9 * available_bytes(self.model.device)) // per_slot))
+        pool = self.prefix_cache.growth_bytes if self.prefix_cache is not None else 0
+        slots = max(1, min(config.max_num_seqs, int(0.9 * available_bytes(self.model.device) - pool) // per_slot))
         if self.model.tp is not None:  # the ranks must run the same batch: the fewest that fit on every one
             slots = self.model.tp.min_int(slots)
         return slots

@@ -1,9 +1,10 @@
 """Prompt prefill of one cache row, in chunks that a scheduler can interleave with decoding.
 
 A prompt of T tokens runs as chunks of at most `chunk` tokens over its first T - tail tokens, then its last `tail`
-(OBSERVATION_WINDOW) tokens as one final forward. The split depends on T alone, so a prompt's K/V are computed
-identically whatever else the engine runs, and the final forward is the one whose attention SnapKV observes to select
-which prompt tokens a sparse draft cache keeps.
+(OBSERVATION_WINDOW) tokens as one final forward. The split depends on T alone (and on where a cached prefix ends:
+the chunks after it keep the boundaries at multiples of `chunk`), so a prompt's K/V are computed alike whatever else
+the engine runs, and the final forward is the one whose attention SnapKV observes to select which prompt tokens a
+sparse draft cache keeps.
 """
 
 from __future__ import annotations
@@ -12,17 +13,25 @@ import torch
 from torch import Tensor
 
 from magicdec.kv import KVCache
+from magicdec.kv.prefix_cache import BLOCK_SIZE, PrefixCache, block_keys
 from magicdec.model import AttentionObserver, Transformer
 
 #: Tokens of the final prefill forward (SnapKV's observation window).
 OBSERVATION_WINDOW = 32
 
 
-def prefill_chunks(n_tokens: int, chunk: int) -> list[tuple[int, int]]:
-    """The (start, end) forwards that prefill a prompt of n_tokens tokens, the observation window last."""
-    tail = min(OBSERVATION_WINDOW, n_tokens)
-    head = n_tokens - tail
-    return [(s, min(s + chunk, head)) for s in range(0, head, chunk)] + [(head, n_tokens)]
+def prefill_chunks(n_tokens: int, chunk: int, start: int = 0) -> list[tuple[int, int]]:
+    """The (start, end) forwards that prefill a prompt of n_tokens tokens from token `start` on (the first ones
+    came from the prefix cache; start <= n_tokens - OBSERVATION_WINDOW), the observation window last."""
+    head = n_tokens - min(OBSERVATION_WINDOW, n_tokens)
+    bounds = [start, *range((start // chunk + 1) * chunk, head, chunk), head]
+    return [(s, e) for s, e in zip(bounds, bounds[1:]) if e > s] + [(head, n_tokens)]
+
+
+def cacheable_prefix(n_tokens: int) -> int:
+    """Most leading tokens of a prompt that may come from the prefix cache: the observation window is always
+    computed (its forward gives the last logits and SnapKV's observation)."""
+    return max(0, n_tokens - OBSERVATION_WINDOW)
 
 
 @torch.inference_mode()
@@ -44,8 +53,18 @@ def prefill_chunk(
 
 
 def prefill_row(model: Transformer, row: KVCache, prompt: Tensor, chunk: int,
-                observer: AttentionObserver | None = None) -> Tensor:
-    """Prefill a whole prompt into `row`; `observer` sees the final forward. Returns the last logits [1, V]."""
-    for start, end in prefill_chunks(len(prompt), chunk):
-        logits = prefill_chunk(model, row, prompt, start, end, observer if end == len(prompt) else None)
+                observer: AttentionObserver | None = None, prefix_cache: PrefixCache | None = None) -> Tensor:
+    """Prefill a whole prompt into `row`; `observer` sees the final forward. With a `prefix_cache`, the prompt's
+    longest cached prefix is copied instead of computed, and its blocks are stored after. Returns the last logits
+    [1, V]."""
+    row.clear()
+    start, ids = 0, prompt.tolist() if prefix_cache is not None else []
+    if prefix_cache is not None:
+        keys = prefix_cache.match(block_keys(ids[: cacheable_prefix(len(ids))]), len(ids))
+        prefix_cache.load(keys, row)
+        start = len(keys) * BLOCK_SIZE
+    for s, end in prefill_chunks(len(prompt), chunk, start):
+        logits = prefill_chunk(model, row, prompt, s, end, observer if end == len(prompt) else None)
+    if prefix_cache is not None:
+        prefix_cache.store(ids, row)
     return logits

@@ -21,11 +21,11 @@ from torch import Tensor
 from magicdec.config import EngineConfig
 from magicdec.drafters.base import Drafter
 from magicdec.kv import KVCache
-from magicdec.kv.prompt_cache import PromptCache
+from magicdec.kv.prefix_cache import PrefixCache
 from magicdec.kv.sparse import SnapKVObserver
 from magicdec.memory import check_fits
 from magicdec.model import Transformer
-from magicdec.prefill import prefill_chunk, prefill_row
+from magicdec.prefill import prefill_chunk
 from magicdec.sampling import RowParams, SamplingParams, sample_tokens
 from magicdec.step import LENGTH, RUNNING, STOPPED, PrefillWork, ScheduledStep, SlotAssignment, SlotOutput, StepResult
 from magicdec.verify import accept_drafts
@@ -54,16 +54,20 @@ def workspace_bytes(model: Transformer, rows: int, chunk: int) -> int:
 
 class ModelRunner:
     """Caches and buffers for `config.max_num_seqs` request slots of up to `config.max_model_len` tokens each (the
-    engine resolves both, and the KV dtype, before building its runner)."""
+    engine resolves both, and the KV dtype, before building its runner). With a `prefix_cache`, a slot starts from
+    the blocks the scheduler matched, and a request's blocks are stored when its prompt is prefilled and when it is
+    released."""
 
     def __init__(self, model: Transformer, config: EngineConfig, eos_ids: Sequence[int], *,
-                 drafter: Drafter | None = None, prompt_cache: PromptCache | None = None):
-        self.model, self.prompt_cache = model, prompt_cache
+                 drafter: Drafter | None = None, prefix_cache: PrefixCache | None = None):
+        self.model, self.prefix_cache = model, prefix_cache
         self.slots, self.kv_dtype, self.prefill_chunk = config.max_num_seqs, config.kv_dtype, config.prefill_chunk
         self.capacity = config.max_model_len + CACHE_SLACK  # cache entries per slot
         device = self.device = model.device
-        check_fits(self.memory_bytes(model, config, drafter), device,
-                   f"{self.slots} slots x {config.max_model_len} tokens (KV caches, draft cache and workspace)")
+        pool = prefix_cache.growth_bytes if prefix_cache is not None else 0
+        check_fits(self.memory_bytes(model, config, drafter) + pool, device,
+                   f"{self.slots} slots x {config.max_model_len} tokens (KV caches, draft cache, workspace and the "
+                   f"prefix cache's {pool / 2**30:.2f} GiB)")
         self.cache = KVCache(model.cfg, self.slots, self.capacity, self.kv_dtype, device)
         self.drafter: Drafter | None = None
         self.use_drafter(drafter, checked=True)
@@ -91,18 +95,23 @@ class ModelRunner:
         if drafter is not None and drafter is self.drafter:  # its cache is allocated for these slots already
             return
         if self.drafter is not None:
-            self.drafter.cache = None
+            self.drafter.free()
         if drafter is not None:
             if not checked:
                 check_fits(drafter.cache_bytes(self.slots, self.capacity, self.kv_dtype), self.device,
                            f"the draft cache of {self.slots} slots x {self.capacity} tokens")
-            drafter.allocate(self.slots, self.capacity, self.kv_dtype, self.device)
+            drafter.allocate(self.slots, self.capacity, self.kv_dtype, self.device, self.prefix_cache is not None)
         self.drafter = drafter
 
     # --- slot lifecycle ---------------------------------------------------------------------------------
     def _assign(self, a: SlotAssignment) -> None:
-        """Hand a slot to a request; its prompt is prefilled by the chunks that follow."""
+        """Hand a slot to a request and copy its cached prefix in; the rest of its prompt is prefilled by the chunks
+        that follow."""
         n, slot = len(a.prompt), a.slot
+        row = self.cache.row(slot)
+        row.clear()
+        if a.cached:
+            self.prefix_cache.load(a.cached, row)
         self.seq[slot, :n] = torch.tensor(a.prompt, dtype=torch.long)
         self.n_tokens[slot] = n
         self.limit[slot] = n + a.params.max_tokens
@@ -112,8 +121,16 @@ class ModelRunner:
         self.prompts[slot] = a.prompt
 
     def release(self, slot: int) -> None:
-        """The slot's request is done (or aborted): stop decoding it and empty its cache row, so that its length no
-        longer widens the attention of the slots decoded with it."""
+        """The slot's request is done (or aborted): its blocks (prompt and output tokens whose K/V the row holds) go
+        to the prefix cache, and the slot is emptied."""
+        if self.prefix_cache is not None:
+            row = self.cache.row(slot)
+            self.prefix_cache.store(self.seq[slot, : int(row.lens[0])].tolist(), row)
+        self._clear(slot)
+
+    def _clear(self, slot: int) -> None:
+        """Stop decoding the slot and empty its cache row, so that its length no longer widens the attention of the
+        slots decoded with it."""
         self.live[slot] = False
         self.rows.set(slot, GREEDY, 0)  # an idle row rides along: keep it off the sampler's work
         self.cache.row(slot).clear()
@@ -132,7 +149,7 @@ class ModelRunner:
         self.cache.copy_row(src, dst)
         if self.drafter is not None:
             self.drafter.move(src, dst)
-        self.release(src)
+        self._clear(src)
 
     # --- one step -------------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -175,17 +192,11 @@ class ModelRunner:
         T = len(ids)
         row, prompt = self.cache.row(slot), self.seq[slot, :T]
         observer = None
-        if work.final and (self.prompt_cache is not None or
-                           (self.drafter is not None and self.drafter.needs_target_attention)):
+        if work.final and self.drafter is not None and self.drafter.needs_target_attention:
             observer = SnapKVObserver(self.model.cfg.n_layers)
-        if work.cached and ids in self.prompt_cache:
-            logits = self.prompt_cache.load(ids, row, observer)
-        elif work.cached:  # evicted since it was scheduled
-            logits = prefill_row(self.model, row, prompt, self.prefill_chunk, observer)
-        else:
-            logits = prefill_chunk(self.model, row, prompt, work.start, work.end, observer)
-            if work.final and self.prompt_cache is not None:
-                self.prompt_cache.store(ids, row, logits, observer)
+        logits = prefill_chunk(self.model, row, prompt, work.start, work.end, observer)
+        if work.final and self.prefix_cache is not None:
+            self.prefix_cache.store(ids, row)
         if not work.final:
             return None
         if self.drafter is not None:

@@ -3,8 +3,10 @@
 Requests wait in arrival order until a slot is free (slots are preallocated, so a free slot is memory for the
 request's whole cache). An admitted request's prompt is prefilled in chunks, at most `max_prefill_tokens` per step
 across requests, interleaved with the decode rounds of the running ones, so a long arrival does not stall the streams
-already running. With a prompt cache, a request whose prompt is being prefilled for another waits for that prefill
-and is then copied from the cache (n samples of one prompt cost one prefill). Each step decodes the slots below the
+already running. With prefix caching, an admitted request starts from the longest prefix of its prompt that the
+cache holds, and a request whose prompt shares more leading blocks with a prompt being prefilled than the cache holds
+waits for that prefill to store them (n samples of one prompt, or many questions about one document, prefill the
+shared part once). Each step decodes the slots below the
 highest running one, with the draft length the speculation policy picks for the live batch; when no request waits for
 a slot, running requests move down into free slots so that the decoded rows stay few. Every finish (EOS or the token
 limit, as the runner reports them, a stop string, an abort) is decided here, and frees the request's slot at once.
@@ -13,6 +15,7 @@ limit, as the runner reports them, a stop string, an abort) is decided here, and
 from __future__ import annotations
 
 import enum
+import functools
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -20,8 +23,8 @@ from typing import Callable, Sequence
 
 from magicdec.config import EngineConfig
 from magicdec.errors import InvalidRequestError
-from magicdec.kv.prompt_cache import PromptCache
-from magicdec.prefill import prefill_chunks
+from magicdec.kv.prefix_cache import BLOCK_SIZE, PrefixCache, block_keys
+from magicdec.prefill import cacheable_prefix, prefill_chunks
 from magicdec.sampling import SamplingParams
 from magicdec.step import LENGTH, RUNNING, STOPPED, PrefillWork, ScheduledStep, SlotAssignment, SlotOutput, StepResult
 
@@ -68,7 +71,8 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     status: Status = Status.WAITING
     slot: int = -1
-    chunks: deque[tuple[int, int, bool]] = field(default_factory=deque)  # (start, end, from the prompt cache)
+    chunks: deque[tuple[int, int]] = field(default_factory=deque)  # prompt tokens [start, end) left to prefill
+    cached_tokens: int = 0  # leading prompt tokens copied from the prefix cache
     output_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "stop", "length" or "abort"
     accepted_hist: list[int] = field(default_factory=list)  # verify rounds by number of drafts accepted
@@ -83,12 +87,17 @@ class Request:
     def context(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
 
+    @functools.cached_property
+    def prompt_keys(self) -> list[bytes]:
+        """The prefix cache's keys of the prompt's blocks that a hit may cover."""
+        return block_keys(self.prompt_ids[: cacheable_prefix(len(self.prompt_ids))])
+
 
 class Scheduler:
     """Admission, chunked prefill, the per-step draft length, and retirement of finished requests."""
 
     def __init__(self, config: EngineConfig, gamma_policy: GammaPolicy, max_gamma: int = 0, *,
-                 prompt_cache: PromptCache | None = None, decode: Callable[[list[int]], str] | None = None,
+                 prefix_cache: PrefixCache | None = None, decode: Callable[[list[int]], str] | None = None,
                  row_bucket: Callable[[int], int] = lambda n: n):
         self.slots = [None] * config.max_num_seqs  # type: list[Request | None]
         self.prefill_chunk = config.prefill_chunk
@@ -96,8 +105,7 @@ class Scheduler:
         self.max_queued = config.max_queued
         self.gamma_policy = gamma_policy
         self.max_gamma = max_gamma  # the drafter's longest draft (0: no drafter)
-        # prompts whose prefill is a copy from the prompt cache take no prefill budget
-        self.prompt_cache = prompt_cache if prompt_cache is not None else PromptCache(0)
+        self.prefix_cache = prefix_cache
         self.decode = decode  # token ids -> text, for stop strings
         self.row_bucket = row_bucket  # decoded rows, rounded up to a shape a captured graph can replay
         self.waiting: deque[Request] = deque()
@@ -142,45 +150,38 @@ class Scheduler:
         return bool(self.waiting) or any(r is not None for r in self.slots)
 
     # --- one step -------------------------------------------------------------------------------------------
-    def _next_admissible(self, in_flight: set[tuple[int, ...]]) -> Request | None:
-        """The first waiting request whose prompt is not being prefilled for another (such a request waits for that
-        prefill to reach the prompt cache; `in_flight` is empty without one)."""
+    def _next_admissible(self, in_flight: set[bytes]) -> Request | None:
+        """The first waiting request that would not find more of its prompt cached by waiting: one that shares more
+        leading blocks with the prompts being prefilled (`in_flight`: their keys) than the cache holds waits for
+        those prefills to store them."""
         for i, request in enumerate(self.waiting):
-            if not in_flight or tuple(request.prompt_ids) not in in_flight:
+            keys = request.prompt_keys if in_flight else []
+            shared = next((n for n, key in enumerate(keys) if key not in in_flight), len(keys))
+            if not shared or shared <= self.prefix_cache.cached_prefix(keys[:shared]):
                 del self.waiting[i]
                 return request
         return None
 
     def schedule(self) -> ScheduledStep:
         step = ScheduledStep()
-        caching = self.prompt_cache.enabled
-        in_flight = set()  # prompts being prefilled (not copied): their repeats wait
-        if caching:
-            in_flight = {tuple(r.prompt_ids) for r in self.prefilling if not (r.chunks and r.chunks[0][2])}
+        caching = self.prefix_cache is not None and self.prefix_cache.enabled
+        in_flight = {key for r in self.prefilling for key in r.prompt_keys} if caching else set()
         for slot, holder in enumerate(self.slots):
             if holder is None and self.waiting:
                 request = self._next_admissible(in_flight)
                 if request is None:
                     break
-                request.slot, request.status = slot, Status.PREFILLING
-                n = len(request.prompt_ids)
-                cached = caching and request.prompt_ids in self.prompt_cache
-                if caching and not cached:
-                    in_flight.add(tuple(request.prompt_ids))
-                request.chunks = deque([(0, n, True)] if cached else
-                                       [(s, e, False) for s, e in prefill_chunks(n, self.prefill_chunk)])
-                self.slots[slot] = request
-                self.prefilling.append(request)
-                step.assign.append(SlotAssignment(slot, request.prompt_ids, request.params, request.seed))
+                step.assign.append(self._admit(request, slot, caching))
+                in_flight.update(request.prompt_keys if caching else ())
         if not self.waiting:
             self._compact(step)
         budget = self.max_prefill_tokens
         joining = []
         for request in self.prefilling:
             while request.chunks and (budget > 0 or not step.prefills):
-                start, end, cached = request.chunks.popleft()
-                budget -= 0 if cached else end - start
-                step.prefills.append(PrefillWork(request.slot, start, end, final=not request.chunks, cached=cached))
+                start, end = request.chunks.popleft()
+                budget -= end - start
+                step.prefills.append(PrefillWork(request.slot, start, end, final=not request.chunks))
             if not request.chunks and request.params.max_tokens > 1:  # else its first token ends it
                 joining.append(request)
             if budget <= 0:
@@ -191,6 +192,16 @@ class Scheduler:
             context = sum(r.context for r in decoding) // len(decoding)
             step.gamma = min(self.max_gamma, self.gamma_policy(len(decoding), context))
         return step
+
+    def _admit(self, request: Request, slot: int, caching: bool) -> SlotAssignment:
+        """Give `slot` to `request`: its longest cached prefix is copied, the rest of its prompt prefilled."""
+        cached = self.prefix_cache.match(request.prompt_keys, len(request.prompt_ids)) if caching else []
+        request.slot, request.status = slot, Status.PREFILLING
+        request.cached_tokens = len(cached) * BLOCK_SIZE
+        request.chunks = deque(prefill_chunks(len(request.prompt_ids), self.prefill_chunk, request.cached_tokens))
+        self.slots[slot] = request
+        self.prefilling.append(request)
+        return SlotAssignment(slot, request.prompt_ids, request.params, request.seed, cached)
 
     def _compact(self, step: ScheduledStep) -> None:
         """Move running requests from the highest slots into free lower ones. A round decodes every slot below the

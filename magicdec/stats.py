@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from magicdec.kv.prefix_cache import BLOCK_SIZE
 from magicdec.step import ScheduledStep, StepResult
 
 
@@ -16,6 +17,7 @@ class GenerationStats:
 
     requests: int = 0
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens copied from the prefix cache instead of prefilled
     generated_tokens: int = 0  # every output token, the first ones (from prefill) included
     decode_tokens: int = 0  # output tokens produced by decode rounds
     prefill_s: float = 0.0
@@ -36,7 +38,8 @@ class GenerationStats:
 
     @property
     def prefill_tok_s(self) -> float:
-        return self.prompt_tokens / self.prefill_s if self.prefill_s else 0.0
+        """Prompt tokens prefilled (not copied from the prefix cache) per second of prefill."""
+        return (self.prompt_tokens - self.cached_tokens) / self.prefill_s if self.prefill_s else 0.0
 
     @property
     def decode_tok_s(self) -> float:
@@ -66,6 +69,7 @@ class GenerationStats:
     def record(self, step: ScheduledStep, result: StepResult) -> None:
         """Count one engine step from its results."""
         self.prefill_s += result.prefill_s
+        self.cached_tokens += BLOCK_SIZE * sum(len(a.cached) for a in step.assign)
         decoded = sum(len(out.tokens) for out in result.decoded)
         self.generated_tokens += len(result.first) + decoded
         if result.decoded:  # (a round can find every row gone: first tokens that were EOS)

@@ -17,24 +17,24 @@ RUNNING, STOPPED, LENGTH = 0, 1, 2
 
 @dataclass
 class SlotAssignment:
-    """A request taking a slot: what the runner needs to prefill and decode it."""
+    """A request taking a slot: what the runner needs to prefill and decode it. `cached`: the prefix cache's keys of
+    the prompt's leading blocks, copied into the slot before its prefill chunks (which start after them)."""
 
     slot: int
     prompt: list[int]
     params: SamplingParams
     seed: int
+    cached: list[bytes] = field(default_factory=list)
 
 
 @dataclass
 class PrefillWork:
-    """Prompt tokens [start, end) of the request in `slot`; the last chunk of a prompt samples its first token.
-    `cached`: the whole prompt is in the prompt cache and is copied, not computed."""
+    """Prompt tokens [start, end) of the request in `slot`; the last chunk of a prompt samples its first token."""
 
     slot: int
     start: int
     end: int
     final: bool
-    cached: bool = False
 
 
 @dataclass

@@ -256,12 +256,13 @@ def set_gguf_metadata(path: Path, key: str, value: str) -> None:
 
 
 # --- running the engine directly ---------------------------------------------------------------------------
-def run_engine(model, prompts, params, *, eos=(), drafter=None, gamma=0, policy=None, slots=None, prompt_cache=None,
-               tokenizer=None, prefill_chunk=512, max_prefill_tokens=None, arrivals=None, kv_dtype=None):
+def run_engine(model, prompts, params, *, eos=(), drafter=None, gamma=0, policy=None, slots=None, prefix_cache=None,
+               caching=False, tokenizer=None, prefill_chunk=512, max_prefill_tokens=None, arrivals=None, kv_dtype=None):
     """Every prompt through an LLMEngine over `model`; returns (requests, stats).
 
     params: one SamplingParams or one per prompt. gamma: a fixed draft length (or `policy`). arrivals:
-    the step before which each prompt is added (default: all at once)."""
+    the step before which each prompt is added (default: all at once). prefix_cache: a PrefixCache to share
+    (kept across calls); else `caching` gives the engine one of its own (default: every prompt computed)."""
     from magicdec.config import EngineConfig
     from magicdec.engine import LLMEngine
     from magicdec.sampling import SamplingParams
@@ -271,9 +272,10 @@ def run_engine(model, prompts, params, *, eos=(), drafter=None, gamma=0, policy=
     params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
     config = EngineConfig(max_num_seqs=slots or len(prompts), prefill_chunk=prefill_chunk, kv_dtype=kv_dtype,
                           max_model_len=max(len(p) + sp.max_tokens for p, sp in zip(prompts, params)),
-                          max_prefill_tokens=max_prefill_tokens)
+                          max_prefill_tokens=max_prefill_tokens,
+                          enable_prefix_caching=caching or prefix_cache is not None)
     speculation = Speculation(drafter, policy or FixedGamma(gamma)) if drafter is not None else None
-    engine = LLMEngine(model, config, eos_ids=eos, speculation=speculation, prompt_cache=prompt_cache,
+    engine = LLMEngine(model, config, eos_ids=eos, speculation=speculation, prefix_cache=prefix_cache,
                        tokenizer=tokenizer)
     if arrivals is None:
         return engine.generate(prompts, params), engine.stats

@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from conftest import run_engine
-from magicdec.kv.prompt_cache import PromptCache
 from magicdec.sampling import SamplingParams
 
 EOS = (2,)  # <|im_end|>, the default model's EOS
@@ -75,40 +74,25 @@ def test_tiny_model_ragged_greedy_matches_transformers(tiny_llama, chunk):
         assert out.finish_reason == ("stop" if want[-1] == EOS[0] else "length")
 
 
-def test_prompt_cache_hits_decode_like_computed_prefills(tiny_llama):
-    """A prompt served from the prompt cache (how benchmarks decode one prefill many times) decodes exactly
-    like a computed one, and serving it leaves the entry intact."""
-    model = tiny_llama[0].model
-    g = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (9, 30)]
-    params = SamplingParams(max_tokens=8, ignore_eos=True)
-    # sized as the benchmarks size it: exactly the two entries
-    cache = PromptCache(PromptCache.bytes_for(model.cfg, [len(p) for p in prompts], torch.float32))
-    computed, _ = run_engine(model, prompts, params, prompt_cache=cache)
-    assert all(p in cache for p in prompts)
-    k_before = cache.get(prompts[1]).k.clone()
-    tiled, stats = run_engine(model, prompts * 3, params, prompt_cache=cache)
-    assert [o.output_ids for o in tiled] == [o.output_ids for o in computed] * 3
-    assert torch.equal(cache.get(prompts[1]).k, k_before) and stats.max_batch == 6
-
-
 def test_repeated_prompts_are_prefilled_once(tiny_llama, monkeypatch):
-    """With a prompt cache, repeats of a prompt in one batch wait for its prefill and copy it (as `--n` runs):
-    one prefill per distinct prompt, and the same tokens as prefilling each."""
+    """With prefix caching, repeats of a prompt in one batch wait for its prefill and copy its blocks (as `--n`
+    runs): each repeat computes only its last partial block and observation window, and gives the same tokens as
+    prefilling each."""
     import magicdec.runner as runner_mod
 
     model = tiny_llama[0].model
     g = torch.Generator().manual_seed(6)
-    prompts = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (40, 25)]
+    prompts = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (100, 25)]
     rows = [prompts[0]] * 3 + [prompts[1]] + [prompts[0]]
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     separate, _ = run_engine(model, rows, params)
-    chunks = []
+    computed = []
     real = runner_mod.prefill_chunk
-    monkeypatch.setattr(runner_mod, "prefill_chunk", lambda m, row, prompt, *a: chunks.append(len(prompt)) or real(m, row, prompt, *a))
-    shared, stats = run_engine(model, rows, params, prompt_cache=PromptCache(1 << 24), prefill_chunk=16)
-    # one prefill per distinct prompt: 40 tokens as 8 + the 32-token observation window, 25 in one forward
-    assert sorted(chunks) == [25, 40, 40]
+    monkeypatch.setattr(runner_mod, "prefill_chunk",
+                        lambda m, row, prompt, start, end, *a: computed.append(end - start) or real(m, row, prompt, start, end, *a))
+    shared, stats = run_engine(model, rows, params, caching=True, prefill_chunk=16)
+    # 100 + 25 tokens computed once; each of the three repeats copies 64 tokens (two blocks) and computes 36
+    assert sum(computed) == 100 + 25 + 3 * 36 and stats.cached_tokens == 3 * 64
     assert [o.output_ids for o in shared] == [o.output_ids for o in separate]
 
 

@@ -23,7 +23,7 @@ from magicdec.config import ModelConfig
 from magicdec.drafters import ModelDrafter, SelfSpecDrafter
 from magicdec.kv import KVCache
 from magicdec.model import Transformer
-from magicdec.kv.prompt_cache import PromptCache
+from magicdec.kv.prefix_cache import PrefixCache
 from magicdec.sampling import RowParams, SamplingParams, probs_from_logits, sample_probs, sample_tokens
 from magicdec.verify import accept_drafts
 
@@ -152,10 +152,10 @@ def spec_sample(target, bad_draft, prompt, drafter: str, setting: str):
     """N requests of `prompt`, seeds 0..N-1, through an engine speculating with `drafter`: tokens [N, NEW]."""
     gamma = DRAFTERS[drafter]
     params = [SamplingParams(max_tokens=NEW, seed=i, **SETTINGS[setting]) for i in range(N)]
-    cache = PromptCache(1 << 24)
-    run_engine(target, [prompt], params[:1], prompt_cache=cache)  # prefill the prompt once; the N requests copy it
+    cache = PrefixCache(target.cfg, 1 << 24, target.dtype)
+    run_engine(target, [prompt], params[:1], prefix_cache=cache)  # prefill the prompt once; the N requests copy it
     requests, stats = run_engine(target, [prompt] * N, params, drafter=make_drafter(drafter, target, bad_draft, gamma),
-                                 gamma=gamma, prompt_cache=cache)
+                                 gamma=gamma, prefix_cache=cache)
     assert all(len(r.output_ids) == NEW and r.finish_reason == "length" for r in requests)
     return torch.tensor([r.output_ids for r in requests]), stats
 

@@ -100,13 +100,17 @@ class Server:
                              timeout=120, **kw)
 
 
+PREFIX_CACHE_GB = 0.125
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory) -> Iterator[Server]:
     port = free_port()
     log = tmp_path_factory.mktemp("serve") / "server.log"
     cmd = [sys.executable, "-m", "magicdec", "serve", "--port", str(port), "--max-running", "4",
            "--max-model-len", str(MAX_LEN), "--draft", "self-streaming", "--budget", "64", "--gamma", "3",
-           "--api-key", KEY, "--log-level", "warning", "--dtype", "fp32"]  # fp32: the offline reference's dtype
+           "--api-key", KEY, "--log-level", "warning", "--dtype", "fp32",  # fp32: the offline reference's dtype
+           "--prefix-cache-gb", str(PREFIX_CACHE_GB)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": str(torch.get_num_threads())}
     with log.open("w") as out:
@@ -200,6 +204,24 @@ def test_chat_template_renders_like_transformers(server, model_name, llm, hf_tok
     assert out.choices[0].message.role == "assistant"
     assert out.choices[0].message.content == offline(tok["tokens"], 10, temperature=0)
     assert out.usage.prompt_tokens == tok["count"]
+
+
+def test_second_chat_turn_is_served_from_the_prefix_cache_like_a_cold_prefill(server, model_name, corpus_prompt,
+                                                                              llm, offline):
+    """Turn 2 of a conversation re-sends turn 1 (a 400-token excerpt) and its reply: the response reports the history
+    as cached tokens, /metrics counts the hit, and the text equals plain decoding of the same prompt cold."""
+    hits = metric(server.base, "magicdec:prefix_cache_hits_total", model_name=model_name)
+    client = server.client()
+    messages = [{"role": "user", "content": "Summarise: " + llm.tokenizer.decode(corpus_prompt(400, book=2))}]
+    first = client.chat.completions.create(model=model_name, messages=messages, max_tokens=16, temperature=0)
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "Now say it again, shorter, in one line please, and nothing else at all."}]
+    second = client.chat.completions.create(model=model_name, messages=messages, max_tokens=16, temperature=0)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert first.usage.prompt_tokens - 64 <= cached < second.usage.prompt_tokens
+    assert metric(server.base, "magicdec:prefix_cache_hits_total", model_name=model_name) - hits >= cached
+    status, tok = http_json(f"{server.base}/tokenize", {"messages": messages})
+    assert status == 200 and second.choices[0].message.content == offline(tok["tokens"], 16, temperature=0)
 
 
 def test_chat_streaming(server, model_name):
@@ -377,7 +399,8 @@ def test_load_every_request_answered_once_and_the_server_returns_to_idle(server,
     assert all(reason in ("stop", "length") and tokens > 0 for i, reason, tokens in results if i not in cancel)
     wait_until(lambda: _idle(server), WAIT_S, "running and waiting to return to 0")
     assert metric(server.base, "magicdec:kv_cache_usage_perc") == 0
-    assert _rss_bytes(server.proc.pid) < rss_idle + 64 * 2**20  # caches are preallocated: no growth
+    # caches are preallocated: no growth but the prefix cache's, bounded by --prefix-cache-gb
+    assert _rss_bytes(server.proc.pid) < rss_idle + 64 * 2**20 + PREFIX_CACHE_GB * 2**30
 
 
 def test_sigterm_shuts_down_cleanly(server):

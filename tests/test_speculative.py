@@ -18,7 +18,7 @@ import magicdec.drafters.model_draft as model_draft_mod
 import magicdec.runner as runner_mod
 from conftest import run_engine
 from magicdec.drafters import ModelDrafter, SelfSpecDrafter
-from magicdec.kv.prompt_cache import PromptCache
+from magicdec.kv.prefix_cache import PrefixCache, block_keys
 from magicdec.sampling import SamplingParams
 from magicdec.scheduler import FixedGamma, GammaPolicy
 
@@ -42,20 +42,21 @@ def prompts(corpus_prompt) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def cache() -> PromptCache:
-    return PromptCache(1 << 31)
+def cache(model) -> PrefixCache:
+    return PrefixCache(model.cfg, 1 << 31, model.dtype)
 
 
 @pytest.fixture(scope="module")
 def ar(model, prompts, eos, cache):
     """The autoregressive reference: greedy, max_tokens 23, the model's EOS (its prefill fills the cache)."""
-    requests, stats = run_engine(model, prompts, SamplingParams(max_tokens=MAX_TOKENS), eos=eos, prompt_cache=cache)
-    assert stats.gamma == 0 and stats.steps >= MAX_TOKENS - 1 and all(p in cache for p in prompts)
+    requests, stats = run_engine(model, prompts, SamplingParams(max_tokens=MAX_TOKENS), eos=eos, prefix_cache=cache)
+    assert stats.gamma == 0 and stats.steps >= MAX_TOKENS - 1
+    assert all(cache.cached_prefix(block_keys(p)) == len(p) // 32 for p in prompts)
     return requests
 
 
 def run(model, prompts, params, eos, cache, drafter=None, gamma=0, **kw):
-    return run_engine(model, prompts, params, eos=eos, drafter=drafter, gamma=gamma, prompt_cache=cache, **kw)
+    return run_engine(model, prompts, params, eos=eos, drafter=drafter, gamma=gamma, prefix_cache=cache, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -69,16 +70,16 @@ def draft_model(default_path):
 @pytest.fixture
 def draft_prefill_from_cache(monkeypatch, draft_model, cache):
     """The draft model has the target's weights, so its prefill of a prompt is the target's (bit for bit:
-    same weights, same chunking): serve it from the prompt cache instead of recomputing each prompt per
+    same weights, same chunking): serve it from the target's prefix cache instead of recomputing each prompt per
     test. The LLM test below runs the real draft prefill."""
     real = model_draft_mod.prefill_row
     served = []
 
-    def prefill_row(m, row, prompt, chunk, observer=None):
-        if m is draft_model and prompt.tolist() in cache:
+    def prefill_row(m, row, prompt, chunk, observer=None, prefix_cache=None):
+        if m is draft_model and cache.cached_prefix(block_keys(prompt.tolist())) >= (len(prompt) - 63) // 32:
             served.append(len(prompt))
-            return cache.load(prompt.tolist(), row, observer)
-        return real(m, row, prompt, chunk, observer)
+            prefix_cache = cache
+        return real(m, row, prompt, chunk, observer, prefix_cache)
 
     monkeypatch.setattr(model_draft_mod, "prefill_row", prefill_row)
     return served
@@ -256,7 +257,7 @@ def test_requests_move_down_into_free_slots(model, prompts, ar, eos, cache):
     params = [SamplingParams(max_tokens=3), SamplingParams(max_tokens=MAX_TOKENS), sampled,
               SamplingParams(max_tokens=MAX_TOKENS)]
     engine = LLMEngine(model, EngineConfig(max_num_seqs=4, max_model_len=900 + MAX_TOKENS), eos_ids=eos,
-                       prompt_cache=cache,
+                       prefix_cache=cache,
                        speculation=Speculation(SelfSpecDrafter(model, "streaming", 64, 3, True), FixedGamma(3)))
     steps, schedule = [], engine.scheduler.schedule
     engine.scheduler.schedule = lambda: steps.append(schedule()) or steps[-1]

@@ -11,7 +11,6 @@ from typing import Any, Callable, Iterable, Sequence
 
 from magicdec.corpus import cut_prompts
 from magicdec.planner import AcceptanceTable
-from magicdec.kv.prompt_cache import PromptCache
 from magicdec.sampling import SamplingParams
 from magicdec.speculative import SpeculativeConfig
 
@@ -55,7 +54,7 @@ def calibrate_acceptance(
     """Measure acceptance rates of self-speculative drafters on `texts` with `llm` (an `LLM`).
 
     For each context length, `n_prompts` prompts of that many tokens are cut from inside the texts and prefilled once
-    into the LLM's prompt cache (with the attention observation SnapKV needs); every (drafter, budget, mode) then
+    into the LLM's prefix cache; every (drafter, budget, mode) then
     decodes `new_tokens` tokens per prompt (EOS ignored) from copies of that prefill with draft length `gamma`. The
     rate stored for (drafter, budget, mode, context) is `acceptance_mle` of the summed histogram; each (drafter,
     mode) also gets the spread of per-sequence rates around their batch's rate (`row_spread`), which the planner uses
@@ -81,7 +80,7 @@ def calibrate_acceptance(
             continue
         report(done, len(jobs), f"prefill {n_prompts} x {ctx}")
         prompts = cut_prompts(llm.tokenizer, texts, n_prompts, ctx)
-        llm.prompt_cache.resize(PromptCache.bytes_for(llm.model.cfg, [ctx] * n_prompts, llm.kv_dtype))
+        llm.reserve_prefix_cache(ctx * n_prompts)
         llm.generate(prompt_token_ids=prompts, params=sampling_params("greedy", 1))
         for drafter_name, budget, mode in todo:
             report(done, len(jobs), f"{drafter_name} budget {budget} {mode} at {ctx}")
@@ -91,7 +90,8 @@ def calibrate_acceptance(
             if records is not None:
                 records.append(record)
             done += 1
-    llm.prompt_cache.resize(0)
+    if llm.prefix_cache is not None:
+        llm.prefix_cache.clear()
     for (drafter_name, mode), devs in deviations.items():
         if len(devs) > 1:
             table.set_row_spread(drafter_name, row_spread(devs), mode=mode)
@@ -101,7 +101,7 @@ def calibrate_acceptance(
 
 def _decode_prefilled(llm, prompts: list[list[int]], drafter: str, budget: int, mode: str, context: int, gamma: int,
                       new_tokens: int, seed: int) -> dict[str, Any]:
-    """Decode `prompts` (prefilled in the LLM's prompt cache) with one drafter; the run's record."""
+    """Decode `prompts` (prefilled in the LLM's prefix cache) with one drafter; the run's record."""
     spec = SpeculativeConfig(drafter, budget=budget, gamma=gamma)
     outs = llm.generate(prompt_token_ids=prompts, params=sampling_params(mode, new_tokens, seed), speculative=spec)
     stats = llm.last_stats

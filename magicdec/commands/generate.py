@@ -7,10 +7,10 @@ import sys
 from tqdm import tqdm
 
 from magicdec.autoplan import choose, describe
+from magicdec.cli import llm_options
 from magicdec.corpus import cut_prompts, load_texts
 from magicdec.engine import LLM
 from magicdec.errors import InvalidRequestError
-from magicdec.kv.prompt_cache import PromptCache
 from magicdec.profiles import model_key
 from magicdec.sampling import SamplingParams
 from magicdec.speculative import SpeculativeConfig
@@ -65,7 +65,8 @@ def progress_bar(desc: str, enabled: bool):
 def format_stats(stats, label: str) -> str:
     gib = stats.peak_memory_bytes / 1024**3
     line = (f"[{label}] {stats.requests} requests ({stats.dtype}), at most {stats.max_batch} decoding together: "
-            f"prefill {stats.prompt_tokens} tok in {stats.prefill_s:.2f}s ({stats.prefill_tok_s:.0f} tok/s); "
+            f"prefill {stats.prompt_tokens} tok ({stats.cached_tokens} reused from the prefix cache) in "
+            f"{stats.prefill_s:.2f}s ({stats.prefill_tok_s:.0f} tok/s computed); "
             f"decode {stats.decode_tokens} tok in {stats.decode_s:.2f}s ({stats.decode_tok_s:.1f} tok/s); "
             f"peak memory {gib:.2f} GiB")
     if stats.gamma:
@@ -79,10 +80,8 @@ def format_stats(stats, label: str) -> str:
 def run(args) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
-    llm = LLM(args.model, device=args.device, dtype=args.dtype, kv_dtype=args.kv_dtype, prefill_chunk=args.prefill_chunk,
-              max_num_seqs=args.batch_size or 256)
+    llm = LLM(args.model, **llm_options(args), max_num_seqs=args.batch_size or 256)
     texts, ids = collect_prompts(args, llm.tokenizer)
-    unique = ids
     if args.n > 1:  # row i is sample i % n of prompt i // n
         ids = [p for p in ids for _ in range(args.n)]
         texts = texts and [t for t in texts for _ in range(args.n)]
@@ -94,9 +93,6 @@ def run(args) -> int:
         print(describe(plan), file=sys.stderr)
     modes = [("ar", None)] if args.compare_ar and spec is not None else []
     modes.append(("spec" if spec else "ar", spec))
-    if len(modes) > 1 or args.n > 1:
-        # every prompt is prefilled once: its repeats (--n) and the second run copy that prefill
-        llm.prompt_cache.resize(PromptCache.bytes_for(llm.model.cfg, [len(p) for p in unique], llm.kv_dtype))
     results, runs = {}, []
     for label, cfg in modes:
         update, close = progress_bar(label, sys.stderr.isatty() and not args.json)

@@ -4,6 +4,7 @@ import sys
 from pathlib import Path
 
 from magicdec.autoplan import describe
+from magicdec.cli import llm_options
 from magicdec.commands.generate import speculative_from_args
 from magicdec.distributed.serving import StepMirror, follow
 from magicdec.engine import LLM
@@ -15,8 +16,7 @@ from magicdec.server.metrics import ServerMetrics
 
 
 def run(args) -> int:
-    llm = LLM(args.model, device=args.device, dtype=args.dtype, kv_dtype=args.kv_dtype, prefill_chunk=args.prefill_chunk,
-              max_num_seqs=args.max_running, max_model_len=args.max_model_len)
+    llm = LLM(args.model, **llm_options(args), max_num_seqs=args.max_running, max_model_len=args.max_model_len)
     max_len = llm.max_model_len
     # Planned where the KV cache weighs most (every slot full at the longest context): if drafting pays anywhere
     # within the server's limits it pays there; each step then re-plans for its live batch and context (plain decoding

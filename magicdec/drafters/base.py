@@ -37,8 +37,10 @@ class Drafter(ABC):
         return self.gamma + 2
 
     @abstractmethod
-    def allocate(self, slots: int, capacity: int, dtype: torch.dtype, device: torch.device) -> None:
-        """Create the draft cache for `slots` sequences of up to `capacity` tokens."""
+    def allocate(self, slots: int, capacity: int, dtype: torch.dtype, device: torch.device,
+                 prefix_caching: bool = False) -> None:
+        """Create the draft cache for `slots` sequences of up to `capacity` tokens; with `prefix_caching`, a drafter
+        that prefills prompts itself keeps their blocks for later prompts with the same prefix."""
 
     @abstractmethod
     def cache_bytes(self, slots: int, capacity: int, dtype: torch.dtype) -> int:
@@ -47,6 +49,10 @@ class Drafter(ABC):
     @abstractmethod
     def admit(self, slot: int, prompt: Tensor, target: KVCache, observer: SnapKVObserver | None) -> None:
         """Build slot's draft cache for prompt [T], which the target has prefilled into `target` (a row view)."""
+
+    def free(self) -> None:
+        """Drop the draft cache: the drafter leaves its engine."""
+        self.cache = None
 
     def move(self, src: int, dst: int) -> None:
         """The request in slot src moves to the free slot dst (src is released after)."""

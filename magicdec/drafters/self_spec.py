@@ -26,7 +26,9 @@ class SelfSpecDrafter(Drafter):
         self.name = f"self-{kind}"
         self.needs_target_attention = kind == "snapkv"
 
-    def allocate(self, slots: int, capacity: int, dtype: torch.dtype, device: torch.device) -> None:
+    def allocate(self, slots: int, capacity: int, dtype: torch.dtype, device: torch.device,
+                 prefix_caching: bool = False) -> None:
+        # a slot's entries are cut from the target's cache, which the target's prefix cache fills
         self.cache = SparseKVCache(self.model.cfg, slots, self.budget, prefix_size(self.kind, self.budget),
                                    self.slack, dtype, device, self.reindex, self.model.inv_freq)
 

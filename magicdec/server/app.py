@@ -61,12 +61,14 @@ class _Choice:
     prompt_tokens: int
     detok: IncrementalDetokenizer
     tokens: int = 0
+    cached_tokens: int = 0  # of the prompt, taken from the prefix cache
     text: str = ""
     finish_reason: str | None = None
 
     def record(self, out: Output) -> str:
         """Apply an Output to the choice; the text it makes final."""
         self.tokens += len(out.new_ids)
+        self.cached_tokens = out.cached_tokens
         delta = self.detok.push(out.new_ids)
         if out.finish_reason is not None:
             delta += self.detok.finish(out.text)
@@ -81,6 +83,7 @@ class _Call:
     kind: str  # "text_completion" or "chat.completion"
     model: str
     engine: AsyncEngine
+    n: int  # choices per prompt
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     choices: dict[str, _Choice] = field(default_factory=dict)  # by request id, in index order
     prompt_tokens: list[int] = field(default_factory=list)  # per prompt, counted once however many choices
@@ -91,9 +94,15 @@ class _Call:
     def chunk_kind(self) -> str:
         return "chat.completion.chunk" if self.kind == "chat.completion" else "text_completion"
 
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict:
+        """OpenAI's usage; a prompt's cached tokens are its choices' most (a prompt counts once, as its tokens do)."""
         prompt, completion = sum(self.prompt_tokens), sum(c.tokens for c in self.choices.values())
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        per_prompt: dict[int, int] = {}
+        for c in self.choices.values():
+            p = c.index // self.n
+            per_prompt[p] = max(per_prompt.get(p, 0), c.cached_tokens)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": sum(per_prompt.values())}}
 
     def withdraw(self) -> None:
         """Abort the unfinished requests (the engine ignores ids it no longer knows)."""
@@ -236,7 +245,7 @@ class Server:
         """Queue every choice (n per prompt), on any refusal withdrawing those already queued; then the response: a
         stream of events, or the whole completion."""
         body.check_supported()
-        call = _Call(kind, self.check_model(body.model), self.engine)
+        call = _Call(kind, self.check_model(body.model), self.engine, body.n)
         try:
             for p, prompt in enumerate(prompts):
                 room = self.engine.max_model_len - len(prompt)

@@ -36,6 +36,7 @@ class Output:
     finish_reason: str | None = None  # "stop", "length" or "abort" on the last output
     text: str | None = None  # the final text (`LLMEngine.text_of`) on the last output
     error: str | None = None  # set when the engine failed the request (the last output too)
+    cached_tokens: int = 0  # prompt tokens the request took from the prefix cache
 
     @property
     def last(self) -> bool:
@@ -233,9 +234,11 @@ class AsyncEngine:
             stream.sent = len(request.output_ids)
             if request.finished:
                 self._push(request.request_id, Output(request.request_id, new_ids, request.finish_reason,
-                                                      self._engine.text_of(request)))
+                                                      self._engine.text_of(request),
+                                                      cached_tokens=request.cached_tokens))
             elif new_ids:
-                self._push(request.request_id, Output(request.request_id, new_ids))
+                self._push(request.request_id, Output(request.request_id, new_ids,
+                                                      cached_tokens=request.cached_tokens))
 
     def _sent(self, request: Request) -> int:
         stream = self._streams.get(request.request_id)

@@ -42,7 +42,9 @@ class ServerMetrics:
         self.waiting = metric(Gauge, "num_requests_waiting", "Requests queued for a slot.")
         self.kv_usage = metric(Gauge, "kv_cache_usage_perc", "Fraction of the preallocated KV slots in use (1 = all).")
         self.gamma = metric(Gauge, "spec_decode_gamma", "Draft length of the latest decode round (0: plain decoding).")
-        self.prompt_tokens = metric(Counter, "prompt_tokens", "Prompt tokens prefilled.")
+        self.prompt_tokens = metric(Counter, "prompt_tokens", "Prompt tokens of requests that started.")
+        self.prefix_queries = metric(Counter, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = metric(Counter, "prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.generation_tokens = metric(Counter, "generation_tokens", "Output tokens generated.")
         self._success = metric(Counter, "request_success", "Requests finished, by reason.", ["finished_reason"])
         self.ttft = metric(Histogram, "time_to_first_token_seconds", "Arrival to first token.", buckets=TTFT_BUCKETS)
@@ -85,6 +87,8 @@ class ServerMetrics:
             last = self._last_token.get(request.request_id)
             if last is None:
                 self.prompt_tokens.inc(len(request.prompt_ids))
+                self.prefix_queries.inc(len(request.prompt_ids))
+                self.prefix_hits.inc(request.cached_tokens)
                 self.ttft.observe(request.first_token_time - request.arrival_time)
             else:
                 self.itl.observe(now - last)
