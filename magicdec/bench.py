@@ -1,10 +1,10 @@
 """`magicdec bench`: sweep batch x context x drafter x budget x gamma, with resumable JSON and plots.
 
 The distinct prompts of a context are prefilled once, cold, into the LLM's prefix cache; every (batch, decode
-configuration) then runs through the engine from copies of that prefill, the batch tiling the distinct prompts, side by side with
-plain decoding in the same process, so speedups are ratios of measurements taken minutes apart on the same machine
-state. With `repeats` > 1 the configurations of a point run in turn that many times (plain, auto, ..., plain, auto,
-...) and each keeps its median run: on a machine whose speed drifts, a ratio of medians of interleaved runs is
+configuration) then runs through the engine from copies of that prefill, the batch tiling the distinct prompts, side by
+side with plain decoding in the same process, so speedups are ratios of measurements taken minutes apart on the same
+machine state. With `repeats` > 1 the configurations of a point run in turn that many times (plain, auto, ..., plain,
+auto, ...) and each keeps its median run: on a machine whose speed drifts, a ratio of medians of interleaved runs is
 steadier than one of two single runs.
 """
 

@@ -54,13 +54,12 @@ def calibrate_acceptance(
     """Measure acceptance rates of self-speculative drafters on `texts` with `llm` (an `LLM`).
 
     For each context length, `n_prompts` prompts of that many tokens are cut from inside the texts and prefilled once
-    into the LLM's prefix cache; every (drafter, budget, mode) then
-    decodes `new_tokens` tokens per prompt (EOS ignored) from copies of that prefill with draft length `gamma`. The
-    rate stored for (drafter, budget, mode, context) is `acceptance_mle` of the summed histogram; each (drafter,
-    mode) also gets the spread of per-sequence rates around their batch's rate (`row_spread`), which the planner uses
-    for the slowest sequence of a batch. Budgets not below the context are skipped (the planner treats them as
-    dense). A context that does not fit the model (context + new tokens + gamma + 2 beyond its max_seq_len) is
-    shortened to fit, and stored under the length actually used.
+    into the LLM's prefix cache; every (drafter, budget, mode) then decodes `new_tokens` tokens per prompt (EOS ignored)
+    from copies of that prefill with draft length `gamma`. The rate stored for (drafter, budget, mode, context) is
+    `acceptance_mle` of the summed histogram; each (drafter, mode) also gets the spread of per-sequence rates around
+    their batch's rate (`row_spread`), which the planner uses for the slowest sequence of a batch. Budgets not below the
+    context are skipped (the planner treats them as dense). A context that does not fit the model (context + new tokens
+    + gamma + 2 beyond its max_seq_len) is shortened to fit, and stored under the length actually used.
 
     `records`, when given, receives one dict per decode (histogram, alpha, timings)."""
     drafters, budgets, modes = list(drafters), sorted(set(budgets)), list(modes)
