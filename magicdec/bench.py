@@ -165,7 +165,7 @@ def _open_results(doc: dict, llm: LLM, grid: BenchGrid) -> tuple[dict, Callable[
     doc["machine"] = machine_info(llm.model.device)
     doc["settings"] = {**asdict(grid), "model": model_identity(llm.loaded.source), "dtype": str(llm.model.dtype),
                        "dtype_choice": str(llm.loaded.dtype_choice), "kv_dtype": str(llm.kv_dtype),
-                       "attention": llm.attention, "linear": llm.linear,
+                       "attention": llm.attention, "linear": llm.linear, "kernels": llm.kernels,
                        "sampling": {k: getattr(sampled, k) for k in ("temperature", "top_p", "top_k")}}
     return doc, _save if tp is None or tp.is_main else lambda path, doc: None
 

@@ -32,7 +32,8 @@ def speculative_from_args(args, llm, batch: int, context: int):
 def dtype_line(llm) -> str:
     """The dtypes a run computes and caches in, and why (printed with the run's stats; `calibrate` too)."""
     kv = str(llm.kv_dtype).removeprefix("torch.")
-    return f"dtype {llm.loaded.dtype_choice}; KV cache {kv}; attention {llm.attention}; linear {llm.linear}"
+    return (f"dtype {llm.loaded.dtype_choice}; KV cache {kv}; attention {llm.attention}; linear {llm.linear}; "
+            f"kernels {llm.kernels}")
 
 
 def collect_prompts(args, tok) -> tuple[list[str] | None, list[list[int]]]:
