@@ -25,6 +25,7 @@ from tqdm import tqdm
 from magicdec.autoplan import choose
 from magicdec.calibrate.acceptance import sampling_params
 from magicdec.calibrate.machine import machine_info
+from magicdec.calibrate.quick import planning_profile
 from magicdec.corpus import cut_prompts, load_texts
 from magicdec.engine import LLM
 from magicdec.errors import InvalidRequestError, OutOfMemoryError
@@ -199,9 +200,9 @@ def _run_config(llm: LLM, args, grid: BenchGrid, rows: list[list[int]], ctx: int
     params = [sampling_params(cfg["mode"], grid.new_tokens, seed=i) for i in range(batch)]
     spec, policy, chosen = None, None, {}
     if cfg["draft"] == "auto":
+        profile = getattr(args, "hardware", None) or planning_profile(llm.model)
         spec, policy, plan = choose(llm.model, batch, ctx + grid.new_tokens // 2, kv_dtype=llm.kv_dtype,
-                                    model_name=model_key(llm.loaded.source), profile=getattr(args, "hardware", None),
-                                    mode=cfg["mode"])
+                                    model_name=model_key(llm.loaded.source), profile=profile, mode=cfg["mode"])
         chosen = {"chosen": f"{spec.draft} K={spec.budget} g={plan.gamma}" if spec else "ar",
                   "predicted_speedup": plan.predicted_speedup}
     elif cfg["draft"] != "none":
