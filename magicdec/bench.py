@@ -204,7 +204,7 @@ def _run_config(llm: LLM, args, grid: BenchGrid, rows: list[list[int]], ctx: int
         spec, policy, plan = choose(llm.model, batch, ctx + grid.new_tokens // 2, kv_dtype=llm.kv_dtype,
                                     model_name=model_key(llm.loaded.source), profile=profile, mode=cfg["mode"])
         chosen = {"chosen": f"{spec.draft} K={spec.budget} g={plan.gamma}" if spec else "ar",
-                  "predicted_speedup": plan.predicted_speedup}
+                  "predicted_speedup": plan.predicted_speedup, "predicted_throughput": plan.predicted_throughput}
     elif cfg["draft"] != "none":
         spec = speculative_config(cfg)
     llm.generate(prompt_token_ids=rows, params=params, speculative=spec, gamma_policy=policy)
