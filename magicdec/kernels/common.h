@@ -16,6 +16,11 @@ namespace magicdec {
 
 constexpr int64_t kMinBlockRows = 128;  // query rows per task at least when a prefill chunk's rows are split
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+// exp(x) as Cephes expf computes it: n = round(x log2 e), r = x - n ln 2 (ln 2 in two parts), then
+// 1 + r + r^2 P(r) with P of degree 5 (kExpPoly, highest power first), times 2^n.
+constexpr float kLog2e = 1.44269504088896341f, kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
+constexpr float kExpPoly[] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                              4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
 
 struct Strided {  // a [B, H, L, D] tensor with a contiguous last dim, as raw 16-bit words
   const uint16_t* data;
