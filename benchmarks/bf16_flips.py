@@ -1,8 +1,8 @@
 """How often verifying gamma+1 tokens in one forward picks a different greedy token than one-token steps.
 
     PYTHONPATH=. python benchmarks/bf16_flips.py [--rows 8] [--batch 8] [--prompt 1024] [--positions 96] [--q 2,4,9]
-    PYTHONPATH=. MAGICDEC_ISA=avx2 python benchmarks/bf16_flips.py --storage fp16,bf16 [--rows 8] [--prompt 512]
-                                                                   [--positions 256]
+    PYTHONPATH=. MAGICDEC_ISA=avx2 python benchmarks/bf16_flips.py --storage fp16,bf16 [--rows 8]
+                                                                   [--prompt 512] [--positions 256]
 
 Greedy speculative decoding is lossless only as far as the target's verify forward (q = gamma+1 new
 tokens per row) and its plain step (q = 1) compute the same argmax. In fp32 they agree; in bf16 the

@@ -142,7 +142,8 @@ def avx2_llamacpp() -> str:
     doc = load("llamacpp_avx2")
     rows = []
     for t in doc["table"]:
-        cell = {(r["weights"], r["flash_attn"]): r for r in doc["runs"] if (r["pl"], r["pp"]) == (t["batch"], t["context"])}
+        cell = {(r["weights"], r["flash_attn"]): r for r in doc["runs"]
+                if (r["pl"], r["pp"]) == (t["batch"], t["context"])}
         row = {"B": t["batch"], "S": t["context"]}
         row.update({f"llama.cpp {w} fa {fa}": r["speed_tg"] for (w, fa), r in sorted(cell.items())})
         row.update({"magicdec AR": t.get("magicdec_none_tok_s"), "magicdec auto": t.get("magicdec_auto_tok_s"),

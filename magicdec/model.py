@@ -262,8 +262,9 @@ class Transformer(nn.Module):
 def pack_linears(model: Transformer, storage: torch.dtype | None = None) -> None:
     """Swap the model's nn.Linear layers for `PackedLinear` where the native linear kernel runs (a bf16 model on a
     CPU with AVX512-BF16, an fp32 model with AVX2 when `storage` names one of its 16-bit dtypes); elsewhere
-    nothing changes. `storage`: the dtype the packed weights are stored in (None: the model's). A load-time transform: run it last (tensor parallelism shards nn.Linear
-    weights first). A tied LM head gets its own packed copy of the embedding table."""
+    nothing changes. `storage`: the dtype the packed weights are stored in (None: the model's). A load-time
+    transform: run it last (tensor parallelism shards nn.Linear weights first). A tied LM head gets its own packed
+    copy of the embedding table."""
     storage = storage or model.dtype
     if not kernels.linear_supported(model.device, model.dtype, storage):
         return

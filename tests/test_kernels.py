@@ -42,7 +42,8 @@ def isa(request) -> kernels.IsaPath:
     try:
         if path is None:
             pytest.skip(f"this CPU lacks the flags of the {request.param} kernels")
-        if not (kernels.supported(CPU, path.storage[0]) and kernels.linear_supported(CPU, path.compute, path.storage[0])):
+        storage = path.storage[0]
+        if not (kernels.supported(CPU, storage) and kernels.linear_supported(CPU, path.compute, storage)):
             pytest.skip(f"the {request.param} kernels did not build")
         yield path
     finally:

@@ -206,7 +206,8 @@ def measure_linear(run: _Run, model: Transformer, shape: ModelShape, t_overhead:
     else:
         tokens = ((1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384) if not run.gpu
                   else (1, 4, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192))
-    linear = [{"tokens": n, "seconds": time_forward(model, n, 1, SHORT, reps=run.reps, kv_dtype=run.storage)} for n in tokens]
+    linear = [{"tokens": n, "seconds": time_forward(model, n, 1, SHORT, reps=run.reps, kv_dtype=run.storage)}
+              for n in tokens]
     for r, t in zip(linear, nondecreasing([r["seconds"] for r in linear])):
         r["weight_bytes_per_s"] = shape.n_params_linear * run.stored / max(t - t_overhead, 0.05 * t)
     return linear

@@ -207,10 +207,10 @@ def packable(in_features: int) -> bool:
 
 
 def pack_linear(weight: Tensor, storage: torch.dtype) -> Tensor:
-    """A linear layer's weight [N, K] in the path's layout, stored in `storage` (one of the path's), for `linear`. AVX512-BF16 (K even):
-    [ceil(N / 64), K / 2, 64, 2], for each group of 64 output columns and each pair of inputs the columns' two
-    weights side by side. AVX2: [ceil(N / 16), K, 16], for each group of 16 columns and each input the columns'
-    weights side by side. Columns past N are zero."""
+    """A linear layer's weight [N, K] in the path's layout, stored in `storage` (one of the path's), for `linear`.
+    AVX512-BF16 (K even): [ceil(N / 64), K / 2, 64, 2], for each group of 64 output columns and each pair of inputs
+    the columns' two weights side by side. AVX2: [ceil(N / 16), K, 16], for each group of 16 columns and each input
+    the columns' weights side by side. Columns past N are zero."""
     path = isa_path()
     assert path is not None, "pack_linear needs a native kernel path"
     n, k = weight.shape

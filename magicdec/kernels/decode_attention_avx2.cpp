@@ -214,9 +214,11 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, c
   TORCH_CHECK((type == torch::kHalf || type == torch::kBFloat16) && v.scalar_type() == type &&
                   bias.scalar_type() == type, "decode_attention: K, V and bias must be all fp16 or all bf16");
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && bias.dim() == 4, "decode_attention: 4-d tensors");
-  TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1 && bias.stride(3) == 1, "decode_attention: last dims must be contiguous");
+  TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1 && bias.stride(3) == 1,
+              "decode_attention: last dims must be contiguous");
   TORCH_CHECK(chunk > 0 && chunk % kTile == 0, "decode_attention: chunk must be a positive multiple of 8");
-  return type == torch::kHalf ? attend_head_dim<Fp16>(q, k, v, bias, chunk) : attend_head_dim<Bf16>(q, k, v, bias, chunk);
+  return type == torch::kHalf ? attend_head_dim<Fp16>(q, k, v, bias, chunk)
+                              : attend_head_dim<Bf16>(q, k, v, bias, chunk);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

@@ -82,5 +82,6 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("linear", &linear, "fp32 linear layer over packed fp16 or bf16 weights (AVX2, FMA, F16C), the same bits for a row in any batch");
+  m.def("linear", &linear,
+        "fp32 linear layer over packed fp16 or bf16 weights (AVX2, FMA, F16C), the same bits for a row in any batch");
 }

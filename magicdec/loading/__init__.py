@@ -136,9 +136,10 @@ def load_model(
 ) -> LoadedModel:
     """Load a Hugging Face folder or a GGUF file (None: the embedded default model).
 
-    `dtype` None is "auto": bf16 on accelerators and on CPUs that multiply bf16 natively, else fp32 (see
-    `magicdec.kernels.auto_kernel_dtype`). With `tp`, this rank's share of the model (see magicdec.distributed.apply_tp) on
-    tp.device; every rank must load the same model, which is checked."""
+    `dtype` None is "auto": bf16 on accelerators and on CPUs that multiply bf16 natively, else fp32 (over fp16
+    weights where the AVX2 kernels run; see `magicdec.kernels.auto_kernel_dtype`). With `tp`, this rank's share of
+    the model (see magicdec.distributed.apply_tp) on tp.device; every rank must load the same model, which is
+    checked."""
     dev = tp.device if tp is not None else resolve_device(device)
     choice = DtypeChoice(dtype, "requested") if dtype is not None else auto_kernel_dtype(dev)
     if tp is not None:
