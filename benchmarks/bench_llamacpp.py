@@ -28,8 +28,10 @@ from magicdec.loading import default_model_path, model_identity  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 #: (weights, flash attention, KV cache type): BF16 weights in every attention / KV setting, and the shipped
-#: Q4_1 file (a quarter of the weight bytes) with flash attention and an F16 cache.
-CONFIGS = [("bf16", fa, kv) for fa in ("on", "off") for kv in ("bf16", "f16")] + [("q4_1", "on", "f16")]
+#: Q4_1 file (a quarter of the weight bytes) with flash attention and an F16 cache (0-4); for CPUs without
+#: AVX512-BF16 (an AVX2 build), F16 weights with flash attention on and off, and Q4_1 with it off (5-7).
+CONFIGS = ([("bf16", fa, kv) for fa in ("on", "off") for kv in ("bf16", "f16")] + [("q4_1", "on", "f16")]
+           + [("f16", "on", "f16"), ("f16", "off", "f16"), ("q4_1", "off", "f16")])
 
 
 def sizes(text: str) -> list[int]:
@@ -70,12 +72,14 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=HERE / "results" / "llamacpp.json")
     args = p.parse_args()
 
-    bf16 = Path("/tmp/magicdec-smollm2-bf16.gguf")
-    if not bf16.exists():
-        subprocess.run([sys.executable, str(HERE / "gguf_bf16.py"), str(bf16)], check=True)
     # resumable: configurations already in --out are kept, the others run and are saved one by one
     runs = json.loads(args.out.read_text())["runs"] if args.out.exists() else []
-    ggufs = {"bf16": bf16, "q4_1": default_model_path()}
+    ggufs = {"q4_1": default_model_path()}
+    for weights in {CONFIGS[i][0] for i in args.configs} - {"q4_1"}:
+        ggufs[weights] = Path(f"/tmp/magicdec-smollm2-{weights}.gguf")
+        if not ggufs[weights].exists():
+            flag = ["--f16"] if weights == "f16" else []
+            subprocess.run([sys.executable, str(HERE / "gguf_bf16.py"), *flag, str(ggufs[weights])], check=True)
     for weights, flash, kv in [CONFIGS[i] for i in args.configs]:
         if any((r["weights"], r["flash_attn"], r["kv"]) == (weights, flash, kv) for r in runs):
             continue
@@ -93,7 +97,8 @@ def main() -> None:
             best = max(cell, key=lambda r: r["speed_tg"])
             row = {"batch": b, "context": s, "llamacpp_best_tok_s": best["speed_tg"],
                    "llamacpp_best": f"{best['weights']} weights, fa {best['flash_attn']}, {best['kv']} kv",
-                   "llamacpp_bf16_best_tok_s": max(r["speed_tg"] for r in cell if r["weights"] == "bf16")}
+                   "llamacpp_16bit_best_tok_s": max(r["speed_tg"] for r in cell if r["weights"] != "q4_1"),
+                   "llamacpp_prefill_tok_s": max(r["speed_pp"] for r in cell)}
             for draft in ("none", "auto"):
                 if draft in ours.get((b, s), {}):
                     row[f"magicdec_{draft}_tok_s"] = ours[(b, s)][draft]

@@ -64,8 +64,9 @@ def grid_rows(bf16: dict, fp32: dict | None = None, bandwidth: float | None = No
     return rows
 
 
-def markdown(rows: list[dict]) -> str:
-    """The grid as a markdown table (the fp32 columns only where fp32 points exist)."""
+def markdown(rows: list[dict], label: str = "bf16") -> str:
+    """The grid as a markdown table (the fp32 columns only where fp32 points exist); `label` names the path that
+    the AR and auto columns ran on."""
     fp32 = any(r.get("fp32_ar_greedy") for r in rows)
 
     def f(r: dict, key: str, fmt: str = "{:.1f}") -> str:
@@ -73,8 +74,8 @@ def markdown(rows: list[dict]) -> str:
         lo_hi = r.get(f"{key}_range")
         return text + (f" ({lo_hi[0]:.0f}-{lo_hi[1]:.0f})" if lo_hi else "")
 
-    head = ["B", "S", "bf16 AR greedy", "auto greedy (x AR)", "bf16 AR sampled", "auto sampled (x AR)"]
-    head += ["fp32 AR greedy", "bf16 / fp32 AR"] if fp32 else []
+    head = ["B", "S", f"{label} AR greedy", "auto greedy (x AR)", f"{label} AR sampled", "auto sampled (x AR)"]
+    head += ["fp32 AR greedy", f"{label} / fp32 AR"] if fp32 else []
     lines = ["| " + " | ".join(head + ["AR step / floor"]) + " |", "|" + " ---: |" * (len(head) + 1)]
     for r in rows:
         cells = [str(r["batch"]), str(r["context"]), f(r, "ar_greedy"),

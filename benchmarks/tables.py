@@ -118,6 +118,41 @@ def llamacpp() -> str:
     return text(rows)
 
 
+def avx2_storage() -> str:
+    """fp16 and bf16 storage under fp32 arithmetic (the AVX2 kernels): greedy flips against fp32, and speed."""
+    speed = load("linear_avx2")
+    rows = []
+    for r in load("avx2_storage_flips")["runs"]:
+        row = {"storage": r["storage"], "greedy flips vs fp32": f"{r['flips']} / {r['compared']}",
+               "max logit error": f"{r['max_rel_logit_err']:.1e}"}
+        for a in speed["attention"]:
+            row[f"attention B={a['batch']} q={a['q']}"] = ms(a["seconds"][f"kernel {r['storage']}"])
+        rows.append(row)
+    return text(rows)
+
+
+def avx2_grid() -> str:
+    """The AVX2 kernels (fp16 storage) against fp32 torch limited to AVX2, with the AR step over its floor at the
+    read bandwidth of the quick profile measured in the same run."""
+    bandwidth = load("quick_profile_avx2")["mem_bandwidth"]
+    return markdown(grid_rows(load("cpu_grid_avx2"), load("cpu_grid_avx2_fp32"), bandwidth), label="AVX2")
+
+
+def avx2_llamacpp() -> str:
+    doc = load("llamacpp_avx2")
+    rows = []
+    for t in doc["table"]:
+        cell = {(r["weights"], r["flash_attn"]): r for r in doc["runs"]
+                if (r["pl"], r["pp"]) == (t["batch"], t["context"])}
+        row = {"B": t["batch"], "S": t["context"]}
+        row.update({f"llama.cpp {w} fa {fa}": r["speed_tg"] for (w, fa), r in sorted(cell.items())})
+        row.update({"magicdec AR": t.get("magicdec_none_tok_s"), "magicdec auto": t.get("magicdec_auto_tok_s"),
+                    "AR / llama.cpp": t.get("magicdec_none_over_llamacpp"),
+                    "auto / llama.cpp": t.get("magicdec_auto_over_llamacpp")})
+        rows.append(row)
+    return text(rows)
+
+
 def serving_8k() -> str:
     from bench_serving import table
 
@@ -197,7 +232,8 @@ TABLES = {"ar": ar, "dtype_linear": dtype_linear, "dtype_forward": dtype_forward
           "attention": lambda: attention(False), "attention_prefill": lambda: attention(True), "linear": linear,
           "bf16_flips": bf16_flips, "cpu_grid": cpu_grid, "llamacpp": llamacpp, "throughput": throughput,
           "auto": auto, "positions": positions, "validate_planner": validate_planner, "serving_8k": serving_8k,
-          "serving_trace": serving_trace, "tp": tp}
+          "serving_trace": serving_trace, "tp": tp, "avx2_storage": avx2_storage, "avx2_grid": avx2_grid,
+          "avx2_llamacpp": avx2_llamacpp}
 MODELS = {"cpu_grid": "cpu_grid", "throughput": "throughput", "auto": "auto", "positions": "acceptance"}
 
 

@@ -32,7 +32,7 @@ import torch
 
 from magicdec import dtypes
 from magicdec.errors import InvalidRequestError
-from magicdec.model import Transformer
+from magicdec.model import Transformer, weight_dtype
 from magicdec.planner import AcceptanceTable, HardwareProfile, ModelShape, Plan, Workload, get_profile, plan, round_time
 from magicdec.profiles import load_acceptance, load_profile, target_shape
 from magicdec.scheduler import GammaPolicy
@@ -84,15 +84,15 @@ def choose(
     planner ModelShape plans for a model or machine you do not have). `profile`: a HardwareProfile, preset name or
     JSON path (default: the calibrated profile of the model's device and dtype, else a preset). `acceptance`: a table
     or its JSON path (default: the one measured for the model named `model_name` (`profiles.model_key`), else the
-    built-in table). `mode`: "greedy" or "sampling" (temperature > 0). `dtype` defaults to the model's, `kv_dtype` to
-    `dtype`; for a ModelShape, `dtype` defaults to the profile's, else 4 bytes on a CPU profile and 2 on others.
-    Raises InvalidRequestError when the profile or the acceptance table cannot be found or read. Under tensor
-    parallelism (a Transformer loaded as one rank) the ranks must use the same profile, and the plan is for the whole
-    model over the ranks when the profile knows the all-reduce (`magicdec calibrate`), else for this rank's share
-    alone."""
+    built-in table). `mode`: "greedy" or "sampling" (temperature > 0). `dtype` defaults to the model's weights'
+    (`weight_dtype`), `kv_dtype` to `dtype`; for a ModelShape, `dtype` defaults to the profile's, else 4 bytes on a
+    CPU profile and 2 on others. Raises InvalidRequestError when the profile or the acceptance table cannot be found
+    or read. Under tensor parallelism (a Transformer loaded as one rank) the ranks must use the same profile, and the
+    plan is for the whole model over the ranks when the profile knows the all-reduce (`magicdec calibrate`), else for
+    this rank's share alone."""
     strategies = tuple(strategies)
     if dtype is None and isinstance(model, Transformer):
-        dtype = model.dtype
+        dtype = weight_dtype(model)  # what the planner counts bytes of: 16-bit on the AVX2 kernels
     device = str(model.device) if isinstance(model, Transformer) else "cpu"
     try:
         hw = _hardware(profile, device, dtype)

@@ -25,6 +25,7 @@ from tqdm import tqdm
 from magicdec.autoplan import choose
 from magicdec.calibrate.acceptance import sampling_params
 from magicdec.calibrate.machine import machine_info
+from magicdec.calibrate.quick import planning_profile
 from magicdec.cli import llm_options
 from magicdec.corpus import cut_prompts, load_texts
 from magicdec.engine import LLM
@@ -167,7 +168,7 @@ def _open_results(doc: dict, llm: LLM, grid: BenchGrid) -> tuple[dict, Callable[
     doc["machine"] = machine_info(llm.model.device)
     doc["settings"] = {**asdict(grid), "model": model_identity(llm.loaded.source), "dtype": str(llm.model.dtype),
                        "dtype_choice": str(llm.loaded.dtype_choice), "kv_dtype": str(llm.kv_dtype),
-                       "attention": llm.attention, "linear": llm.linear,
+                       "attention": llm.attention, "linear": llm.linear, "kernels": llm.kernels,
                        "sampling": {k: getattr(sampled, k) for k in ("temperature", "top_p", "top_k")}}
     return doc, _save if tp is None or tp.is_main else lambda path, doc: None
 
@@ -202,11 +203,11 @@ def _run_config(llm: LLM, args, grid: BenchGrid, rows: list[list[int]], ctx: int
     params = [sampling_params(cfg["mode"], grid.new_tokens, seed=i) for i in range(batch)]
     spec, policy, chosen = None, None, {}
     if cfg["draft"] == "auto":
+        profile = getattr(args, "hardware", None) or planning_profile(llm.model)
         spec, policy, plan = choose(llm.model, batch, ctx + grid.new_tokens // 2, kv_dtype=llm.kv_dtype,
-                                    model_name=model_key(llm.loaded.source), profile=getattr(args, "hardware", None),
-                                    mode=cfg["mode"])
+                                    model_name=model_key(llm.loaded.source), profile=profile, mode=cfg["mode"])
         chosen = {"chosen": f"{spec.draft} K={spec.budget} g={plan.gamma}" if spec else "ar",
-                  "predicted_speedup": plan.predicted_speedup}
+                  "predicted_speedup": plan.predicted_speedup, "predicted_throughput": plan.predicted_throughput}
     elif cfg["draft"] != "none":
         spec = speculative_config(cfg)
     llm.generate(prompt_token_ids=rows, params=params, speculative=spec, gamma_policy=policy)

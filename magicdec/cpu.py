@@ -84,14 +84,16 @@ def bf16_matmul_speedup() -> float:
 
 @dataclass(frozen=True)
 class DtypeChoice:
-    """The compute dtype picked for a device, and why (printed with a run's stats)."""
+    """The compute dtype picked for a device, and why (printed with a run's stats). `storage`: the dtype linear weights
+    are stored in where it differs (16-bit under fp32 arithmetic on the AVX2 kernels); None: `dtype`."""
 
     dtype: torch.dtype
     reason: str
+    storage: torch.dtype | None = None
 
     @property
     def name(self) -> str:
-        return dtype_name(self.dtype)
+        return dtype_name(self.dtype) + (f" over {dtype_name(self.storage)} weights" if self.storage else "")
 
     def __str__(self) -> str:
         return f"{self.name} ({self.reason})"

@@ -21,7 +21,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from magicdec import dtypes
+from magicdec import dtypes, kernels
 from magicdec.config import EngineConfig
 from magicdec.distributed import init_tp, launched_world_size
 from magicdec.drafters.base import Drafter
@@ -30,7 +30,7 @@ from magicdec.kv.prefix_cache import PrefixCache
 from magicdec.loading import LoadedModel, load_model
 from magicdec.loading.tokenizer import Tokenizer
 from magicdec.memory import available_bytes, peak_bytes
-from magicdec.model import Transformer, attention_path, linear_path
+from magicdec.model import Transformer, attention_path, linear_path, weight_dtype
 from magicdec.runner import ModelRunner
 from magicdec.sampling import SamplingParams
 from magicdec.scheduler import FixedGamma, GammaPolicy, Request, Scheduler, Status, cuda_row_bucket
@@ -182,9 +182,10 @@ class LLMEngine:
 
 
 def resolve_config(config: EngineConfig, model: Transformer) -> EngineConfig:
-    """`config` with the model's defaults filled in: its context as `max_model_len`, its dtype as the KV dtype."""
-    return dataclasses.replace(config, max_model_len=config.max_model_len or model.cfg.max_seq_len,
-                               kv_dtype=config.kv_dtype or model.dtype)
+    """`config` with the model's defaults filled in: its context as `max_model_len`, and as the KV dtype its dtype, or
+    the 16-bit storage of the native kernels where they compute in the model's fp32 (`kernels.default_kv_dtype`)."""
+    kv_dtype = config.kv_dtype or kernels.default_kv_dtype(model.device, model.dtype, weight_dtype(model))
+    return dataclasses.replace(config, max_model_len=config.max_model_len or model.cfg.max_seq_len, kv_dtype=kv_dtype)
 
 
 def make_prefix_cache(model: Transformer, config: EngineConfig) -> PrefixCache | None:
@@ -260,7 +261,8 @@ class LLM:
             raise InvalidRequestError(f"max_model_len {max_model_len} exceeds the model's context of {context}")
         self.config = resolve_config(config, self.model)
         self.attention = attention_path(self.model.device, self.kv_dtype)  # builds a native kernel now, not mid-run
-        self.linear = linear_path(self.model.device, self.model.dtype)  # "packed" where load_model packed them
+        self.linear = linear_path(self.model.device, weight_dtype(self.model))  # "packed" where load_model packed them
+        self.kernels = kernels.path_name()  # the native kernels' instruction-set path, "torch" where none runs
         self.prefix_cache = make_prefix_cache(self.model, self.config)  # shared by the engines built here
         self.last_stats: GenerationStats | None = None
         self._drafters: dict[SpeculativeConfig, Drafter | None] = {}

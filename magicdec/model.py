@@ -73,17 +73,25 @@ def matmul_attention(device: torch.device, kv_dtype: torch.dtype) -> bool:
 
 
 def attention_path(device: torch.device, kv_dtype: torch.dtype) -> str:
-    """How decode and verification attention run over a cache of this dtype: "native" (the AVX512-BF16 kernel of
-    magicdec.kernels, built here on the first call), "matmul" or "sdpa"."""
+    """How decode and verification attention run over a cache of this dtype: "native" (the kernel of
+    magicdec.kernels for this CPU's path, built here on the first call), "matmul" or "sdpa"."""
     if kernels.supported(device, kv_dtype):
         return "native"
     return "matmul" if matmul_attention(device, kv_dtype) else "sdpa"
 
 
-def linear_path(device: torch.device, dtype: torch.dtype) -> str:
-    """How the linear layers of a model of this dtype run: "packed" (the native kernel of magicdec.kernels, see
-    `pack_linears`) or "torch"."""
-    return "packed" if kernels.linear_supported(device, dtype) else "torch"
+def linear_path(device: torch.device, storage: torch.dtype) -> str:
+    """How linear layers whose weights are stored in this dtype run: "packed" (the native kernel of
+    magicdec.kernels, see `pack_linears`) or "torch"."""
+    path = kernels.isa_path()
+    return "packed" if path is not None and kernels.linear_supported(device, path.compute, storage) else "torch"
+
+
+def weight_dtype(model: Transformer) -> torch.dtype:
+    """The dtype the model's linear weights are stored in: the packed one where `pack_linears` packed them, else the
+    model's."""
+    packed = next((m.packed.dtype for m in model.modules() if isinstance(m, PackedLinear)), None)
+    return packed or model.dtype
 
 
 def attention_bias(mask: Tensor, groups: int, kv_dtype: torch.dtype) -> Tensor:
@@ -94,10 +102,11 @@ def attention_bias(mask: Tensor, groups: int, kv_dtype: torch.dtype) -> Tensor:
 
 
 def attend(xq: Tensor, keys: Tensor, values: Tensor, bias: Tensor) -> Tensor:
-    """Attention of queries [B, KV, G*q, hd] over K/V [B, KV, L, hd] with an additive bias from `attention_bias`;
-    returns [B, KV, G*q, hd]."""
+    """Attention of queries [B, KV, G*q, hd] (the model's dtype) over K/V [B, KV, L, hd] with an additive bias from
+    `attention_bias`; returns [B, KV, G*q, hd], fp32 from the native kernel, else the cache's dtype."""
     if kernels.takes(xq, keys, values, bias):
-        return kernels.decode_attention(xq, keys, values, bias)
+        return kernels.decode_attention(xq, keys, values, bias)  # queries as they are: fp32 on the AVX2 path
+    xq = xq.to(keys.dtype)
     if matmul_attention(keys.device, keys.dtype):
         return matmul_attend(xq, keys, values, bias)
     return F.scaled_dot_product_attention(xq, keys, values, attn_mask=bias)
@@ -116,15 +125,15 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class PackedLinear(nn.Module):
-    """A bias-optional linear layer whose bf16 weight is packed for the native kernel (`kernels.linear`): it reads
-    each weight once per call, where torch's bf16 matmul reads them well below the memory bandwidth at the few rows
+    """A bias-optional linear layer whose weight is packed in 16 bits for the native kernel (`kernels.linear`): it
+    reads each weight once per call, where torch's matmul reads them well below the memory bandwidth at the few rows
     of a decode step (benchmarks/README.md, "A packed bf16 linear kernel"), and a row gets the same bits in any
     batch. `pack_linears` puts it in place of nn.Linear at load time."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, storage: torch.dtype):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.packed = nn.Parameter(kernels.pack_linear(linear.weight.detach()), requires_grad=False)
+        self.packed = nn.Parameter(kernels.pack_linear(linear.weight.detach(), storage), requires_grad=False)
         # in fp32 once, as the kernel adds it to its fp32 sums (not converted in every forward)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float(), requires_grad=False)
 
@@ -171,7 +180,7 @@ class Attention(nn.Module):
             observer(self.layer, xq, keys, mask)
         # Grouped-query attention without repeating K/V: the G query heads of a KV head become G*q rows of one
         # attention over that head, so each cached K/V element is read once.
-        xq = xq.reshape(B, KV, (H // KV) * q, hd).to(keys.dtype)
+        xq = xq.reshape(B, KV, (H // KV) * q, hd)
         out = attend(xq, keys, values, bias)  # [B, KV, G*q, hd]
         out = out.to(x.dtype).reshape(B, H, q, hd).transpose(1, 2).reshape(B, q, H * hd)
         return self.wo(out)
@@ -250,13 +259,16 @@ class Transformer(nn.Module):
         return self.output(self.norm(x)).float()
 
 
-def pack_linears(model: Transformer) -> None:
-    """Swap the model's nn.Linear layers for `PackedLinear` where the native linear kernel runs (bf16 on a CPU with
-    AVX512-BF16); elsewhere nothing changes. A load-time transform: run it last (tensor parallelism shards nn.Linear
-    weights first). A tied LM head gets its own packed copy of the embedding table."""
-    if not kernels.linear_supported(model.device, model.dtype):
+def pack_linears(model: Transformer, storage: torch.dtype | None = None) -> None:
+    """Swap the model's nn.Linear layers for `PackedLinear` where the native linear kernel runs (a bf16 model on a
+    CPU with AVX512-BF16, an fp32 model with AVX2 when `storage` names one of its 16-bit dtypes); elsewhere
+    nothing changes. `storage`: the dtype the packed weights are stored in (None: the model's). A load-time
+    transform: run it last (tensor parallelism shards nn.Linear weights first). A tied LM head gets its own packed
+    copy of the embedding table."""
+    storage = storage or model.dtype
+    if not kernels.linear_supported(model.device, model.dtype, storage):
         return
     for module in list(model.modules()):
         for name, child in module.named_children():
-            if isinstance(child, nn.Linear) and child.in_features % 2 == 0:
-                setattr(module, name, PackedLinear(child))
+            if isinstance(child, nn.Linear) and kernels.packable(child.in_features):
+                setattr(module, name, PackedLinear(child, storage))

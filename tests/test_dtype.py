@@ -64,7 +64,7 @@ def test_bf16_matmul_speedup_is_measured_once():
 def test_load_and_llm_follow_auto(monkeypatch, tiny_llama, dtype):
     from magicdec.engine import LLM
 
-    monkeypatch.setattr("magicdec.loading.auto_dtype", lambda device: cpu.DtypeChoice(dtype, "mocked"))
+    monkeypatch.setattr("magicdec.loading.auto_kernel_dtype", lambda device: cpu.DtypeChoice(dtype, "mocked"))
     llm = LLM(tiny_llama[0].source, device="cpu", dtype="auto")
     assert llm.model.dtype == dtype and llm.kv_dtype == dtype
     assert llm.loaded.dtype_choice == cpu.DtypeChoice(dtype, "mocked")

@@ -1,11 +1,15 @@
-"""The native kernels (magicdec.kernels): decode attention against fp32 SDPA and the packed bf16 linear
-layer against an fp32 matmul; that every row is computed alike whatever the batch and the number of
-queries; when they are used; and the real model on them, whose verification forward then gives the
-one-token steps' logits bit for bit."""
+"""The native kernels (magicdec.kernels) on every instruction-set path this CPU can run (each forced in turn:
+AVX512-BF16, and AVX2 + FMA + F16C, which any x86 CPU with AVX2 runs, including one with AVX-512): decode attention
+against fp32 SDPA and the packed linear layer against an fp32 matmul; that every row is computed alike whatever the
+batch and the number of queries; dispatch by CPU flags; and the real model on them, whose verification forward then
+gives the one-token steps' logits bit for bit."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import logging
+import os
 
 import pytest
 import torch
@@ -14,21 +18,45 @@ from conftest import rel_err
 
 from magicdec import kernels
 from magicdec.kv import KVCache
-from magicdec.model import PackedLinear, Transformer, attention_bias, attention_path, pack_linears
+from magicdec.model import PackedLinear, Transformer, attention_bias, attention_path, pack_linears, weight_dtype
 
 CPU = torch.device("cpu")
-needs_kernel = pytest.mark.skipif(not kernels.supported(CPU, torch.bfloat16),
-                                  reason="the CPU lacks AVX512-BF16 or the kernel did not build")
-needs_linear = pytest.mark.skipif(not kernels.linear_supported(CPU, torch.bfloat16),
-                                  reason="the CPU lacks AVX512-BF16 or the kernel did not build")
 
 
-def ragged(B: int, KV: int, G: int, q: int, L: int, hd: int, lens: list[int], capacity: int, seed: int = 0):
-    """bf16 queries and K/V views [B, KV, L, hd] of a larger buffer (as a cache hands them out), and a
-    causal mask [B, 1, q, L] over per-row lengths."""
+def force(name: str | None) -> kernels.IsaPath | None:
+    """Make `name` the kernel path of this process (None: the CPU's own pick) and return what runs."""
+    if name is None:
+        os.environ.pop("MAGICDEC_ISA", None)
+    else:
+        os.environ["MAGICDEC_ISA"] = name
+    kernels.isa_path.cache_clear()
+    return kernels.isa_path()
+
+
+@pytest.fixture(params=[p.name for p in kernels.PATHS])
+def isa(request) -> kernels.IsaPath:
+    """Each kernel path in turn, forced, its kernels built; skipped where this CPU lacks its flags or a build fails.
+    The CPU's own pick is restored afterwards."""
+    before = os.environ.get("MAGICDEC_ISA")
+    path = force(request.param)
+    try:
+        if path is None:
+            pytest.skip(f"this CPU lacks the flags of the {request.param} kernels")
+        storage = path.storage[0]
+        if not (kernels.supported(CPU, storage) and kernels.linear_supported(CPU, path.compute, storage)):
+            pytest.skip(f"the {request.param} kernels did not build")
+        yield path
+    finally:
+        force(before)
+
+
+def ragged(B: int, KV: int, G: int, q: int, L: int, hd: int, lens: list[int], capacity: int, dtype: torch.dtype,
+           storage: torch.dtype, seed: int = 0):
+    """Queries [B, KV, G*q, hd] in `dtype` and K/V views [B, KV, L, hd] in `storage` of a larger buffer (as a cache
+    hands them out), and a causal mask [B, 1, q, L] over per-row lengths."""
     g = torch.Generator().manual_seed(seed)
-    xq = torch.randn(B, KV, G * q, hd, generator=g).bfloat16()
-    k, v = (torch.randn(B, KV, capacity, hd, generator=g).bfloat16()[:, :, :L] for _ in range(2))
+    xq = torch.randn(B, KV, G * q, hd, generator=g).to(dtype)
+    k, v = (torch.randn(B, KV, capacity, hd, generator=g).to(storage)[:, :, :L] for _ in range(2))
     slots = torch.tensor(lens)[:, None] + torch.arange(q)  # where each row's q new tokens sit
     mask = torch.arange(L)[None, None, None, :] <= slots[:, None, :, None]
     return xq, k, v, mask
@@ -38,7 +66,12 @@ def reference(xq, k, v, mask, G):
     return F.scaled_dot_product_attention(xq.float(), k.float(), v.float(), attn_mask=mask.repeat(1, 1, G, 1))
 
 
-@needs_kernel
+def tolerance(path: kernels.IsaPath) -> float:
+    """Of the kernels against fp32 over the same stored values. bf16 queries, products and probabilities
+    (AVX512-BF16): measured 0.002-0.004; fp32 arithmetic (AVX2): ~1e-6. A lost mask, scale, tile or column gives ~1."""
+    return 0.01 if path.compute == torch.bfloat16 else 1e-4
+
+
 @pytest.mark.parametrize("B, G, q, L, hd, lens", [
     (1, 3, 1, 1, 64, [0]),                     # one cached position
     (2, 3, 1, 15, 64, [14, 3]),                # shorter than a tile
@@ -49,69 +82,126 @@ def reference(xq, k, v, mask, G):
     (1, 3, 256, 1000, 64, [744]),              # a prefill chunk: 768 query rows, causal among themselves
     (2, 3, 100, 300, 64, [200, 0]),            # and a prompt's first chunk
 ])
-def test_matches_fp32_sdpa(B, G, q, L, hd, lens):
-    xq, k, v, mask = ragged(B, 2, G, q, L, hd, lens, capacity=L + 37)
-    assert k.stride(2) == hd and not k.is_contiguous()  # strided views, as caches give
-    out = kernels.decode_attention(xq, k, v, attention_bias(mask, G, torch.bfloat16))
-    assert out.dtype == torch.float32 and out.shape == xq.shape
-    # bf16 queries, K and probabilities: measured 0.002-0.004; a lost mask, scale or tile gives ~1
-    assert rel_err(out, reference(xq, k, v, mask, G)) < 0.01
+def test_matches_fp32_sdpa(isa, B, G, q, L, hd, lens):
+    for storage in isa.storage:
+        xq, k, v, mask = ragged(B, 2, G, q, L, hd, lens, L + 37, isa.compute, storage)
+        assert k.stride(2) == hd and not k.is_contiguous()  # strided views, as caches give
+        out = kernels.decode_attention(xq, k, v, attention_bias(mask, G, storage))
+        assert out.dtype == torch.float32 and out.shape == xq.shape
+        assert rel_err(out, reference(xq, k, v, mask, G)) < tolerance(isa), storage
 
 
-@needs_kernel
-def test_every_query_row_is_computed_alike_whatever_the_number_of_queries():
-    """A verification forward (q new tokens) attends for its first token exactly as a one-token step does."""
+def test_every_query_row_is_computed_alike_whatever_the_number_of_queries(isa):
+    """A verification forward (q new tokens) attends for its first token exactly as a one-token step does, with
+    one thread as with two."""
     B, KV, G, q, L, hd = 3, 3, 3, 5, 1500, 64
-    xq, k, v, mask = ragged(B, KV, G, q, L, hd, [1400, 900, 20], capacity=L)
-    bias = attention_bias(mask, G, torch.bfloat16)  # rows ordered (head in group, token)
+    storage = isa.storage[0]
+    xq, k, v, mask = ragged(B, KV, G, q, L, hd, [1400, 900, 20], L, isa.compute, storage)
+    bias = attention_bias(mask, G, storage)  # rows ordered (head in group, token)
     full = kernels.decode_attention(xq, k, v, bias).view(B, KV, G, q, hd)
     first = xq.view(B, KV, G, q, hd)[:, :, :, :1].reshape(B, KV, G, hd)
-    one = kernels.decode_attention(first, k, v, attention_bias(mask[:, :, :1], G, torch.bfloat16))
+    one = kernels.decode_attention(first, k, v, attention_bias(mask[:, :, :1], G, storage))
     assert torch.equal(one.view(B, KV, G, hd), full[:, :, :, 0])
+    with threads(1):
+        assert torch.equal(kernels.decode_attention(xq, k, v, bias).view(B, KV, G, q, hd), full)
 
 
-@needs_kernel
-def test_fully_hidden_chunks_are_skipped_not_averaged():
+def test_fully_hidden_chunks_are_skipped_not_averaged(isa):
     """A row whose visible positions all fall in one chunk: other chunks contribute nothing (NaN in the
     hidden slots, which a kernel that read them would spread)."""
-    xq, k, v, mask = ragged(1, 1, 1, 1, 4096, 64, [100], capacity=4096)
+    storage = isa.storage[0]
+    xq, k, v, mask = ragged(1, 1, 1, 1, 4096, 64, [100], 4096, isa.compute, storage)
     k[:, :, 512:], v[:, :, 512:] = float("nan"), float("nan")
-    out = kernels.decode_attention(xq, k, v, attention_bias(mask, 1, torch.bfloat16))
+    out = kernels.decode_attention(xq, k, v, attention_bias(mask, 1, storage))
     assert torch.isfinite(out).all()
-    assert rel_err(out, reference(xq, k[:, :, :101], v[:, :, :101], mask[..., :101], 1)) < 0.01
+    assert rel_err(out, reference(xq, k[:, :, :101], v[:, :, :101], mask[..., :101], 1)) < tolerance(isa)
 
 
-def test_off_without_the_instructions_or_when_disabled(monkeypatch):
+class threads:
+    """`with threads(n):` torch's intra-op threads set to n for the block."""
+
+    def __init__(self, n: int):
+        self.n, self.before = n, torch.get_num_threads()
+
+    def __enter__(self):
+        torch.set_num_threads(self.n)
+
+    def __exit__(self, *exc):
+        torch.set_num_threads(self.before)
+
+
+# --- dispatch ---------------------------------------------------------------------------------------------
+def test_dispatch_follows_the_flags_and_the_switches(monkeypatch):
+    before = os.environ.get("MAGICDEC_ISA")
     try:
-        kernels._extension.cache_clear()
-        monkeypatch.setattr(kernels, "cpu_flags", lambda: frozenset({"avx512f", "avx2"}))
-        assert not kernels.supported(CPU, torch.bfloat16)
-        assert not kernels.linear_supported(CPU, torch.bfloat16)
+        monkeypatch.setattr(kernels, "cpu_flags", lambda: frozenset({"avx512f", "avx2", "fma", "f16c"}))
+        assert force(None) is kernels.AVX2  # AVX-512 without bf16 products: the AVX2 path
+        assert force("avx512bf16") is None  # forced onto a path whose flags this CPU lacks: none
+        assert not kernels.supported(CPU, torch.bfloat16) and not kernels.linear_supported(CPU, torch.bfloat16)
         assert attention_path(CPU, torch.bfloat16) == "matmul"
-        kernels._extension.cache_clear()
-        monkeypatch.undo()
+        monkeypatch.setattr(kernels, "cpu_flags", lambda: frozenset({"avx512f", "avx2", "fma"}))  # no F16C
+        assert force(None) is None and kernels.path_name() == "torch"
+        monkeypatch.setattr(kernels, "cpu_flags", lambda: frozenset(kernels.AVX512_BF16.flags + kernels.AVX2.flags))
+        assert force(None) is kernels.AVX512_BF16 and force("avx2") is kernels.AVX2
+        assert force("none") is None
+        with pytest.raises(ValueError, match="MAGICDEC_ISA"):
+            force("sse9")
         monkeypatch.setenv("MAGICDEC_NATIVE", "0")
-        assert not kernels.supported(CPU, torch.bfloat16)
-        assert not kernels.linear_supported(CPU, torch.bfloat16)
+        assert force(None) is None and force("avx2") is None
     finally:
         monkeypatch.undo()
-        kernels._extension.cache_clear()
+        force(before)
     assert attention_path(CPU, torch.float32) == "sdpa"  # fp32 caches keep SDPA
     assert not kernels.supported(torch.device("meta"), torch.bfloat16)
-    assert not kernels.linear_supported(CPU, torch.float32)
 
 
-@needs_kernel
-def test_real_model_steps_with_and_without_the_kernel(default_model_bf16, corpus_prompt, monkeypatch):
-    """The bf16 model over a real 700-token context (its prefill on the kernel too), one-token and four-token
-    steps on the kernel against torch's matmul path (both bf16: measured max logit difference 0.03 of the
-    largest logit), same argmax."""
-    model = default_model_bf16.model
+def test_a_failed_build_falls_back_with_one_warning(monkeypatch, caplog):
+    """A kernel that does not compile is off for the process, said once; torch's operators run instead."""
+    before = os.environ.get("MAGICDEC_ISA")
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: frozenset(kernels.AVX2.flags))
+    broken = dataclasses.replace(kernels.AVX2, cflags=("-fno-such-compiler-flag",))
+    monkeypatch.setattr(kernels, "PATHS", (kernels.AVX512_BF16, broken))
+    try:
+        assert force("avx2") is broken
+        kernels._build.cache_clear()
+        with caplog.at_level(logging.WARNING, logger="magicdec.kernels"):
+            assert not kernels.supported(CPU, torch.float16)
+            assert not kernels.supported(CPU, torch.float16)
+            assert attention_path(CPU, torch.float16) == "sdpa"
+        assert len([r for r in caplog.records if "building it failed" in r.message]) == 1
+    finally:
+        monkeypatch.undo()
+        kernels._build.cache_clear()
+        force(before)
+
+
+# --- the real model ---------------------------------------------------------------------------------------
+_models: dict[str, Transformer] = {}
+
+
+def model_on(path: kernels.IsaPath, fp32, bf16) -> Transformer:
+    """The default model as it loads on `path`: bf16 and packed on AVX512-BF16 (the session's bf16 model), fp32 over
+    weights packed in the path's default 16-bit storage on AVX2 (a copy of the fp32 model, packed once)."""
+    if path.compute == torch.bfloat16:
+        return bf16.model
+    if path.name not in _models:
+        _models[path.name] = copy.deepcopy(fp32.model)
+        pack_linears(_models[path.name], path.storage[0])
+    return _models[path.name]
+
+
+def test_real_model_steps_with_and_without_the_kernel(isa, default_model, default_model_bf16, corpus_prompt,
+                                                      monkeypatch):
+    """The model over a real 700-token context (its prefill on the kernel too), one-token and four-token steps on
+    the attention kernel against torch's attention over the same cache (bf16: measured max logit difference 0.03
+    of the largest logit; fp32 arithmetic: 1e-5), same argmax."""
+    model = model_on(isa, default_model, default_model_bf16)
+    storage = isa.storage[0]
     ids = corpus_prompt(700, book=3, at=0.5)
 
     def steps(native: bool) -> list[torch.Tensor]:
         monkeypatch.setattr(kernels, "takes", kernels.takes if native else (lambda *a: False))
-        cache = KVCache(model.cfg, 1, 800, torch.bfloat16, "cpu")
+        cache = KVCache(model.cfg, 1, 800, storage, "cpu")
         with torch.inference_mode():
             model(torch.tensor([ids[:-5]]), cache)
             cache.commit(len(ids) - 5)
@@ -122,80 +212,22 @@ def test_real_model_steps_with_and_without_the_kernel(default_model_bf16, corpus
     ref = steps(False)
     monkeypatch.setattr(kernels, "takes", original)
     for a, b in zip(ours, ref):
-        assert rel_err(a, b) < 0.06
+        assert rel_err(a, b) < (0.06 if isa.compute == torch.bfloat16 else 1e-3)
         assert torch.equal(a.argmax(-1), b.argmax(-1))
 
 
-# --- the packed bf16 linear layer -------------------------------------------------------------------------
-@needs_linear
-@pytest.mark.parametrize("M, K, N, bias", [
-    (1, 576, 960, False),     # a decode step's qkv projection
-    (7, 1536, 576, True),     # a partial row block, a bias
-    (13, 100, 37, False),     # N not a multiple of the 64-column group, K not of 32
-    (64, 64, 200, True),      # full row blocks
-])
-def test_linear_matches_fp32_and_gives_a_row_the_same_bits_in_any_batch(M, K, N, bias):
-    g = torch.Generator().manual_seed(M)
-    x = torch.randn(M, K, generator=g).bfloat16()
-    w = (torch.randn(N, K, generator=g) * K ** -0.5).bfloat16()
-    b = torch.randn(N, generator=g).bfloat16() if bias else None
-    packed = kernels.pack_linear(w)
-    out = kernels.linear(x, packed, N, b)
-    assert out.dtype == torch.bfloat16 and out.shape == (M, N)
-    ref = x.float() @ w.float().T + (b.float() if bias else 0)
-    assert rel_err(out, ref) < 0.01  # bf16 rounding of the output: ~0.002; a lost pair or column gives ~1
-    alone = torch.cat([kernels.linear(x[i : i + 1], packed, N, b) for i in range(M)])
-    assert torch.equal(alone, out)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        assert torch.equal(kernels.linear(x, packed, N, b), out)  # columns shared among threads or not
-    finally:
-        torch.set_num_threads(threads)
-    batched = kernels.linear(x.view(1, M, K).expand(2, M, K), packed, N, b)  # leading dims kept
-    assert batched.shape == (2, M, N) and torch.equal(batched[1], out)
-
-
-@needs_linear
-@pytest.mark.parametrize("tied", [False, True])
-def test_pack_linears_swaps_every_linear_layer_of_a_bf16_model(tiny_llama, tied):
-    """A load-time transform: each nn.Linear becomes a PackedLinear (a tied LM head gets its own copy of
-    the embedding table), and the model computes what it did (bf16 rounding apart)."""
-    cfg = dataclasses.replace(tiny_llama[0].model.cfg, tie_embeddings=tied)
-    torch.manual_seed(0)
-    model = Transformer(cfg)
-    if tied:
-        model.output.weight = model.tok_embeddings.weight
-    model = model.to(torch.bfloat16).eval().requires_grad_(False)
-    tokens = torch.randint(0, cfg.vocab_size, (2, 9))
-    with torch.inference_mode():
-        before = model(tokens, KVCache(cfg, 2, 16, torch.bfloat16, "cpu"))
-        pack_linears(model)
-        after = model(tokens, KVCache(cfg, 2, 16, torch.bfloat16, "cpu"))
-    assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
-    assert sum(isinstance(m, PackedLinear) for m in model.modules()) == 4 * cfg.n_layers + 1
-    assert rel_err(after, before) < 0.03  # rounding order apart (measured 0 here); a misplaced weight gives ~1
-
-
-def test_pack_linears_leaves_fp32_models_alone(tiny_llama):
-    model = tiny_llama[0].model
-    pack_linears(model)
-    assert not any(isinstance(m, PackedLinear) for m in model.modules())
-
-
-@needs_kernel
-@needs_linear
-@pytest.mark.parametrize("lens", [[1003], [1020], [1100, 300, 1018]])
-def test_real_model_verification_equals_one_token_steps_bit_for_bit(default_model_bf16, corpus_prompt, lens):
-    """In bf16 on the kernels a verification forward of 9 tokens gives the logits of 9 one-token steps
-    over the same tokens exactly, alone and in a ragged batch, across an attention chunk boundary (1024), and
-    while the attended length grows with each step (a cache far from full): greedy speculation then emits
-    plain decoding's tokens whatever the numerics round."""
-    model = default_model_bf16.model
+@pytest.mark.parametrize("lens", [[1020], [1100, 300, 1018]])
+def test_real_model_verification_equals_one_token_steps_bit_for_bit(isa, default_model, default_model_bf16,
+                                                                    corpus_prompt, lens):
+    """On the kernels a verification forward of 9 tokens gives the logits of 9 one-token steps over the same tokens
+    exactly, alone and in a ragged batch, across an attention chunk boundary (1024), and while the attended length
+    grows with each step (a cache far from full): greedy speculation then emits plain decoding's tokens whatever the
+    numerics round."""
+    model = model_on(isa, default_model, default_model_bf16)
     q = 9
     texts = [corpus_prompt(n + q, book=i, at=0.5) for i, n in enumerate(lens)]
 
-    cache = KVCache(model.cfg, len(lens), 4096, torch.bfloat16, "cpu")
+    cache = KVCache(model.cfg, len(lens), 4096, isa.storage[0], "cpu")
     new = torch.tensor([t[-q:] for t in texts])
     with torch.inference_mode():
         for i, n in enumerate(lens):  # each row alone, as the engine's prefill does
@@ -209,3 +241,91 @@ def test_real_model_verification_equals_one_token_steps_bit_for_bit(default_mode
             steps.append(model(new[:, j : j + 1], cache)[:, 0])
             cache.commit(1)
     assert torch.equal(verify, torch.stack(steps, 1))
+
+
+# --- the packed linear layer ------------------------------------------------------------------------------
+@pytest.mark.parametrize("M, K, N, bias", [
+    (1, 576, 960, False),     # a decode step's qkv projection
+    (7, 1536, 576, True),     # a partial row block, a bias
+    (13, 100, 37, False),     # N not a multiple of the column group, K not of 32
+    (64, 64, 200, True),      # full row blocks
+])
+def test_linear_matches_fp32_and_gives_a_row_the_same_bits_in_any_batch(isa, M, K, N, bias):
+    g = torch.Generator().manual_seed(M)
+    x = torch.randn(M, K, generator=g).to(isa.compute)
+    for storage in isa.storage:
+        w = (torch.randn(N, K, generator=g) * K ** -0.5).to(storage)
+        b = torch.randn(N, generator=g).to(isa.compute) if bias else None
+        packed = kernels.pack_linear(w, storage)
+        out = kernels.linear(x, packed, N, b)
+        assert out.dtype == isa.compute and out.shape == (M, N)
+        ref = x.float() @ w.float().T + (b.float() if bias else 0)
+        # bf16 rounding of the output: ~0.002; fp32 sums over the stored weights: ~1e-6; a lost column gives ~1
+        assert rel_err(out, ref) < tolerance(isa)
+        alone = torch.cat([kernels.linear(x[i : i + 1], packed, N, b) for i in range(M)])
+        assert torch.equal(alone, out)
+        with threads(1):
+            assert torch.equal(kernels.linear(x, packed, N, b), out)  # columns shared among threads or not
+        batched = kernels.linear(x.view(1, M, K).expand(2, M, K), packed, N, b)  # leading dims kept
+        assert batched.shape == (2, M, N) and torch.equal(batched[1], out)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_pack_linears_swaps_every_linear_layer(isa, tiny_llama, tied):
+    """A load-time transform: each nn.Linear becomes a PackedLinear (a tied LM head gets its own copy of
+    the embedding table), and the model computes what it did (16-bit rounding apart)."""
+    cfg = dataclasses.replace(tiny_llama[0].model.cfg, tie_embeddings=tied)
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    if tied:
+        model.output.weight = model.tok_embeddings.weight
+    model = model.to(isa.compute).eval().requires_grad_(False)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 9))
+    storage = isa.storage[0]
+    with torch.inference_mode():
+        before = model(tokens, KVCache(cfg, 2, 16, storage, "cpu"))
+        pack_linears(model, storage)
+        after = model(tokens, KVCache(cfg, 2, 16, storage, "cpu"))
+    assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
+    assert sum(isinstance(m, PackedLinear) for m in model.modules()) == 4 * cfg.n_layers + 1
+    assert weight_dtype(model) == storage and model.dtype == isa.compute
+    # rounding order apart (bf16 model: measured 0 here; fp32 over fp16 weights: 1e-3); a misplaced weight gives ~1
+    assert rel_err(after, before) < 0.03
+
+
+def test_pack_linears_leaves_fp32_weights_alone(tiny_llama):
+    """An fp32 model asked for as such keeps torch's fp32 linear layers on every path (the reference)."""
+    model = tiny_llama[0].model
+    pack_linears(model)
+    assert not any(isinstance(m, PackedLinear) for m in model.modules())
+    assert weight_dtype(model) == torch.float32
+
+
+# --- speculation on the AVX2 path -------------------------------------------------------------------------
+_llms: dict = {}
+
+
+@pytest.mark.parametrize("draft, cache", [("self-streaming", None), ("self-snapkv", None), ("model", "dense"),
+                                          ("model", "streaming"), ("model", "snapkv")])
+def test_every_drafter_greedy_equals_plain_decoding(isa, default_path, corpus_prompt, draft, cache):
+    """Greedy speculation on the kernels emits plain decoding's tokens exactly, with every drafter (the bf16 path:
+    test_dtype.py, with a bf16 model asked for; here the model `dtype="auto"` loads on the AVX2 path)."""
+    from magicdec.engine import LLM
+    from magicdec.sampling import SamplingParams
+    from magicdec.speculative import SpeculativeConfig
+
+    if isa.compute != torch.float32:
+        pytest.skip("test_dtype.py::test_every_drafter_with_a_bf16_target covers the bf16 path")
+    if isa.name not in _llms:
+        llm = LLM(device="cpu", max_model_len=1024)
+        prompts = [corpus_prompt(n, book=b, at=0.3) for n, b in ((160, 7), (100, 8))]
+        plain = llm.generate(prompt_token_ids=prompts, params=SamplingParams(max_tokens=16, ignore_eos=True))
+        _llms[isa.name] = llm, prompts, [o.token_ids for o in plain]
+    llm, prompts, plain = _llms[isa.name]
+    assert (llm.attention, llm.linear, llm.kernels, llm.kv_dtype) == ("native", "packed", isa.name, isa.storage[0])
+    spec = SpeculativeConfig(draft, budget=64, gamma=3, draft_model=str(default_path) if cache else None,
+                             draft_cache=cache or "streaming")
+    outs = llm.generate(prompt_token_ids=prompts, params=SamplingParams(max_tokens=16, ignore_eos=True),
+                        speculative=spec)
+    assert llm.last_stats.acceptance_rate > 0.3  # the drafter drafts something the target accepts
+    assert [o.token_ids for o in outs] == plain

@@ -34,10 +34,11 @@ from magicdec.calibrate.acceptance import CalibrationProgress, sampling_params
 from magicdec.calibrate.machine import device_memory_bytes, machine_info
 from magicdec.calibrate.timing import best_time, median_time, model_config_from_shape, synthetic_model, time_forward
 from magicdec.config import EngineConfig, ModelConfig
-from magicdec.cpu import auto_dtype, cpu_kind, dtype_name
+from magicdec.cpu import cpu_kind, dtype_name
 from magicdec.engine import LLMEngine
+from magicdec.kernels import auto_kernel_dtype
 from magicdec.memory import available_bytes
-from magicdec.model import Transformer, attention_path, linear_path
+from magicdec.model import Transformer, attention_path, linear_path, weight_dtype
 from magicdec.planner import HardwareProfile, ModelShape, Workload, forward_cost
 from magicdec.planner.models import MODEL_PRESETS
 from magicdec.profiles import default_profile_path, target_shape
@@ -70,11 +71,13 @@ class HardwareCalibration:
 
 @dataclass(frozen=True)
 class _Run:
-    """Where `measure_hardware` measures, in which dtype, and how many repetitions it times."""
+    """Where `measure_hardware` measures, in which dtype (and which the weights and KV cache are stored in: 16-bit
+    under fp32 arithmetic on the AVX2 kernels), and how many repetitions it times."""
 
     device: torch.device
     dtype: torch.dtype
     quick: bool
+    storage: torch.dtype
 
     @property
     def gpu(self) -> bool:
@@ -85,8 +88,24 @@ class _Run:
         return self.dtype.itemsize
 
     @property
+    def stored(self) -> int:
+        """Bytes per stored weight and KV element."""
+        return self.storage.itemsize
+
+    @property
     def reps(self) -> int:
         return 2 if self.quick else 7
+
+
+def _run(device: torch.device, quick: bool, model: Transformer | None, dtype: torch.dtype | None) -> _Run:
+    """What `measure_hardware` measures in: the model's dtype (and its weights' storage) unless `dtype` is another,
+    else `dtype` (stored as such), else what `dtype="auto"` picks here."""
+    if model is not None and dtype in (None, model.dtype):
+        return _Run(device, model.dtype, quick, weight_dtype(model))
+    if dtype is not None:
+        return _Run(device, dtype, quick, dtype)
+    choice = auto_kernel_dtype(device)
+    return _Run(device, choice.dtype, quick, choice.storage or choice.dtype)
 
 
 def measure_hardware(
@@ -101,9 +120,9 @@ def measure_hardware(
     dev = torch.device(device)
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
-    run = _Run(dev, dtype or (model.dtype if model is not None else auto_dtype(dev).dtype), quick)
+    run = _run(dev, quick, model, dtype)
     report = progress or (lambda done, total, label: None)
-    m: dict[str, Any] = {"device": str(device), "dtype": dtype_name(run.dtype), "quick": quick,
+    m: dict[str, Any] = {"device": str(device), "dtype": dtype_name(run.storage), "quick": quick,
                          "machine": machine_info(dev)}
     report(0, STAGES, "read bandwidth")
     m["read_bandwidth"] = measure_read_bandwidth(run)
@@ -116,7 +135,7 @@ def measure_hardware(
     vocab = model.cfg.vocab_size if model is not None else default.vocab_size
     m["sampling"] = measure_sampling(vocab, dev, reps=5 if quick else 15)
     if model is None:
-        model, shape = synthetic_model(model_config_from_shape(default), dev, run.dtype), default
+        model, shape = synthetic_model(model_config_from_shape(default), dev, run.dtype, storage=run.storage), default
     else:
         shape = target_shape(model.cfg)
     t_overhead = m["overhead"]["fixed_s"] + m["overhead"]["per_layer_s"] * shape.n_layers
@@ -125,7 +144,7 @@ def measure_hardware(
     report(5, STAGES, "attention")
     m["attention"] = measure_attention(run, model, shape)
     report(6, STAGES, "check")
-    profile = profile_from(m, shape, name or _default_name(dev, run.dtype), dev, run.dtype)
+    profile = profile_from(m, shape, name or _default_name(dev, run.storage), dev, run.storage)
     m["forwards"] = check_forwards(run, model, shape, profile, m["overhead"]["decode_loop_extra_s"])
     m["model_shape"] = dataclasses.asdict(shape)
     errors = [abs(f["predicted"] / f["seconds"] - 1) for f in m["forwards"]]
@@ -168,8 +187,9 @@ def measure_overhead(run: _Run) -> dict[str, Any]:
     for layers in (4, 30):
         cfg = ModelConfig(vocab_size=256, dim=64, n_layers=layers, n_heads=4, n_kv_heads=2, ffn_dim=128,
                           head_dim=16, max_seq_len=4096)
-        tiny = synthetic_model(cfg, run.device, run.dtype)
-        overhead.append({"n_layers": layers, "seconds": time_forward(tiny, 1, 1, SHORT, reps=15 if run.quick else 40)})
+        tiny = synthetic_model(cfg, run.device, run.dtype, storage=run.storage)
+        overhead.append({"n_layers": layers, "seconds": time_forward(tiny, 1, 1, SHORT, reps=15 if run.quick else 40,
+                                                                    kv_dtype=run.storage)})
     loop_step = _decode_step_time(tiny, steps=16 if run.quick else 48)  # with the 30-layer model
     per_layer = max(0.0, (overhead[1]["seconds"] - overhead[0]["seconds"]) / (30 - 4))
     fixed = max(0.0, overhead[1]["seconds"] - 30 * per_layer)
@@ -186,9 +206,10 @@ def measure_linear(run: _Run, model: Transformer, shape: ModelShape, t_overhead:
     else:
         tokens = ((1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384) if not run.gpu
                   else (1, 4, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192))
-    linear = [{"tokens": n, "seconds": time_forward(model, n, 1, SHORT, reps=run.reps)} for n in tokens]
+    linear = [{"tokens": n, "seconds": time_forward(model, n, 1, SHORT, reps=run.reps, kv_dtype=run.storage)}
+              for n in tokens]
     for r, t in zip(linear, nondecreasing([r["seconds"] for r in linear])):
-        r["weight_bytes_per_s"] = shape.n_params_linear * run.es / max(t - t_overhead, 0.05 * t)
+        r["weight_bytes_per_s"] = shape.n_params_linear * run.stored / max(t - t_overhead, 0.05 * t)
     return linear
 
 
@@ -199,13 +220,13 @@ def measure_attention(run: _Run, model: Transformer, shape: ModelShape) -> list[
     att_len = min(8192 if not run.gpu else 16384, model.cfg.max_seq_len - 16)
     attention = []
     for q in ((1, 4) if run.quick else (1, 2, 3, 4, 5, 6, 8) if not run.gpu else (1, 2, 4, 8, 16)):
-        t_long = time_forward(model, att_batch, q, att_len, reps=run.reps)
-        t_short = time_forward(model, att_batch, q, SHORT, reps=run.reps)
+        t_long = time_forward(model, att_batch, q, att_len, reps=run.reps, kv_dtype=run.storage)
+        t_short = time_forward(model, att_batch, q, SHORT, reps=run.reps, kv_dtype=run.storage)
         attention.append({"q": q, "batch": att_batch, "kv_len": att_len, "seconds": t_long, "seconds_short": t_short})
     # the KV bytes over what the long cache adds to the short one's time
     extra = nondecreasing([max(r["seconds"] - r["seconds_short"], 0.05 * r["seconds"]) for r in attention])
     for r, t in zip(attention, extra):
-        r["kv_bytes_per_s"] = att_batch * att_len * shape.kv_bytes_per_token(run.es) / t
+        r["kv_bytes_per_s"] = att_batch * att_len * shape.kv_bytes_per_token(run.stored) / t
     return attention
 
 
@@ -249,10 +270,10 @@ def check_forwards(run: _Run, model: Transformer, shape: ModelShape, profile: Ha
     avail = available_bytes(run.device)
     forwards = []
     for b, q, L in grid:
-        if b * (L + q) * model.cfg.kv_bytes_per_token(run.es) > min(0.3 * avail, (64 if run.gpu else 4) * GiB):
+        if b * (L + q) * model.cfg.kv_bytes_per_token(run.stored) > min(0.3 * avail, (64 if run.gpu else 4) * GiB):
             continue
-        t = time_forward(model, b, q, L, reps=run.reps)
-        pred = forward_cost(Workload(shape, profile, b, L, run.es, run.es), q, L).time - loop_extra
+        t = time_forward(model, b, q, L, reps=run.reps, kv_dtype=run.storage)
+        pred = forward_cost(Workload(shape, profile, b, L, run.stored, run.stored), q, L).time - loop_extra
         forwards.append({"batch": b, "q": q, "kv_len": L, "seconds": t, "predicted": pred})
     return forwards
 

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from magicdec.cpu import reported_flags
+from magicdec.kernels import path_name
 
 
 def _proc_field(path: str, key: str) -> str | None:
@@ -38,6 +39,7 @@ def machine_info(device: str | torch.device = "cpu") -> dict[str, Any]:
         "device": str(dev),
         "cpu": _proc_field("/proc/cpuinfo", "model name") or platform.processor() or platform.machine(),
         "cpu_flags": reported_flags(),
+        "kernels": path_name(),  # the native kernel path runs pick (magicdec.kernels), "torch" where none
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "memory_bytes": device_memory_bytes(torch.device("cpu")),

@@ -50,7 +50,7 @@ def model_config_from_shape(shape: ModelShape, max_seq_len: int = 1 << 17) -> Mo
 
 
 def synthetic_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, seed: int = 0,
-                    random: bool = False) -> Transformer:
+                    random: bool = False, storage: torch.dtype | None = None) -> Transformer:
     """A Transformer of `cfg` with placeholder weights, for timing only (its outputs mean nothing).
 
     Weights are a constant (filling is much faster than drawing random numbers, and the speed of a dense forward does
@@ -71,7 +71,7 @@ def synthetic_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, 
         model.output.weight = model.tok_embeddings.weight
     model = model.to(dtype=dtype).eval().requires_grad_(False)
     model.inv_freq = rope_inv_freq(cfg).to(device=device, dtype=torch.float32)
-    pack_linears(model)
+    pack_linears(model, storage)  # weights in `storage` where the native kernels take it (default: `dtype`)
     return model
 
 

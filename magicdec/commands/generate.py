@@ -7,6 +7,7 @@ import sys
 from tqdm import tqdm
 
 from magicdec.autoplan import choose, describe
+from magicdec.calibrate.quick import planning_profile
 from magicdec.cli import llm_options
 from magicdec.corpus import cut_prompts, load_texts
 from magicdec.engine import LLM
@@ -22,8 +23,9 @@ def speculative_from_args(args, llm, batch: int, context: int):
         return None, None, None
     if args.draft == "auto":
         # `serve` has no temperature of its own (each request brings one) and plans for greedy requests.
+        profile = args.hardware or planning_profile(llm.model)
         return choose(llm.model, batch, context, kv_dtype=llm.kv_dtype, model_name=model_key(llm.loaded.source),
-                      profile=args.hardware, mode="greedy" if getattr(args, "temperature", 0) == 0 else "sampling")
+                      profile=profile, mode="greedy" if getattr(args, "temperature", 0) == 0 else "sampling")
     return SpeculativeConfig(args.draft, budget=args.budget, gamma=args.gamma, draft_model=args.draft_model,
                              draft_cache=args.draft_cache,
                              reindex=None if args.positions is None else args.positions == "reindex"), None, None
@@ -32,7 +34,8 @@ def speculative_from_args(args, llm, batch: int, context: int):
 def dtype_line(llm) -> str:
     """The dtypes a run computes and caches in, and why (printed with the run's stats; `calibrate` too)."""
     kv = str(llm.kv_dtype).removeprefix("torch.")
-    return f"dtype {llm.loaded.dtype_choice}; KV cache {kv}; attention {llm.attention}; linear {llm.linear}"
+    return (f"dtype {llm.loaded.dtype_choice}; KV cache {kv}; attention {llm.attention}; linear {llm.linear}; "
+            f"kernels {llm.kernels}")
 
 
 def collect_prompts(args, tok) -> tuple[list[str] | None, list[list[int]]]:

@@ -1,20 +1,33 @@
-"""Native CPU kernels, compiled on first use for the CPU at hand.
+"""Native CPU kernels, compiled on first use for the CPU at hand, one set per instruction-set path.
 
-`decode_attention` is attention over a bf16 KV cache on CPUs with AVX512-BF16, for decode and verification (a few new
-tokens per row) and for prefill chunks. torch's two bf16 matmuls read the cache well below the memory bandwidth at
-one new token and are compute-bound at verification shapes; the kernel reads each cached K/V element once with
-`vdpbf16ps`, whatever the number of queries (benchmarks/README.md, "A decode attention kernel"), and with no scores
-tensor between two matmuls it also runs prefill chunks faster than they do ("Prefill chunks on the kernel").
+`decode_attention` is attention over a 16-bit KV cache, for decode and verification (a few new tokens per row) and
+for prefill chunks. torch's two 16-bit matmuls read the cache well below the memory bandwidth at one new token and are
+compute-bound at verification shapes; the kernel reads each cached K/V element once, whatever the number of queries
+(benchmarks/README.md, "A decode attention kernel"), and with no scores tensor between two matmuls it also runs
+prefill chunks faster than they do ("Prefill chunks on the kernel").
 
-`linear` is a bf16 linear layer over weights packed once at load time (`pack_linear`). torch's bf16 matmul reads the
+`linear` is a linear layer over 16-bit weights packed once at load time (`pack_linear`). torch's matmul reads the
 weights well below the memory bandwidth at a few rows, and rounds a row differently at different row counts; the
 kernel reads each weight once per call, which pays most at a few rows, where the weights are what a forward reads
 (benchmarks/README.md, "A packed bf16 linear kernel"), and gives a row the same bits in any batch, so that a
 one-token step and a verification forward agree exactly in the linear layers.
 
+The paths (`PATHS`), in order of preference; the first whose CPU flags this CPU has runs:
+- `avx512bf16`: bf16 products with `vdpbf16ps` (Intel Xeons since Cooper Lake, AMD Zen 4). The model computes in bf16
+  (activations, norms) and stores weights and KV cache in bf16.
+- `avx2`: AVX2 + FMA + F16C, most other x86 CPUs (AMD Zen 2/3, Intel client cores, many cloud VMs). They have no 16-bit
+  products and torch's bf16 runs slowly there, so the model computes in fp32 and only storage is 16-bit: the kernels
+  widen each weight and cached K/V element to fp32 as they read it, halving the bytes a step reads. fp16 is the
+  default storage, bf16 the alternative: widening costs about the same (F16C's `vcvtph2ps` against a shift), and
+  fp16's 10 mantissa bits against bf16's 7 flip far fewer greedy tokens against fp32 (benchmarks/README.md, "16-bit
+  storage on AVX2"); the values a Llama-family model stores (weights, keys and values) lie far inside fp16's range.
+An ARM path (NEON with fp16 arithmetic) would be one more entry with its own flags, compiler flags and sources.
+
 Each kernel is built with torch's C++ extension tooling (a C++ compiler and ninja; once per torch version, cached
-under TORCH_EXTENSIONS_DIR). Where the CPU lacks the instructions or a build fails, that kernel is off, the reason is
-logged, and torch's operators run instead. MAGICDEC_NATIVE=0 turns the kernels off.
+under TORCH_EXTENSIONS_DIR), with its path's instruction-set flags only (not -march=native: a build forced onto a
+path must not use the host's wider instructions). Where the CPU lacks the instructions or a build fails, that kernel
+is off, the reason is logged, and torch's operators run instead. MAGICDEC_NATIVE=0 turns the kernels off;
+MAGICDEC_ISA=<path> forces a path (say `avx2` on a CPU with AVX-512, to run and test it there), `none` none.
 """
 
 from __future__ import annotations
@@ -25,58 +38,115 @@ import logging
 import os
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from magicdec.cpu import cpu_flags
+from magicdec.cpu import DtypeChoice, auto_dtype, cpu_flags, dtype_name
 
 log = logging.getLogger(__name__)
 
-#: CPU flags the kernels are compiled for (and that the CPU must have): AVX-512 with bf16 dot products.
-ISA = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16")
+
+@dataclass(frozen=True)
+class IsaPath:
+    """One instruction-set path of the native kernels."""
+
+    name: str
+    flags: tuple[str, ...]  # CPU flags it needs, as /proc/cpuinfo names them
+    cflags: tuple[str, ...]  # what its sources are compiled with
+    suffix: str  # its sources: <kernel><suffix>.cpp beside this module
+    compute: torch.dtype  # the dtype its kernels take and return: the model's activations
+    storage: tuple[torch.dtype, ...]  # weight and KV cache dtypes its kernels read; the first is the default
+    group: int  # output columns per packed weight group (kGroup in its linear source)
+    pairs: bool  # whether a group's weights are packed by input pairs (bf16 dot products)
+
+
+AVX512_BF16 = IsaPath("avx512bf16", ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"),
+                      ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16"), "",
+                      torch.bfloat16, (torch.bfloat16,), 64, True)
+AVX2 = IsaPath("avx2", ("avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c"), "_avx2",
+               torch.float32, (torch.float16, torch.bfloat16), 16, False)
+#: In order of preference.
+PATHS = (AVX512_BF16, AVX2)
 HEAD_DIMS = (64, 128)
 #: Context positions per task. Fixed, so that the chunks a query row is split into, and with them its
 #: arithmetic, do not depend on how many positions the forward attends: a verification forward and the
 #: one-token steps over the same tokens give bit-identical outputs.
 CHUNK = 1024
-#: Output columns per packed weight group (kGroup in linear.cpp).
-LINEAR_GROUP = 64
 #: Age after which a build lock is taken to be left by a killed build (a build takes a minute at most).
 STALE_LOCK_S = 600
 
 
-def _build_dir(name: str, source: Path, flags: list[str]) -> Path:
-    """One build folder per kernel, torch version, source (its text and its path: two checkouts do not rebuild each
-    other's) and flags (torch's own cache key ignores the version)."""
+@functools.cache
+def isa_path() -> IsaPath | None:
+    """The path the kernels run on in this process: the one MAGICDEC_ISA names (if this CPU has its flags), else the
+    first of `PATHS` this CPU has the flags of; None where MAGICDEC_NATIVE=0, MAGICDEC_ISA=none or no path fits.
+    Decided once: a model's weights are packed for the path it was loaded on."""
+    if os.environ.get("MAGICDEC_NATIVE", "1") == "0":
+        return None
+    forced = os.environ.get("MAGICDEC_ISA", "").strip().lower()
+    if forced == "none":
+        return None
+    if forced:
+        by_name = {p.name: p for p in PATHS}
+        if forced not in by_name:
+            raise ValueError(f"MAGICDEC_ISA={forced!r}: choose from {', '.join(by_name)} or none")
+        candidates = [by_name[forced]]
+    else:
+        candidates = list(PATHS)
+    for path in candidates:
+        if all(f in cpu_flags() for f in path.flags):
+            return path
+    for path in candidates:
+        log.info("native %s kernels off: this CPU lacks %s", path.name,
+                 ", ".join(f for f in path.flags if f not in cpu_flags()))
+    return None
+
+
+def path_name() -> str:
+    """The kernel path's name for stats and results: "avx512bf16", "avx2", or "torch" (no native kernels)."""
+    path = isa_path()
+    return path.name if path is not None else "torch"
+
+
+def _build_dir(name: str, sources: list[Path], flags: list[str]) -> Path:
+    """One build folder per kernel, torch version, sources (their text and the kernel's path: two checkouts do not
+    rebuild each other's) and flags (torch's own cache key ignores the version)."""
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR", Path.home() / ".cache" / "torch_extensions"))
-    key = hashlib.sha256(source.read_bytes() + f"{source.resolve()} {' '.join(flags)}".encode()).hexdigest()[:12]
+    text = b"".join(s.read_bytes() for s in sources)
+    key = hashlib.sha256(text + f"{sources[0].resolve()} {' '.join(flags)}".encode()).hexdigest()[:12]
     return root / f"magicdec-{name}-torch{torch.__version__.replace('+', '_')}-{key}"
 
 
-@functools.cache
-def _extension(name: str) -> Any | None:
-    """The compiled kernel `name` (the source file `name`.cpp beside this module), or None (the reason logged) where
-    it cannot run here."""
-    if os.environ.get("MAGICDEC_NATIVE", "1") == "0":
-        return None
-    what = f"native {name.replace('_', ' ')}"
-    missing = [f for f in ISA if f not in cpu_flags()]
-    if missing:
-        log.info("%s off: this CPU lacks %s", what, ", ".join(missing))
-        return None
+def _ensure_ninja() -> None:
+    """The `ninja` wheel installs its binary beside the module, not always on PATH."""
     if shutil.which("ninja") is None:
-        try:  # the `ninja` wheel installs its binary beside the module, not always on PATH
+        try:
             import ninja
 
             os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
         except ImportError:
             pass
-    flags = ["-O3", "-fopenmp"] + ["-m" + f.replace("_", "") for f in ISA]
-    source = Path(__file__).with_name(f"{name}.cpp")
-    build_dir = _build_dir(name, source, flags)
+
+
+def _extension(kernel: str) -> Any | None:
+    """The compiled `kernel` ("decode_attention" or "linear") of this CPU's path, or None (the reason logged)."""
+    path = isa_path()
+    return _build(kernel, path) if path is not None else None
+
+
+@functools.cache
+def _build(kernel: str, path: IsaPath) -> Any | None:
+    """`kernel` of `path` compiled (once per process, and once per source and torch version on disk), or None where
+    it does not build (the reason logged once)."""
+    what = f"native {kernel.replace('_', ' ')} ({path.name})"
+    _ensure_ninja()
+    flags = ["-O3", "-fopenmp", *path.cflags]
+    source = Path(__file__).with_name(f"{kernel}{path.suffix}.cpp")
+    build_dir = _build_dir(f"{kernel}{path.suffix}", [source, *sorted(source.parent.glob("*.h"))], flags)
     if not build_dir.exists():
         log.info("compiling the %s kernel for this CPU (once, about 30 s)", what)
         build_dir.mkdir(parents=True)
@@ -88,7 +158,7 @@ def _extension(name: str) -> Any | None:
         from torch.utils.cpp_extension import load
 
         # -fopenmp: at::parallel_for runs on the OpenMP pool torch itself uses (its libgomp is loaded first)
-        return load(name=f"magicdec_{name}", sources=[str(source)], extra_cflags=flags,
+        return load(name=f"magicdec_{kernel}{path.suffix}", sources=[str(source)], extra_cflags=flags,
                     extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
     except Exception as e:  # no compiler, no ninja, a failed build: torch's operators still work
         log.warning("%s off: building it failed: %s", what, str(e).strip().splitlines()[0])
@@ -98,27 +168,62 @@ def _extension(name: str) -> Any | None:
 def supported(device: torch.device, kv_dtype: torch.dtype) -> bool:
     """Whether attention over a cache of this dtype on this device runs the native kernel (building it on the first
     call)."""
-    return device.type == "cpu" and kv_dtype == torch.bfloat16 and _extension("decode_attention") is not None
+    path = isa_path()
+    return (device.type == "cpu" and path is not None and kv_dtype in path.storage
+            and _extension("decode_attention") is not None)
 
 
-def linear_supported(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether linear layers of this dtype on this device run the native kernel (building it on the first call)."""
-    return device.type == "cpu" and dtype == torch.bfloat16 and _extension("linear") is not None
+def linear_supported(device: torch.device, dtype: torch.dtype, storage: torch.dtype | None = None) -> bool:
+    """Whether linear layers of a model of this dtype on this device, their weights stored in `storage` (None:
+    `dtype`), run the native kernel (building it on the first call): the path's compute dtype (bf16 with
+    AVX512-BF16, fp32 with AVX2) over one of its storage dtypes."""
+    path = isa_path()
+    return (device.type == "cpu" and path is not None and dtype == path.compute
+            and (storage or dtype) in path.storage and _extension("linear") is not None)
 
 
-def pack_linear(weight: Tensor) -> Tensor:
-    """A linear layer's weight [N, K] (bf16, K even) in the kernel's layout [ceil(N / 64), K / 2, 64, 2]: for each
-    group of 64 output columns and each pair of inputs, the columns' two weights side by side (columns past N are
-    zero)."""
+def default_kv_dtype(device: torch.device, dtype: torch.dtype, storage: torch.dtype) -> torch.dtype:
+    """The KV cache dtype of a model of `dtype` whose weights are stored in `storage`, when none is asked for: the
+    weights' where the attention kernel reads it (16-bit under an fp32 model with AVX2), else the model's."""
+    return storage if storage != dtype and supported(device, storage) else dtype
+
+
+def auto_kernel_dtype(device: torch.device) -> DtypeChoice:
+    """`dtype="auto"` with the kernel path in view: fp32 where the path computes in fp32 (AVX2: its kernels store
+    16-bit, and torch's bf16 is slow there even on a CPU that would pass `magicdec.cpu.auto_dtype`, as under
+    MAGICDEC_ISA=avx2), else `magicdec.cpu.auto_dtype`."""
+    path = isa_path()
+    if device.type == "cpu" and path is not None and path.compute == torch.float32:
+        storage = dtype_name(path.storage[0])
+        return DtypeChoice(torch.float32, f"auto: the {path.name} kernels' arithmetic, {storage} storage",
+                           storage=path.storage[0])
+    return auto_dtype(device)
+
+
+def packable(in_features: int) -> bool:
+    """Whether `pack_linear` takes a weight of this many inputs on this CPU's path (an even number for bf16 pairs)."""
+    path = isa_path()
+    return path is not None and (in_features % 2 == 0 or not path.pairs)
+
+
+def pack_linear(weight: Tensor, storage: torch.dtype) -> Tensor:
+    """A linear layer's weight [N, K] in the path's layout, stored in `storage` (one of the path's), for `linear`.
+    AVX512-BF16 (K even): [ceil(N / 64), K / 2, 64, 2], for each group of 64 output columns and each pair of inputs
+    the columns' two weights side by side. AVX2: [ceil(N / 16), K, 16], for each group of 16 columns and each input
+    the columns' weights side by side. Columns past N are zero."""
+    path = isa_path()
+    assert path is not None, "pack_linear needs a native kernel path"
     n, k = weight.shape
-    groups = -(-n // LINEAR_GROUP)
-    padded = torch.nn.functional.pad(weight, (0, 0, 0, groups * LINEAR_GROUP - n))
-    return padded.view(groups, LINEAR_GROUP, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    groups = -(-n // path.group)
+    padded = torch.nn.functional.pad(weight, (0, 0, 0, groups * path.group - n)).to(storage)
+    if path.pairs:
+        return padded.view(groups, path.group, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    return padded.view(groups, path.group, k).transpose(1, 2).contiguous()
 
 
 def linear(x: Tensor, packed: Tensor, out_features: int, bias: Tensor | None = None) -> Tensor:
-    """x [..., K] @ W^T (+ bias) in bf16 with W packed by `pack_linear`; returns [..., out_features]. Call only where
-    `linear_supported` is True."""
+    """x [..., K] @ W^T (+ bias) with W packed by `pack_linear`; returns [..., out_features] in x's dtype (the path's
+    compute dtype). Call only where `linear_supported` is True."""
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     return _extension("linear").linear(rows, packed, out_features, bias).view(*x.shape[:-1], out_features)
 
@@ -131,6 +236,7 @@ def takes(xq: Tensor, keys: Tensor, values: Tensor, bias: Tensor) -> bool:
 
 
 def decode_attention(xq: Tensor, keys: Tensor, values: Tensor, bias: Tensor) -> Tensor:
-    """Softmax attention of queries [B, KV, M, hd] over K/V [B, KV, L, hd] (bf16) with an additive bias [B, 1, M, L]
-    (bf16, 0 or -inf); returns [B, KV, M, hd] fp32. Call only where `takes` is True."""
+    """Softmax attention of queries [B, KV, M, hd] (any float dtype) over K/V [B, KV, L, hd] (16-bit) with an
+    additive bias [B, 1, M, L] (K's dtype, 0 or -inf); returns [B, KV, M, hd] fp32. Call only where `takes` is
+    True."""
     return _extension("decode_attention").decode_attention(xq, keys, values, bias, CHUNK)

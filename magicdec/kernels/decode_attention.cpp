@@ -11,36 +11,30 @@
 // Chunks are merged by their maxima. Each query row is computed with the same arithmetic whatever M and
 // L are: a verification forward attends exactly as the one-token steps do. Tiles the bias hides
 // entirely (unfilled cache slots) are skipped.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
 #include <immintrin.h>
 
-#include <algorithm>
-#include <cstdint>
-#include <limits>
 #include <vector>
+
+#include "common.h"
 
 namespace {
 
+using magicdec::kNegInf;
+using magicdec::Strided;
+
 constexpr int64_t kTile = 16;  // cached positions per tile: one zmm of fp32 scores
-constexpr int64_t kMinBlockRows = 128;  // query rows per task at least when a prefill chunk's rows are split
 constexpr uint16_t kBf16NegInf = 0xFF80;
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // exp(x) for x <= 0 (Cephes expf: range reduction by ln 2, degree-6 polynomial); 0 where x is -inf.
 inline __m512 exp16(__m512 x) {
   const __mmask16 finite = _mm512_cmp_ps_mask(x, _mm512_set1_ps(kNegInf), _CMP_NEQ_OQ);
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(magicdec::kLog2e)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(magicdec::kLn2Hi), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(magicdec::kLn2Lo), r);
+  __m512 p = _mm512_set1_ps(magicdec::kExpPoly[0]);
+  for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(magicdec::kExpPoly[i]));
   p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
   return _mm512_maskz_mov_ps(finite, _mm512_scalef_ps(p, n));
 }
@@ -76,16 +70,6 @@ inline void transpose16(__m512i r[16]) {
   }
 }
 
-struct Strided {  // a [B, H, L, D] tensor with a contiguous last dim, as raw bf16 bits
-  const uint16_t* data;
-  int64_t sb, sh, sl;
-  const uint16_t* at(int64_t b, int64_t h, int64_t l) const { return data + b * sb + h * sh + l * sl; }
-};
-
-Strided strided(const torch::Tensor& t) {
-  return {reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()), t.stride(0), t.stride(1), t.stride(2)};
-}
-
 template <int D>
 struct Task {
   static constexpr int P = D / 2;  // bf16 pairs per row: the dot-product unit of vdpbf16ps
@@ -93,6 +77,11 @@ struct Task {
   int64_t M;
   Strided K, V, bias;
   float scale;
+  struct Buffers {  // a thread's, reused across its tasks
+    std::vector<float> scores;
+    std::vector<uint16_t> probs;
+    std::vector<char> visible;
+  };
 
   // Scores of queries [M] against tile positions [l, l + 16) (n of them real), into s[m * 16 + i].
   void score_tile(int64_t b, int64_t h, int64_t l, int64_t n, float* s) const {
@@ -129,9 +118,9 @@ struct Task {
   }
 
   // Positions [l0, l1) of (b, h): the chunk's maxima [M], softmax sums [M] and unnormalized out [M, D].
-  // scores, probs and visible are the calling thread's buffers, reused across its tasks.
-  void run(int64_t b, int64_t h, int64_t l0, int64_t l1, std::vector<float>& scores, std::vector<uint16_t>& probs,
-           std::vector<char>& visible, float* row_max, float* row_sum, float* out) const {
+  void run(int64_t b, int64_t h, int64_t l0, int64_t l1, Buffers& buffers, float* row_max, float* row_sum,
+           float* out) const {
+    auto& [scores, probs, visible] = buffers;
     const int64_t tiles = (l1 - l0 + kTile - 1) / kTile;
     scores.resize(tiles * M * kTile);
     probs.resize(M * tiles * kTile);
@@ -195,60 +184,16 @@ struct Task {
 template <int D>
 torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                      const torch::Tensor& bias, int64_t chunk) {
-  const int64_t B = q.size(0), H = q.size(1), M = q.size(2), L = k.size(2);
-  const int64_t C = (L + chunk - 1) / chunk;
+  const int64_t M = q.size(2);
   auto qb = q.to(torch::kBFloat16).contiguous();
-  auto opts = q.options().dtype(torch::kFloat);
-  auto part_out = torch::empty({B * H * C, M, D}, opts);
-  auto part_max = torch::empty({B * H * C, M}, opts);
-  auto part_sum = torch::empty({B * H * C, M}, opts);
   const uint32_t* qp = reinterpret_cast<const uint32_t*>(qb.data_ptr<at::BFloat16>());
-  float* po = part_out.data_ptr<float>();
-  float* pm = part_max.data_ptr<float>();
-  float* ps = part_sum.data_ptr<float>();
-  const Strided K = strided(k), V = strided(v), Bias = strided(bias);
+  const Strided K = magicdec::strided(k), V = magicdec::strided(v);
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-  // A prefill chunk's many query rows are split into blocks where (row, head, chunk) tasks alone would
-  // leave threads idle (one prompt row, a short context). A row's arithmetic does not depend on the
-  // block it is in: a tile hidden from all of a block's rows adds nothing to them whether skipped or not.
-  const int64_t BHC = B * H * C, want = 4 * at::get_num_threads();
-  const int64_t R = std::max<int64_t>(1, std::min<int64_t>(M / kMinBlockRows, (want + BHC - 1) / BHC));
-  const int64_t rows = (M + R - 1) / R;
-  at::parallel_for(0, BHC * R, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    std::vector<uint16_t> probs;
-    std::vector<char> visible;
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t m0 = task % R * rows, bhc = task / R, c = bhc % C, bh = bhc / C, h = bh % H, b = bh / H;
-      if (m0 >= M) continue;
-      Strided block_bias = Bias;
-      block_bias.data += m0 * Bias.sl;
-      const Task<D> work{qp + (bh * M + m0) * (D / 2), std::min(rows, M - m0), K, V, block_bias, scale};
-      const int64_t first = bhc * M + m0;  // the block's first row among the partial results
-      work.run(b, h, c * chunk, std::min(L, (c + 1) * chunk), scores, probs, visible, pm + first, ps + first,
-               po + first * D);
-    }
-  });
-  auto out = torch::empty({B, H, M, D}, opts);
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, B * H * M, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t m = i % M, bh = i / M;
-      float mx = kNegInf;
-      for (int64_t c = 0; c < C; ++c) mx = std::max(mx, pm[(bh * C + c) * M + m]);
-      float denom = 0.0f, acc[D] = {0.0f};
-      for (int64_t c = 0; c < C; ++c) {
-        const float cm = pm[(bh * C + c) * M + m];
-        if (cm == kNegInf) continue;
-        const float w = std::exp(cm - mx);
-        denom += w * ps[(bh * C + c) * M + m];
-        const float* o = po + ((bh * C + c) * M + m) * D;
-        for (int d = 0; d < D; ++d) acc[d] += w * o[d];
-      }
-      for (int d = 0; d < D; ++d) op[i * D + d] = acc[d] / denom;
-    }
-  });
-  return out;
+  return magicdec::attend_in_chunks<D>(
+      q.size(0), q.size(1), M, k.size(2), chunk, magicdec::strided(bias), q.options().dtype(torch::kFloat),
+      [&](int64_t bh, int64_t m0, int64_t rows, Strided block_bias) {
+        return Task<D>{qp + (bh * M + m0) * (D / 2), rows, K, V, block_bias, scale};
+      });
 }
 
 }  // namespace

@@ -9,18 +9,15 @@
 // output columns by two products. A task owns a group of columns and runs every input row against it,
 // kRows rows at a time, reading each weight once per call. Every output element is the same sequence
 // of fp32 operations over K whatever M is and however groups are shared among threads.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
 #include <immintrin.h>
 
-#include <algorithm>
-#include <cstdint>
+#include "common.h"
 
 namespace {
 
 constexpr int64_t kGroup = 64;  // output columns per packed group: 4 zmm of fp32 accumulators per row
 constexpr int kVecs = kGroup / 16;
-constexpr int64_t kRows = 6;  // input rows per block: 6 x 4 accumulators, 4 weight vectors, 1 broadcast
+constexpr int kRows = 6;  // input rows per block: 6 x 4 accumulators, 4 weight vectors, 1 broadcast
 
 // `rows` input rows x [rows, K] against one packed group `w` [K / 2, 64, 2]; writes the group's `cols`
 // valid columns of y (row stride ldy).
@@ -77,16 +74,9 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_
       const int64_t n = g * kGroup, cols = std::min(kGroup, N - n);
       const uint16_t* wg = wp + g * K * kGroup;
       const float* bg = bp != nullptr ? bp + n : nullptr;
-      int64_t i = 0;
-      for (; i + kRows <= M; i += kRows) block<kRows>(xp + i * K, wg, K, bg, yp + i * N + n, N, cols);
-      switch (M - i) {  // the last rows
-        case 5: block<5>(xp + i * K, wg, K, bg, yp + i * N + n, N, cols); break;
-        case 4: block<4>(xp + i * K, wg, K, bg, yp + i * N + n, N, cols); break;
-        case 3: block<3>(xp + i * K, wg, K, bg, yp + i * N + n, N, cols); break;
-        case 2: block<2>(xp + i * K, wg, K, bg, yp + i * N + n, N, cols); break;
-        case 1: block<1>(xp + i * K, wg, K, bg, yp + i * N + n, N, cols); break;
-        default: break;
-      }
+      magicdec::for_each_row_block<kRows>(M, [&](int64_t i, auto r) {
+        block<decltype(r)::value>(xp + i * K, wg, K, bg, yp + i * N + n, N, cols);
+      });
     }
   });
   return y;

@@ -17,10 +17,11 @@ from pathlib import Path
 import torch
 
 from magicdec.config import ModelConfig
-from magicdec.cpu import DtypeChoice, auto_dtype
+from magicdec.cpu import DtypeChoice
 from magicdec.distributed import TPGroup, apply_tp, check_shardable
 from magicdec.errors import InvalidRequestError, ModelLoadError
 from magicdec.jsonfile import read_json_object
+from magicdec.kernels import auto_kernel_dtype
 from magicdec.loading.cache import content_digest, load_gguf
 from magicdec.loading.gguf_file import gguf_metadata, read_gguf
 from magicdec.loading.hf import load_hf_state_dict, read_hf_config, to_magicdec_names
@@ -87,7 +88,7 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return dev
 
 
-def _build(cfg: ModelConfig, sd: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
+def _build(cfg: ModelConfig, sd: dict[str, torch.Tensor], device: torch.device, choice: DtypeChoice,
            tp: TPGroup | None) -> Transformer:
     with torch.device("meta"):
         model = Transformer(cfg)
@@ -102,9 +103,9 @@ def _build(cfg: ModelConfig, sd: dict[str, torch.Tensor], device: torch.device, 
     model.inv_freq = rope_inv_freq(cfg)
     if tp is not None:
         apply_tp(model, tp)  # before the move to the device: a rank copies only its share
-    model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    model = model.to(device=device, dtype=choice.dtype).eval().requires_grad_(False)
     model.inv_freq = model.inv_freq.to(device=device, dtype=torch.float32)  # fp32 whatever the dtype
-    pack_linears(model)
+    pack_linears(model, choice.storage)
     return model
 
 
@@ -135,11 +136,12 @@ def load_model(
 ) -> LoadedModel:
     """Load a Hugging Face folder or a GGUF file (None: the embedded default model).
 
-    `dtype` None is "auto": bf16 on accelerators and on CPUs that multiply bf16 natively, else fp32 (see
-    `magicdec.cpu.auto_dtype`). With `tp`, this rank's share of the model (see magicdec.distributed.apply_tp) on
-    tp.device; every rank must load the same model, which is checked."""
+    `dtype` None is "auto": bf16 on accelerators and on CPUs that multiply bf16 natively, else fp32 (over fp16
+    weights where the AVX2 kernels run; see `magicdec.kernels.auto_kernel_dtype`). With `tp`, this rank's share of
+    the model (see magicdec.distributed.apply_tp) on tp.device; every rank must load the same model, which is
+    checked."""
     dev = tp.device if tp is not None else resolve_device(device)
-    choice = DtypeChoice(dtype, "requested") if dtype is not None else auto_dtype(dev)
+    choice = DtypeChoice(dtype, "requested") if dtype is not None else auto_kernel_dtype(dev)
     if tp is not None:
         choice = tp.share(choice)  # rank 0's: a timing-based choice could differ between ranks
     path = default_model_path() if model is None else Path(model)
@@ -160,4 +162,4 @@ def load_model(
         check_shardable(cfg, tp.world_size, path.name)
         # the config and a few weights: a model that differs between ranks would run, producing garbage
         tp.agree("the model", (dataclasses.asdict(cfg), float(sd["tok_embeddings.weight"][:4].double().sum())))
-    return LoadedModel(_build(cfg, sd, dev, choice.dtype, tp), tok, str(path), choice)
+    return LoadedModel(_build(cfg, sd, dev, choice, tp), tok, str(path), choice)

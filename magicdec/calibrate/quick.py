@@ -1,0 +1,61 @@
+"""A quick measurement of this machine for the planner, on first use, where `magicdec calibrate` has not run.
+
+Without a profile measured here, `--draft auto` would plan with a preset measured on another CPU: its choice of
+strategy, budget and draft length rests on absolute costs, and a preset of a CPU with AMX predicts an AVX2 machine's
+steps several times too fast. So the first `--draft auto` run (and `serve`) on a CPU with no calibrated profile for
+its dtype takes `measure_hardware(quick=True)` of the model it loaded (about 30 s; progress on stderr) and keeps the
+profile in the cache folder under a name of the CPU model, thread count, dtype and kernel path: a later run with the
+same four reuses it, and one that changes any of them measures again. `magicdec calibrate` remains the thorough
+measurement, and where it has saved a profile for this device and dtype that one is used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+from pathlib import Path
+
+import torch
+
+from magicdec.calibrate.hardware import measure_hardware
+from magicdec.calibrate.machine import machine_info
+from magicdec.cpu import dtype_name
+from magicdec.kernels import path_name
+from magicdec.loading.cache import cache_root
+from magicdec.model import Transformer, weight_dtype
+from magicdec.planner import HardwareProfile
+from magicdec.profiles import default_profile_path
+
+
+def quick_profile_path(dtype: torch.dtype) -> Path:
+    """Where the quick profile of this CPU model, thread count, `dtype` and kernel path is kept."""
+    cpu, threads, kernels = machine_info("cpu")["cpu"], torch.get_num_threads(), path_name()
+    key = hashlib.sha256(f"{cpu}|{threads}|{dtype_name(dtype)}|{kernels}".encode()).hexdigest()[:12]
+    return cache_root() / f"hardware-quick-cpu-{kernels}-{threads}t-{dtype_name(dtype)}-{key}.json"
+
+
+def _progress(done: int, total: int, label: str) -> None:
+    end = "\n" if done == total else ""
+    print(f"\rmeasuring this machine for the planner (once): {done}/{total} {label:<24}", end=end, file=sys.stderr,
+          flush=True)
+
+
+def planning_profile(model: Transformer) -> HardwareProfile | None:
+    """The profile `--draft auto` plans `model` with where nothing else says: None on a GPU or where `magicdec
+    calibrate` saved one for this device and dtype (`autoplan.choose` loads it), else this CPU's quick profile,
+    measured now on first use and kept (see the module docstring)."""
+    if model.device.type != "cpu" or model.tp is not None:
+        return None  # GPUs plan with their presets; tensor-parallel ranks calibrate with `magicdec calibrate`
+    dtype = weight_dtype(model)
+    if default_profile_path("cpu", dtype_name(dtype)).is_file():
+        return None
+    path = quick_profile_path(dtype)
+    if path.is_file():
+        return HardwareProfile.from_json(path)
+    print("no hardware profile of this CPU: a quick measurement (about 30 s) instead of another CPU's preset; "
+          "`magicdec calibrate` measures it thoroughly", file=sys.stderr)
+    name = f"quick-cpu-{path_name()}-{torch.get_num_threads()}t-{dtype_name(dtype)}"
+    profile = measure_hardware(model.device, quick=True, progress=_progress, model=model, name=name).profile
+    path.parent.mkdir(parents=True, exist_ok=True)
+    profile.to_json(path)
+    return profile

@@ -1,0 +1,101 @@
+// What the native kernels of every instruction set share: strided 16-bit tensors, the split of attention
+// into (row, KV head, context chunk, block of query rows) tasks and the merge of the chunks' partial
+// results, and the walk of a linear layer's rows in register blocks. Only plain C++ here: each kernel
+// source includes it and is compiled with its own instruction-set flags.
+#pragma once
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <type_traits>
+
+namespace magicdec {
+
+constexpr int64_t kMinBlockRows = 128;  // query rows per task at least when a prefill chunk's rows are split
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+// exp(x) as Cephes expf computes it: n = round(x log2 e), r = x - n ln 2 (ln 2 in two parts), then
+// 1 + r + r^2 P(r) with P of degree 5 (kExpPoly, highest power first), times 2^n.
+constexpr float kLog2e = 1.44269504088896341f, kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
+constexpr float kExpPoly[] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                              4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+
+struct Strided {  // a [B, H, L, D] tensor with a contiguous last dim, as raw 16-bit words
+  const uint16_t* data;
+  int64_t sb, sh, sl;
+  const uint16_t* at(int64_t b, int64_t h, int64_t l) const { return data + b * sb + h * sh + l * sl; }
+};
+
+inline Strided strided(const torch::Tensor& t) {
+  return {reinterpret_cast<const uint16_t*>(t.data_ptr()), t.stride(0), t.stride(1), t.stride(2)};
+}
+
+// out[i] = the chunks' partial results of query row i merged by their maxima: sum_c w_c out_c / sum_c w_c sum_c,
+// w_c = exp(max_c - max). A chunk the row sees nothing of (max -inf) is skipped.
+template <int D>
+void merge_chunks(int64_t rows, int64_t M, int64_t C, const float* pm, const float* ps, const float* po, float* op) {
+  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t m = i % M, bh = i / M;
+      float mx = kNegInf;
+      for (int64_t c = 0; c < C; ++c) mx = std::max(mx, pm[(bh * C + c) * M + m]);
+      float denom = 0.0f, acc[D] = {0.0f};
+      for (int64_t c = 0; c < C; ++c) {
+        const float cm = pm[(bh * C + c) * M + m];
+        if (cm == kNegInf) continue;
+        const float w = std::exp(cm - mx);
+        denom += w * ps[(bh * C + c) * M + m];
+        const float* o = po + ((bh * C + c) * M + m) * D;
+        for (int d = 0; d < D; ++d) acc[d] += w * o[d];
+      }
+      for (int d = 0; d < D; ++d) op[i * D + d] = acc[d] / denom;
+    }
+  });
+}
+
+// Attention of M query rows per (row, KV head) over L positions in chunks of `chunk`, returning [B, H, M, D] fp32.
+// make_task(bh, m0, rows, bias) builds the task of rows [m0, m0 + rows) of head bh (with the bias of those rows);
+// its run(b, h, l0, l1, buffers, max, sum, out) writes the chunk's maxima, sums and unnormalized outputs.
+// A prefill chunk's many query rows are split into blocks where (row, head, chunk) tasks alone would leave threads
+// idle (one prompt row, a short context). A row's arithmetic does not depend on the block it is in: a tile hidden
+// from all of a block's rows adds nothing to them whether skipped or not.
+template <int D, class MakeTask>
+torch::Tensor attend_in_chunks(int64_t B, int64_t H, int64_t M, int64_t L, int64_t chunk, const Strided& bias,
+                               const torch::TensorOptions& opts, MakeTask make_task) {
+  const int64_t C = (L + chunk - 1) / chunk, BHC = B * H * C, want = 4 * at::get_num_threads();
+  auto part_out = torch::empty({BHC, M, D}, opts), part_max = torch::empty({BHC, M}, opts);
+  auto part_sum = torch::empty({BHC, M}, opts);
+  float *po = part_out.data_ptr<float>(), *pm = part_max.data_ptr<float>(), *ps = part_sum.data_ptr<float>();
+  const int64_t R = std::max<int64_t>(1, std::min<int64_t>(M / kMinBlockRows, (want + BHC - 1) / BHC));
+  const int64_t rows = (M + R - 1) / R;
+  at::parallel_for(0, BHC * R, 1, [&](int64_t begin, int64_t end) {
+    typename std::invoke_result_t<MakeTask, int64_t, int64_t, int64_t, Strided>::Buffers buffers;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t m0 = task % R * rows, bhc = task / R, c = bhc % C, bh = bhc / C, h = bh % H, b = bh / H;
+      if (m0 >= M) continue;
+      Strided block_bias = bias;
+      block_bias.data += m0 * bias.sl;
+      const auto work = make_task(bh, m0, std::min(rows, M - m0), block_bias);
+      const int64_t first = bhc * M + m0;  // the block's first row among the partial results
+      work.run(b, h, c * chunk, std::min(L, (c + 1) * chunk), buffers, pm + first, ps + first, po + first * D);
+    }
+  });
+  auto out = torch::empty({B, H, M, D}, opts);
+  merge_chunks<D>(B * H * M, M, C, pm, ps, po, out.data_ptr<float>());
+  return out;
+}
+
+// Runs block(i, std::integral_constant<int, r>) over rows [0, M) in blocks of kRows rows, the last block shorter:
+// every row meets the same arithmetic whichever block it falls in.
+template <int kRows, class Block>
+void for_each_row_block(int64_t M, Block block) {
+  int64_t i = 0;
+  for (; i + kRows <= M; i += kRows) block(i, std::integral_constant<int, kRows>{});
+  if constexpr (kRows > 1) {
+    if (M - i > 0) for_each_row_block<kRows - 1>(M - i, [&](int64_t j, auto r) { block(i + j, r); });
+  }
+}
+
+}  // namespace magicdec

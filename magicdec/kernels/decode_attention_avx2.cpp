@@ -1,0 +1,226 @@
+// Attention over a 16-bit KV cache (fp16 or bf16) for CPUs with AVX2, FMA and F16C: decode and
+// verification steps (a few query rows per KV head, memory-bound) and prefill chunks (hundreds of rows).
+// The arithmetic is fp32 throughout; the cache is only stored in 16 bits.
+//
+// Queries q [B, KV, M, D] (fp32) attend over K/V [B, KV, L, D] (any strides but a contiguous last dim)
+// with an additive bias [B, 1, M, L] (the cache's dtype, 0 / -inf), split into chunks of a fixed size as
+// in decode_attention.cpp. A task takes one chunk of one (row, KV head), 8 cached positions at a time: it
+// converts the tile's K and V rows to fp32 once (a shift for bf16, vcvtph2ps for fp16) into buffers that
+// stay in L1, then for every query forms the 8 scores (8 dot products, summed across lanes together),
+// takes a chunk-local softmax and accumulates P @ V. Every K and V element is read from memory once
+// however many queries there are, and each query row is computed with the same arithmetic whatever M
+// and L are, so a verification forward attends exactly as the one-token steps do. Tiles the bias hides
+// from all of a task's rows are skipped.
+#include <immintrin.h>
+
+#include <cstring>
+#include <vector>
+
+#include "avx2.h"
+#include "common.h"
+
+namespace {
+
+using magicdec::Bf16;
+using magicdec::Fp16;
+
+using magicdec::kNegInf;
+using magicdec::Strided;
+
+constexpr int kTile = 8;  // cached positions per tile: one ymm of fp32 scores
+
+// The first n (< 8) words of p widened to fp32, the rest filled with `fill` (bits of the same type).
+template <class S>
+inline __m256 load_partial(const uint16_t* p, int64_t n, uint16_t fill) {
+  alignas(16) uint16_t tmp[kTile];
+  std::fill(tmp, tmp + kTile, fill);
+  std::memcpy(tmp, p, n * sizeof(uint16_t));
+  return S::load8(tmp);
+}
+
+// exp(x) for x <= 0 (Cephes expf: range reduction by ln 2, degree-6 polynomial, 2^n built in the exponent
+// field); 0 where x is -inf.
+inline __m256 exp8(__m256 x) {
+  const __m256 finite = _mm256_cmp_ps(x, _mm256_set1_ps(kNegInf), _CMP_NEQ_OQ);
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(magicdec::kLog2e)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(magicdec::kLn2Hi), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(magicdec::kLn2Lo), r);
+  __m256 p = _mm256_set1_ps(magicdec::kExpPoly[0]);
+  for (int i = 1; i < 6; ++i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(magicdec::kExpPoly[i]));
+  p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i pow2n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(pow2n)), finite);
+}
+
+// Lane i of the result: the sum of the 8 lanes of a[i].
+inline __m256 sum_lanes8(const __m256 a[8]) {
+  const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);  // lanes: a0..a3 low, a0..a3 high halves
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+inline float sum_lanes(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+
+inline float max_lanes(__m256 v) {
+  const __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(t, _mm_movehdup_ps(t)));
+}
+
+template <int D, class S>
+struct Task {
+  const float* q;  // [M, D] this head's queries
+  int64_t M;
+  Strided K, V, bias;
+  float scale;
+  struct Buffers {  // a thread's, reused across its tasks
+    std::vector<float> scores;  // [tiles, M, 8]: scores, then softmax numerators in place
+    std::vector<char> visible;
+  };
+
+  // Rows [l, l + n) of K or V widened to fp32 into rows[8][D] (rows past n zero: never read from the cache).
+  void widen_tile(const Strided& X, int64_t b, int64_t h, int64_t l, int64_t n, float* rows) const {
+    for (int64_t i = 0; i < kTile; ++i)
+      for (int c = 0; c < D / 8; ++c)
+        _mm256_store_ps(rows + i * D + 8 * c, i < n ? S::load8(X.at(b, h, l + i) + 8 * c) : _mm256_setzero_ps());
+  }
+
+  __m256 bias_tile(int64_t b, int64_t m, int64_t l, int64_t n) const {
+    const uint16_t* p = bias.at(b, 0, m) + l;
+    return n == kTile ? S::load8(p) : load_partial<S>(p, n, S::kNegInfBits);
+  }
+
+  bool tile_visible(int64_t b, int64_t l, int64_t n) const {
+    for (int64_t m = 0; m < M; ++m) {
+      const uint16_t* p = bias.at(b, 0, m) + l;
+      for (int64_t i = 0; i < n; ++i)
+        if (p[i] != S::kNegInfBits) return true;
+    }
+    return false;
+  }
+
+  // Scores of queries [M] against tile positions [l, l + 8) (n of them real), into s[m * 8 + i].
+  void score_tile(int64_t b, int64_t h, int64_t l, int64_t n, float* s) const {
+    alignas(32) float kt[kTile * D];
+    widen_tile(K, b, h, l, n, kt);
+    for (int64_t m = 0; m < M; ++m) {
+      __m256 acc[kTile];
+      for (int i = 0; i < kTile; ++i) acc[i] = _mm256_setzero_ps();
+      const float* qm = q + m * D;
+      for (int c = 0; c < D / 8; ++c) {
+        const __m256 qc = _mm256_loadu_ps(qm + 8 * c);
+        for (int i = 0; i < kTile; ++i) acc[i] = _mm256_fmadd_ps(qc, _mm256_load_ps(kt + i * D + 8 * c), acc[i]);
+      }
+      _mm256_storeu_ps(s + m * kTile, _mm256_fmadd_ps(sum_lanes8(acc), _mm256_set1_ps(scale), bias_tile(b, m, l, n)));
+    }
+  }
+
+  // Softmax numerators of row m in place of its scores (0 in hidden tiles); returns the row's chunk maximum and
+  // writes the sum of the numerators.
+  float softmax_row(int64_t m, int64_t tiles, float* scores, const char* visible, float* row_sum) const {
+    __m256 mx = _mm256_set1_ps(kNegInf);
+    for (int64_t t = 0; t < tiles; ++t)
+      if (visible[t]) mx = _mm256_max_ps(mx, _mm256_loadu_ps(scores + (t * M + m) * kTile));
+    const float mxs = max_lanes(mx);
+    __m256 sum = _mm256_setzero_ps();
+    for (int64_t t = 0; t < tiles; ++t) {
+      float* st = scores + (t * M + m) * kTile;
+      const __m256 e = visible[t] && mxs != kNegInf ? exp8(_mm256_sub_ps(_mm256_loadu_ps(st), _mm256_set1_ps(mxs)))
+                                                    : _mm256_setzero_ps();
+      _mm256_storeu_ps(st, e);
+      sum = _mm256_add_ps(sum, e);
+    }
+    *row_sum = sum_lanes(sum);
+    return mxs;
+  }
+
+  // out[m] += sum_i p[m, i] V[l + i] over the tile's positions.
+  void accumulate_tile(int64_t b, int64_t h, int64_t l, int64_t n, const float* probs, float* out) const {
+    alignas(32) float vt[kTile * D];
+    widen_tile(V, b, h, l, n, vt);
+    for (int64_t m = 0; m < M; ++m) {
+      const float* p = probs + m * kTile;
+      for (int c = 0; c < D; c += 32) {  // 4 ymm of outputs at a time
+        float* o = out + m * D + c;
+        __m256 acc[4] = {_mm256_loadu_ps(o), _mm256_loadu_ps(o + 8), _mm256_loadu_ps(o + 16), _mm256_loadu_ps(o + 24)};
+        for (int i = 0; i < kTile; ++i) {
+          const __m256 pi = _mm256_broadcast_ss(p + i);
+          for (int j = 0; j < 4; ++j) acc[j] = _mm256_fmadd_ps(pi, _mm256_load_ps(vt + i * D + c + 8 * j), acc[j]);
+        }
+        for (int j = 0; j < 4; ++j) _mm256_storeu_ps(o + 8 * j, acc[j]);
+      }
+    }
+  }
+
+  // Positions [l0, l1) of (b, h): the chunk's maxima [M], softmax sums [M] and unnormalized out [M, D].
+  void run(int64_t b, int64_t h, int64_t l0, int64_t l1, Buffers& buffers, float* row_max, float* row_sum,
+           float* out) const {
+    const int64_t tiles = (l1 - l0 + kTile - 1) / kTile;
+    std::vector<float>& scores = buffers.scores;
+    std::vector<char>& visible = buffers.visible;
+    scores.resize(tiles * M * kTile);
+    visible.resize(tiles);
+    for (int64_t t = 0; t < tiles; ++t) {
+      const int64_t l = l0 + t * kTile, n = std::min<int64_t>(kTile, l1 - l);
+      visible[t] = tile_visible(b, l, n);
+      if (visible[t]) score_tile(b, h, l, n, scores.data() + t * M * kTile);
+    }
+    for (int64_t m = 0; m < M; ++m) row_max[m] = softmax_row(m, tiles, scores.data(), visible.data(), row_sum + m);
+    std::fill(out, out + M * D, 0.0f);
+    for (int64_t t = 0; t < tiles; ++t) {
+      const int64_t l = l0 + t * kTile;
+      if (visible[t]) accumulate_tile(b, h, l, std::min<int64_t>(kTile, l1 - l), scores.data() + t * M * kTile, out);
+    }
+  }
+};
+
+template <int D, class S>
+torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                     const torch::Tensor& bias, int64_t chunk) {
+  const int64_t M = q.size(2);
+  auto qf = q.to(torch::kFloat).contiguous();
+  const float* qp = qf.data_ptr<float>();
+  const Strided K = magicdec::strided(k), V = magicdec::strided(v);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  return magicdec::attend_in_chunks<D>(
+      q.size(0), q.size(1), M, k.size(2), chunk, magicdec::strided(bias), qf.options(),
+      [&](int64_t bh, int64_t m0, int64_t rows, Strided block_bias) {
+        return Task<D, S>{qp + (bh * M + m0) * D, rows, K, V, block_bias, scale};
+      });
+}
+
+template <class S>
+torch::Tensor attend_head_dim(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                              const torch::Tensor& bias, int64_t chunk) {
+  switch (q.size(3)) {
+    case 64: return attend<64, S>(q, k, v, bias, chunk);
+    case 128: return attend<128, S>(q, k, v, bias, chunk);
+    default: TORCH_CHECK(false, "decode_attention: head dim ", q.size(3), " is not 64 or 128");
+  }
+}
+
+}  // namespace
+
+torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                               const torch::Tensor& bias, int64_t chunk) {
+  const auto type = k.scalar_type();
+  TORCH_CHECK((type == torch::kHalf || type == torch::kBFloat16) && v.scalar_type() == type &&
+                  bias.scalar_type() == type, "decode_attention: K, V and bias must be all fp16 or all bf16");
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && bias.dim() == 4, "decode_attention: 4-d tensors");
+  TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1 && bias.stride(3) == 1,
+              "decode_attention: last dims must be contiguous");
+  TORCH_CHECK(chunk > 0 && chunk % kTile == 0, "decode_attention: chunk must be a positive multiple of 8");
+  return type == torch::kHalf ? attend_head_dim<Fp16>(q, k, v, bias, chunk)
+                              : attend_head_dim<Bf16>(q, k, v, bias, chunk);
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("decode_attention", &decode_attention, "Attention over an fp16 or bf16 KV cache in fp32 (AVX2, FMA, F16C)");
+}
