@@ -37,8 +37,10 @@ class Drafter(ABC):
         return self.gamma + 2
 
     @abstractmethod
-    def allocate(self, slots: int, capacity: int, dtype: torch.dtype, device: torch.device) -> None:
-        """Create the draft cache for `slots` sequences of up to `capacity` tokens."""
+    def allocate(self, slots: int, capacity: int, dtype: torch.dtype, device: torch.device,
+                 target: KVCache | None = None) -> None:
+        """Create the draft cache for `slots` sequences of up to `capacity` tokens; `target` is the target's cache
+        over the same slots (a self-speculative draft of a hybrid model shares its sliding-window ring)."""
 
     @abstractmethod
     def cache_bytes(self, slots: int, capacity: int, dtype: torch.dtype) -> int:
