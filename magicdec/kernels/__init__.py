@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 
 #: CPU flags the kernels are compiled for (and that the CPU must have): AVX-512 with bf16 dot products.
 ISA = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16")
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 128, 256)
 #: Context positions per task. Fixed, so that the chunks a query row is split into, and with them its
 #: arithmetic, do not depend on how many positions the forward attends: a verification forward and the
 #: one-token steps over the same tokens give bit-identical outputs.
