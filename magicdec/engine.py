@@ -25,7 +25,7 @@ from magicdec import dtypes
 from magicdec.config import EngineConfig
 from magicdec.distributed import init_tp, launched_world_size
 from magicdec.drafters.base import Drafter
-from magicdec.errors import InvalidRequestError, UnsupportedModelError
+from magicdec.errors import InvalidRequestError
 from magicdec.kv.prompt_cache import PromptCache
 from magicdec.loading import LoadedModel, load_model
 from magicdec.loading.tokenizer import Tokenizer
@@ -240,9 +240,6 @@ class LLM:
         self.config = resolve_config(config, self.model)
         self.attention = attention_path(self.model.device, self.kv_dtype)  # builds a native kernel now, not mid-run
         self.linear = linear_path(self.model.device, self.model.dtype)  # "packed" where load_model packed them
-        if prompt_cache_bytes and self.model.cfg.hybrid:
-            raise UnsupportedModelError("the prompt cache does not keep the sliding-window rings of a hybrid-attention "
-                                        "model (Gemma 3) yet; run it with prompt_cache_bytes=0")
         self.prompt_cache = PromptCache(prompt_cache_bytes)  # prefilled prompts kept across generate calls
         self.last_stats: GenerationStats | None = None
         self._drafters: dict[SpeculativeConfig, Drafter | None] = {}

@@ -188,8 +188,8 @@ def test_gemma_270m_greedy_matches_transformers(gemma, book_prompt):
     out = requests[0].output_ids
     assert len(out) == 40
     with torch.inference_mode():
-        logits = hf_from_ours(gemma.model)(torch.tensor([book_prompt + out])).logits[0, len(book_prompt) - 1 : -1]
-    assert logits.argmax(-1).tolist() == out
+        logits = hf_from_ours(gemma.model)(torch.tensor([book_prompt + out]), logits_to_keep=len(out) + 1).logits
+    assert logits[0, :-1].argmax(-1).tolist() == out
 
 
 @needs_gemma
@@ -202,17 +202,41 @@ def test_gemma_tokenizer_matches_the_reference(gemma):
     assert gemma.tokenizer.decode(gemma.tokenizer.encode(text)) == text
 
 
+@pytest.fixture(scope="module")
+def two_prompts(book_prompt) -> list[list[int]]:
+    return [book_prompt, book_prompt[100:400]]
+
+
+@pytest.fixture(scope="module")
+def plain_greedy(gemma, two_prompts) -> list[list[int]]:
+    requests, _ = run_engine(gemma.model, two_prompts, SamplingParams(max_tokens=20, ignore_eos=True), prefill_chunk=256)
+    return [r.output_ids for r in requests]
+
+
 @needs_gemma
 @pytest.mark.parametrize("kind", ["streaming", "snapkv"])
-def test_self_speculation_on_gemma_is_lossless(gemma, book_prompt, kind):
-    """Self-speculation whose sparse cache (64 entries, against 560+ tokens) replaces only the global layers' context
-    emits exactly the plain greedy tokens, for two prompts decoded together."""
+def test_self_speculation_on_gemma_is_lossless(gemma, two_prompts, plain_greedy, kind):
+    """Self-speculation whose sparse cache (64 entries, against 300 and 560+ tokens) replaces only the global layers'
+    context emits exactly the plain greedy tokens, for two prompts decoded together."""
     from magicdec.drafters import SelfSpecDrafter
 
-    prompts = [book_prompt, book_prompt[100:400]]
-    params = SamplingParams(max_tokens=20, ignore_eos=True)
-    plain, _ = run_engine(gemma.model, prompts, params, prefill_chunk=256)
     drafter = SelfSpecDrafter(gemma.model, kind, budget=64, gamma=3, reindex=True)
-    spec, stats = run_engine(gemma.model, prompts, params, drafter=drafter, gamma=3, prefill_chunk=256)
-    assert [r.output_ids for r in spec] == [r.output_ids for r in plain]
+    spec, stats = run_engine(gemma.model, two_prompts, SamplingParams(max_tokens=20, ignore_eos=True),
+                             drafter=drafter, gamma=3, prefill_chunk=256)
+    assert [r.output_ids for r in spec] == plain_greedy
     assert stats.gamma == 3 and sum(stats.accepted_hist[1:]) > 0  # some drafts were accepted
+
+
+def test_prompt_cache_restores_the_window_ring(tiny_gemma):
+    """A prompt served from the prompt cache (global K/V and the sliding layers' ring) decodes as when prefilled."""
+    from magicdec.kv.prompt_cache import PromptCache
+
+    model = tiny_gemma[0]
+    prompts = [torch.randint(3, 320, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (45, 70)]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    cold, _ = run_engine(model, prompts, params, prefill_chunk=8)
+    cache = PromptCache(1 << 26)
+    for _ in range(2):  # the first run stores the prefills, the second loads them
+        warm, _ = run_engine(model, prompts, params, prefill_chunk=8, prompt_cache=cache)
+        assert [r.output_ids for r in warm] == [r.output_ids for r in cold]
+    assert all(p in cache for p in prompts)

@@ -11,6 +11,7 @@ from torch import Tensor
 
 from magicdec.config import ModelConfig
 from magicdec.kv.base import KVCache
+from magicdec.kv.hybrid import HybridCache
 from magicdec.kv.sparse import SnapKVObserver
 
 
@@ -20,10 +21,11 @@ class _Prefilled:
     v: Tensor
     logits: Tensor  # [1, V], predicting the token after the prompt
     scores: list[Tensor]  # SnapKV's observation per layer, [1, KV, T]
+    ring: tuple[Tensor, ...] = ()  # a hybrid model's sliding-window ring: K, V [n_sliding, KV, R, hd], slot_pos [R]
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.logits, *self.scores))
+        return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.logits, *self.scores, *self.ring))
 
 
 class PromptCache:
@@ -67,8 +69,12 @@ class PromptCache:
         """Fill `row` (one cache row) with the cached prefill of `prompt`; returns its last logits."""
         entry, T = self.get(prompt), len(prompt)
         row.clear()
-        row.k[:, 0, :, :T] = entry.k
-        row.v[:, 0, :, :T] = entry.v
+        full = row.full if isinstance(row, HybridCache) else row
+        full.k[:, 0, :, :T] = entry.k
+        full.v[:, 0, :, :T] = entry.v
+        if entry.ring:
+            for stored, into in zip(entry.ring, (row.window.k[:, 0], row.window.v[:, 0], row.window.slot_pos[0])):
+                into.copy_(stored)
         row.commit(T)
         if observer is not None:
             observer.scores = list(entry.scores)
@@ -78,7 +84,10 @@ class PromptCache:
         """Keep the prefill of `prompt` that `row` now holds (with its last logits and SnapKV observation)."""
         key, T = tuple(prompt), len(prompt)
         scores = [s[..., :T] for s in observer.scores]  # attention may have spanned the row's unfilled slots
-        entry = _Prefilled(row.k[:, 0, :, :T].clone(), row.v[:, 0, :, :T].clone(), logits.clone(), scores)
+        full = row.full if isinstance(row, HybridCache) else row
+        ring = (row.window.k[:, 0], row.window.v[:, 0], row.window.slot_pos[0]) if full is not row else ()
+        entry = _Prefilled(full.k[:, 0, :, :T].clone(), full.v[:, 0, :, :T].clone(), logits.clone(), scores,
+                           tuple(t.clone() for t in ring))
         if key in self.entries or entry.nbytes > self.max_bytes:
             return
         self._evict(entry.nbytes)
