@@ -209,7 +209,7 @@ def two_prompts(book_prompt) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def plain_greedy(gemma, two_prompts) -> list[list[int]]:
-    requests, _ = run_engine(gemma.model, two_prompts, SamplingParams(max_tokens=20, ignore_eos=True), prefill_chunk=256)
+    requests, _ = run_engine(gemma.model, two_prompts, SamplingParams(max_tokens=12, ignore_eos=True), prefill_chunk=256)
     return [r.output_ids for r in requests]
 
 
@@ -221,7 +221,7 @@ def test_self_speculation_on_gemma_is_lossless(gemma, two_prompts, plain_greedy,
     from magicdec.drafters import SelfSpecDrafter
 
     drafter = SelfSpecDrafter(gemma.model, kind, budget=64, gamma=3, reindex=True)
-    spec, stats = run_engine(gemma.model, two_prompts, SamplingParams(max_tokens=20, ignore_eos=True),
+    spec, stats = run_engine(gemma.model, two_prompts, SamplingParams(max_tokens=12, ignore_eos=True),
                              drafter=drafter, gamma=3, prefill_chunk=256)
     assert [r.output_ids for r in spec] == plain_greedy
     assert stats.gamma == 3 and sum(stats.accepted_hist[1:]) > 0  # some drafts were accepted
@@ -240,3 +240,19 @@ def test_prompt_cache_restores_the_window_ring(tiny_gemma):
         warm, _ = run_engine(model, prompts, params, prefill_chunk=8, prompt_cache=cache)
         assert [r.output_ids for r in warm] == [r.output_ids for r in cold]
     assert all(p in cache for p in prompts)
+
+
+@needs_gemma
+def test_gemma_chat_template(gemma):
+    """The GGUF carries no chat template; Gemma 3's is used: the system message opens the first user turn, the
+    assistant is "model", and the prompt encodes its turn markers as single tokens."""
+    from magicdec.loading import chat_template
+    from magicdec.server.chat import ChatTemplate
+
+    template = ChatTemplate(chat_template(gemma.source), gemma.tokenizer)
+    text = template.render([{"role": "system", "content": "Be brief."}, {"role": "user", "content": " Hi "},
+                            {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye"}])
+    assert text == ("<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\nHello.<end_of_turn>\n"
+                    "<start_of_turn>user\nBye<end_of_turn>\n<start_of_turn>model\n")
+    ids = gemma.tokenizer.encode(text, add_bos=False)
+    assert ids[:3] == [2, 105, 2364] and ids.count(106) == 3  # <bos> <start_of_turn> user ... <end_of_turn> x3

@@ -123,11 +123,13 @@ def chat_template(source: str | os.PathLike) -> str | None:
     """The Jinja chat template of a model (a Hugging Face folder or GGUF file), or None if it has none.
 
     Hugging Face folders keep it in `chat_template.jinja` or tokenizer_config.json's `chat_template` (a string, or a
-    list of named templates of which "default" is used); GGUF files in the metadata key `tokenizer.chat_template`."""
+    list of named templates of which "default" is used); GGUF files in the metadata key `tokenizer.chat_template`, else
+    the template of their family (Gemma 3's files carry none)."""
     path = Path(source)
     if path.suffix.lower() == ".gguf":
-        template = gguf_metadata(read_gguf(path)).get("tokenizer.chat_template")
-        return template if isinstance(template, str) else None
+        meta = gguf_metadata(read_gguf(path))
+        template = meta.get("tokenizer.chat_template")
+        return template if isinstance(template, str) else FAMILY_TEMPLATES.get(meta.get("general.architecture"))
     if (path / "chat_template.jinja").is_file():
         return (path / "chat_template.jinja").read_text()
     config = path / "tokenizer_config.json"
