@@ -110,6 +110,9 @@ MODEL_PRESETS: dict[str, ModelShape] = {
         # meta-llama/Llama-3.2-1B
         ModelShape(name="llama-3.2-1b", n_layers=16, dim=2048, n_heads=32, n_kv_heads=8,
                    head_dim=64, ffn_dim=8192, vocab_size=128256, tie_embeddings=True),
+        # google/gemma-3-270m: 15 of 18 layers attend over a 512-token window
+        ModelShape(name="gemma3-270m", n_layers=18, dim=640, n_heads=4, n_kv_heads=1, head_dim=256, ffn_dim=2048,
+                   vocab_size=262144, tie_embeddings=True, sliding_layers=15, sliding_window=512),
     )
 }
 
