@@ -246,10 +246,11 @@ def test_prompt_cache_restores_the_window_ring(tiny_gemma):
 def test_gemma_chat_template(gemma):
     """The GGUF carries no chat template; Gemma 3's is used: the system message opens the first user turn, the
     assistant is "model", and the prompt encodes its turn markers as single tokens."""
-    from magicdec.loading import chat_template
+    from magicdec.loading.packaged import FAMILY_TEMPLATES
     from magicdec.server.chat import ChatTemplate
 
-    template = ChatTemplate(chat_template(gemma.source), gemma.tokenizer)
+    # what `chat_template` gives a gemma3 GGUF (reading the file's metadata again would take ~20 s)
+    template = ChatTemplate(FAMILY_TEMPLATES["gemma3"], gemma.tokenizer)
     text = template.render([{"role": "system", "content": "Be brief."}, {"role": "user", "content": " Hi "},
                             {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye"}])
     assert text == ("<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\nHello.<end_of_turn>\n"
