@@ -86,7 +86,8 @@ class Parser(argparse.ArgumentParser):
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
-    g.add_argument("--model", help="Hugging Face model folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--model", help="Hugging Face model folder, .gguf file, or gemma3-270m (the packaged Gemma 3 270M, "
+                                   "32k context) (default: the embedded SmolLM2-135M-Instruct)")
     g.add_argument("--device", help="cpu or cuda[:N] (default: cuda if available)")
     g.add_argument("--dtype", choices=["auto", "fp32", "bf16", "fp16"], default="auto",
                    help="weights, activations and KV dtype (default auto: bf16 on CUDA and on CPUs with AMX-BF16 "

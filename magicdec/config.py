@@ -13,7 +13,17 @@ from magicdec.errors import InvalidRequestError, ModelLoadError, UnsupportedMode
 if TYPE_CHECKING:
     import torch
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Gemma3ForCausalLM")
+#: Layer kinds of a hybrid-attention model: attention over the whole context, or over the last `sliding_window` tokens.
+GLOBAL, SLIDING = "global", "sliding"
+#: Families named in checkpoints that are refused with their name (each differs from what the model implements).
+REFUSED_ARCHITECTURES = {
+    "Gemma3ForConditionalGeneration": "the multimodal Gemma 3 (4B and up); only the text-only Gemma3ForCausalLM runs",
+    "Gemma2ForCausalLM": "Gemma 2 (attention logit soft-capping is not implemented)",
+    "Gemma3nForCausalLM": "Gemma 3n (per-layer embeddings and AltUp are not implemented)",
+    "Gemma3nForConditionalGeneration": "Gemma 3n (per-layer embeddings and AltUp are not implemented)",
+    "GemmaForCausalLM": "Gemma 1",
+}
 
 #: The Hugging Face `config.json` key of each field, to name the key a user can fix in error messages.
 HF_KEYS = {
@@ -47,6 +57,8 @@ def _is_real(value: Any) -> bool:
 
 
 def _check_architecture(arch: str) -> None:
+    if arch in REFUSED_ARCHITECTURES:
+        raise UnsupportedModelError(f"unsupported architecture {arch!r}: {REFUSED_ARCHITECTURES[arch]}")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedModelError(
             f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
@@ -55,7 +67,8 @@ def _check_architecture(arch: str) -> None:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Dimensions of a decoder-only Llama-family model (Llama 2/3, SmolLM2, Mistral, Qwen2).
+    """Dimensions of a decoder-only Llama-family model (Llama 2/3, SmolLM2, Mistral, Qwen2), and the conventions in
+    which Gemma 3 differs from them (the fields after `architecture`; their defaults are Llama's).
 
     Every value is checked on construction (types, ranges, consistency), so a config that would make the forward pass
     fail or produce NaN is refused with a ConfigFieldError naming the field."""
@@ -76,6 +89,15 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     architecture: str = "LlamaForCausalLM"
+    layer_types: tuple[str, ...] = ()  # GLOBAL or SLIDING per layer; empty: every layer global
+    sliding_window: int | None = None  # keys a sliding layer's query sees, its own included
+    rope_local_theta: float | None = None  # RoPE base of the sliding layers (None: rope_theta)
+    query_pre_attn_scalar: float | None = None  # attention scores are scaled by its inverse root (None: head_dim)
+    qk_norm: bool = False  # RMSNorm over each query and key head before RoPE
+    sandwich_norms: bool = False  # RMSNorm of the attention and MLP outputs too, before the residual adds
+    activation: str = "silu"  # of the gated MLP: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+    scale_embeddings: bool = False  # embeddings multiplied by sqrt(dim)
+    final_logit_softcap: float | None = None  # logits = c * tanh(logits / c)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len"):
@@ -112,6 +134,40 @@ class ModelConfig:
             raise ConfigFieldError("eos_token_ids", f"must be token ids in [0, {self.vocab_size}), got "
                                                     f"{self.eos_token_ids!r}")
         _check_architecture(self.architecture)
+        self._check_conventions()
+
+    def _check_conventions(self) -> None:
+        """The Gemma-style fields: layer kinds with their window, and the optional scales."""
+        object.__setattr__(self, "layer_types", tuple(self.layer_types))  # a list from a JSON file
+        if self.layer_types and (len(self.layer_types) != self.n_layers
+                                 or not set(self.layer_types) <= {GLOBAL, SLIDING}):
+            raise ConfigFieldError("layer_types", f"must name {GLOBAL!r} or {SLIDING!r} for each of the "
+                                                  f"{self.n_layers} layers, got {self.layer_types!r}")
+        if SLIDING in self.layer_types and not (_is_int(self.sliding_window) and self.sliding_window >= 1):
+            raise ConfigFieldError("sliding_window", f"must be a positive integer, got {self.sliding_window!r}")
+        for name in ("rope_local_theta", "query_pre_attn_scalar", "final_logit_softcap"):
+            value = getattr(self, name)
+            if value is not None and not (_is_real(value) and value > 0):
+                raise ConfigFieldError(name, f"must be a finite number > 0 or null, got {value!r}")
+        if self.activation not in ("silu", "gelu_tanh"):
+            raise UnsupportedModelError(f"unsupported MLP activation {self.activation!r} (silu or gelu_tanh)")
+        for name in ("qk_norm", "sandwich_norms", "scale_embeddings"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigFieldError(name, f"must be true or false, got {getattr(self, name)!r}")
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """The attention kind of each layer, GLOBAL or SLIDING."""
+        return self.layer_types or (GLOBAL,) * self.n_layers
+
+    @property
+    def hybrid(self) -> bool:
+        """Whether some layers attend over a sliding window (their K/V need not outgrow the window)."""
+        return SLIDING in self.kinds
+
+    def layers_of(self, kind: str) -> list[int]:
+        """Indices of the layers of one kind."""
+        return [i for i, k in enumerate(self.kinds) if k == kind]
 
     @staticmethod
     def _check_rope_scaling(rs: Any) -> None:
@@ -130,9 +186,10 @@ class ModelConfig:
             raise ConfigFieldError("rope_scaling", f"needs 'original_max_position_embeddings', a positive integer "
                                                    f"(got {old_ctx!r})")
 
-    def kv_bytes_per_token(self, element_size: int) -> int:
-        """Bytes of K and V that one token occupies in a cache, over all layers."""
-        return 2 * self.n_layers * self.n_kv_heads * self.head_dim * element_size
+    def kv_bytes_per_token(self, element_size: int, kind: str | None = None) -> int:
+        """Bytes of K and V that one token occupies in a cache, over all layers (or the layers of one kind)."""
+        layers = self.n_layers if kind is None else len(self.layers_of(kind))
+        return 2 * layers * self.n_kv_heads * self.head_dim * element_size
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
@@ -198,10 +255,40 @@ class ModelConfig:
         if uses_window and window is not None:
             if not (_is_int(window) and window >= 1):
                 raise ModelLoadError(f"sliding_window must be a positive integer or null, got {window!r}")
-            # Sliding-window attention is not implemented: within the window it equals full attention, so the usable
-            # context is capped at the window.
+            # Sliding-window attention on every layer is not implemented: within the window it equals full
+            # attention, so the usable context is capped at the window.
             config = dataclasses.replace(config, max_seq_len=min(config.max_seq_len, window))
+        if arch == "Gemma3ForCausalLM":
+            config = dataclasses.replace(config, **gemma3_fields(cfg))
         return config
+
+
+def gemma3_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The ModelConfig fields in which a Hugging Face Gemma 3 text config differs from Llama's conventions."""
+    if cfg.get("attn_logit_softcapping") is not None:
+        raise UnsupportedModelError("attention logit soft-capping (attn_logit_softcapping) is not implemented")
+    if cfg.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
+        raise UnsupportedModelError(f"unsupported hidden_activation {cfg.get('hidden_activation')!r}")
+    kinds = {"sliding_attention": SLIDING, "full_attention": GLOBAL}
+    types = cfg.get("layer_types")
+    if types is None:  # older configs: every `sliding_window_pattern`-th layer is global
+        pattern = cfg.get("sliding_window_pattern", cfg.get("_sliding_window_pattern", 6))
+        types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+                 for i in range(cfg["num_hidden_layers"])]
+    if not (isinstance(types, list) and all(t in kinds for t in types)):
+        raise ModelLoadError(f"layer_types must list 'sliding_attention' or 'full_attention' per layer, got {types!r}")
+    rope_theta, local_theta = cfg.get("rope_theta", 1_000_000.0), cfg.get("rope_local_base_freq", 10_000.0)
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and isinstance(params.get("full_attention"), dict):  # transformers >= 5
+        rope_theta = params["full_attention"].get("rope_theta", rope_theta)
+        local_theta = (params.get("sliding_attention") or {}).get("rope_theta", local_theta)
+    return {
+        "layer_types": tuple(kinds[t] for t in types), "sliding_window": cfg.get("sliding_window"),
+        "rope_theta": rope_theta, "rope_local_theta": local_theta,
+        "query_pre_attn_scalar": cfg.get("query_pre_attn_scalar"), "qk_norm": True, "sandwich_norms": True,
+        "activation": "gelu_tanh", "scale_embeddings": True, "final_logit_softcap": cfg.get("final_logit_softcapping"),
+        "norm_eps": cfg.get("rms_norm_eps", 1e-6), "tie_embeddings": cfg.get("tie_word_embeddings", True),
+    }
 
 
 @dataclass(frozen=True)

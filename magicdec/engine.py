@@ -190,8 +190,11 @@ def resolve_config(config: EngineConfig, model: Transformer) -> EngineConfig:
 
 def make_prefix_cache(model: Transformer, config: EngineConfig) -> PrefixCache | None:
     """The prefix cache `config` (resolved) asks for; None where caching is off. Its default size is a quarter of the
-    memory available now, the same on every tensor-parallel rank (they must make the same hit decisions)."""
+    memory available now, the same on every tensor-parallel rank (they must make the same hit decisions). A hybrid
+    model (sliding-window layers) is served uncached: its window ring at a block boundary is not kept in blocks."""
     if not config.enable_prefix_caching:
+        return None
+    if model.cfg.hybrid:
         return None
     size = config.prefix_cache_bytes
     if size is None:

@@ -1,4 +1,6 @@
-"""The transformer, in plain PyTorch: embeddings, RMSNorm, RoPE, grouped-query attention, SwiGLU, LM head.
+"""The transformer, in plain PyTorch: embeddings, RMSNorm, RoPE, grouped-query attention, SwiGLU, LM head; and the
+conventions of Gemma 3 as config switches: sliding-window and global layers with a RoPE base each, QK-norm, norms
+after attention and MLP, GeGLU, scaled embeddings, the attention scale and final logit soft-capping.
 
 Weights use fused projections (one `wqkv` and one `w13` matmul per layer) because on small models the per-op overhead
 of eager PyTorch, not arithmetic, dominates a decode step.
@@ -14,7 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from magicdec import kernels
-from magicdec.config import ModelConfig
+from magicdec.config import GLOBAL, SLIDING, ModelConfig
 
 # Called with (layer index, rotated queries [B, H, q, hd], keys [B, KV, L, hd], mask [B, 1, q, L]).
 AttentionObserver = Callable[[int, Tensor, Tensor, Tensor], None]
@@ -25,7 +27,8 @@ class Cache(Protocol):
 
     def rope_positions(self, q: int) -> Tensor: ...  # [B, q] positions used to rotate new q/k
 
-    def attn_mask(self, q: int) -> Tensor: ...  # [B, 1, q, L] True where a key is visible
+    # [B, 1, q, L] True where a key is visible; a cache of a hybrid model gives one mask per layer kind
+    def attn_mask(self, q: int) -> Tensor | dict[str, Tensor]: ...
 
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]: ...
 
@@ -33,10 +36,12 @@ class Cache(Protocol):
     def dtype(self) -> torch.dtype: ...  # storage dtype of K/V; attention runs in it
 
 
-def rope_inv_freq(cfg: ModelConfig) -> Tensor:
-    """Inverse frequencies of RoPE, with Llama 3 frequency scaling when the config asks for it."""
+def rope_inv_freq(cfg: ModelConfig, kind: str = GLOBAL) -> Tensor:
+    """Inverse frequencies of RoPE for the layers of one kind, with Llama 3 frequency scaling when the config asks for
+    it."""
     hd = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+    theta = cfg.rope_local_theta if kind == SLIDING and cfg.rope_local_theta is not None else cfg.rope_theta
+    inv_freq = 1.0 / (theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
     rs = cfg.rope_scaling
     if rs is None:
         return inv_freq.float()
@@ -156,9 +161,15 @@ class Attention(nn.Module):
         super().__init__()
         self.layer = layer
         self.n_heads, self.n_kv, self.hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.normed_qk = cfg.qk_norm
         qkv_out = (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim
         self.wqkv = nn.Linear(cfg.dim, qkv_out, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        if cfg.qk_norm:
+            self.q_norm, self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps), RMSNorm(cfg.head_dim, cfg.norm_eps)
+        # `attend` scales scores by head_dim^-0.5; a config's other scale is folded into the queries
+        scalar = cfg.query_pre_attn_scalar
+        self.q_scale = None if scalar is None or scalar == cfg.head_dim else (cfg.head_dim / scalar) ** 0.5
 
     def forward(
         self,
@@ -174,7 +185,11 @@ class Attention(nn.Module):
         H, KV, hd = self.n_heads, self.n_kv, self.hd
         qkv = self.wqkv(x).view(B, q, H + 2 * KV, hd).transpose(1, 2)  # [B, H+2KV, q, hd]
         xq, xk, xv = qkv.split((H, KV, KV), dim=1)
+        if self.normed_qk:
+            xq, xk = self.q_norm(xq), self.k_norm(xk)
         xq, xk = apply_rope(xq, cos, sin), apply_rope(xk, cos, sin)
+        if self.q_scale is not None:
+            xq = xq * self.q_scale
         keys, values = cache.update(self.layer, xk, xv)  # [B, KV, L, hd]
         if observer is not None:
             observer(self.layer, xq, keys, mask)
@@ -191,10 +206,12 @@ class FeedForward(nn.Module):
         super().__init__()
         self.w13 = nn.Linear(cfg.dim, 2 * cfg.ffn_dim, bias=False)  # gate and up, fused
         self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
+        self.gelu = cfg.activation == "gelu_tanh"
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.w13(x).chunk(2, dim=-1)
-        return self.w2(F.silu(gate) * up)
+        gate = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.w2(gate * up)
 
 
 class Block(nn.Module):
@@ -204,10 +221,16 @@ class Block(nn.Module):
         self.attention = Attention(cfg, layer)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg)
+        self.sandwich = cfg.sandwich_norms
+        if cfg.sandwich_norms:  # Gemma: each sublayer's output is normalized before it joins the residual
+            self.post_attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+            self.post_ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
 
     def forward(self, x, cos, sin, mask, bias, cache, observer):
-        x = x + self.attention(self.attention_norm(x), cos, sin, mask, bias, cache, observer)
-        return x + self.feed_forward(self.ffn_norm(x))
+        h = self.attention(self.attention_norm(x), cos, sin, mask, bias, cache, observer)
+        x = x + (self.post_attention_norm(h) if self.sandwich else h)
+        h = self.feed_forward(self.ffn_norm(x))
+        return x + (self.post_ffn_norm(h) if self.sandwich else h)
 
 
 class Transformer(nn.Module):
@@ -227,6 +250,13 @@ class Transformer(nn.Module):
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self.register_buffer("inv_freq_local", rope_inv_freq(cfg, SLIDING), persistent=False)
+
+    def reset_rope(self, device: torch.device | str) -> None:
+        """Compute the RoPE frequencies, in fp32 on `device` whatever the model's dtype (a model built on the meta
+        device has none)."""
+        self.inv_freq = rope_inv_freq(self.cfg).to(device)
+        self.inv_freq_local = rope_inv_freq(self.cfg, SLIDING).to(device)
 
     @property
     def device(self) -> torch.device:
@@ -247,16 +277,34 @@ class Transformer(nn.Module):
 
         Returns logits [B, n, vocab] (n = q unless `logits_at` picks positions). The cache's lengths are not
         advanced: the caller commits how many of the q tokens to keep (see `KVCache.commit`)."""
-        q = tokens.shape[1]
         x = self.tok_embeddings(tokens)
-        cos, sin = rope_cos_sin(self.inv_freq, cache.rope_positions(q)[:, None], x.dtype)  # [B, 1, q, hd]
-        mask = cache.attn_mask(q)
-        bias = attention_bias(mask, self.cfg.n_heads // self.cfg.n_kv_heads, cache.dtype)
-        for layer in self.layers:
-            x = layer(x, cos, sin, mask, bias, cache, observer)
+        if self.cfg.scale_embeddings:  # by sqrt(dim) rounded to the model's dtype, as Gemma does
+            x = x * torch.tensor(self.cfg.dim**0.5, dtype=x.dtype)
+        contexts = self._layer_contexts(cache, tokens.shape[1], x.dtype)
+        for layer, kind in zip(self.layers, self.cfg.kinds):
+            x = layer(x, *contexts[kind], cache, observer)
         if logits_at is not None:
             x = x.gather(1, logits_at[..., None].expand(-1, -1, x.shape[-1]))
-        return self.output(self.norm(x)).float()
+        logits = self.output(self.norm(x)).float()
+        cap = self.cfg.final_logit_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    def _layer_contexts(self, cache: Cache, q: int, dtype: torch.dtype) -> dict[str, tuple[Tensor, ...]]:
+        """Per layer kind: RoPE cos/sin [B, 1, q, hd] (the kind's base), the cache's mask and its additive bias."""
+        masks = cache.attn_mask(q)
+        if not isinstance(masks, dict):
+            if self.cfg.hybrid:
+                raise TypeError("a model with sliding-window layers needs a cache that follows the layer kinds "
+                                "(magicdec.kv.hybrid)")
+            masks = {GLOBAL: masks}
+        positions = cache.rope_positions(q)[:, None]
+        groups = self.cfg.n_heads // self.cfg.n_kv_heads
+        contexts = {}
+        for kind, mask in masks.items():
+            inv_freq = self.inv_freq_local if kind == SLIDING else self.inv_freq
+            cos, sin = rope_cos_sin(inv_freq, positions, dtype)
+            contexts[kind] = (cos, sin, mask, attention_bias(mask, groups, cache.dtype))
+        return contexts
 
 
 def pack_linears(model: Transformer, storage: torch.dtype | None = None) -> None:

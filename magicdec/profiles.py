@@ -15,7 +15,7 @@ from typing import Callable, TypeVar
 import torch
 
 from magicdec import cpu
-from magicdec.config import ModelConfig
+from magicdec.config import SLIDING, ModelConfig
 from magicdec.engine import parse_dtype
 from magicdec.loading.cache import cache_root
 from magicdec.model import attention_path, linear_path
@@ -57,6 +57,7 @@ def target_shape(cfg: ModelConfig) -> ModelShape:
     return ModelShape(
         name=cfg.architecture, n_layers=cfg.n_layers, dim=cfg.dim, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
         head_dim=cfg.head_dim, ffn_dim=cfg.ffn_dim, vocab_size=cfg.vocab_size, tie_embeddings=cfg.tie_embeddings,
+        sliding_layers=len(cfg.layers_of(SLIDING)), sliding_window=cfg.sliding_window or 0,
     )
 
 

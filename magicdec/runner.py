@@ -20,12 +20,12 @@ from torch import Tensor
 
 from magicdec.config import EngineConfig
 from magicdec.drafters.base import Drafter
-from magicdec.kv import KVCache
+from magicdec.kv.hybrid import cache_bytes, make_cache
 from magicdec.kv.prefix_cache import PrefixCache
 from magicdec.kv.sparse import SnapKVObserver
 from magicdec.memory import check_fits
 from magicdec.model import Transformer
-from magicdec.prefill import prefill_chunk
+from magicdec.prefill import OBSERVATION_WINDOW, prefill_chunk
 from magicdec.sampling import RowParams, SamplingParams, sample_tokens
 from magicdec.step import LENGTH, RUNNING, STOPPED, PrefillWork, ScheduledStep, SlotAssignment, SlotOutput, StepResult
 from magicdec.verify import accept_drafts
@@ -52,6 +52,12 @@ def workspace_bytes(model: Transformer, rows: int, chunk: int) -> int:
     return chunk * per_token * element + rows * cfg.vocab_size * 4 * (MAX_GAMMA + 1) * 3
 
 
+def forward_tokens(config: EngineConfig) -> int:
+    """Most tokens one forward writes into a slot: a prefill chunk, its final observation window, or a verification
+    (the ring of a sliding-window layer must hold them beyond the window)."""
+    return max(config.prefill_chunk, OBSERVATION_WINDOW, MAX_GAMMA + 1)
+
+
 class ModelRunner:
     """Caches and buffers for `config.max_num_seqs` request slots of up to `config.max_model_len` tokens each (the
     engine resolves both, and the KV dtype, before building its runner). With a `prefix_cache`, a slot starts from
@@ -68,7 +74,7 @@ class ModelRunner:
         check_fits(self.memory_bytes(model, config, drafter) + pool, device,
                    f"{self.slots} slots x {config.max_model_len} tokens (KV caches, draft cache, workspace and the "
                    f"prefix cache's {pool / 2**30:.2f} GiB)")
-        self.cache = KVCache(model.cfg, self.slots, self.capacity, self.kv_dtype, device)
+        self.cache = make_cache(model.cfg, self.slots, self.capacity, self.kv_dtype, device, forward_tokens(config))
         self.drafter: Drafter | None = None
         self.use_drafter(drafter, checked=True)
         self.seq = torch.zeros(self.slots, self.capacity, dtype=torch.long, device=device)  # prompt + output tokens
@@ -85,7 +91,7 @@ class ModelRunner:
         """Bytes a runner for `config` (max_model_len and kv_dtype resolved) allocates, planned before allocating."""
         slots, capacity = config.max_num_seqs, config.max_model_len + CACHE_SLACK
         draft = drafter.cache_bytes(slots, capacity, config.kv_dtype) if drafter is not None else 0
-        return (KVCache.nbytes(model.cfg, slots, capacity, config.kv_dtype) + draft
+        return (cache_bytes(model.cfg, slots, capacity, config.kv_dtype, forward_tokens(config)) + draft
                 + workspace_bytes(model, slots, config.prefill_chunk))
 
     def use_drafter(self, drafter: Drafter | None, checked: bool = False) -> None:
@@ -100,7 +106,8 @@ class ModelRunner:
             if not checked:
                 check_fits(drafter.cache_bytes(self.slots, self.capacity, self.kv_dtype), self.device,
                            f"the draft cache of {self.slots} slots x {self.capacity} tokens")
-            drafter.allocate(self.slots, self.capacity, self.kv_dtype, self.device, self.prefix_cache is not None)
+            drafter.allocate(self.slots, self.capacity, self.kv_dtype, self.device, self.cache,
+                             self.prefix_cache is not None)
         self.drafter = drafter
 
     # --- slot lifecycle ---------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ import torch
 
 from magicdec.config import ModelConfig
 from magicdec.kv import KVCache
-from magicdec.model import Transformer, pack_linears, rope_inv_freq
+from magicdec.model import Transformer, pack_linears
 from magicdec.planner import ModelShape
 from magicdec.runner import synchronize
 
@@ -70,7 +70,7 @@ def synthetic_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, 
     if cfg.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight
     model = model.to(dtype=dtype).eval().requires_grad_(False)
-    model.inv_freq = rope_inv_freq(cfg).to(device=device, dtype=torch.float32)
+    model.reset_rope(device)
     pack_linears(model, storage)  # weights in `storage` where the native kernels take it (default: `dtype`)
     return model
 

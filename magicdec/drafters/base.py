@@ -38,9 +38,11 @@ class Drafter(ABC):
 
     @abstractmethod
     def allocate(self, slots: int, capacity: int, dtype: torch.dtype, device: torch.device,
-                 prefix_caching: bool = False) -> None:
-        """Create the draft cache for `slots` sequences of up to `capacity` tokens; with `prefix_caching`, a drafter
-        that prefills prompts itself keeps their blocks for later prompts with the same prefix."""
+                 target: KVCache | None = None, prefix_caching: bool = False) -> None:
+        """Create the draft cache for `slots` sequences of up to `capacity` tokens; `target` is the target's cache
+        over the same slots (a self-speculative draft of a hybrid model shares its sliding-window ring); with
+        `prefix_caching`, a drafter that prefills prompts itself keeps their blocks for later prompts with the same
+        prefix."""
 
     @abstractmethod
     def cache_bytes(self, slots: int, capacity: int, dtype: torch.dtype) -> int:

@@ -6,6 +6,7 @@ import torch
 from torch import Tensor
 
 from magicdec.drafters.base import Drafter
+from magicdec.errors import UnsupportedModelError
 from magicdec.kv import KVCache
 from magicdec.kv.prefix_cache import PrefixCache
 from magicdec.kv.sparse import SnapKVObserver, SparseKVCache, compress_into, prefix_size
@@ -23,6 +24,9 @@ class ModelDrafter(Drafter):
 
     def __init__(self, model: Transformer, cache_kind: str, budget: int, gamma: int, reindex: bool):
         super().__init__(model, gamma)
+        if model.cfg.hybrid:
+            raise UnsupportedModelError("a draft model with sliding-window layers is not supported as a standalone "
+                                        "drafter; draft with the target itself (--draft streaming or snapkv)")
         if cache_kind not in CACHE_KINDS:
             raise ValueError(f"unknown draft cache {cache_kind!r}; choose from {CACHE_KINDS}")
         self.cache_kind, self.budget, self.reindex = cache_kind, budget, reindex
@@ -33,7 +37,7 @@ class ModelDrafter(Drafter):
         return capacity + self.slack if self.cache_kind == "dense" else self.budget + self.slack
 
     def allocate(self, slots: int, capacity: int, dtype: torch.dtype, device: torch.device,
-                 prefix_caching: bool = False) -> None:
+                 target: KVCache | None = None, prefix_caching: bool = False) -> None:
         cfg = self.model.cfg
         self.prefix_cache = PrefixCache(cfg, KVCache.nbytes(cfg, slots, capacity, dtype), dtype) if prefix_caching \
             else None

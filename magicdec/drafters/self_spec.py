@@ -7,6 +7,7 @@ from torch import Tensor
 
 from magicdec.drafters.base import Drafter
 from magicdec.kv import KVCache
+from magicdec.kv.hybrid import HybridCache, global_config, global_observer
 from magicdec.kv.sparse import SnapKVObserver, SparseKVCache, compress_into, prefix_size
 from magicdec.model import Transformer
 
@@ -27,17 +28,26 @@ class SelfSpecDrafter(Drafter):
         self.needs_target_attention = kind == "snapkv"
 
     def allocate(self, slots: int, capacity: int, dtype: torch.dtype, device: torch.device,
-                 prefix_caching: bool = False) -> None:
+                 target: KVCache | None = None, prefix_caching: bool = False) -> None:
         # a slot's entries are cut from the target's cache, which the target's prefix cache fills
-        self.cache = SparseKVCache(self.model.cfg, slots, self.budget, prefix_size(self.kind, self.budget),
-                                   self.slack, dtype, device, self.reindex, self.model.inv_freq)
+        cfg = self.model.cfg
+        sparse = SparseKVCache(global_config(cfg), slots, self.budget, prefix_size(self.kind, self.budget),
+                               self.slack, dtype, device, self.reindex, self.model.inv_freq)
+        if cfg.hybrid and not isinstance(target, HybridCache):
+            raise ValueError("a self-speculative draft of a hybrid model shares the target's sliding-window ring: "
+                             "pass the target's cache")
+        # hybrid: only the global layers read a sparse cache; the sliding layers read the target's own ring
+        self.cache = target.sharing_window(sparse) if cfg.hybrid else sparse
 
     def cache_bytes(self, slots: int, capacity: int, dtype: torch.dtype) -> int:
-        return KVCache.nbytes(self.model.cfg, slots, self.budget + self.slack, dtype)
+        return KVCache.nbytes(global_config(self.model.cfg), slots, self.budget + self.slack, dtype)
 
     def catch_up(self, cache: KVCache, seq: Tensor, n_tokens: Tensor, live: Tensor, target: KVCache,
                  gamma: int) -> None:
         cache.append_from(target, n_tokens - 1, live)
 
     def admit(self, slot: int, prompt: Tensor, target: KVCache, observer: SnapKVObserver | None) -> None:
-        compress_into(self.cache.row(slot), target, self.kind, observer)
+        row = self.cache.row(slot)
+        if isinstance(row, HybridCache):
+            row, target, observer = row.full, target.full, global_observer(self.model.cfg, observer)
+        compress_into(row, target, self.kind, observer)

@@ -71,7 +71,7 @@ AVX2 = IsaPath("avx2", ("avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c"), "
                torch.float32, (torch.float16, torch.bfloat16), 16, False)
 #: In order of preference.
 PATHS = (AVX512_BF16, AVX2)
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 128, 256)
 #: Context positions per task. Fixed, so that the chunks a query row is split into, and with them its
 #: arithmetic, do not depend on how many positions the forward attends: a verification forward and the
 #: one-token steps over the same tokens give bit-identical outputs.

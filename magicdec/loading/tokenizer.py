@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from magicdec.errors import ModelLoadError, UnsupportedModelError
@@ -72,11 +72,20 @@ def read_tokenizer_file(path: Path) -> HFTokenizer:
         raise ModelLoadError(f"{path}: unreadable tokenizer ({e})") from None
 
 
+#: llama.cpp's token types (tokenizer.ggml.token_type)
+NORMAL, CONTROL, USER_DEFINED = 1, 3, 4
+#: SentencePiece's word-boundary marker, which stands for a space inside its pieces
+SPACE = "\u2581"
+
+
 def tokenizer_from_gguf_fields(meta: dict) -> HFTokenizer:
-    """Build a byte-level BPE tokenizer from GGUF `tokenizer.ggml.*` metadata."""
+    """Build the tokenizer of GGUF `tokenizer.ggml.*` metadata: byte-level BPE ("gpt2") or SentencePiece BPE
+    ("llama", as Gemma's)."""
     kind = meta.get("tokenizer.ggml.model")
+    if kind == "llama":
+        return sentencepiece_from_gguf_fields(meta)
     if kind != "gpt2":
-        raise UnsupportedModelError(f"GGUF tokenizer model {kind!r} is not supported (only 'gpt2' BPE)")
+        raise UnsupportedModelError(f"GGUF tokenizer model {kind!r} is not supported ('gpt2' or 'llama' BPE)")
     tokens, merges = meta.get("tokenizer.ggml.tokens"), meta.get("tokenizer.ggml.merges")
     if not all(isinstance(x, list) and all(isinstance(s, str) for s in x) for x in (tokens, merges)):
         raise ModelLoadError("GGUF metadata lacks the tokenizer.ggml.tokens and tokenizer.ggml.merges string lists")
@@ -101,3 +110,49 @@ def tokenizer_from_gguf_fields(meta: dict) -> HFTokenizer:
     control = 3  # llama.cpp's LLAMA_TOKEN_TYPE_CONTROL
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types) if ty == control])
     return tok
+
+
+def sentencepiece_from_gguf_fields(meta: dict) -> HFTokenizer:
+    """A SentencePiece BPE tokenizer (spaces as U+2581, bytes as <0xNN> pieces) from GGUF metadata, which stores its
+    pieces and their scores but no merges: BPE merges the adjacent pair whose joined piece scores highest, so the
+    merges are every split of every piece into two pieces, ranked by the joined piece's score (what Hugging Face's
+    conversion of a SentencePiece model does)."""
+    tokens, scores = meta.get("tokenizer.ggml.tokens"), meta.get("tokenizer.ggml.scores")
+    if not (isinstance(tokens, list) and isinstance(scores, list) and len(tokens) == len(scores)
+            and all(isinstance(t, str) for t in tokens)):
+        raise ModelLoadError("GGUF metadata lacks the tokenizer.ggml.tokens strings and their tokenizer.ggml.scores")
+    types = meta.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens)
+    # user-defined runs of spaces are stored with spaces; the model's text has U+2581 in their place
+    pieces = [t.replace(" ", SPACE) if ty == USER_DEFINED else t for t, ty in zip(tokens, types)]
+    vocab = {t: i for i, t in enumerate(pieces)}
+    unk = meta.get("tokenizer.ggml.unknown_token_id")
+    bpe = models.BPE(vocab, _score_merges(pieces, scores, types, vocab), byte_fallback=True, fuse_unk=True,
+                     unk_token=pieces[unk] if isinstance(unk, int) and 0 <= unk < len(pieces) else None)
+    tok = HFTokenizer(bpe)
+    replace = normalizers.Replace(" ", SPACE)
+    prepend = meta.get("tokenizer.ggml.add_space_prefix", False)
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend(SPACE), replace]) if prepend else replace
+    tok.decoder = decoders.Sequence([decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+                                    + ([decoders.Strip(" ", 1, 0)] if prepend else []))
+    # control tokens are special (dropped when decoding); user-defined ones ("\n\n", "<h1>") match as they are
+    added = [AddedToken(t, special=ty == CONTROL, normalized=False) for t, ty in zip(tokens, types)
+             if ty == CONTROL or (ty == USER_DEFINED and " " not in t)]
+    tok.add_tokens(added)
+    return tok
+
+
+def _score_merges(pieces: list[str], scores: list[float], types: list[int],
+                  vocab: dict[str, int]) -> list[tuple[str, str]]:
+    """BPE merges of SentencePiece pieces: each split of a piece (but control tokens) into two pieces, in the order of
+    the joined pieces: user-defined ones first (SentencePiece matches them whole before merging), in vocabulary order,
+    then the normal ones by score (ties: longer left part, then longer right part, then piece ids)."""
+    merges = []
+    for i, (piece, score, kind) in enumerate(zip(pieces, scores, types)):
+        if kind == CONTROL:
+            continue
+        rank = (0, i) if kind == USER_DEFINED else (1, -score)
+        splits = [(piece[:j], piece[j:]) for j in range(1, len(piece))]
+        splits = sorted((vocab[a], vocab[b], a, b) for a, b in splits if a in vocab and b in vocab)
+        merges.extend((rank, -len(a), -len(b), n, a, b) for n, (_, _, a, b) in enumerate(splits))
+    merges.sort(key=lambda m: m[:4])
+    return [(a, b) for *_, a, b in merges]

@@ -132,10 +132,13 @@ def forward_cost(w: Workload, q: int, kv_len: int) -> ForwardCost:
     head = shape.dim * shape.vocab_size  # replicated under TP
     params_per_device = (shape.n_params_linear - head) / tp + head
     bytes_weights = params_per_device * w.dtype_bytes
-    bytes_kv = batch * kv_len * shape.kv_bytes_per_token(w.kv_dtype_bytes) / tp
+    # a hybrid model's sliding layers read the window whatever kv_len (a draft's budget) the global layers read
+    bytes_kv = batch * (kv_len * shape.kv_bytes_per_token(w.kv_dtype_bytes)
+                        + shape.window_kv_bytes(w.context, w.kv_dtype_bytes)) / tp
     bytes_activations = tokens * _activation_elements_per_token(shape) * act_dtype_bytes / tp
     flops_linear = 2 * tokens * params_per_device
-    flops_attention = 4 * tokens * kv_len * shape.n_layers * shape.n_heads * shape.head_dim / tp
+    attended = kv_len * (shape.n_layers - shape.sliding_layers) + shape.window_keys(w.context) * shape.sliding_layers
+    flops_attention = 4 * tokens * attended * shape.n_heads * shape.head_dim / tp
 
     bandwidth = hw.mem_bandwidth * hw.bandwidth_efficiency
     t_linear_memory, t_linear_compute = _group_times(

@@ -22,6 +22,8 @@ class ModelShape:
     ffn_dim: int
     vocab_size: int
     tie_embeddings: bool = False
+    sliding_layers: int = 0  # layers attending over the last `sliding_window` keys only (Gemma 3: 5 of 6)
+    sliding_window: int = 0
 
     def __post_init__(self) -> None:
         for field in ("n_layers", "dim", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "vocab_size"):
@@ -54,8 +56,17 @@ class ModelShape:
         return self.n_params * dtype_bytes
 
     def kv_bytes_per_token(self, dtype_bytes: float) -> float:
-        """Bytes of K and V cache that one token adds across all layers."""
-        return 2 * self.n_layers * self.n_kv_heads * self.head_dim * dtype_bytes
+        """Bytes of K and V cache that one token adds across the layers whose cache grows with the context (all but
+        the sliding-window ones)."""
+        return 2 * (self.n_layers - self.sliding_layers) * self.n_kv_heads * self.head_dim * dtype_bytes
+
+    def window_keys(self, context: int) -> int:
+        """Keys a sliding-window layer attends at this context (0 without such layers)."""
+        return min(context, self.sliding_window) if self.sliding_layers else 0
+
+    def window_kv_bytes(self, context: int, dtype_bytes: float) -> float:
+        """Bytes of K and V that the sliding-window layers of one sequence hold and read at this context."""
+        return 2 * self.sliding_layers * self.window_keys(context) * self.n_kv_heads * self.head_dim * dtype_bytes
 
     @classmethod
     def from_hf_config(cls, config: dict[str, Any], name: str | None = None) -> ModelShape:
@@ -99,6 +110,9 @@ MODEL_PRESETS: dict[str, ModelShape] = {
         # meta-llama/Llama-3.2-1B
         ModelShape(name="llama-3.2-1b", n_layers=16, dim=2048, n_heads=32, n_kv_heads=8,
                    head_dim=64, ffn_dim=8192, vocab_size=128256, tie_embeddings=True),
+        # google/gemma-3-270m: 15 of 18 layers attend over a 512-token window
+        ModelShape(name="gemma3-270m", n_layers=18, dim=640, n_heads=4, n_kv_heads=1, head_dim=256, ffn_dim=2048,
+                   vocab_size=262144, tie_embeddings=True, sliding_layers=15, sliding_window=512),
     )
 }
 

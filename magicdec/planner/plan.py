@@ -89,7 +89,8 @@ def round_time(w: Workload, gamma: int, mode: str = "greedy", draft: ModelShape 
 
 def _memory(w: Workload, shape: ModelShape, kv_len: int, devices: int, weights: bool) -> float:
     """Bytes per device of `shape`'s KV caches for the workload's batch at `kv_len`, and its weights if asked."""
-    kv = w.batch * kv_len * shape.kv_bytes_per_token(w.kv_dtype_bytes)
+    kv = w.batch * (kv_len * shape.kv_bytes_per_token(w.kv_dtype_bytes) + shape.window_kv_bytes(w.context,
+                                                                                                w.kv_dtype_bytes))
     return ((shape.weight_bytes(w.dtype_bytes) if weights else 0.0) + kv) / devices
 
 

