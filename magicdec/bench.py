@@ -147,8 +147,7 @@ def run_bench(args, grid: BenchGrid) -> dict:
                 doc["points"][key] = median_run(runs[key])
                 save(out, doc)
             bar.update(1)
-    if llm.prefix_cache is not None:
-        llm.prefix_cache.clear()
+    llm.clear_prefix_cache()
     bar.close()
     add_speedups(doc)
     save(out, doc)
@@ -190,8 +189,7 @@ def _prefill(llm: LLM, texts: list[str], distinct: int, ctx: int) -> tuple[list[
     """`distinct` prompts of `ctx` tokens, prefilled cold into the LLM's prefix cache; and the seconds it took."""
     prompts = cut_prompts(llm.tokenizer, texts, distinct, ctx)
     llm.reserve_prefix_cache(distinct * ctx)
-    if llm.prefix_cache is not None:
-        llm.prefix_cache.clear()  # a shorter context's prompts are prefixes of these
+    llm.clear_prefix_cache()  # a shorter context's prompts are prefixes of these
     t0 = time.perf_counter()
     llm.generate(prompt_token_ids=prompts, params=SamplingParams(max_tokens=1))
     return prompts, time.perf_counter() - t0

@@ -287,6 +287,12 @@ class LLM:
             need = PrefixCache.bytes_for(self.model.cfg, tokens, self.kv_dtype)
             self.prefix_cache.resize(max(self.prefix_cache.max_bytes, need))
 
+    def clear_prefix_cache(self) -> None:
+        """Drop the prefix cache's blocks, so that the next prompts are prefilled cold; nothing where caching is
+        off."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
+
     def encode(self, prompts: Sequence[str]) -> list[list[int]]:
         if isinstance(prompts, str):
             raise InvalidRequestError("prompts must be a list of strings, not a single string")

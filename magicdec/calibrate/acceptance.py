@@ -89,8 +89,7 @@ def calibrate_acceptance(
             if records is not None:
                 records.append(record)
             done += 1
-    if llm.prefix_cache is not None:
-        llm.prefix_cache.clear()
+    llm.clear_prefix_cache()
     for (drafter_name, mode), devs in deviations.items():
         if len(devs) > 1:
             table.set_row_spread(drafter_name, row_spread(devs), mode=mode)

@@ -54,8 +54,7 @@ class PrefixCache:
 
     def __init__(self, cfg: ModelConfig, max_bytes: int, dtype: torch.dtype):
         self.cfg, self.dtype = cfg, dtype
-        element = torch.empty((), dtype=dtype).element_size()
-        self.block_bytes = BLOCK_SIZE * cfg.kv_bytes_per_token(element)
+        self.block_bytes = self.bytes_for(cfg, BLOCK_SIZE, dtype)
         self.max_bytes = max_bytes
         self.blocks: OrderedDict[bytes, tuple[Tensor, Tensor]] = OrderedDict()  # key -> K, V [L, KV, BLOCK, hd]
         self.pinned: dict[bytes, int] = {}  # key -> requests that matched it and have not copied it yet
@@ -63,8 +62,9 @@ class PrefixCache:
 
     @staticmethod
     def bytes_for(cfg: ModelConfig, tokens: int, dtype: torch.dtype) -> int:
-        """Bytes of a pool that holds `tokens` tokens' blocks."""
-        return -(-tokens // BLOCK_SIZE) * BLOCK_SIZE * cfg.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size())
+        """Bytes of a pool that holds `tokens` tokens' blocks (whole blocks: `tokens` rounded up)."""
+        element = torch.empty((), dtype=dtype).element_size()
+        return -(-tokens // BLOCK_SIZE) * BLOCK_SIZE * cfg.kv_bytes_per_token(element)
 
     @property
     def enabled(self) -> bool:
@@ -115,11 +115,13 @@ class PrefixCache:
 
     def load(self, keys: Sequence[bytes], row: KVCache) -> None:
         """Fill the empty cache row `row` (a one-row view) with the matched blocks `keys` and unpin them."""
+        for i, key in enumerate(keys):  # block by block into the row: no concatenated copy in between
+            k, v = self.blocks[key]
+            span = slice(i * BLOCK_SIZE, (i + 1) * BLOCK_SIZE)
+            row.k[:, 0, :, span] = k
+            row.v[:, 0, :, span] = v
         if keys:
-            n = len(keys) * BLOCK_SIZE
-            row.k[:, 0, :, :n] = torch.cat([self.blocks[key][0] for key in keys], dim=2)
-            row.v[:, 0, :, :n] = torch.cat([self.blocks[key][1] for key in keys], dim=2)
-            row.commit(n)
+            row.commit(len(keys) * BLOCK_SIZE)
         self.unpin(keys)
 
     def unpin(self, keys: Sequence[bytes]) -> None:
@@ -137,10 +139,11 @@ class PrefixCache:
             return
         keys = block_keys(tokens)[: self.capacity]
         self._touch([key for key in keys if key in self.blocks])
+        protect = set(keys)
         for i, key in enumerate(keys):
             if key in self.blocks:
                 continue
-            if not self._evict(self.block_bytes, protect=keys):
+            if not self._evict(self.block_bytes, protect):
                 keys = keys[:i]  # every other block is pinned
                 break
             span = slice(i * BLOCK_SIZE, (i + 1) * BLOCK_SIZE)
@@ -152,12 +155,11 @@ class PrefixCache:
         for key in reversed(keys):
             self.blocks.move_to_end(key)
 
-    def _evict(self, room: int, protect: Sequence[bytes] = ()) -> bool:
+    def _evict(self, room: int, protect: set[bytes] = frozenset()) -> bool:
         """Drop least recently used blocks, neither pinned nor in `protect`, until `room` more bytes fit; False if
         they cannot."""
-        keep = set(protect)
         while self.nbytes + room > self.max_bytes:
-            victim = next((k for k in self.blocks if k not in self.pinned and k not in keep), None)
+            victim = next((k for k in self.blocks if k not in self.pinned and k not in protect), None)
             if victim is None:
                 return False
             del self.blocks[victim]
