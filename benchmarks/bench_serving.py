@@ -36,10 +36,10 @@ import subprocess
 import sys
 import time
 import urllib.request
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Awaitable, Callable, Iterator, Sequence
 
 import torch
 
@@ -102,20 +102,20 @@ def scrape(base: str) -> dict[str, float]:
     return totals
 
 
-@contextmanager
-def started_server(draft: str, args) -> Iterator[str]:
-    """`magicdec serve --draft <draft>` on a free 127.0.0.1 port, until the block ends."""
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "magicdec", "serve", "--port", str(port), "--draft", draft,
-           "--max-running", str(args.max_running), "--max-model-len", str(args.prompt_max + args.max_tokens),
-           "--max-queued", str(args.num_prompts), "--log-level", "warning", *shlex.split(args.server_args)]
-    if args.model:
-        cmd += ["--model", args.model]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen(cmd, env=env, cwd=ROOT)
-    base = f"http://127.0.0.1:{port}"
+        return s.getsockname()[1]
+
+
+@contextmanager
+def serving(cmd: list[str], base: str, env: dict[str, str] | None = None, log: Path | None = None) -> Iterator[str]:
+    """Run the server command `cmd` until the block ends, once `base`/health answers (within STARTUP_S); `env` is
+    added to this process's environment, the server's output goes to `log` when given."""
+    with open(log, "w") if log is not None else nullcontext() as out:
+        proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, cwd=ROOT, stdout=out,
+                                stderr=subprocess.STDOUT if out is not None else None)
     try:
         deadline = time.monotonic() + STARTUP_S
         while True:
@@ -135,6 +135,26 @@ def started_server(draft: str, args) -> Iterator[str]:
             proc.wait(60)
         except subprocess.TimeoutExpired:
             proc.kill()
+            proc.wait(30)
+
+
+@contextmanager
+def started_server(draft: str, args, extra: Sequence[str] = (), max_model_len: int | None = None,
+                   max_queued: int | None = None, env: dict[str, str] | None = None) -> Iterator[str]:
+    """`magicdec serve --draft <draft>` on a free 127.0.0.1 port, until the block ends: args.max_running slots,
+    args.model, args.server_args and `extra` flags; the context and queue fit this benchmark's requests unless
+    `max_model_len` / `max_queued` say otherwise; `env` adds to the environment (e.g. OMP_NUM_THREADS)."""
+    port = free_port()
+    max_model_len = max_model_len or args.prompt_max + args.max_tokens
+    cmd = [sys.executable, "-m", "magicdec", "serve", "--port", str(port), "--draft", draft,
+           "--max-running", str(args.max_running), "--max-model-len", str(max_model_len),
+           "--max-queued", str(max_queued or args.num_prompts), "--log-level", "warning",
+           *shlex.split(args.server_args), *extra]
+    if args.model:
+        cmd += ["--model", args.model]
+    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    with serving(cmd, f"http://127.0.0.1:{port}", {"PYTHONPATH": path, **(env or {})}) as base:
+        yield base
 
 
 class RemoteTokenizer:
@@ -164,65 +184,103 @@ def make_prompts(base: str, args) -> list[list[int]]:
 
 
 # --- the client -----------------------------------------------------------------------------------------------
+def chunk_text(chunk) -> str | None:
+    """The text a streamed completion or chat completion chunk carries (None: none)."""
+    if not chunk.choices:
+        return None
+    choice = chunk.choices[0]
+    delta = getattr(choice, "delta", None)
+    return delta.content if delta is not None else choice.text
+
+
+async def read_stream(stream, result: RequestResult, start: float):
+    """Fill `result` (TTFT at the first text, ITL, output tokens, e2e) from a stream sent at perf_counter `start`;
+    returns the streamed text and the chunk that carried the usage (None when the server sent none)."""
+    last, pieces, usage = start, [], None
+    async for chunk in stream:
+        now = time.perf_counter()
+        text = chunk_text(chunk)
+        if text:
+            pieces.append(text)
+            if result.ttft == 0.0:
+                result.ttft = now - start
+            else:
+                result.itl.append(now - last)
+            last = now
+        if chunk.usage is not None:
+            usage = chunk
+            result.output_tokens = chunk.usage.completion_tokens
+    result.output_tokens = result.output_tokens or len(pieces)  # a server without usage streams a token a chunk
+    result.e2e = time.perf_counter() - start
+    return "".join(pieces), usage
+
+
 async def one_request(client, model: str, prompt: list[int], max_tokens: int) -> RequestResult:
     result = RequestResult(len(prompt))
-    start = last = time.perf_counter()
-    chunks = 0  # a server that reports no usage streams one token per chunk (llama-server)
+    start = time.perf_counter()
     try:
         stream = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
                                                  stream=True, stream_options={"include_usage": True},
                                                  extra_body={"ignore_eos": True})
-        async for chunk in stream:
-            now = time.perf_counter()
-            if chunk.choices and chunk.choices[0].text:
-                chunks += 1
-                if result.ttft == 0.0:
-                    result.ttft = now - start
-                else:
-                    result.itl.append(now - last)
-                last = now
-            if chunk.usage is not None:
-                result.output_tokens = chunk.usage.completion_tokens
-        result.output_tokens = result.output_tokens or chunks
-        result.e2e = time.perf_counter() - start
+        await read_stream(stream, result, start)
     except Exception as e:  # a failed request is counted, not fatal
         result.error = f"{type(e).__name__}: {e}"
     return result
 
 
-async def sample_batch(base: str, t0: float, samples: list[tuple[float, float, float]], done: asyncio.Event) -> None:
-    """(seconds since t0, running, waiting) every SAMPLE_EVERY_S until `done`."""
+Snapshots = list[tuple[float, dict[str, float]]]  # (seconds since the start, /metrics totals)
+
+
+async def sample_batch(base: str, t0: float, samples: list[tuple[float, float, float]], done: asyncio.Event,
+                       snapshots: Snapshots | None = None) -> None:
+    """(seconds since t0, running, waiting) every SAMPLE_EVERY_S until `done`; with the whole scrape in
+    `snapshots` when given."""
     while not done.is_set():
         m = await asyncio.to_thread(scrape, base)
-        samples.append((time.perf_counter() - t0, sum(m.get(n, 0.0) for n in RUNNING),
-                        sum(m.get(n, 0.0) for n in WAITING)))
+        t = time.perf_counter() - t0
+        samples.append((t, sum(m.get(n, 0.0) for n in RUNNING), sum(m.get(n, 0.0) for n in WAITING)))
+        if snapshots is not None:
+            snapshots.append((t, m))
         try:
             await asyncio.wait_for(done.wait(), SAMPLE_EVERY_S)
         except TimeoutError:
             pass
 
 
-async def run_rate(base: str, model: str, prompts: list[list[int]], rate: float, args) -> dict:
+async def timed_run(base: str, work: Callable[..., Awaitable[list]],
+                    snapshots: Snapshots | None = None) -> tuple[list, float, dict, dict, list]:
+    """Run `await work(client, t0)` (an AsyncOpenAI client on `base`, the perf_counter start) while /metrics is
+    sampled (sample_batch): (its results, seconds, /metrics before, /metrics after, the batch samples)."""
     import openai
 
     client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="-", max_retries=0, timeout=3600)
-    rng = random.Random(args.seed)
     before = scrape(base)
     samples: list[tuple[float, float, float]] = []
     done = asyncio.Event()
     t0 = time.perf_counter()
-    sampler = asyncio.create_task(sample_batch(base, t0, samples, done))
-    tasks = []
-    for prompt in prompts:
-        tasks.append(asyncio.create_task(one_request(client, model, prompt, args.max_tokens)))
-        if math.isfinite(rate):
-            await asyncio.sleep(rng.expovariate(rate))
-    results = await asyncio.gather(*tasks)
-    duration = time.perf_counter() - t0
-    done.set()
-    await sampler
-    await client.close()
-    return summarize(results, duration, before, scrape(base), samples, args.goodput)
+    sampler = asyncio.create_task(sample_batch(base, t0, samples, done, snapshots))
+    try:
+        results = await work(client, t0)
+    finally:
+        duration = time.perf_counter() - t0
+        done.set()
+        await sampler
+        await client.close()
+    return results, duration, before, scrape(base), samples
+
+
+async def run_rate(base: str, model: str, prompts: list[list[int]], rate: float, args) -> dict:
+    async def work(client, t0: float) -> list[RequestResult]:
+        rng = random.Random(args.seed)
+        tasks = []
+        for prompt in prompts:
+            tasks.append(asyncio.create_task(one_request(client, model, prompt, args.max_tokens)))
+            if math.isfinite(rate):
+                await asyncio.sleep(rng.expovariate(rate))
+        return list(await asyncio.gather(*tasks))
+
+    results, duration, before, after, samples = await timed_run(base, work)
+    return summarize(results, duration, before, after, samples, args.goodput)
 
 
 # --- the numbers -----------------------------------------------------------------------------------------------
@@ -318,6 +376,13 @@ def plot(rows: list[dict], path: Path) -> Path:
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
         ax.legend()
+    return save_figure(fig, path)
+
+
+def save_figure(fig, path: Path) -> Path:
+    """Lay out a pyplot figure, write it to `path` (120 dpi) and close it; the path."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -159,6 +159,16 @@ def serving_8k() -> str:
     return "```\n" + table(load("serving_8k")["results"]) + "\n```"
 
 
+def chat(name: str) -> str:
+    """bench_chat.py's per-turn and per-run tables of results/NAME.json (a placeholder until it exists)."""
+    if not (RESULTS / f"{name}.json").exists():
+        return f"No results yet (`results/{name}.json`): run the command above."
+    from bench_chat import summary_table, table
+
+    doc = load(name)
+    return f"```\n{table(doc['results'])}\n\n{summary_table(doc['results'])}\n```\n\nModel: {model(doc)}."
+
+
 def serving_trace() -> str:
     from serving_trace import table
 
@@ -232,8 +242,8 @@ TABLES = {"ar": ar, "dtype_linear": dtype_linear, "dtype_forward": dtype_forward
           "attention": lambda: attention(False), "attention_prefill": lambda: attention(True), "linear": linear,
           "bf16_flips": bf16_flips, "cpu_grid": cpu_grid, "llamacpp": llamacpp, "throughput": throughput,
           "auto": auto, "positions": positions, "validate_planner": validate_planner, "serving_8k": serving_8k,
-          "serving_trace": serving_trace, "tp": tp, "avx2_storage": avx2_storage, "avx2_grid": avx2_grid,
-          "avx2_llamacpp": avx2_llamacpp}
+          "serving_trace": serving_trace, "chat": lambda: chat("chat"), "chat_shared": lambda: chat("chat_shared"),
+          "tp": tp, "avx2_storage": avx2_storage, "avx2_grid": avx2_grid, "avx2_llamacpp": avx2_llamacpp}
 MODELS = {"cpu_grid": "cpu_grid", "throughput": "throughput", "auto": "auto", "positions": "acceptance"}
 
 

@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Callable, Iterator
 
 import pytest
@@ -32,6 +33,8 @@ openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
 from magicdec.sampling import SamplingParams  # noqa: E402
+from magicdec.server.metrics import ServerMetrics  # noqa: E402
+from magicdec.stats import GenerationStats  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 KEY = "test-key"
@@ -523,3 +526,18 @@ def test_detokenizer_holds_back_partial_characters_and_stop_prefixes(llm):
     partial = "".join(detok.push([i]) for i in tok.tok.encode("and ST", add_special_tokens=False).ids)
     assert partial == "and "  # "ST" may still become the stop string
     assert partial + detok.finish("and ST") == "and ST"  # it did not: the request ended by length
+
+
+def test_prefill_and_decode_seconds_count_the_engine_step_times():
+    """magicdec:prefill_seconds / decode_seconds grow by the engine's prefill_s / decode_s between steps."""
+    stats = GenerationStats()
+    engine = SimpleNamespace(scheduler=SimpleNamespace(slots=[None], waiting=[]), stats=stats)
+    metrics = ServerMetrics("m", "none", None)
+
+    def seconds(phase: str) -> float:
+        return metrics.registry.get_sample_value(f"magicdec:{phase}_seconds_total", {"model_name": "m"})
+
+    for prefill_s, decode_s in ((1.5, 0.0), (2.0, 0.25), (2.0, 1.0)):
+        stats.prefill_s, stats.decode_s = prefill_s, decode_s
+        metrics.observe_step(engine, [])
+        assert (seconds("prefill"), seconds("decode")) == (prefill_s, decode_s)

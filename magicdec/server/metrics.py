@@ -2,7 +2,8 @@
 
 Each app gets its own CollectorRegistry, so several servers (tests) can live in one process. Acceptance length reads
 off the speculation counters: 1 + accepted_tokens / drafts per drafter (one server runs one drafter, named by
-`magicdec:spec_decode_info`), and per request from the `magicdec:request_acceptance_length` histogram.
+`magicdec:spec_decode_info`), and per request from the `magicdec:request_acceptance_length` histogram. Engine time
+splits into `magicdec:prefill_seconds` and `magicdec:decode_seconds` (the engine's own step timings, GenerationStats).
 """
 
 from __future__ import annotations
@@ -46,6 +47,9 @@ class ServerMetrics:
         self.prefix_queries = metric(Counter, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = metric(Counter, "prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.generation_tokens = metric(Counter, "generation_tokens", "Output tokens generated.")
+        self.prefill_seconds = metric(Counter, "prefill_seconds", "Engine time in prefill forwards (wall seconds).")
+        self.decode_seconds = metric(Counter, "decode_seconds",
+                                     "Engine time in decode rounds, drafting included (wall seconds).")
         self._success = metric(Counter, "request_success", "Requests finished, by reason.", ["finished_reason"])
         self.ttft = metric(Histogram, "time_to_first_token_seconds", "Arrival to first token.", buckets=TTFT_BUCKETS)
         self.itl = metric(Histogram, "inter_token_latency_seconds", "Time between a request's engine steps that gave "
@@ -67,6 +71,7 @@ class ServerMetrics:
         self._last_token: dict[str, float] = {}  # request id -> when its latest tokens arrived
         self._hist_seen: list[int] = []  # the engine's accepted-length histogram at the last step
         self._drafted_seen = 0
+        self._seconds_seen = (0.0, 0.0)  # the engine's prefill and decode seconds at the last step
 
     def observe_idle(self, engine: LLMEngine) -> None:
         """Queue and slot gauges (after commands and steps alike, so aborts show at once)."""
@@ -97,6 +102,7 @@ class ServerMetrics:
             if request.finished:
                 self._observe_finished(request)
         self._observe_speculation(engine)
+        self._observe_time(engine)
 
     def observe_aborted(self, request_id: str) -> None:
         self._last_token.pop(request_id, None)
@@ -112,6 +118,13 @@ class ServerMetrics:
         hist = request.accepted_hist
         if sum(hist):
             self.acceptance.observe(1 + sum(i * c for i, c in enumerate(hist)) / sum(hist))
+
+    def _observe_time(self, engine: LLMEngine) -> None:
+        """Prefill and decode seconds from the difference of the engine's totals since the last step."""
+        prefill, decode = engine.stats.prefill_s, engine.stats.decode_s
+        self.prefill_seconds.inc(max(0.0, prefill - self._seconds_seen[0]))
+        self.decode_seconds.inc(max(0.0, decode - self._seconds_seen[1]))
+        self._seconds_seen = (prefill, decode)
 
     def _observe_speculation(self, engine: LLMEngine) -> None:
         """Counters from the difference of the engine's totals since the last step."""
