@@ -32,7 +32,7 @@ PROMPT_LEN = 20
 BUDGET = 8  # sparse draft caches: well below the prompt length, so drafts really differ from the target
 N = 5000  # independent sequences (one batch)
 NEW = 4  # generated tokens examined: positions 1..4 (1 comes from the prefill, 2..4 from spec rounds)
-P_MIN = 1e-4  # chi-square p-value threshold (63 tests under the null: family-wise false alarm ~0.6%)
+P_MIN = 1e-4  # chi-square p-value threshold (21 tests under the null: family-wise false alarm ~0.2%)
 
 SETTINGS = {
     "t1": dict(temperature=1.0),
@@ -160,8 +160,10 @@ def spec_sample(target, bad_draft, prompt, drafter: str, setting: str):
     return torch.tensor([r.output_ids for r in requests]), stats
 
 
-@pytest.mark.parametrize("setting", list(SETTINGS))
-@pytest.mark.parametrize("drafter", list(DRAFTERS))
+# each drafter under one sampling setting and each setting under one drafter: the acceptance rule and the filters are
+# shared code, and test_seeded_spec_sampling_equals_plain_sampling runs every drafter under the same seeds as plain
+@pytest.mark.parametrize(("drafter", "setting"),
+                         [("self-streaming", "t0.7-top_p0.9"), ("self-snapkv", "top_k5"), ("model", "t1")])
 def test_spec_sampling_follows_target_distribution(target, bad_draft, prompt, exact, drafter, setting):
     tokens, stats = spec_sample(target, bad_draft, prompt, drafter, setting)
     # the round really drafted and verified, and rejections happened (else the test proves little)
