@@ -159,6 +159,13 @@ def serving_8k() -> str:
     return "```\n" + table(load("serving_8k")["results"]) + "\n```"
 
 
+def prefix_hit() -> str:
+    """bench_prefix_hit.py: a prefix-cache hit against the cold prefill it replaces."""
+    from bench_prefix_hit import table
+
+    return "```\n" + table(load("prefix_hit")["results"]) + "\n```"
+
+
 def chat(name: str) -> str:
     """bench_chat.py's per-turn and per-run tables of results/NAME.json (a placeholder until it exists)."""
     if not (RESULTS / f"{name}.json").exists():
@@ -242,7 +249,7 @@ TABLES = {"ar": ar, "dtype_linear": dtype_linear, "dtype_forward": dtype_forward
           "attention": lambda: attention(False), "attention_prefill": lambda: attention(True), "linear": linear,
           "bf16_flips": bf16_flips, "cpu_grid": cpu_grid, "llamacpp": llamacpp, "throughput": throughput,
           "auto": auto, "positions": positions, "validate_planner": validate_planner, "serving_8k": serving_8k,
-          "serving_trace": serving_trace, "chat": lambda: chat("chat"), "chat_shared": lambda: chat("chat_shared"),
+          "serving_trace": serving_trace, "chat": lambda: chat("chat"), "chat_shared": lambda: chat("chat_shared"), "prefix_hit": prefix_hit,
           "tp": tp, "avx2_storage": avx2_storage, "avx2_grid": avx2_grid, "avx2_llamacpp": avx2_llamacpp}
 MODELS = {"cpu_grid": "cpu_grid", "throughput": "throughput", "auto": "auto", "positions": "acceptance"}
 
