@@ -81,6 +81,8 @@ class LLMEngine:
         self.prefix_cache = prefix_cache if prefix_cache is not None else make_prefix_cache(model, config)
         if self.prefix_cache is not None and self.prefix_cache.dtype != config.kv_dtype:
             raise ValueError(f"a prefix cache of {self.prefix_cache.dtype} serves no {config.kv_dtype} KV cache")
+        if self.prefix_cache is not None and model.cfg.hybrid:
+            raise ValueError("a hybrid model cannot take a prefix cache: its blocks do not keep a sliding layer's ring")
         self.runner = ModelRunner(model, config, eos_ids, drafter=speculation.drafter if speculation else None,
                                   prefix_cache=self.prefix_cache)
         self.scheduler = Scheduler(config, FixedGamma(0), prefix_cache=self.prefix_cache,
@@ -192,9 +194,7 @@ def make_prefix_cache(model: Transformer, config: EngineConfig) -> PrefixCache |
     """The prefix cache `config` (resolved) asks for; None where caching is off. Its default size is a quarter of the
     memory available now, the same on every tensor-parallel rank (they must make the same hit decisions). A hybrid
     model (sliding-window layers) is served uncached: its window ring at a block boundary is not kept in blocks."""
-    if not config.enable_prefix_caching:
-        return None
-    if model.cfg.hybrid:
+    if not config.enable_prefix_caching or model.cfg.hybrid:
         return None
     size = config.prefix_cache_bytes
     if size is None:

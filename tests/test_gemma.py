@@ -232,8 +232,14 @@ def test_hybrid_models_are_served_without_prefix_caching(tiny_gemma):
     from magicdec.config import EngineConfig
     from magicdec.engine import make_prefix_cache, resolve_config
 
+    from magicdec.engine import LLMEngine
+    from magicdec.kv.prefix_cache import PrefixCache
+
     model = tiny_gemma[0]
-    assert make_prefix_cache(model, resolve_config(EngineConfig(enable_prefix_caching=True), model)) is None
+    config = resolve_config(EngineConfig(enable_prefix_caching=True), model)
+    assert make_prefix_cache(model, config) is None
+    with pytest.raises(ValueError, match="hybrid"):  # nor is one passed in taken
+        LLMEngine(model, config, eos_ids=[], prefix_cache=PrefixCache(model.cfg, 1 << 20, config.kv_dtype))
 
 
 @needs_gemma
