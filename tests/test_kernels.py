@@ -162,16 +162,14 @@ def test_a_failed_build_falls_back_with_one_warning(monkeypatch, caplog):
     broken = dataclasses.replace(kernels.AVX2, cflags=("-fno-such-compiler-flag",))
     monkeypatch.setattr(kernels, "PATHS", (kernels.AVX512_BF16, broken))
     try:
-        assert force("avx2") is broken
-        kernels._build.cache_clear()
+        assert force("avx2") is broken  # a path of its own: not the built one, which stays loaded
         with caplog.at_level(logging.WARNING, logger="magicdec.kernels"):
             assert not kernels.supported(CPU, torch.float16)
             assert not kernels.supported(CPU, torch.float16)
             assert attention_path(CPU, torch.float16) == "sdpa"
-        assert len([r for r in caplog.records if "building it failed" in r.message]) == 1
+        assert len([r for r in caplog.records if "building them failed" in r.message]) == 1
     finally:
         monkeypatch.undo()
-        kernels._build.cache_clear()
         force(before)
 
 

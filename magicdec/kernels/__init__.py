@@ -23,7 +23,7 @@ The paths (`PATHS`), in order of preference; the first whose CPU flags this CPU 
   storage on AVX2"); the values a Llama-family model stores (weights, keys and values) lie far inside fp16's range.
 An ARM path (NEON with fp16 arithmetic) would be one more entry with its own flags, compiler flags and sources.
 
-Each kernel is built with torch's C++ extension tooling (a C++ compiler and ninja; once per torch version, cached
+Each path's kernels are built into one library with torch's C++ extension tooling (a C++ compiler and ninja; once per torch version, cached
 under TORCH_EXTENSIONS_DIR), with its path's instruction-set flags only (not -march=native: a build forced onto a
 path must not use the host's wider instructions). Where the CPU lacks the instructions or a build fails, that kernel
 is off, the reason is logged, and torch's operators run instead. MAGICDEC_NATIVE=0 turns the kernels off;
@@ -72,6 +72,8 @@ AVX2 = IsaPath("avx2", ("avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c"), "
 #: In order of preference.
 PATHS = (AVX512_BF16, AVX2)
 HEAD_DIMS = (64, 128, 256)
+#: The kernels of every path: <kernel><suffix>.cpp beside this module, built together.
+KERNELS = ("decode_attention", "linear")
 #: Context positions per task. Fixed, so that the chunks a query row is split into, and with them its
 #: arithmetic, do not depend on how many positions the forward attends: a verification forward and the
 #: one-token steps over the same tokens give bit-identical outputs.
@@ -113,7 +115,7 @@ def path_name() -> str:
 
 
 def _build_dir(name: str, sources: list[Path], flags: list[str]) -> Path:
-    """One build folder per kernel, torch version, sources (their text and the kernel's path: two checkouts do not
+    """One build folder per path, torch version, sources (their text and the kernel's path: two checkouts do not
     rebuild each other's) and flags (torch's own cache key ignores the version)."""
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR", Path.home() / ".cache" / "torch_extensions"))
     text = b"".join(s.read_bytes() for s in sources)
@@ -132,23 +134,25 @@ def _ensure_ninja() -> None:
             pass
 
 
-def _extension(kernel: str) -> Any | None:
-    """The compiled `kernel` ("decode_attention" or "linear") of this CPU's path, or None (the reason logged)."""
+def _ops() -> Any | None:
+    """The operators of this CPU's path (`torch.ops.magicdec_<path>`: `decode_attention`, `linear`), or None (the
+    reason logged)."""
     path = isa_path()
-    return _build(kernel, path) if path is not None else None
+    return _build(path) if path is not None else None
 
 
 @functools.cache
-def _build(kernel: str, path: IsaPath) -> Any | None:
-    """`kernel` of `path` compiled (once per process, and once per source and torch version on disk), or None where
-    it does not build (the reason logged once)."""
-    what = f"native {kernel.replace('_', ' ')} ({path.name})"
+def _build(path: IsaPath) -> Any | None:
+    """`path`'s kernels compiled into one library and loaded (once per process, and once per source and torch
+    version on disk), or None where they do not build (the reason logged once)."""
+    what = f"native {path.name} kernels"
     _ensure_ninja()
     flags = ["-O3", "-fopenmp", *path.cflags]
-    source = Path(__file__).with_name(f"{kernel}{path.suffix}.cpp")
-    build_dir = _build_dir(f"{kernel}{path.suffix}", [source, *sorted(source.parent.glob("*.h"))], flags)
+    here = Path(__file__).parent
+    sources = [here / f"{kernel}{path.suffix}.cpp" for kernel in KERNELS]
+    build_dir = _build_dir(path.name, [*sources, *sorted(here.glob("*.h"))], flags)
     if not build_dir.exists():
-        log.info("compiling the %s kernel for this CPU (once, about 30 s)", what)
+        log.info("compiling the %s for this CPU (once, about 30 s)", what)
         build_dir.mkdir(parents=True)
     lock = build_dir / "lock"  # torch waits on it forever; a build killed midway leaves it behind
     if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
@@ -157,11 +161,13 @@ def _build(kernel: str, path: IsaPath) -> Any | None:
     try:
         from torch.utils.cpp_extension import load
 
-        # -fopenmp: at::parallel_for runs on the OpenMP pool torch itself uses (its libgomp is loaded first)
-        return load(name=f"magicdec_{kernel}{path.suffix}", sources=[str(source)], extra_cflags=flags,
-                    extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
+        # -fopenmp: at::parallel_for runs on the OpenMP pool torch itself uses (its libgomp is loaded first).
+        # The library registers its operators when loaded; ninja compiles the sources side by side.
+        load(name=f"magicdec_{path.name}", sources=[str(s) for s in sources], extra_cflags=flags,
+             extra_ldflags=["-fopenmp"], build_directory=str(build_dir), is_python_module=False, verbose=False)
+        return getattr(torch.ops, f"magicdec_{path.name}")
     except Exception as e:  # no compiler, no ninja, a failed build: torch's operators still work
-        log.warning("%s off: building it failed: %s", what, str(e).strip().splitlines()[0])
+        log.warning("%s off: building them failed: %s", what, str(e).strip().splitlines()[0])
         return None
 
 
@@ -170,7 +176,7 @@ def supported(device: torch.device, kv_dtype: torch.dtype) -> bool:
     call)."""
     path = isa_path()
     return (device.type == "cpu" and path is not None and kv_dtype in path.storage
-            and _extension("decode_attention") is not None)
+            and _ops() is not None)
 
 
 def linear_supported(device: torch.device, dtype: torch.dtype, storage: torch.dtype | None = None) -> bool:
@@ -179,7 +185,7 @@ def linear_supported(device: torch.device, dtype: torch.dtype, storage: torch.dt
     AVX512-BF16, fp32 with AVX2) over one of its storage dtypes."""
     path = isa_path()
     return (device.type == "cpu" and path is not None and dtype == path.compute
-            and (storage or dtype) in path.storage and _extension("linear") is not None)
+            and (storage or dtype) in path.storage and _ops() is not None)
 
 
 def default_kv_dtype(device: torch.device, dtype: torch.dtype, storage: torch.dtype) -> torch.dtype:
@@ -225,7 +231,7 @@ def linear(x: Tensor, packed: Tensor, out_features: int, bias: Tensor | None = N
     """x [..., K] @ W^T (+ bias) with W packed by `pack_linear`; returns [..., out_features] in x's dtype (the path's
     compute dtype). Call only where `linear_supported` is True."""
     rows = x.reshape(-1, x.shape[-1]).contiguous()
-    return _extension("linear").linear(rows, packed, out_features, bias).view(*x.shape[:-1], out_features)
+    return _ops().linear(rows, packed, out_features, bias).view(*x.shape[:-1], out_features)
 
 
 def takes(xq: Tensor, keys: Tensor, values: Tensor, bias: Tensor) -> bool:
@@ -239,4 +245,4 @@ def decode_attention(xq: Tensor, keys: Tensor, values: Tensor, bias: Tensor) -> 
     """Softmax attention of queries [B, KV, M, hd] (any float dtype) over K/V [B, KV, L, hd] (16-bit) with an
     additive bias [B, 1, M, L] (K's dtype, 0 or -inf); returns [B, KV, M, hd] fp32. Call only where `takes` is
     True."""
-    return _extension("decode_attention").decode_attention(xq, keys, values, bias, CHUNK)
+    return _ops().decode_attention(xq, keys, values, bias, CHUNK)

@@ -182,15 +182,15 @@ struct Task {
 };
 
 template <int D>
-torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                     const torch::Tensor& bias, int64_t chunk) {
+at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                     const at::Tensor& bias, int64_t chunk) {
   const int64_t M = q.size(2);
-  auto qb = q.to(torch::kBFloat16).contiguous();
+  auto qb = q.to(at::kBFloat16).contiguous();
   const uint32_t* qp = reinterpret_cast<const uint32_t*>(qb.data_ptr<at::BFloat16>());
   const Strided K = magicdec::strided(k), V = magicdec::strided(v);
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   return magicdec::attend_in_chunks<D>(
-      q.size(0), q.size(1), M, k.size(2), chunk, magicdec::strided(bias), q.options().dtype(torch::kFloat),
+      q.size(0), q.size(1), M, k.size(2), chunk, magicdec::strided(bias), q.options().dtype(at::kFloat),
       [&](int64_t bh, int64_t m0, int64_t rows, Strided block_bias) {
         return Task<D>{qp + (bh * M + m0) * (D / 2), rows, K, V, block_bias, scale};
       });
@@ -198,10 +198,10 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch
 
 }  // namespace
 
-torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                               const torch::Tensor& bias, int64_t chunk) {
-  TORCH_CHECK(k.scalar_type() == torch::kBFloat16 && v.scalar_type() == torch::kBFloat16 &&
-                  bias.scalar_type() == torch::kBFloat16, "decode_attention: K, V and bias must be bf16");
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                               const at::Tensor& bias, int64_t chunk) {
+  TORCH_CHECK(k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16 &&
+                  bias.scalar_type() == at::kBFloat16, "decode_attention: K, V and bias must be bf16");
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && bias.dim() == 4, "decode_attention: 4-d tensors");
   TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1 && bias.stride(3) == 1, "decode_attention: last dims must be contiguous");
   TORCH_CHECK(chunk > 0 && chunk % kTile == 0, "decode_attention: chunk must be a positive multiple of 16");
@@ -213,6 +213,7 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, c
   }
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_attention", &decode_attention, "Decode/verification attention over a bf16 KV cache (AVX512-BF16)");
+// Decode/verification attention over a bf16 KV cache (AVX512-BF16)
+TORCH_LIBRARY_FRAGMENT(magicdec_avx512bf16, m) {
+  m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor bias, int chunk) -> Tensor", &decode_attention);
 }

@@ -182,10 +182,10 @@ struct Task {
 };
 
 template <int D, class S>
-torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                     const torch::Tensor& bias, int64_t chunk) {
+at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                     const at::Tensor& bias, int64_t chunk) {
   const int64_t M = q.size(2);
-  auto qf = q.to(torch::kFloat).contiguous();
+  auto qf = q.to(at::kFloat).contiguous();
   const float* qp = qf.data_ptr<float>();
   const Strided K = magicdec::strided(k), V = magicdec::strided(v);
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
@@ -197,8 +197,8 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch
 }
 
 template <class S>
-torch::Tensor attend_head_dim(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                              const torch::Tensor& bias, int64_t chunk) {
+at::Tensor attend_head_dim(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                              const at::Tensor& bias, int64_t chunk) {
   switch (q.size(3)) {
     case 64: return attend<64, S>(q, k, v, bias, chunk);
     case 128: return attend<128, S>(q, k, v, bias, chunk);
@@ -209,19 +209,20 @@ torch::Tensor attend_head_dim(const torch::Tensor& q, const torch::Tensor& k, co
 
 }  // namespace
 
-torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                               const torch::Tensor& bias, int64_t chunk) {
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                               const at::Tensor& bias, int64_t chunk) {
   const auto type = k.scalar_type();
-  TORCH_CHECK((type == torch::kHalf || type == torch::kBFloat16) && v.scalar_type() == type &&
+  TORCH_CHECK((type == at::kHalf || type == at::kBFloat16) && v.scalar_type() == type &&
                   bias.scalar_type() == type, "decode_attention: K, V and bias must be all fp16 or all bf16");
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && bias.dim() == 4, "decode_attention: 4-d tensors");
   TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1 && bias.stride(3) == 1,
               "decode_attention: last dims must be contiguous");
   TORCH_CHECK(chunk > 0 && chunk % kTile == 0, "decode_attention: chunk must be a positive multiple of 8");
-  return type == torch::kHalf ? attend_head_dim<Fp16>(q, k, v, bias, chunk)
+  return type == at::kHalf ? attend_head_dim<Fp16>(q, k, v, bias, chunk)
                               : attend_head_dim<Bf16>(q, k, v, bias, chunk);
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_attention", &decode_attention, "Attention over an fp16 or bf16 KV cache in fp32 (AVX2, FMA, F16C)");
+// Attention over an fp16 or bf16 KV cache in fp32 (AVX2, FMA, F16C)
+TORCH_LIBRARY_FRAGMENT(magicdec_avx2, m) {
+  m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor bias, int chunk) -> Tensor", &decode_attention);
 }

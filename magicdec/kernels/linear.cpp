@@ -52,19 +52,19 @@ inline void block(const uint16_t* x, const uint16_t* w, int64_t K, const float* 
 
 }  // namespace
 
-torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t N,
-                     const c10::optional<torch::Tensor>& bias) {
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
+                     const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "linear: x [M, K] bf16");
   const int64_t M = x.size(0), K = x.size(1);
   const int64_t groups = (N + kGroup - 1) / kGroup;
   TORCH_CHECK(K % 2 == 0 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
               packed.numel() == groups * K * kGroup, "linear: weights packed for K = ", K, " and N = ", N);
-  torch::Tensor b;
+  at::Tensor b;
   if (bias.has_value()) {
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "linear: bias [N] expected");
     b = bias->to(at::kFloat).contiguous();
   }
-  auto y = torch::empty({M, N}, x.options());
+  auto y = at::empty({M, N}, x.options());
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
   const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
@@ -82,6 +82,7 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_
   return y;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("linear", &linear, "bf16 linear layer over packed weights (AVX512-BF16), the same bits for a row in any batch");
+// bf16 linear layer over packed weights (AVX512-BF16), the same bits for a row in any batch
+TORCH_LIBRARY_FRAGMENT(magicdec_avx512bf16, m) {
+  m.def("linear(Tensor x, Tensor packed, int N, Tensor? bias) -> Tensor", &linear);
 }

@@ -62,26 +62,26 @@ void run(const float* xp, const uint16_t* wp, const float* bp, float* yp, int64_
 
 }  // namespace
 
-torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t N,
-                     const c10::optional<torch::Tensor>& bias) {
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
+                     const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "linear: x [M, K] fp32");
   const int64_t M = x.size(0), K = x.size(1), groups = (N + kGroup - 1) / kGroup;
   const auto type = packed.scalar_type();
   TORCH_CHECK((type == at::kHalf || type == at::kBFloat16) && packed.is_contiguous() &&
               packed.numel() == groups * K * kGroup, "linear: fp16 or bf16 weights packed for K = ", K, " and N = ", N);
-  torch::Tensor b;
+  at::Tensor b;
   if (bias.has_value()) {
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "linear: bias [N] expected");
     b = bias->to(at::kFloat).contiguous();
   }
-  auto y = torch::empty({M, N}, x.options());
+  auto y = at::empty({M, N}, x.options());
   const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   (type == at::kHalf ? run<Fp16> : run<Bf16>)(x.data_ptr<float>(), wp, bp, y.data_ptr<float>(), M, K, N);
   return y;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("linear", &linear,
-        "fp32 linear layer over packed fp16 or bf16 weights (AVX2, FMA, F16C), the same bits for a row in any batch");
+// fp32 linear layer over packed fp16 or bf16 weights (AVX2, FMA, F16C), the same bits for a row in any batch
+TORCH_LIBRARY_FRAGMENT(magicdec_avx2, m) {
+  m.def("linear(Tensor x, Tensor packed, int N, Tensor? bias) -> Tensor", &linear);
 }
