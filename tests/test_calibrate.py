@@ -8,6 +8,7 @@ import math
 import random
 
 import pytest
+import torch
 
 from hypothesis import given
 from hypothesis import strategies as st
@@ -20,6 +21,7 @@ from magicdec.config import EngineConfig
 from magicdec.corpus import cut_prompts
 from magicdec.distributed import shutdown_tp
 from magicdec.errors import InvalidRequestError
+from magicdec.loading import load_model
 from magicdec.autoplan import EXPLORE_EVERY, choose, describe
 from magicdec.planner.hardware import CPU_PRESETS
 from magicdec.profiles import (
@@ -86,11 +88,11 @@ def test_quick_calibration_is_valid(quick_calibration, tmp_path, monkeypatch):
     assert load_profile("cpu", "bf16") != hw  # but not for another dtype
 
 
-@pytest.mark.slow
-def test_calibration_in_bf16_is_what_auto_plans_with(default_model_bf16, tmp_path, monkeypatch):
-    """A bf16 model is timed in bf16; the profile says so, and `choose` for a bf16 model picks it up."""
+def test_calibration_in_bf16_is_what_auto_plans_with(tiny_llama, tmp_path, monkeypatch):
+    """A bf16 model is timed in bf16; the profile says so, and `choose` for a bf16 model picks it up. (A tiny model:
+    the real model's calibration is checked above.)"""
     monkeypatch.setenv("MAGICDEC_CACHE", str(tmp_path))
-    model = default_model_bf16.model
+    model = load_model(tiny_llama[0].source, device="cpu", dtype=torch.bfloat16).model
     assert choose(model, 32, 8192)[2].hardware == load_profile("cpu", "bf16").name  # before: the bf16 preset
     assert PRESETS[load_profile("cpu", "bf16").name].dtype == "bf16"
     cal = measure_hardware("cpu", quick=True, model=model)
@@ -127,7 +129,6 @@ def test_calibrate_under_torchrun_reads_the_profile_of_its_dtype(tmp_path, monke
 def test_a_profile_measured_with_other_kernels_is_set_aside(tmp_path, monkeypatch):
     """Rates measured before a native kernel (or with another attention or linear path) would mislead the
     planner: load_profile warns and plans with the preset."""
-    import torch
 
     from magicdec.model import attention_path, linear_path
 
@@ -400,7 +401,6 @@ def test_quick_profile_is_measured_once_per_cpu_threads_dtype_and_kernels(tiny_l
     """Where `magicdec calibrate` has not run, `--draft auto` measures this machine quickly on first use (with a
     progress line), keeps the profile, and reuses it; another thread count measures again; a calibrated profile of
     the device and dtype wins."""
-    import torch
 
     import magicdec.calibrate.quick as quick
 

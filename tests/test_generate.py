@@ -10,7 +10,7 @@ from conftest import run_engine
 from magicdec.sampling import SamplingParams
 
 EOS = (2,)  # <|im_end|>, the default model's EOS
-NEW = 64
+NEW = 32
 
 
 @pytest.fixture(scope="module")

@@ -66,18 +66,17 @@ def test_a_file_edited_in_place_with_its_old_mtime_is_converted_again(tiny_gguf,
     assert len(entries(cache)) == 2
 
 
-@pytest.mark.slow
-def test_same_name_size_and_mtime_do_not_share_an_entry(default_path, tmp_path, cache):
-    """Two copies of the default model, one with a changed metadata value and the other's mtime."""
-    a, b = tmp_path / "a" / default_path.name, tmp_path / "b" / default_path.name
+def test_same_name_size_and_mtime_do_not_share_an_entry(tiny_gguf, tmp_path, cache):
+    """Two copies of one GGUF, one with a changed metadata value and the other's mtime."""
+    a, b = tmp_path / "a" / tiny_gguf.name, tmp_path / "b" / tiny_gguf.name
     for path in (a, b):
         path.parent.mkdir()
-        shutil.copy2(default_path, path)
-    set_gguf_metadata(b, "llama.context_length", "4096")
+        shutil.copy2(tiny_gguf, path)
+    set_gguf_metadata(b, "llama.context_length", "512")
     set_times(b, a.stat())
     assert (a.name, a.stat().st_size, a.stat().st_mtime_ns) == (b.name, b.stat().st_size, b.stat().st_mtime_ns)
-    assert load_model(a, device="cpu").model.cfg.max_seq_len == 8192
-    assert load_model(b, device="cpu").model.cfg.max_seq_len == 4096
+    assert load_model(a, device="cpu").model.cfg.max_seq_len == 1024
+    assert load_model(b, device="cpu").model.cfg.max_seq_len == 512
     assert len(entries(cache)) == 2
 
 
