@@ -58,6 +58,8 @@ class BenchGrid:
     n_texts: int = 14
     distinct_prompts: int | None = None  # prefill this many prompts and tile them up to the batch
     positions: list[str | None] = field(default_factory=lambda: [None])  # sparse-cache key positions; None: default
+    draft_vocabs: list[int] = field(default_factory=lambda: [0])  # draft head sizes (0: the whole vocabulary)
+    vocab_corpus: str | None = None  # the text draft heads count tokens in
     repeats: int = 1  # runs of each configuration, interleaved; a point keeps its median run
 
     def __post_init__(self) -> None:
@@ -81,20 +83,24 @@ class BenchGrid:
                 if draft in self.drafters:
                     out.append({"mode": mode, "draft": draft, "budget": 0, "gamma": 0})
             fixed = [d for d in self.drafters if d not in ("none", "auto")]
-            for d, b, g, pos in itertools.product(fixed, self.budgets, self.gammas, self.positions):
-                out.append({"mode": mode, "draft": d, "budget": b, "gamma": g, **({"positions": pos} if pos else {})})
+            for d, b, g, pos, v in itertools.product(fixed, self.budgets, self.gammas, self.positions,
+                                                     self.draft_vocabs):
+                out.append({"mode": mode, "draft": d, "budget": b, "gamma": g, **({"positions": pos} if pos else {}),
+                            **({"draft_vocab": v, "vocab_corpus": self.vocab_corpus} if v else {})})
         return out
 
 
 def speculative_config(cfg: dict) -> SpeculativeConfig:
     """The speculative settings of one fixed-drafter configuration of `BenchGrid.configs`."""
     reindex = {"reindex": True, "original": False}.get(cfg.get("positions"))
-    return SpeculativeConfig(cfg["draft"], budget=cfg["budget"], gamma=cfg["gamma"], reindex=reindex)
+    return SpeculativeConfig(cfg["draft"], budget=cfg["budget"], gamma=cfg["gamma"], reindex=reindex,
+                             draft_vocab=cfg.get("draft_vocab", 0), vocab_corpus=cfg.get("vocab_corpus"))
 
 
 def point_key(batch: int, context: int, cfg: dict) -> str:
     pos = f"-{cfg['positions']}" if cfg.get("positions") else ""
-    return f"B{batch}-S{context}-{cfg['mode']}-{cfg['draft']}-K{cfg['budget']}-g{cfg['gamma']}{pos}"
+    vocab = f"-V{cfg['draft_vocab']}" if cfg.get("draft_vocab") else ""
+    return f"B{batch}-S{context}-{cfg['mode']}-{cfg['draft']}-K{cfg['budget']}-g{cfg['gamma']}{pos}{vocab}"
 
 
 def _save(path: Path, doc: dict) -> None:

@@ -32,14 +32,19 @@ def parse_size(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 512, 4k)") from None
 
 
-def size_list(text: str) -> list[int]:
-    """'1,4k' -> [1, 4096]; every size must be >= 1 and there must be one at least."""
+def size_list(text: str, least: int = 1) -> list[int]:
+    """'1,4k' -> [1, 4096]; every size must be >= `least` and there must be one at least."""
     sizes = [parse_size(x) for x in text.split(",") if x.strip()]
     if not sizes:
         raise argparse.ArgumentTypeError(f"no sizes in {text!r} (e.g. 1,8 or 1k,4k)")
-    if min(sizes) < 1:
-        raise argparse.ArgumentTypeError(f"sizes must be >= 1: {text!r}")
+    if min(sizes) < least:
+        raise argparse.ArgumentTypeError(f"sizes must be >= {least}: {text!r}")
     return sizes
+
+
+def size_list_with_zero(text: str) -> list[int]:
+    """`size_list` where 0 is a size too."""
+    return size_list(text, least=0)
 
 
 def at_least_1(value: int, text: str) -> int:
@@ -123,6 +128,11 @@ def add_draft_args(p: argparse.ArgumentParser) -> None:
                    help="positions of sparse-cache keys: re-indexed to slots (StreamingLLM) or original "
                         "(default: the better measured one per cache kind)")
     g.add_argument("--hardware", help="hardware profile for --draft auto: preset name or JSON from `magicdec calibrate`")
+    g.add_argument("--draft-vocab", type=parse_size, default=0,
+                   help="the draft proposes among only the N tokens most frequent in --vocab-corpus, through an LM "
+                        "head of N rows (FR-Spec; e.g. 32k of Gemma 3's 262k): cheaper draft steps, the same output "
+                        "(default 0: the whole vocabulary)")
+    g.add_argument("--vocab-corpus", help="text or .jsonl file whose token counts pick --draft-vocab's tokens")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -175,6 +185,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--gamma", type=size_list, default=[1, 2, 3], help="gammas, comma separated")
     b.add_argument("--positions", default="default",
                    help="sparse-cache key positions to compare: default, reindex, original (comma separated)")
+    b.add_argument("--draft-vocab", type=size_list_with_zero, default=[0],
+                   help="draft head sizes to compare, comma separated: the N tokens most frequent in --vocab-corpus "
+                        "(FR-Spec), 0 the whole vocabulary (default 0)")
+    b.add_argument("--vocab-corpus", help="text or .jsonl file draft heads count tokens in (default --corpus)")
     b.add_argument("--modes", default="greedy", help="greedy and/or sampling (temperature 0.7, top-p 0.9)")
     b.add_argument("--max-tokens", type=positive_int, default=128, help="new tokens per sequence (default 128)")
     b.add_argument("--distinct-prompts", type=positive_int,

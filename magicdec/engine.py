@@ -308,7 +308,7 @@ class LLM:
         if speculative is None:
             return None
         if speculative not in self._drafters:
-            self._drafters[speculative] = speculative.build(self.model)
+            self._drafters[speculative] = speculative.build(self.model, self.tokenizer)
         drafter = self._drafters[speculative]
         return Speculation(drafter, gamma_policy or FixedGamma(speculative.gamma)) if drafter is not None else None
 

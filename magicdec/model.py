@@ -272,11 +272,13 @@ class Transformer(nn.Module):
         cache: Cache,
         logits_at: Tensor | None = None,  # [B, n] indices into q; None: all q positions
         observer: AttentionObserver | None = None,
+        head: nn.Module | None = None,  # in place of the LM head (a draft head over part of the vocabulary)
     ) -> Tensor:
         """Run q new tokens per sequence through the model, writing their K/V into `cache`.
 
-        Returns logits [B, n, vocab] (n = q unless `logits_at` picks positions). The cache's lengths are not
-        advanced: the caller commits how many of the q tokens to keep (see `KVCache.commit`)."""
+        Returns logits [B, n, vocab] (n = q unless `logits_at` picks positions; vocab: `head`'s outputs where one is
+        given). The cache's lengths are not advanced: the caller commits how many of the q tokens to keep (see
+        `KVCache.commit`)."""
         x = self.tok_embeddings(tokens)
         if self.cfg.scale_embeddings:  # by sqrt(dim) rounded to the model's dtype, as Gemma does
             x = x * torch.tensor(self.cfg.dim**0.5, dtype=x.dtype)
@@ -285,7 +287,7 @@ class Transformer(nn.Module):
             x = layer(x, *contexts[kind], cache, observer)
         if logits_at is not None:
             x = x.gather(1, logits_at[..., None].expand(-1, -1, x.shape[-1]))
-        logits = self.output(self.norm(x)).float()
+        logits = (self.output if head is None else head)(self.norm(x)).float()
         cap = self.cfg.final_logit_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
 

@@ -221,9 +221,13 @@ def _race(probs: Tensor, seed: Tensor, position: Tensor, token: Tensor) -> Tenso
     return (probs / exponential_noise(seed, position, token)).argmax(dim=-1)
 
 
-def sample_probs(probs: Tensor, seed: Tensor, position: Tensor) -> Tensor:
-    """One token per row and position of probs [B, q, V] -> [B, q], keyed by (seed [B], position [B, q])."""
-    return _race(probs, seed, position, torch.arange(probs.shape[-1], device=probs.device))
+def sample_probs(probs: Tensor, seed: Tensor, position: Tensor, ids: Tensor | None = None) -> Tensor:
+    """One token per row and position of probs [B, q, V] -> [B, q], keyed by (seed [B], position [B, q]).
+
+    ids [V]: the token id of each column, which keys its noise and is returned (None: the column index; a draft
+    head over part of the vocabulary passes its tokens)."""
+    token = torch.arange(probs.shape[-1], device=probs.device) if ids is None else ids
+    return token[_race(probs, seed, position, token)]
 
 
 #: Candidate counts the CPU sampler tries in turn before the whole vocabulary. On CPU, sorting (or drawing
@@ -234,13 +238,14 @@ CPU_CANDIDATES = (64, 1024)
 
 
 def _sample_candidates(
-    probs: Tensor, logits: Tensor, top_k: Tensor, top_p: Tensor, seed: Tensor, position: Tensor, k: int
+    probs: Tensor, logits: Tensor, top_k: Tensor, top_p: Tensor, seed: Tensor, position: Tensor, k: int,
+    ids: Tensor | None
 ) -> tuple[Tensor, Tensor]:
     """Draw from each row's k most probable tokens, where that is the same draw as over the whole vocabulary.
 
     probs [n, V] (softmax at the row's temperature), logits [n, V], top_k / top_p / seed / position [n]. Returns
     (done [n] bool, tokens [n]): a row is done when every token its filters keep is a candidate, so the race below
-    (noise keyed by token id, as in `sample_probs`) picks what the full race would."""
+    (noise keyed by token id, as in `sample_probs`, whose `ids` this takes too) picks what the full race would."""
     index = logits.topk(k, dim=-1).indices  # [n, k], most probable first
     p = probs.gather(-1, index)
     in_top_k = (top_k[:, None] == 0) | (torch.arange(k, device=p.device) < top_k[:, None])
@@ -252,11 +257,12 @@ def _sample_candidates(
     # tokens beyond the candidates are no more probable than the last one
     done = k_fits | ((top_p < 1) & (top_k == 0) & (p[:, -1] < floor[:, 0]))
     kept = p.masked_fill(p < floor, 0.0)
-    tokens = index.gather(-1, _race(kept[:, None], seed, position[:, None], index[:, None]))  # [n, 1]
+    token = index if ids is None else ids[index]
+    tokens = token.gather(-1, _race(kept[:, None], seed, position[:, None], token[:, None]))  # [n, 1]
     return done, tokens[:, 0]
 
 
-def _sample_cpu(logits: Tensor, rows: RowParams, position: Tensor) -> Tensor:
+def _sample_cpu(logits: Tensor, rows: RowParams, position: Tensor, ids: Tensor | None) -> Tensor:
     """`sample_tokens` for the sampled rows of a CPU batch, trying CPU_CANDIDATES before the full path.
 
     logits [B, q, V] -> [B, q]; greedy rows get token 0 (the caller puts their argmax there)."""
@@ -274,29 +280,35 @@ def _sample_cpu(logits: Tensor, rows: RowParams, position: Tensor) -> Tensor:
     for k in CPU_CANDIDATES:
         if not len(todo) or k >= V:
             break
-        done, drawn = _sample_candidates(probs, logits_todo, top_k, top_p, seed, pos, k)
+        done, drawn = _sample_candidates(probs, logits_todo, top_k, top_p, seed, pos, k, ids)
         tokens[todo[done]] = drawn[done]
         left = ~done
         todo, row_of, probs, logits_todo = todo[left], row_of[left], probs[left], logits_todo[left]
         top_k, top_p, seed, pos = top_k[left], top_p[left], seed[left], pos[left]
     if len(todo):  # nuclei or supports wider than the candidates: the full path
         wide = rows.select(row_of)
-        drawn = sample_probs(probs_from_logits(logits_todo[:, None], wide), wide.seed, pos[:, None])
+        drawn = sample_probs(probs_from_logits(logits_todo[:, None], wide), wide.seed, pos[:, None], ids)
         tokens[todo] = drawn[:, 0]
     return tokens.view(B, q)
 
 
-def sample_tokens(logits: Tensor, rows: RowParams, position: Tensor) -> Tensor:
-    """The tokens at sequence positions position [B, q] given logits [B, q, V] predicting them.
+def sample_tokens(logits: Tensor, rows: RowParams, position: Tensor, ids: Tensor | None = None) -> Tensor:
+    """The tokens at sequence positions position [B, q] given logits [B, q, V] predicting them; ids [V]: the token
+    id of each logit (None: its index), for a draft head over part of the vocabulary.
 
     On CPU the sampled rows take `_sample_cpu` (the same draws as the full path, most of them from a few dozen
     candidates); on CUDA the full path, whose sort is fast and which needs no per-row host checks."""
     if rows.all_greedy:
-        return logits.argmax(dim=-1)
+        return _token_of(logits.argmax(dim=-1), ids)
     if logits.device.type == "cpu":
-        drawn = _sample_cpu(logits, rows, position)
+        drawn = _sample_cpu(logits, rows, position, ids)
     else:
-        drawn = sample_probs(probs_from_logits(logits, rows), rows.seed, position)
+        drawn = sample_probs(probs_from_logits(logits, rows), rows.seed, position, ids)
     if not rows.any_greedy:
         return drawn
-    return torch.where(rows.greedy[:, None], logits.argmax(dim=-1), drawn)
+    return torch.where(rows.greedy[:, None], _token_of(logits.argmax(dim=-1), ids), drawn)
+
+
+def _token_of(index: Tensor, ids: Tensor | None) -> Tensor:
+    """The token ids of logit indices (see `sample_tokens`)."""
+    return index if ids is None else ids[index]

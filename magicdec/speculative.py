@@ -3,11 +3,17 @@ whose weights and caches are state, and the policy that picks each step's draft 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
+from torch import Tensor
+
+from magicdec.corpus import load_texts
 from magicdec.drafters import Drafter, ModelDrafter, SelfSpecDrafter
+from magicdec.drafters.vocab import DraftHead, frequent_tokens
 from magicdec.errors import InvalidRequestError
 from magicdec.loading import load_model
+from magicdec.loading.tokenizer import Tokenizer
 from magicdec.model import Transformer
 from magicdec.runner import MAX_GAMMA
 from magicdec.scheduler import GammaPolicy
@@ -25,7 +31,9 @@ class SpeculativeConfig:
 
     budget: KV entries the draft may read per sequence (sparse caches); gamma: tokens drafted per round; draft_cache:
     dense | streaming | snapkv for a standalone draft model; reindex: rotate sparse-cache keys by slot (StreamingLLM
-    style) instead of their original positions (None: per-kind default)."""
+    style) instead of their original positions (None: per-kind default); draft_vocab: the draft proposes among the
+    `draft_vocab` tokens most frequent in the text file `vocab_corpus` only (0: the whole vocabulary; see
+    `magicdec.drafters.vocab`)."""
 
     draft: str = "self-streaming"
     budget: int = 256
@@ -33,6 +41,8 @@ class SpeculativeConfig:
     draft_model: str | None = None
     draft_cache: str = "streaming"
     reindex: bool | None = None
+    draft_vocab: int = 0
+    vocab_corpus: str | None = None
 
     def __post_init__(self) -> None:
         if self.draft not in DRAFTERS:
@@ -45,9 +55,20 @@ class SpeculativeConfig:
             raise InvalidRequestError("draft 'model' needs a draft_model path")
         if self.draft_cache not in ("dense", "streaming", "snapkv"):
             raise InvalidRequestError(f"unknown draft cache {self.draft_cache!r}; choose dense, streaming or snapkv")
+        if not (isinstance(self.draft_vocab, int) and self.draft_vocab >= 0):
+            raise InvalidRequestError(f"draft_vocab must be an integer >= 0, got {self.draft_vocab!r}")
+        if self.draft_vocab and not self.vocab_corpus:
+            raise InvalidRequestError("a draft vocabulary (draft_vocab) is counted in a corpus: give vocab_corpus")
 
-    def build(self, target: Transformer) -> Drafter | None:
-        """The drafter for `target` (None: plain decoding); a `model` drafter loads its weights here."""
+    def build(self, target: Transformer, tokenizer: Tokenizer) -> Drafter | None:
+        """The drafter for `target` (None: plain decoding); a `model` drafter loads its weights here, and a draft
+        head is cut from its LM head over the tokens `tokenizer` finds most often in `vocab_corpus`."""
+        drafter = self._drafter(target)
+        if drafter is not None and self.draft_vocab:
+            drafter.head = DraftHead(drafter.model, _frequent_tokens(tokenizer, self.vocab_corpus, self.draft_vocab))
+        return drafter
+
+    def _drafter(self, target: Transformer) -> Drafter | None:
         if self.draft == "none":
             return None
         if self.draft == "model":
@@ -63,6 +84,12 @@ class SpeculativeConfig:
         kind = self.draft.removeprefix("self-")
         reindex = DEFAULT_REINDEX[kind] if self.reindex is None else self.reindex
         return SelfSpecDrafter(target, kind, self.budget, self.gamma, reindex)
+
+
+@functools.cache
+def _frequent_tokens(tokenizer: Tokenizer, corpus: str, size: int) -> Tensor:
+    """`frequent_tokens` of a corpus file, counted once per process."""
+    return frequent_tokens(tokenizer, load_texts(corpus), size)
 
 
 @dataclass(frozen=True)

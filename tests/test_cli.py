@@ -95,10 +95,12 @@ def test_bench_resumes_and_plots(tmp_path, capsys):
     assert any("speedup" in p for p in points.values())
     assert (tmp_path / "bench_throughput.png").exists() and (tmp_path / "bench_acceptance.png").exists()
     stamps = {k: v["time"] for k, v in points.items()}
-    argv[argv.index("1,2")] = "1,2,3"  # one more gamma: only the new point runs
-    assert run(argv, capsys)[0] == 0
+    argv[argv.index("1,2")] = "1,2,3"  # one more gamma, and a draft head of 1024 tokens: only new points run
+    vocab_text = tmp_path / "vocab.txt"
+    vocab_text.write_text(json.loads(DATA.open().readline())["text"][:100_000])
+    assert run([*argv, "--draft-vocab", "0,1k", "--vocab-corpus", str(vocab_text)], capsys)[0] == 0
     doc = json.loads(out.read_text())
-    assert len(doc["points"]) == 4
+    assert len(doc["points"]) == 7 and len([k for k in doc["points"] if k.endswith("-V1024")]) == 3
     assert all(doc["points"][k]["time"] == t for k, t in stamps.items())
 
 

@@ -227,6 +227,28 @@ def test_self_speculation_on_gemma_is_lossless(gemma, two_prompts, plain_greedy,
     assert stats.gamma == 3 and sum(stats.accepted_hist[1:]) > 0  # some drafts were accepted
 
 
+@needs_gemma
+def test_a_draft_head_over_frequent_tokens_is_lossless_on_gemma(gemma, two_prompts):
+    """FR-Spec on the real model: the draft proposes among the 4096 tokens (of 262144) most frequent in another book,
+    and the output is plain decoding's, for a greedy and a seeded sampled row decoded together."""
+    from magicdec.drafters import SelfSpecDrafter
+    from magicdec.drafters.vocab import DraftHead, frequent_tokens
+
+    with open(data_path()) as f:
+        text = [json.loads(line)["text"] for line in f][3][:400_000]  # the prompts come from book 0
+    ids = frequent_tokens(gemma.tokenizer, [text], 4096)
+    eos = set(gemma.tokenizer.eos_ids)
+    assert eos <= set(ids.tolist()) and 4096 <= len(ids) <= 4096 + len(eos)
+    drafter = SelfSpecDrafter(gemma.model, "streaming", budget=64, gamma=3, reindex=True)
+    drafter.head = DraftHead(gemma.model, ids)
+    params = [SamplingParams(max_tokens=12, ignore_eos=True),
+              SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.8, seed=5)]
+    plain, _ = run_engine(gemma.model, two_prompts, params, prefill_chunk=256)
+    spec, stats = run_engine(gemma.model, two_prompts, params, drafter=drafter, gamma=3, prefill_chunk=256)
+    assert [r.output_ids for r in spec] == [r.output_ids for r in plain]
+    assert sum(stats.accepted_hist[1:]) > 0
+
+
 def test_hybrid_models_are_served_without_prefix_caching(tiny_gemma):
     """Blocks do not keep a sliding-window layer's ring, so a hybrid model gets no prefix cache even when asked."""
     from magicdec.config import EngineConfig

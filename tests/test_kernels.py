@@ -268,6 +268,13 @@ def test_linear_matches_fp32_and_gives_a_row_the_same_bits_in_any_batch(isa, M, 
         assert batched.shape == (2, M, N) and torch.equal(batched[1], out)
 
 
+def test_unpack_linear_gives_back_the_packed_weight(isa):
+    """A draft head over part of an untied, packed LM head takes its rows from the packed weight."""
+    w = torch.randn(100, 64)  # columns past 100 fill the last group with zeros
+    storage = isa.storage[0]
+    assert torch.equal(kernels.unpack_linear(kernels.pack_linear(w, storage), 100), w.to(storage))
+
+
 @pytest.mark.parametrize("tied", [False, True])
 def test_pack_linears_swaps_every_linear_layer(isa, tiny_llama, tied):
     """A load-time transform: each nn.Linear becomes a PackedLinear (a tied LM head gets its own copy of

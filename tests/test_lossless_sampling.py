@@ -271,6 +271,24 @@ def test_cpu_candidate_sampler_draws_what_the_full_path_draws(case):
     assert torch.equal(sample_tokens(logits, rows, position), full)
 
 
+@pytest.mark.parametrize("case", CPU_CASES)
+def test_a_part_of_the_vocabulary_draws_what_the_whole_draws_where_the_rest_is_impossible(case):
+    """A draft head's logits over tokens `ids` (FR-Spec) draw, through `ids`, the tokens the whole vocabulary draws when
+    every other token has logit -inf: the same noise per token id, so the same coupling with the target's draws."""
+    n, vocab = 64, 3000
+    ids = torch.randperm(vocab, generator=torch.Generator().manual_seed(2))[:1200].sort().values
+    part = _mixed_logits(len(ids)).expand(4, n, -1).reshape(4 * n, 1, -1).contiguous()
+    whole = torch.full((4 * n, 1, vocab), float("-inf")).index_copy_(-1, ids, part)
+    params = [CPU_CASES[case][i % len(CPU_CASES[case])] for i in range(4 * n)]
+    rows = RowParams.of(params, list(range(4 * n)), "cpu")
+    position = torch.arange(4 * n)[:, None] % 7
+    drawn = sample_tokens(part, rows, position, ids)
+    assert torch.isin(drawn, ids).all()
+    assert torch.equal(drawn, sample_tokens(whole, rows, position))
+    full = sample_probs(probs_from_logits(part, rows), rows.seed, position, ids)  # the full path, as on CUDA
+    assert torch.equal(torch.where(rows.greedy[:, None], ids[part.argmax(-1)], full), drawn)
+
+
 def test_per_row_filters_match_one_row_at_a_time():
     """Rows with different temperature / top-k / top-p in one batch get what each would get alone."""
     logits = _mixed_logits(500).expand(4, 2, 500).contiguous()

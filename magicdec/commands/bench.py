@@ -8,5 +8,7 @@ def run(args) -> int:
     run_bench(args, BenchGrid(batches=args.batch, contexts=args.context, drafters=args.drafters.split(","),
                               budgets=args.budget, gammas=args.gamma, modes=args.modes.split(","),
                               new_tokens=args.max_tokens, n_texts=args.num_texts,
-                              distinct_prompts=args.distinct_prompts, positions=positions, repeats=args.repeats))
+                              distinct_prompts=args.distinct_prompts, positions=positions,
+                              draft_vocabs=args.draft_vocab, vocab_corpus=args.vocab_corpus or args.corpus,
+                              repeats=args.repeats))
     return 0

@@ -19,6 +19,9 @@ from magicdec.speculative import SpeculativeConfig
 
 def speculative_from_args(args, llm, batch: int, context: int):
     """(SpeculativeConfig or None, the gamma policy or None, the plan of --draft auto or None); `serve` too."""
+    if args.draft_vocab and args.draft in ("none", "auto"):
+        raise InvalidRequestError("--draft-vocab needs a fixed drafter (--draft self-streaming, self-snapkv or model): "
+                                  "the planner of --draft auto does not model a draft head")
     if args.draft == "none":
         return None, None, None
     if args.draft == "auto":
@@ -28,7 +31,8 @@ def speculative_from_args(args, llm, batch: int, context: int):
                       profile=profile, mode="greedy" if getattr(args, "temperature", 0) == 0 else "sampling")
     return SpeculativeConfig(args.draft, budget=args.budget, gamma=args.gamma, draft_model=args.draft_model,
                              draft_cache=args.draft_cache,
-                             reindex=None if args.positions is None else args.positions == "reindex"), None, None
+                             reindex=None if args.positions is None else args.positions == "reindex",
+                             draft_vocab=args.draft_vocab, vocab_corpus=args.vocab_corpus), None, None
 
 
 def dtype_line(llm) -> str:

@@ -7,6 +7,7 @@ from abc import ABC, abstractmethod
 import torch
 from torch import Tensor
 
+from magicdec.drafters.vocab import DraftHead
 from magicdec.kv import KVCache
 from magicdec.kv.sparse import SnapKVObserver
 from magicdec.model import Transformer
@@ -29,6 +30,7 @@ class Drafter(ABC):
     def __init__(self, model: Transformer, gamma: int):
         self.model = model
         self.gamma = gamma  # the most tokens it will be asked to draft per round (sizes a sparse cache's slack)
+        self.head: DraftHead | None = None  # proposes among part of the vocabulary (None: the model's LM head)
         self.cache: KVCache | None = None
 
     @property
@@ -77,7 +79,7 @@ class Drafter(ABC):
         q = int(count.max())
         index = (start[:, None] + torch.arange(q, device=seq.device)).clamp_max(seq.shape[1] - 1)
         at = (count - 1).clamp_min(0)[:, None]
-        logits = self.model(seq.gather(1, index), cache, logits_at=at)[:, 0]
+        logits = self.model(seq.gather(1, index), cache, logits_at=at, head=self.head)[:, 0]
         cache.commit(count * live)
         return logits
 
@@ -94,11 +96,12 @@ class Drafter(ABC):
         start = cache.next_pos.clone()
         x = self._feed(cache, seq, start, torch.where(live, n_tokens - start, 1), live)
         live_n, tokens = live.long(), []
+        ids = None if self.head is None else self.head.ids
         for i in range(gamma):
-            t = sample_tokens(x[:, None], rows, (n_tokens + i)[:, None])[:, 0]
+            t = sample_tokens(x[:, None], rows, (n_tokens + i)[:, None], ids)[:, 0]
             tokens.append(t)
             if i < gamma - 1:
-                x = self.model(t[:, None], cache)[:, 0]
+                x = self.model(t[:, None], cache, head=self.head)[:, 0]
                 cache.commit(live_n)
         return torch.stack(tokens, dim=1)
 

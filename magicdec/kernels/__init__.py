@@ -227,6 +227,15 @@ def pack_linear(weight: Tensor, storage: torch.dtype) -> Tensor:
     return padded.view(groups, path.group, k).transpose(1, 2).contiguous()
 
 
+def unpack_linear(packed: Tensor, out_features: int) -> Tensor:
+    """The weight [out_features, K] that `pack_linear` packed, in its storage dtype."""
+    if packed.dim() == 4:  # pairs: [groups, K / 2, group, 2]
+        groups, half, group, _ = packed.shape
+        return packed.permute(0, 2, 1, 3).reshape(groups * group, 2 * half)[:out_features]
+    groups, k, group = packed.shape
+    return packed.transpose(1, 2).reshape(groups * group, k)[:out_features]
+
+
 def linear(x: Tensor, packed: Tensor, out_features: int, bias: Tensor | None = None) -> Tensor:
     """x [..., K] @ W^T (+ bias) with W packed by `pack_linear`; returns [..., out_features] in x's dtype (the path's
     compute dtype). Call only where `linear_supported` is True."""

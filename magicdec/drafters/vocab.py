@@ -1,0 +1,56 @@
+"""A draft LM head over the most frequent tokens only (FR-Spec: Zhao et al. 2025, arXiv 2502.14856).
+
+With a large vocabulary the LM head is a large part of a draft step: Gemma 3's 262144 x 640 head is 335 MB in bf16,
+more than all its layers, and every draft forward reads it, and its sampler ranks every logit. A draft head keeps the
+head's rows of the tokens a corpus uses most, and the draft proposes among those alone. Output stays exactly the
+target's: the target verifies each draft token with its whole head, so a token outside the draft head is never
+proposed (a rejection where the target picks one) but never emitted in place of the target's choice.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from magicdec import kernels
+from magicdec.loading.tokenizer import Tokenizer
+from magicdec.model import PackedLinear, Transformer, weight_dtype
+
+
+def frequent_tokens(tokenizer: Tokenizer, texts: Sequence[str], size: int) -> Tensor:
+    """The ids of the `size` tokens that occur most often in `texts` (fewer where the texts use fewer; ties by first
+    occurrence) and the tokenizer's end-of-sequence ids, ascending: [n] int64."""
+    counts: Counter[int] = Counter()
+    for ids in tokenizer.encode_batch(list(texts)):
+        counts.update(ids)
+    keep = {token for token, _ in counts.most_common(size)} | set(tokenizer.eos_ids)
+    return torch.tensor(sorted(keep), dtype=torch.long)
+
+
+def lm_head_rows(model: Transformer, ids: Tensor) -> Tensor:
+    """The LM head's weight rows of tokens `ids`: [n, dim], in the head's storage dtype."""
+    if model.cfg.tie_embeddings:
+        return model.tok_embeddings.weight.detach()[ids]
+    if isinstance(model.output, PackedLinear):
+        return kernels.unpack_linear(model.output.packed, model.output.out_features)[ids]
+    return model.output.weight.detach()[ids]
+
+
+class DraftHead(nn.Module):
+    """The target's LM head restricted to tokens `ids` [n]: `forward(x [..., dim]) -> logits [..., n]`, packed for the
+    native linear kernel where the model's own layers are."""
+
+    def __init__(self, model: Transformer, ids: Tensor):
+        super().__init__()
+        storage = weight_dtype(model)
+        linear = nn.Linear(model.cfg.dim, len(ids), bias=False, device=model.device, dtype=model.dtype)
+        linear.weight.data.copy_(lm_head_rows(model, ids.to(model.device)))
+        packed = kernels.linear_supported(model.device, model.dtype, storage) and kernels.packable(model.cfg.dim)
+        self.linear = PackedLinear(linear, storage) if packed else linear
+        self.register_buffer("ids", ids.to(model.device), persistent=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.linear(x)
