@@ -60,11 +60,14 @@ class SpeculativeConfig:
         if self.draft_vocab and not self.vocab_corpus:
             raise InvalidRequestError("a draft vocabulary (draft_vocab) is counted in a corpus: give vocab_corpus")
 
-    def build(self, target: Transformer, tokenizer: Tokenizer) -> Drafter | None:
-        """The drafter for `target` (None: plain decoding); a `model` drafter loads its weights here, and a draft
-        head is cut from its LM head over the tokens `tokenizer` finds most often in `vocab_corpus`."""
+    def build(self, target: Transformer, tokenizer: Tokenizer | None = None) -> Drafter | None:
+        """The drafter for `target` (None: plain decoding); a `model` drafter loads its weights here, and with
+        `draft_vocab` a draft head is cut from its LM head over the tokens `tokenizer` finds most often in
+        `vocab_corpus`."""
         drafter = self._drafter(target)
         if drafter is not None and self.draft_vocab:
+            if tokenizer is None:
+                raise InvalidRequestError("a draft vocabulary is counted with the model's tokenizer: pass it")
             drafter.head = DraftHead(drafter.model, _frequent_tokens(tokenizer, self.vocab_corpus, self.draft_vocab))
         return drafter
 
