@@ -226,6 +226,22 @@ def throughput() -> str:
     return text(rows)
 
 
+def draft_vocab() -> str:
+    """Gemma 3 self-speculation with its whole LM head against a draft head over the 32k most frequent tokens, beside
+    plain decoding, per context and mode (`magicdec bench --draft-vocab 0,32k`)."""
+    rows = []
+    for path in sorted(RESULTS.glob("gemma/draft_vocab_*.json")):
+        for (b, s, mode), pts in sorted(_cells(json.loads(path.read_text())).items()):
+            plain = next(p for p in pts if p["draft"] == "none")
+            row = {"B": b, "context": s, "mode": mode, "plain tok/s": plain["throughput"]}
+            for p in sorted((p for p in pts if p["draft"] != "none"), key=lambda p: p.get("draft_vocab", 0)):
+                head = f"head {p.get('draft_vocab') or 'all'}"
+                row.update({f"{head} tok/s": p["throughput"], f"{head} x plain": p["throughput"] / plain["throughput"],
+                            f"{head} tokens/step": p["tokens_per_step"], f"{head} draft s": p["draft_s"]})
+            rows.append(row)
+    return text(rows) if rows else "No results yet (`results/gemma/draft_vocab_*.json`): run the command above."
+
+
 def auto() -> str:
     rows: dict[tuple, dict] = {}
     for (b, s, mode), pts in sorted(_cells(load("auto")).items(), key=lambda c: (-c[0][1], -c[0][0])):
@@ -250,7 +266,7 @@ TABLES = {"ar": ar, "dtype_linear": dtype_linear, "dtype_forward": dtype_forward
           "bf16_flips": bf16_flips, "cpu_grid": cpu_grid, "llamacpp": llamacpp, "throughput": throughput,
           "auto": auto, "positions": positions, "validate_planner": validate_planner, "serving_8k": serving_8k,
           "serving_trace": serving_trace, "chat": lambda: chat("chat"), "chat_shared": lambda: chat("chat_shared"), "prefix_hit": prefix_hit,
-          "tp": tp, "avx2_storage": avx2_storage, "avx2_grid": avx2_grid, "avx2_llamacpp": avx2_llamacpp}
+          "tp": tp, "draft_vocab": draft_vocab, "avx2_storage": avx2_storage, "avx2_grid": avx2_grid, "avx2_llamacpp": avx2_llamacpp}
 MODELS = {"cpu_grid": "cpu_grid", "throughput": "throughput", "auto": "auto", "positions": "acceptance"}
 
 
