@@ -227,7 +227,12 @@ def sample_probs(probs: Tensor, seed: Tensor, position: Tensor, ids: Tensor | No
     ids [V]: the token id of each column, which keys its noise and is returned (None: the column index; a draft
     head over part of the vocabulary passes its tokens)."""
     token = torch.arange(probs.shape[-1], device=probs.device) if ids is None else ids
-    return token[_race(probs, seed, position, token)]
+    return _token_of(_race(probs, seed, position, token), ids)
+
+
+def _token_of(index: Tensor, ids: Tensor | None) -> Tensor:
+    """The token ids of logit indices: `ids[index]` for a head over part of the vocabulary (None: the indices)."""
+    return index if ids is None else ids[index]
 
 
 #: Candidate counts the CPU sampler tries in turn before the whole vocabulary. On CPU, sorting (or drawing
@@ -257,7 +262,7 @@ def _sample_candidates(
     # tokens beyond the candidates are no more probable than the last one
     done = k_fits | ((top_p < 1) & (top_k == 0) & (p[:, -1] < floor[:, 0]))
     kept = p.masked_fill(p < floor, 0.0)
-    token = index if ids is None else ids[index]
+    token = _token_of(index, ids)
     tokens = token.gather(-1, _race(kept[:, None], seed, position[:, None], token[:, None]))  # [n, 1]
     return done, tokens[:, 0]
 
@@ -308,7 +313,3 @@ def sample_tokens(logits: Tensor, rows: RowParams, position: Tensor, ids: Tensor
         return drawn
     return torch.where(rows.greedy[:, None], _token_of(logits.argmax(dim=-1), ids), drawn)
 
-
-def _token_of(index: Tensor, ids: Tensor | None) -> Tensor:
-    """The token ids of logit indices (see `sample_tokens`)."""
-    return index if ids is None else ids[index]
