@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from pathlib import Path
 
 from torch import Tensor
 
@@ -59,6 +60,8 @@ class SpeculativeConfig:
             raise InvalidRequestError(f"draft_vocab must be an integer >= 0, got {self.draft_vocab!r}")
         if self.draft_vocab and not self.vocab_corpus:
             raise InvalidRequestError("a draft vocabulary (draft_vocab) is counted in a corpus: give vocab_corpus")
+        if self.draft_vocab and not Path(self.vocab_corpus).is_file():
+            raise InvalidRequestError(f"corpus file not found: {self.vocab_corpus}")
 
     def build(self, target: Transformer, tokenizer: Tokenizer | None = None) -> Drafter | None:
         """The drafter for `target` (None: plain decoding); a `model` drafter loads its weights here, and with

@@ -96,6 +96,8 @@ CASES = [
     (["bench", "--model", NO_MODEL, "--corpus", str(DATA), "--drafters", "none,bogus"], "unknown drafter bogus"),
     (["bench", "--model", NO_MODEL, "--corpus", str(DATA), "--gamma", "17"], "gamma must be an integer in [1, 16]"),
     (["bench", "--model", NO_MODEL, "--corpus", str(DATA), "--budget", "4"], "budget must be an integer >= 8"),
+    (["bench", "--model", NO_MODEL, "--corpus", str(DATA), "--draft-vocab", "0,1k", "--vocab-corpus", "/no/such.txt"],
+     "corpus file not found: /no/such.txt"),
     (["bench", "--model", NO_MODEL, "--corpus", str(DATA), "--out", "{corrupt.json}"], "--out"),
     (["bench", "--model", NO_MODEL, "--corpus", str(DATA), "--out", "{bench_list.json}"], "expected a JSON object"),
     (["bench", "--model", NO_MODEL, "--corpus", str(DATA), "--out", "{bench_points.json}"], "'points' must map"),
