@@ -316,9 +316,16 @@ def pack_linears(model: Transformer, storage: torch.dtype | None = None) -> None
     transform: run it last (tensor parallelism shards nn.Linear weights first). A tied LM head gets its own packed
     copy of the embedding table."""
     storage = storage or model.dtype
-    if not kernels.linear_supported(model.device, model.dtype, storage):
-        return
     for module in list(model.modules()):
         for name, child in module.named_children():
-            if isinstance(child, nn.Linear) and kernels.packable(child.in_features):
-                setattr(module, name, PackedLinear(child, storage))
+            if isinstance(child, nn.Linear):
+                setattr(module, name, packed(child, storage))
+
+
+def packed(linear: nn.Linear, storage: torch.dtype) -> nn.Module:
+    """`linear` as a `PackedLinear` whose weights are stored in `storage`, where the native linear kernel takes it
+    (see `pack_linears`); elsewhere `linear` itself."""
+    weight = linear.weight
+    if kernels.linear_supported(weight.device, weight.dtype, storage) and kernels.packable(linear.in_features):
+        return PackedLinear(linear, storage)
+    return linear

@@ -4,14 +4,13 @@ whose weights and caches are state, and the policy that picks each step's draft 
 from __future__ import annotations
 
 import functools
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from torch import Tensor
-
 from magicdec.corpus import load_texts
 from magicdec.drafters import Drafter, ModelDrafter, SelfSpecDrafter
-from magicdec.drafters.vocab import DraftHead, frequent_tokens
+from magicdec.drafters.vocab import DraftHead, frequent_tokens, token_counts
 from magicdec.errors import InvalidRequestError
 from magicdec.loading import load_model
 from magicdec.loading.tokenizer import Tokenizer
@@ -71,7 +70,8 @@ class SpeculativeConfig:
         if drafter is not None and self.draft_vocab:
             if tokenizer is None:
                 raise InvalidRequestError("a draft vocabulary is counted with the model's tokenizer: pass it")
-            drafter.head = DraftHead(drafter.model, _frequent_tokens(tokenizer, self.vocab_corpus, self.draft_vocab))
+            ids = frequent_tokens(_token_counts(tokenizer, self.vocab_corpus), self.draft_vocab, tokenizer.eos_ids)
+            drafter.head = DraftHead(drafter.model, ids)
         return drafter
 
     def _drafter(self, target: Transformer) -> Drafter | None:
@@ -93,9 +93,9 @@ class SpeculativeConfig:
 
 
 @functools.cache
-def _frequent_tokens(tokenizer: Tokenizer, corpus: str, size: int) -> Tensor:
-    """`frequent_tokens` of a corpus file, counted once per process."""
-    return frequent_tokens(tokenizer, load_texts(corpus), size)
+def _token_counts(tokenizer: Tokenizer, corpus: str) -> Counter[int]:
+    """`token_counts` of a corpus file, counted once per process (a sweep of draft-head sizes reads it once)."""
+    return token_counts(tokenizer, load_texts(corpus))
 
 
 @dataclass(frozen=True)

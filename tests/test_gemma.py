@@ -232,11 +232,11 @@ def test_a_draft_head_over_frequent_tokens_is_lossless_on_gemma(gemma, two_promp
     """FR-Spec on the real model: the draft proposes among the 4096 tokens (of 262144) most frequent in another book,
     and the output is plain decoding's, for a greedy and a seeded sampled row decoded together."""
     from magicdec.drafters import SelfSpecDrafter
-    from magicdec.drafters.vocab import DraftHead, frequent_tokens
+    from magicdec.drafters.vocab import DraftHead, frequent_tokens, token_counts
 
     with open(data_path()) as f:
         text = [json.loads(line)["text"] for line in f][3][:400_000]  # the prompts come from book 0
-    ids = frequent_tokens(gemma.tokenizer, [text], 4096)
+    ids = frequent_tokens(token_counts(gemma.tokenizer, [text]), 4096, gemma.tokenizer.eos_ids)
     eos = set(gemma.tokenizer.eos_ids)
     assert eos <= set(ids.tolist()) and 4096 <= len(ids) <= 4096 + len(eos)
     drafter = SelfSpecDrafter(gemma.model, "streaming", budget=64, gamma=3, reindex=True)

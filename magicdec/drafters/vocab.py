@@ -10,23 +10,28 @@ proposed (a rejection where the target picks one) but never emitted in place of 
 from __future__ import annotations
 
 from collections import Counter
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import torch
 from torch import Tensor, nn
 
 from magicdec import kernels
 from magicdec.loading.tokenizer import Tokenizer
-from magicdec.model import PackedLinear, Transformer, weight_dtype
+from magicdec.model import PackedLinear, Transformer, packed, weight_dtype
 
 
-def frequent_tokens(tokenizer: Tokenizer, texts: Sequence[str], size: int) -> Tensor:
-    """The ids of the `size` tokens that occur most often in `texts` (fewer where the texts use fewer; ties by first
-    occurrence) and the tokenizer's end-of-sequence ids, ascending: [n] int64."""
+def token_counts(tokenizer: Tokenizer, texts: Sequence[str]) -> Counter[int]:
+    """How often each token id occurs in `texts`."""
     counts: Counter[int] = Counter()
     for ids in tokenizer.encode_batch(list(texts)):
         counts.update(ids)
-    keep = {token for token, _ in counts.most_common(size)} | set(tokenizer.eos_ids)
+    return counts
+
+
+def frequent_tokens(counts: Counter[int], size: int, always: Iterable[int]) -> Tensor:
+    """The ids of the `size` most frequent tokens of `counts` (fewer where it holds fewer; ties by first occurrence)
+    and the ids `always` (a tokenizer's end-of-sequence ids), ascending: [n] int64."""
+    keep = {token for token, _ in counts.most_common(size)} | set(always)
     return torch.tensor(sorted(keep), dtype=torch.long)
 
 
@@ -45,11 +50,9 @@ class DraftHead(nn.Module):
 
     def __init__(self, model: Transformer, ids: Tensor):
         super().__init__()
-        storage = weight_dtype(model)
         linear = nn.Linear(model.cfg.dim, len(ids), bias=False, device=model.device, dtype=model.dtype)
         linear.weight.data.copy_(lm_head_rows(model, ids.to(model.device)))
-        packed = kernels.linear_supported(model.device, model.dtype, storage) and kernels.packable(model.cfg.dim)
-        self.linear = PackedLinear(linear, storage) if packed else linear
+        self.linear = packed(linear, weight_dtype(model))
         self.register_buffer("ids", ids.to(model.device), persistent=False)
 
     def forward(self, x: Tensor) -> Tensor:

@@ -23,10 +23,10 @@ The paths (`PATHS`), in order of preference; the first whose CPU flags this CPU 
   storage on AVX2"); the values a Llama-family model stores (weights, keys and values) lie far inside fp16's range.
 An ARM path (NEON with fp16 arithmetic) would be one more entry with its own flags, compiler flags and sources.
 
-Each path's kernels are built into one library with torch's C++ extension tooling (a C++ compiler and ninja; once per torch version, cached
-under TORCH_EXTENSIONS_DIR), with its path's instruction-set flags only (not -march=native: a build forced onto a
-path must not use the host's wider instructions). Where the CPU lacks the instructions or a build fails, that kernel
-is off, the reason is logged, and torch's operators run instead. MAGICDEC_NATIVE=0 turns the kernels off;
+Each path's kernels are built into one library with torch's C++ extension tooling (a C++ compiler and ninja; once
+per torch version, cached under TORCH_EXTENSIONS_DIR), with its path's instruction-set flags only (not -march=native:
+a build forced onto a path must not use the host's wider instructions). Where the CPU lacks the instructions or a
+build fails, the path's kernels are off, the reason is logged, and torch's operators run instead. MAGICDEC_NATIVE=0 turns the kernels off;
 MAGICDEC_ISA=<path> forces a path (say `avx2` on a CPU with AVX-512, to run and test it there), `none` none.
 """
 
