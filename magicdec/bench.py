@@ -31,7 +31,6 @@ from magicdec.corpus import cut_prompts, load_texts
 from magicdec.engine import LLM
 from magicdec.errors import InvalidRequestError, OutOfMemoryError
 from magicdec.jsonfile import read_json_object
-from magicdec.kv.prefix_cache import PrefixCache
 from magicdec.loading import model_identity
 from magicdec.memory import available_bytes, check_fits
 from magicdec.planner import format_table
@@ -132,7 +131,7 @@ def run_bench(args, grid: BenchGrid) -> dict:
         ctx = min(context, llm.max_model_len - grid.new_tokens)
         distinct = min(batch, grid.distinct_prompts or batch)
         try:
-            _check_fits(llm, batch, ctx + grid.new_tokens, ctx * distinct)
+            _check_fits(llm, batch, ctx + grid.new_tokens, ctx, distinct)
             if prefilled is None or prefilled[:2] != (ctx, distinct):
                 bar.set_postfix_str(f"prefill {distinct} x {ctx}")
                 prefilled = (ctx, distinct, *_prefill(llm, texts, distinct, ctx))
@@ -178,13 +177,13 @@ def _open_results(doc: dict, llm: LLM, grid: BenchGrid) -> tuple[dict, Callable[
     return doc, _save if tp is None or tp.is_main else lambda path, doc: None
 
 
-def _check_fits(llm: LLM, batch: int, max_model_len: int, prompt_tokens: int) -> None:
+def _check_fits(llm: LLM, batch: int, max_model_len: int, ctx: int, distinct: int) -> None:
     """Raise OutOfMemoryError unless `batch` slots of `max_model_len` tokens and the prefix cache holding the
-    prefilled prompts (`prompt_tokens` in all) fit, on every rank under tensor parallelism."""
+    `distinct` prefilled prompts of `ctx` tokens fit, on every rank under tensor parallelism."""
     llm.free_engine()  # the previous point's caches do not stay beside this one's
     config = dataclasses.replace(llm.config, max_num_seqs=batch, max_model_len=max_model_len)
     needed = (ModelRunner.memory_bytes(llm.model, config, None)
-              + PrefixCache.bytes_for(llm.model.cfg, prompt_tokens, llm.kv_dtype))
+              + llm.prefix_cache_bytes(ctx * distinct, distinct))
     tp = llm.model.tp
     if tp is not None and not tp.min_int(needed <= available_bytes(llm.model.device)):
         raise OutOfMemoryError(f"batch {batch} x {max_model_len} tokens does not fit on every rank")  # skip on all
@@ -194,7 +193,7 @@ def _check_fits(llm: LLM, batch: int, max_model_len: int, prompt_tokens: int) ->
 def _prefill(llm: LLM, texts: list[str], distinct: int, ctx: int) -> tuple[list[list[int]], float]:
     """`distinct` prompts of `ctx` tokens, prefilled cold into the LLM's prefix cache; and the seconds it took."""
     prompts = cut_prompts(llm.tokenizer, texts, distinct, ctx)
-    llm.reserve_prefix_cache(distinct * ctx)
+    llm.reserve_prefix_cache(distinct * ctx, distinct)
     llm.clear_prefix_cache()  # a shorter context's prompts are prefixes of these
     t0 = time.perf_counter()
     llm.generate(prompt_token_ids=prompts, params=SamplingParams(max_tokens=1))

@@ -31,7 +31,7 @@ from magicdec.loading import LoadedModel, load_model
 from magicdec.loading.tokenizer import Tokenizer
 from magicdec.memory import available_bytes, peak_bytes
 from magicdec.model import Transformer, attention_path, linear_path, weight_dtype
-from magicdec.runner import ModelRunner
+from magicdec.runner import ModelRunner, forward_tokens
 from magicdec.sampling import SamplingParams
 from magicdec.scheduler import FixedGamma, GammaPolicy, Request, Scheduler, Status, cuda_row_bucket
 from magicdec.speculative import Speculation, SpeculativeConfig
@@ -81,8 +81,6 @@ class LLMEngine:
         self.prefix_cache = prefix_cache if prefix_cache is not None else make_prefix_cache(model, config)
         if self.prefix_cache is not None and self.prefix_cache.dtype != config.kv_dtype:
             raise ValueError(f"a prefix cache of {self.prefix_cache.dtype} serves no {config.kv_dtype} KV cache")
-        if self.prefix_cache is not None and model.cfg.hybrid:
-            raise ValueError("a hybrid model cannot take a prefix cache: its blocks do not keep a sliding layer's ring")
         self.runner = ModelRunner(model, config, eos_ids, drafter=speculation.drafter if speculation else None,
                                   prefix_cache=self.prefix_cache)
         self.scheduler = Scheduler(config, FixedGamma(0), prefix_cache=self.prefix_cache,
@@ -192,9 +190,8 @@ def resolve_config(config: EngineConfig, model: Transformer) -> EngineConfig:
 
 def make_prefix_cache(model: Transformer, config: EngineConfig) -> PrefixCache | None:
     """The prefix cache `config` (resolved) asks for; None where caching is off. Its default size is a quarter of the
-    memory available now, the same on every tensor-parallel rank (they must make the same hit decisions). A hybrid
-    model (sliding-window layers) is served uncached: its window ring at a block boundary is not kept in blocks."""
-    if not config.enable_prefix_caching or model.cfg.hybrid:
+    memory available now, the same on every tensor-parallel rank (they must make the same hit decisions)."""
+    if not config.enable_prefix_caching:
         return None
     size = config.prefix_cache_bytes
     if size is None:
@@ -280,11 +277,18 @@ class LLM:
         """Most prompt + output tokens of one request."""
         return self.config.max_model_len
 
-    def reserve_prefix_cache(self, tokens: int) -> None:
-        """Let the prefix cache hold `tokens` tokens' blocks at least (runs that decode the same prompts several
-        times: bench, calibrate); nothing where prefix caching is off."""
+    def prefix_cache_bytes(self, tokens: int, prompts: int = 1) -> int:
+        """Bytes the prefix cache takes for `prompts` prompts of `tokens` tokens in all, as their prefill stores them:
+        every block, and for a hybrid model the sliding K/V of the blocks a slot's ring holds at each prompt's end."""
+        cfg = self.model.cfg
+        ring = cfg.sliding_window - 1 + forward_tokens(self.config) if cfg.hybrid else 0
+        return PrefixCache.bytes_for(cfg, tokens, self.kv_dtype, prompts * min(ring, -(-tokens // prompts)))
+
+    def reserve_prefix_cache(self, tokens: int, prompts: int = 1) -> None:
+        """Let the prefix cache hold `prompts` prompts of `tokens` tokens in all at least (runs that decode the same
+        prompts several times: bench, calibrate); nothing where prefix caching is off."""
         if self.prefix_cache is not None:
-            need = PrefixCache.bytes_for(self.model.cfg, tokens, self.kv_dtype)
+            need = self.prefix_cache_bytes(tokens, prompts)
             self.prefix_cache.resize(max(self.prefix_cache.max_bytes, need))
 
     def clear_prefix_cache(self) -> None:

@@ -14,11 +14,13 @@ import pytest
 import torch
 
 from conftest import data_path, randomize_, run_engine
+from test_prefix_cache import GREEDY, SAMPLED, random_ids
 from magicdec.config import GLOBAL, SLIDING, ModelConfig
 from magicdec.errors import UnsupportedModelError
 from magicdec.kv.hybrid import HybridCache, WindowKVCache, cache_bytes, make_cache
+from magicdec.kv.prefix_cache import BLOCK_SIZE, PrefixCache, block_keys
 from magicdec.model import Transformer
-from magicdec.prefill import prefill_row
+from magicdec.prefill import cacheable_prefix, prefill_row
 from magicdec.sampling import SamplingParams
 
 WINDOW = 16
@@ -249,19 +251,84 @@ def test_a_draft_head_over_frequent_tokens_is_lossless_on_gemma(gemma, two_promp
     assert sum(stats.accepted_hist[1:]) > 0
 
 
-def test_hybrid_models_are_served_without_prefix_caching(tiny_gemma):
-    """Blocks do not keep a sliding-window layer's ring, so a hybrid model gets no prefix cache even when asked."""
+# --- prefix caching on a hybrid model ----------------------------------------------------------------------------
+def test_a_hybrid_hit_ends_where_the_blocks_carry_the_window(tiny_gemma):
+    """Blocks keep the sliding layers' K/V only where the ring held them at store time; a hit ends after blocks that
+    carry the window before it, and a later store that holds a bare block in its ring completes it."""
+    model = tiny_gemma[0]
+    ids, other = random_ids(200, 1), random_ids(200, 2)
+    cache = PrefixCache(model.cfg, 1 << 24, model.dtype)
+    assert cache.window_blocks == 1  # a 16-token window lies within the block before a hit's end
+
+    def prefill(tokens):  # a slot's cache, whose ring holds the last 15 + 64 positions after a prefill
+        row = make_cache(model.cfg, 1, 256, model.dtype, "cpu", max_q=64)
+        prefill_row(model, row, torch.tensor(tokens), 64, prefix_cache=cache)
+        return row
+
+    prefill(ids)  # the ring held positions 121-199 at store time: blocks 4 and 5 carry the window
+    assert len(cache.blocks) == 6 and cache.cached_prefix(block_keys(ids)) == 6
+    assert [cache.blocks[k].window is not None for k in block_keys(ids)] == [False] * 4 + [True] * 2
+    assert cache.nbytes == 6 * cache.block_bytes + 2 * cache.window_bytes
+    shared = ids[:128] + other[:72]  # the first four blocks of `ids`, none carrying the window
+    assert cache.cached_prefix(block_keys(shared)) == 0
+    prefill(ids[:140])  # its ring holds positions 61-139: blocks 2 and 3 take the window on
+    assert cache.cached_prefix(block_keys(shared)) == 4
+    assert cache.nbytes == 6 * cache.block_bytes + 4 * cache.window_bytes
+
+
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_hybrid_hits_decode_like_cold_prefills(tiny_gemma, params):
+    """On a hybrid model, requests served from the prefix cache (a shared 300-token document, then a chat's next turn
+    with the first turn's output) give the same tokens as the same requests cold, plain and self-speculative."""
+    from magicdec.drafters import SelfSpecDrafter
+
+    model = tiny_gemma[0]
+    doc = random_ids(300, 7)
+    turn1 = [doc + random_ids(n, 10 + n) for n in (9, 50, 77)]
+    for drafter in (None, SelfSpecDrafter(model, "streaming", 48, 3, reindex=True)):
+        gamma = 3 if drafter else 0
+        cache = PrefixCache(model.cfg, 1 << 24, model.dtype)
+        cold, _ = run_engine(model, turn1, params, drafter=drafter, gamma=gamma, prefill_chunk=64)
+        warm, stats = run_engine(model, turn1, params, drafter=drafter, gamma=gamma, prefill_chunk=64,
+                                 prefix_cache=cache)
+        assert [r.output_ids for r in warm] == [r.output_ids for r in cold]
+        assert stats.cached_tokens == 2 * (300 // BLOCK_SIZE) * BLOCK_SIZE  # the document, for the two that waited
+        turn2 = [p + r.output_ids + random_ids(40, 30 + i) for i, (p, r) in enumerate(zip(turn1, cold))]
+        cold2, _ = run_engine(model, turn2, params, drafter=drafter, gamma=gamma, prefill_chunk=64)
+        warm2, _ = run_engine(model, turn2, params, drafter=drafter, gamma=gamma, prefill_chunk=64, prefix_cache=cache)
+        assert [r.output_ids for r in warm2] == [r.output_ids for r in cold2]
+        # the history, generated tokens included, came from the cache
+        assert all(w.cached_tokens >= len(p) + len(r.output_ids) - BLOCK_SIZE for w, p, r in zip(warm2, turn1, cold))
+
+
+@needs_gemma
+def test_a_chat_turn_from_the_prefix_cache_is_exact_on_gemma(gemma, two_prompts):
+    """On the real model, the second turn of two conversations (a greedy and a seeded sampled one) served from the
+    prefix cache, with self-speculation, gives the tokens of the same turn prefilled cold; the history is cached."""
+    from magicdec.drafters import SelfSpecDrafter
+
+    params = [SamplingParams(max_tokens=10, ignore_eos=True),
+              SamplingParams(max_tokens=10, ignore_eos=True, temperature=0.8, seed=5)]
+    cache = PrefixCache(gemma.model.cfg, 1 << 28, gemma.model.dtype)
+    first, _ = run_engine(gemma.model, two_prompts, params, prefill_chunk=256, prefix_cache=cache)
+    question = gemma.tokenizer.encode(" Who wrote this, and when?")[1:]
+    turn2 = [p + r.output_ids + question for p, r in zip(two_prompts, first)]
+    drafter = SelfSpecDrafter(gemma.model, "streaming", budget=64, gamma=3, reindex=True)
+    cold, _ = run_engine(gemma.model, turn2, params, drafter=drafter, gamma=3, prefill_chunk=256)
+    warm, stats = run_engine(gemma.model, turn2, params, drafter=drafter, gamma=3, prefill_chunk=256,
+                             prefix_cache=cache)
+    assert [r.output_ids for r in warm] == [r.output_ids for r in cold]
+    # all of the history that a hit may cover (the observation window is always computed) came from the cache
+    assert [w.cached_tokens for w in warm] == [cacheable_prefix(len(t)) // BLOCK_SIZE * BLOCK_SIZE for t in turn2]
+
+
+def test_engines_make_a_prefix_cache_for_hybrid_models(tiny_gemma):
     from magicdec.config import EngineConfig
     from magicdec.engine import make_prefix_cache, resolve_config
 
-    from magicdec.engine import LLMEngine
-    from magicdec.kv.prefix_cache import PrefixCache
-
     model = tiny_gemma[0]
-    config = resolve_config(EngineConfig(enable_prefix_caching=True), model)
-    assert make_prefix_cache(model, config) is None
-    with pytest.raises(ValueError, match="hybrid"):  # nor is one passed in taken
-        LLMEngine(model, config, eos_ids=[], prefix_cache=PrefixCache(model.cfg, 1 << 20, config.kv_dtype))
+    cache = make_prefix_cache(model, resolve_config(EngineConfig(enable_prefix_caching=True), model))
+    assert cache is not None and cache.window_bytes == 3 * cache.block_bytes  # three sliding layers to one global
 
 
 @needs_gemma

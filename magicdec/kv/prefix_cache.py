@@ -15,6 +15,11 @@ take.
 
 A hit is exact: a block's K/V are what a prefill of the same prefix computes (bit for bit on the native kernels,
 whose rows do not depend on how tokens are grouped into forwards; to fp32 rounding on torch's operators).
+
+A hybrid-attention model (`magicdec.kv.hybrid`) keeps its sliding-window layers' K/V in a ring of the last few hundred
+positions, so a block stores the global layers' K/V always and the sliding layers' only where the ring still held
+the block when it was stored (the tail of a prompt, or of a finished chat turn). A hit must end where the window
+before it is known: its last `window_blocks` blocks carry the sliding K/V, which `load` writes into the slot's ring.
 """
 
 from __future__ import annotations
@@ -22,13 +27,14 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 from torch import Tensor
 
-from magicdec.config import ModelConfig
+from magicdec.config import GLOBAL, SLIDING, ModelConfig
 from magicdec.kv.base import KVCache
+from magicdec.kv.hybrid import HybridCache, WindowKVCache
 
 #: Tokens per cached block: a hit is a whole number of blocks. Small enough that a chat's next turn reuses all but a
 #: few tokens of its history, large enough that hashing and copying an 8k prefix is a few hundred small operations.
@@ -45,6 +51,20 @@ def block_keys(tokens: Sequence[int]) -> list[bytes]:
     return keys
 
 
+class Block(NamedTuple):
+    """One block's K/V, [layers, KV, BLOCK_SIZE, hd]: every layer's, or a hybrid model's global layers' with its
+    sliding layers' beside them (`window`: (K, V), None where the ring no longer held the block)."""
+
+    k: Tensor
+    v: Tensor
+    window: tuple[Tensor, Tensor] | None = None
+
+
+def _parts(row: KVCache | HybridCache) -> tuple[KVCache, WindowKVCache | None]:
+    """The cache of the layers a block always stores, and a hybrid model's sliding-layer ring (None otherwise)."""
+    return (row.full, row.window) if isinstance(row, HybridCache) else (row, None)
+
+
 class PrefixCache:
     """A bytes-bounded pool of K/V blocks (one model's layers and KV heads, in the cache dtype), LRU-evicted.
 
@@ -54,17 +74,23 @@ class PrefixCache:
 
     def __init__(self, cfg: ModelConfig, max_bytes: int, dtype: torch.dtype):
         self.cfg, self.dtype = cfg, dtype
-        self.block_bytes = self.bytes_for(cfg, BLOCK_SIZE, dtype)
+        self.block_bytes = self.bytes_for(cfg, BLOCK_SIZE, dtype)  # a block without sliding K/V
+        self.window_bytes = self.bytes_for(cfg, 0, dtype, BLOCK_SIZE)  # a block's sliding K/V (0: not hybrid)
+        #: blocks before a hit's end that must carry sliding K/V: those holding the window of the first query after it
+        self.window_blocks = -(-(cfg.sliding_window - 1) // BLOCK_SIZE) if cfg.hybrid else 0
         self.max_bytes = max_bytes
-        self.blocks: OrderedDict[bytes, tuple[Tensor, Tensor]] = OrderedDict()  # key -> K, V [L, KV, BLOCK, hd]
+        self.blocks: OrderedDict[bytes, Block] = OrderedDict()
         self.pinned: dict[bytes, int] = {}  # key -> requests that matched it and have not copied it yet
+        self.nbytes = 0
         self.queries = self.hits = 0
 
     @staticmethod
-    def bytes_for(cfg: ModelConfig, tokens: int, dtype: torch.dtype) -> int:
-        """Bytes of a pool that holds `tokens` tokens' blocks (whole blocks: `tokens` rounded up)."""
+    def bytes_for(cfg: ModelConfig, tokens: int, dtype: torch.dtype, window_tokens: int = 0) -> int:
+        """Bytes of a pool that holds `tokens` tokens' blocks, `window_tokens` of them with a hybrid model's sliding
+        K/V (whole blocks: both rounded up)."""
         element = torch.empty((), dtype=dtype).element_size()
-        return -(-tokens // BLOCK_SIZE) * BLOCK_SIZE * cfg.kv_bytes_per_token(element)
+        blocks = -(-tokens // BLOCK_SIZE) * BLOCK_SIZE * cfg.kv_bytes_per_token(element, GLOBAL)
+        return blocks + -(-window_tokens // BLOCK_SIZE) * BLOCK_SIZE * cfg.kv_bytes_per_token(element, SLIDING)
 
     @property
     def enabled(self) -> bool:
@@ -76,18 +102,14 @@ class PrefixCache:
         return self.max_bytes // self.block_bytes
 
     @property
-    def nbytes(self) -> int:
-        return len(self.blocks) * self.block_bytes
-
-    @property
     def growth_bytes(self) -> int:
         """Bytes the pool may still allocate (what a memory check must leave it)."""
-        return max(0, self.capacity * self.block_bytes - self.nbytes)
+        return max(0, self.max_bytes - self.nbytes)
 
     def clear(self) -> None:
         """Drop every unpinned block (a cold start, as a benchmark measuring prefill wants)."""
         for key in [k for k in self.blocks if k not in self.pinned]:
-            del self.blocks[key]
+            self._drop(key)
 
     def resize(self, max_bytes: int) -> None:
         """Hold at most `max_bytes` from now on (0: off), evicting least recently used blocks."""
@@ -107,22 +129,42 @@ class PrefixCache:
         return found
 
     def cached_prefix(self, keys: Sequence[bytes]) -> int:
-        """How many of `keys` (a chain) lead a cached prefix; nothing is touched or counted."""
+        """How many of `keys` (a chain) lead a cached prefix that a hit may cover; nothing is touched or counted."""
         n = 0
         while n < len(keys) and keys[n] in self.blocks:
             n += 1
+        while n:  # a hybrid model's hit ends after blocks that carry the window before it
+            bare = [i for i in range(max(0, n - self.window_blocks), n) if self.blocks[keys[i]].window is None]
+            if not bare:
+                break
+            n = bare[-1]
         return n
 
-    def load(self, keys: Sequence[bytes], row: KVCache) -> None:
+    def load(self, keys: Sequence[bytes], row: KVCache | HybridCache) -> None:
         """Fill the empty cache row `row` (a one-row view) with the matched blocks `keys` and unpin them."""
+        full, ring = _parts(row)
         for i, key in enumerate(keys):  # block by block into the row: no concatenated copy in between
-            k, v = self.blocks[key]
+            block = self.blocks[key]
             span = slice(i * BLOCK_SIZE, (i + 1) * BLOCK_SIZE)
-            row.k[:, 0, :, span] = k
-            row.v[:, 0, :, span] = v
+            full.k[:, 0, :, span] = block.k
+            full.v[:, 0, :, span] = block.v
+        n = len(keys) * BLOCK_SIZE
+        if ring is not None and n:
+            self._load_window(keys, ring, n)
         if keys:
-            row.commit(len(keys) * BLOCK_SIZE)
+            row.commit(n)
         self.unpin(keys)
+
+    def _load_window(self, keys: Sequence[bytes], ring: WindowKVCache, n: int) -> None:
+        """Write the sliding K/V of the window before position n (what its query sees) into the ring's slots."""
+        first = max(0, n - (self.cfg.sliding_window - 1))
+        for i in range(first // BLOCK_SIZE, len(keys)):
+            k, v = self.blocks[keys[i]].window
+            pos = torch.arange(max(first, i * BLOCK_SIZE), (i + 1) * BLOCK_SIZE, device=ring.device)
+            slots, offsets = pos % ring.capacity, pos - i * BLOCK_SIZE
+            ring.k[:, 0].index_copy_(2, slots, k.index_select(2, offsets))
+            ring.v[:, 0].index_copy_(2, slots, v.index_select(2, offsets))
+            ring.slot_pos[0, slots] = pos
 
     def unpin(self, keys: Sequence[bytes]) -> None:
         """The request that matched `keys` copied them (or will not): they may be evicted again."""
@@ -132,23 +174,43 @@ class PrefixCache:
             else:
                 self.pinned[key] -= 1
 
-    def store(self, tokens: Sequence[int], row: KVCache) -> None:
-        """Keep the full blocks of `tokens`, whose K/V the one-row view `row` holds in its leading slots. Blocks
-        already cached are only touched; a chain longer than the pool keeps its first blocks."""
+    def store(self, tokens: Sequence[int], row: KVCache | HybridCache) -> None:
+        """Keep the full blocks of `tokens`, whose K/V the one-row view `row` holds in its leading slots (a hybrid
+        model's sliding K/V where its ring holds them: a cached block without them takes them on). Blocks already
+        cached are only touched; a chain longer than the pool keeps its first blocks."""
         if not self.enabled:
             return
         keys = block_keys(tokens)[: self.capacity]
+        full, ring = _parts(row)
+        held = self._held(ring, len(keys))
         self._touch([key for key in keys if key in self.blocks])
         protect = set(keys)
         for i, key in enumerate(keys):
-            if key in self.blocks:
+            block = self.blocks.get(key)
+            window = held[i] and (block is None or block.window is None)
+            if block is not None and not window:
                 continue
-            if not self._evict(self.block_bytes, protect):
+            size = (self.block_bytes if block is None else 0) + (self.window_bytes if window else 0)
+            if not self._evict(size, protect):
                 keys = keys[:i]  # every other block is pinned
                 break
             span = slice(i * BLOCK_SIZE, (i + 1) * BLOCK_SIZE)
-            self.blocks[key] = (row.k[:, 0, :, span].clone(), row.v[:, 0, :, span].clone())
+            if block is None:
+                block = Block(full.k[:, 0, :, span].clone(), full.v[:, 0, :, span].clone())
+            if window:
+                slots = torch.arange(span.start, span.stop, device=ring.device) % ring.capacity
+                block = block._replace(window=(ring.k[:, 0].index_select(2, slots), ring.v[:, 0].index_select(2, slots)))
+            self.blocks[key] = block
+            self.nbytes += size
         self._touch(keys)
+
+    @staticmethod
+    def _held(ring: WindowKVCache | None, n_blocks: int) -> list[bool]:
+        """For each of the row's first n_blocks blocks: whether the sliding-layer ring holds all of its positions."""
+        if ring is None:
+            return [False] * n_blocks
+        pos = torch.arange(n_blocks * BLOCK_SIZE, device=ring.device)
+        return (ring.slot_pos[0, pos % ring.capacity] == pos).view(n_blocks, BLOCK_SIZE).all(1).tolist()
 
     def _touch(self, keys: Sequence[bytes]) -> None:
         """Mark a chain recently used, its first block most recently: eviction takes a chain's tail first."""
@@ -162,5 +224,9 @@ class PrefixCache:
             victim = next((k for k in self.blocks if k not in self.pinned and k not in protect), None)
             if victim is None:
                 return False
-            del self.blocks[victim]
+            self._drop(victim)
         return True
+
+    def _drop(self, key: bytes) -> None:
+        block = self.blocks.pop(key)
+        self.nbytes -= self.block_bytes + (self.window_bytes if block.window is not None else 0)
