@@ -19,15 +19,23 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _test_threads() -> int:
-    """Intra-op threads for the tests: MAGICDEC_TEST_THREADS, else the cores other processes leave idle.
+    """Intra-op threads for the tests: MAGICDEC_TEST_THREADS, else the cores other processes leave idle, shared among
+    pytest-xdist's workers.
 
-    On a small shared machine, torch's default (one thread per core) spin-waits against other busy
-    processes and runs 10-20x slower than one thread; this keeps the suite's time predictable.
-    """
+    On a small shared machine, torch's default (one thread per core) spin-waits against other busy processes and runs
+    10-20x slower than one thread; this keeps the suite's time predictable. The README's command runs two workers:
+    much of a test is Python between small tensor operations, which one thread per worker runs as fast as two."""
     if os.environ.get("MAGICDEC_TEST_THREADS"):
         return max(1, int(os.environ["MAGICDEC_TEST_THREADS"]))
     cores = os.cpu_count() or 1
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        return max(1, cores // workers)
     return max(1, min(cores, round(cores - os.getloadavg()[0])))
+
+
+#: Whether this process is one of several pytest-xdist workers (timings are then shared with another test's).
+PARALLEL = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1
 
 
 torch.set_num_threads(_test_threads())

@@ -10,6 +10,7 @@ import random
 import pytest
 import torch
 
+from conftest import PARALLEL
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -68,11 +69,12 @@ def test_quick_calibration_is_valid(quick_calibration, tmp_path, monkeypatch):
     assert 1e9 < hw.flops_per_s < 1e14
     assert 1e9 < hw.mem_bandwidth < 1e12
     # measured rates, ascending in tokens, and a profile that predicts the check forwards (to a factor
-    # of 3 each: other processes on a shared machine make single timings noisy)
+    # of 3 each: other processes on a shared machine make single timings noisy; a test running beside this one in
+    # the other pytest worker shares the memory bandwidth in bursts)
     assert len(hw.linear_rates) == 4 and len(hw.attention_rates) == 2
     for p in cal.measurements["forwards"]:
         assert 1 / 3 < p["predicted"] / p["seconds"] < 3.0, p
-    assert cal.measurements["check"]["median_relative_error"] < 0.5
+    assert cal.measurements["check"]["median_relative_error"] < (1.0 if PARALLEL else 0.5)
 
     # JSON round trip, at the default path under $MAGICDEC_CACHE, and through get_profile
     monkeypatch.setenv("MAGICDEC_CACHE", str(tmp_path))
