@@ -6,8 +6,8 @@
 
 Layers: the default model's linear shapes (qkv 576->960, wo 576->576, gate+up 576->3072, down 1536->576,
 LM head 576->49152) at 1..512 rows, each call over another copy of the weight (64 MiB of copies, so that
-weights stream from memory as they do in a forward), torch and the kernel timed interleaved (median of
-repeats), reported as weight bytes per second and GFLOP/s. Forwards: the real default model in bf16
+weights stream from memory as they do in a forward), torch and the kernel (on vector instructions, and on AMX tiles
+where the CPU has them) timed interleaved (median of repeats), reported as weight bytes per second and GFLOP/s. Forwards: the real default model in bf16
 loaded twice, with packed linear layers and with torch's, B sequences x q new tokens over a bf16 cache
 of `context` tokens, interleaved. Writes benchmarks/results/linear.json with the machine info.
 
@@ -48,16 +48,19 @@ def bench_layers(rows: list[int], repeats: int) -> list[dict]:
         packed = [kernels.pack_linear(w, torch.bfloat16) for w in weights]
         for m in rows:
             x = torch.randn(m, k).bfloat16()
-            t = interleaved({"torch": lambda: [F.linear(x, w) for w in weights],
-                             "kernel": lambda: [kernels.linear(x, p, n) for p in packed]}, repeats)
-            t = {v: s / copies for v, s in t.items()}
+            fns = {"torch": lambda: [F.linear(x, w) for w in weights],
+                   "kernel": lambda: [kernels.linear(x, p, n, on_tiles=False) for p in packed]}
+            if kernels.tiles():
+                fns["tiles"] = lambda: [kernels.linear(x, p, n, on_tiles=True) for p in packed]
+            t = {v: s / copies for v, s in interleaved(fns, repeats).items()}
             r = {"layer": name, "in": k, "out": n, "rows": m, "seconds": t, "speedup": t["torch"] / t["kernel"],
                  "gb_per_s": {v: 2 * k * n / s / 1e9 for v, s in t.items()},
                  "gflop_per_s": {v: 2 * m * k * n / s / 1e9 for v, s in t.items()}}
             out.append(r)
             g, f = r["gb_per_s"], r["gflop_per_s"]
-            print(f"{name:6s} {k:4d}->{n:5d} x{m:4d}: torch {g['torch']:5.1f} GB/s {f['torch']:4.0f} GF/s | "
-                  f"kernel {g['kernel']:5.1f} GB/s {f['kernel']:4.0f} GF/s | {r['speedup']:.2f}x", flush=True)
+            print(f"{name:6s} {k:4d}->{n:5d} x{m:4d}: " + " | ".join(
+                f"{v} {g[v]:5.1f} GB/s {f[v]:4.0f} GF/s" for v in t) + f" | kernel {r['speedup']:.2f}x torch",
+                flush=True)
     return out
 
 

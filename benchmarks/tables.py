@@ -84,12 +84,13 @@ def attention(prefill: bool) -> str:
     return text(rows)
 
 
-def linear() -> str:
+def linear(result: str, metric: str, base: str, new: str) -> str:
+    """A linear-layer benchmark by rows and layer: `metric` of `base` / of `new` (and new's speedup)."""
     rows: dict[int, dict] = {}
-    for p in load("linear")["layers"]:
-        g = p["gb_per_s"]
+    for p in load(result)["layers"]:
+        v, fmt = p[metric], ".1f" if metric == "gb_per_s" else ".0f"
         rows.setdefault(p["rows"], {"rows": p["rows"]})[f"{p['layer']} {p['in']}->{p['out']}"] = (
-            f"{g['torch']:.1f} / {g['kernel']:.1f} ({p['speedup']:.2f}x)")
+            f"{v[base]:{fmt}} / {v[new]:{fmt}} ({p['seconds'][base] / p['seconds'][new]:.2f}x)")
     return text(list(rows.values()))
 
 
@@ -262,8 +263,8 @@ def positions() -> str:
 
 
 TABLES = {"ar": ar, "dtype_linear": dtype_linear, "dtype_forward": dtype_forward,
-          "attention": lambda: attention(False), "attention_prefill": lambda: attention(True), "linear": linear,
-          "bf16_flips": bf16_flips, "cpu_grid": cpu_grid, "llamacpp": llamacpp, "throughput": throughput,
+          "attention": lambda: attention(False), "attention_prefill": lambda: attention(True), "linear": lambda: linear("linear", "gb_per_s", "torch", "kernel"),
+          "linear_tiles": lambda: linear("linear_amx", "gflop_per_s", "kernel", "tiles"),           "bf16_flips": bf16_flips, "cpu_grid": cpu_grid, "llamacpp": llamacpp, "throughput": throughput,
           "auto": auto, "positions": positions, "validate_planner": validate_planner, "serving_8k": serving_8k,
           "serving_trace": serving_trace, "chat": lambda: chat("chat"), "chat_shared": lambda: chat("chat_shared"), "prefix_hit": prefix_hit,
           "tp": tp, "draft_vocab": draft_vocab, "avx2_storage": avx2_storage, "avx2_grid": avx2_grid, "avx2_llamacpp": avx2_llamacpp}

@@ -30,7 +30,21 @@ def force(name: str | None) -> kernels.IsaPath | None:
     else:
         os.environ["MAGICDEC_ISA"] = name
     kernels.isa_path.cache_clear()
+    kernels.tiles.cache_clear()
     return kernels.isa_path()
+
+
+@pytest.fixture(params=[False, True], ids=["vector", "tiles"])
+def tiles(request, monkeypatch) -> bool:
+    """The avx512bf16 linear kernel on vector instructions, then on AMX tiles (skipped where the CPU has none); the
+    process's own choice is restored afterwards. Other paths run their one kernel once."""
+    monkeypatch.setenv("MAGICDEC_AMX", "1" if request.param else "0")
+    kernels.tiles.cache_clear()
+    if request.param and not kernels.tiles():
+        pytest.skip("no AMX tiles on this path or CPU")
+    yield request.param
+    monkeypatch.undo()
+    kernels.tiles.cache_clear()
 
 
 @pytest.fixture(params=[p.name for p in kernels.PATHS])
@@ -245,10 +259,11 @@ def test_real_model_verification_equals_one_token_steps_bit_for_bit(isa, default
 @pytest.mark.parametrize("M, K, N, bias", [
     (1, 576, 960, False),     # a decode step's qkv projection
     (7, 1536, 576, True),     # a partial row block, a bias
-    (13, 100, 37, False),     # N not a multiple of the column group, K not of 32
+    (13, 100, 37, False),     # N not a multiple of the column group, K not of 32 (no tiles)
     (64, 64, 200, True),      # full row blocks
+    (37, 640, 130, True),     # tiles: two full row tiles and a partial one, a partial column group
 ])
-def test_linear_matches_fp32_and_gives_a_row_the_same_bits_in_any_batch(isa, M, K, N, bias):
+def test_linear_matches_fp32_and_gives_a_row_the_same_bits_in_any_batch(isa, tiles, M, K, N, bias):
     g = torch.Generator().manual_seed(M)
     x = torch.randn(M, K, generator=g).to(isa.compute)
     for storage in isa.storage:

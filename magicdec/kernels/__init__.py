@@ -14,7 +14,10 @@ one-token step and a verification forward agree exactly in the linear layers.
 
 The paths (`PATHS`), in order of preference; the first whose CPU flags this CPU has runs:
 - `avx512bf16`: bf16 products with `vdpbf16ps` (Intel Xeons since Cooper Lake, AMD Zen 4). The model computes in bf16
-  (activations, norms) and stores weights and KV cache in bf16.
+  (activations, norms) and stores weights and KV cache in bf16. Where the CPU also has AMX-BF16 (Intel Xeons since
+  Sapphire Rapids), the linear layers multiply on AMX tiles over the same packed weights (`tiles`): as fast at one
+  row, 2-4x faster from 16 rows up, where the vector instructions are compute-bound (a verification forward of a
+  large batch; benchmarks/README.md, "AMX tiles").
 - `avx2`: AVX2 + FMA + F16C, most other x86 CPUs (AMD Zen 2/3, Intel client cores, many cloud VMs). They have no 16-bit
   products and torch's bf16 runs slowly there, so the model computes in fp32 and only storage is 16-bit: the kernels
   widen each weight and cached K/V element to fp32 as they read it, halving the bytes a step reads. fp16 is the
@@ -27,7 +30,8 @@ Each path's kernels are built into one library with torch's C++ extension toolin
 per torch version, cached under TORCH_EXTENSIONS_DIR), with its path's instruction-set flags only (not -march=native:
 a build forced onto a path must not use the host's wider instructions). Where the CPU lacks the instructions or a
 build fails, the path's kernels are off, the reason is logged, and torch's operators run instead. MAGICDEC_NATIVE=0 turns the kernels off;
-MAGICDEC_ISA=<path> forces a path (say `avx2` on a CPU with AVX-512, to run and test it there), `none` none.
+MAGICDEC_ISA=<path> forces a path (say `avx2` on a CPU with AVX-512, to run and test it there), `none` none;
+MAGICDEC_AMX=0 keeps the linear layers on vector instructions.
 """
 
 from __future__ import annotations
@@ -65,7 +69,8 @@ class IsaPath:
 
 
 AVX512_BF16 = IsaPath("avx512bf16", ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"),
-                      ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16"), "",
+                      ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mamx-tile",
+                       "-mamx-bf16"), "",
                       torch.bfloat16, (torch.bfloat16,), 64, True)
 AVX2 = IsaPath("avx2", ("avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c"), "_avx2",
                torch.float32, (torch.float16, torch.bfloat16), 16, False)
@@ -108,10 +113,30 @@ def isa_path() -> IsaPath | None:
     return None
 
 
+#: CPU flags of the AMX tiles the avx512bf16 path's linear kernel multiplies on where the CPU has them.
+TILE_FLAGS = ("amx_tile", "amx_bf16")
+
+
+@functools.cache
+def tiles() -> bool:
+    """Whether the linear kernel multiplies on AMX tiles: on the avx512bf16 path, where the CPU has AMX-BF16 and the
+    OS grants the tile state; MAGICDEC_AMX=0 keeps it on vector instructions. Decided once per process: every call
+    of a layer must take the same instructions, or a verification forward would not give one-token steps' bits."""
+    if isa_path() is not AVX512_BF16 or os.environ.get("MAGICDEC_AMX", "1") == "0":
+        return False
+    if not all(f in cpu_flags() for f in TILE_FLAGS):
+        return False
+    ops = _ops()
+    return ops is not None and bool(ops.tiles_ready())
+
+
 def path_name() -> str:
-    """The kernel path's name for stats and results: "avx512bf16", "avx2", or "torch" (no native kernels)."""
+    """The kernel path's name for stats and results: "avx512bf16" (with "-amx" where the linear kernel runs on
+    tiles), "avx2", or "torch" (no native kernels)."""
     path = isa_path()
-    return path.name if path is not None else "torch"
+    if path is None:
+        return "torch"
+    return path.name + ("-amx" if tiles() else "")
 
 
 def _build_dir(name: str, sources: list[Path], flags: list[str]) -> Path:
@@ -236,11 +261,14 @@ def unpack_linear(packed: Tensor, out_features: int) -> Tensor:
     return packed.transpose(1, 2).reshape(groups * group, k)[:out_features]
 
 
-def linear(x: Tensor, packed: Tensor, out_features: int, bias: Tensor | None = None) -> Tensor:
+def linear(x: Tensor, packed: Tensor, out_features: int, bias: Tensor | None = None, *,
+           on_tiles: bool | None = None) -> Tensor:
     """x [..., K] @ W^T (+ bias) with W packed by `pack_linear`; returns [..., out_features] in x's dtype (the path's
-    compute dtype). Call only where `linear_supported` is True."""
+    compute dtype). Call only where `linear_supported` is True. `on_tiles`: AMX tiles or vector instructions (None:
+    this process's choice, `tiles()`; a benchmark compares the two)."""
     rows = x.reshape(-1, x.shape[-1]).contiguous()
-    return _ops().linear(rows, packed, out_features, bias).view(*x.shape[:-1], out_features)
+    op = _ops().linear_tiles if (tiles() if on_tiles is None else on_tiles) else _ops().linear
+    return op(rows, packed, out_features, bias).view(*x.shape[:-1], out_features)
 
 
 def takes(xq: Tensor, keys: Tensor, values: Tensor, bias: Tensor) -> bool:
