@@ -36,8 +36,8 @@ def force(name: str | None) -> kernels.IsaPath | None:
 
 @pytest.fixture(params=[False, True], ids=["vector", "tiles"])
 def tiles(request, monkeypatch) -> bool:
-    """The avx512bf16 linear kernel on vector instructions, then on AMX tiles (skipped where the CPU has none); the
-    process's own choice is restored afterwards. Other paths run their one kernel once."""
+    """The avx512bf16 kernels' products on vector instructions, then on AMX tiles (skipped where the CPU has none);
+    the process's own choice is restored afterwards. Other paths run their one version once."""
     monkeypatch.setenv("MAGICDEC_AMX", "1" if request.param else "0")
     kernels.tiles.cache_clear()
     if request.param and not kernels.tiles():
@@ -92,11 +92,12 @@ def tolerance(path: kernels.IsaPath) -> float:
     (3, 3, 4, 300, 64, [296, 200, 7]),         # ragged rows, a partial last tile
     (2, 1, 9, 2100, 64, [2091, 1500]),         # several chunks, whole hidden tiles at the end
     (1, 4, 6, 777, 128, [771]),                # head dim 128
+    (2, 4, 4, 530, 256, [526, 300]),           # head dim 256, 16 query rows: a Gemma 3 verification
     (4, 3, 16, 64, 64, [48, 40, 1, 0]),        # 48 query rows; a row with nothing cached before it
     (1, 3, 256, 1000, 64, [744]),              # a prefill chunk: 768 query rows, causal among themselves
     (2, 3, 100, 300, 64, [200, 0]),            # and a prompt's first chunk
 ])
-def test_matches_fp32_sdpa(isa, B, G, q, L, hd, lens):
+def test_matches_fp32_sdpa(isa, tiles, B, G, q, L, hd, lens):
     for storage in isa.storage:
         xq, k, v, mask = ragged(B, 2, G, q, L, hd, lens, L + 37, isa.compute, storage)
         assert k.stride(2) == hd and not k.is_contiguous()  # strided views, as caches give
@@ -105,7 +106,7 @@ def test_matches_fp32_sdpa(isa, B, G, q, L, hd, lens):
         assert rel_err(out, reference(xq, k, v, mask, G)) < tolerance(isa), storage
 
 
-def test_every_query_row_is_computed_alike_whatever_the_number_of_queries(isa):
+def test_every_query_row_is_computed_alike_whatever_the_number_of_queries(isa, tiles):
     """A verification forward (q new tokens) attends for its first token exactly as a one-token step does, with
     one thread as with two."""
     B, KV, G, q, L, hd = 3, 3, 3, 5, 1500, 64
@@ -120,7 +121,7 @@ def test_every_query_row_is_computed_alike_whatever_the_number_of_queries(isa):
         assert torch.equal(kernels.decode_attention(xq, k, v, bias).view(B, KV, G, q, hd), full)
 
 
-def test_fully_hidden_chunks_are_skipped_not_averaged(isa):
+def test_fully_hidden_chunks_are_skipped_not_averaged(isa, tiles):
     """A row whose visible positions all fall in one chunk: other chunks contribute nothing (NaN in the
     hidden slots, which a kernel that read them would spread)."""
     storage = isa.storage[0]

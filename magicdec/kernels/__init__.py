@@ -15,9 +15,10 @@ one-token step and a verification forward agree exactly in the linear layers.
 The paths (`PATHS`), in order of preference; the first whose CPU flags this CPU has runs:
 - `avx512bf16`: bf16 products with `vdpbf16ps` (Intel Xeons since Cooper Lake, AMD Zen 4). The model computes in bf16
   (activations, norms) and stores weights and KV cache in bf16. Where the CPU also has AMX-BF16 (Intel Xeons since
-  Sapphire Rapids), the linear layers multiply on AMX tiles over the same packed weights (`tiles`): as fast at one
-  row, 2-4x faster from 16 rows up, where the vector instructions are compute-bound (a verification forward of a
-  large batch; benchmarks/README.md, "AMX tiles").
+  Sapphire Rapids), both kernels' products run on AMX tiles (`tiles`): the linear layers over the same packed
+  weights, as fast at one row and 2-4x faster from 16 rows up, where the vector instructions are compute-bound; the
+  attention's scores and P @ V for up to 16 query rows per KV head at the cost of about one (a verification forward
+  of a large batch; benchmarks/README.md, "AMX tiles").
 - `avx2`: AVX2 + FMA + F16C, most other x86 CPUs (AMD Zen 2/3, Intel client cores, many cloud VMs). They have no 16-bit
   products and torch's bf16 runs slowly there, so the model computes in fp32 and only storage is 16-bit: the kernels
   widen each weight and cached K/V element to fp32 as they read it, halving the bytes a step reads. fp16 is the
@@ -31,7 +32,7 @@ per torch version, cached under TORCH_EXTENSIONS_DIR), with its path's instructi
 a build forced onto a path must not use the host's wider instructions). Where the CPU lacks the instructions or a
 build fails, the path's kernels are off, the reason is logged, and torch's operators run instead. MAGICDEC_NATIVE=0 turns the kernels off;
 MAGICDEC_ISA=<path> forces a path (say `avx2` on a CPU with AVX-512, to run and test it there), `none` none;
-MAGICDEC_AMX=0 keeps the linear layers on vector instructions.
+MAGICDEC_AMX=0 keeps both kernels on vector instructions.
 """
 
 from __future__ import annotations
@@ -113,15 +114,15 @@ def isa_path() -> IsaPath | None:
     return None
 
 
-#: CPU flags of the AMX tiles the avx512bf16 path's linear kernel multiplies on where the CPU has them.
+#: CPU flags of the AMX tiles the avx512bf16 path's kernels multiply on where the CPU has them.
 TILE_FLAGS = ("amx_tile", "amx_bf16")
 
 
 @functools.cache
 def tiles() -> bool:
-    """Whether the linear kernel multiplies on AMX tiles: on the avx512bf16 path, where the CPU has AMX-BF16 and the
-    OS grants the tile state; MAGICDEC_AMX=0 keeps it on vector instructions. Decided once per process: every call
-    of a layer must take the same instructions, or a verification forward would not give one-token steps' bits."""
+    """Whether the kernels multiply on AMX tiles: on the avx512bf16 path, where the CPU has AMX-BF16 and the OS grants
+    the tile state; MAGICDEC_AMX=0 keeps them on vector instructions. Decided once per process: every call must take
+    the same instructions, or a verification forward would not give the one-token steps' bits."""
     if isa_path() is not AVX512_BF16 or os.environ.get("MAGICDEC_AMX", "1") == "0":
         return False
     if not all(f in cpu_flags() for f in TILE_FLAGS):
@@ -131,8 +132,8 @@ def tiles() -> bool:
 
 
 def path_name() -> str:
-    """The kernel path's name for stats and results: "avx512bf16" (with "-amx" where the linear kernel runs on
-    tiles), "avx2", or "torch" (no native kernels)."""
+    """The kernel path's name for stats and results: "avx512bf16" (with "-amx" where the kernels multiply on tiles),
+    "avx2", or "torch" (no native kernels)."""
     path = isa_path()
     if path is None:
         return "torch"
@@ -282,4 +283,5 @@ def decode_attention(xq: Tensor, keys: Tensor, values: Tensor, bias: Tensor) -> 
     """Softmax attention of queries [B, KV, M, hd] (any float dtype) over K/V [B, KV, L, hd] (16-bit) with an
     additive bias [B, 1, M, L] (K's dtype, 0 or -inf); returns [B, KV, M, hd] fp32. Call only where `takes` is
     True."""
-    return _ops().decode_attention(xq, keys, values, bias, CHUNK)
+    op = _ops().decode_attention_tiles if tiles() else _ops().decode_attention
+    return op(xq, keys, values, bias, CHUNK)

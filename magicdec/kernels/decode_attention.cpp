@@ -11,10 +11,18 @@
 // Chunks are merged by their maxima. Each query row is computed with the same arithmetic whatever M and
 // L are: a verification forward attends exactly as the one-token steps do. Tiles the bias hides
 // entirely (unfilled cache slots) are skipped.
+//
+// With AMX tiles (`kTiles`, where the linear kernel takes them too) the products run on the tile unit:
+// a 16-position K tile is an A operand as the cache stores it (no transpose), the queries a B operand
+// (pairs of head dims by query, 16 queries wide), and P @ V multiplies a tile of 16 queries' bf16
+// probabilities by V interleaved by position pairs. A verification forward's 16 or so query rows per
+// KV head then cost about what one row does, the K/V read. Each query row is still computed alike in
+// any batch: rows and columns of a tile product do not mix.
 #include <immintrin.h>
 
 #include <vector>
 
+#include "amx.h"
 #include "common.h"
 
 namespace {
@@ -70,7 +78,19 @@ inline void transpose16(__m512i r[16]) {
   }
 }
 
-template <int D>
+// Tiles 0: scores of 16 positions x 16 queries; 1: K (16 positions x 32 dims); 2: queries (16 dim pairs x 16);
+// 3: probabilities (`rows` queries x 16 positions); 4: V (8 position pairs x 16 dims); 5, 6: outputs (`rows` x 16).
+inline void configure_tiles(int rows) {
+  magicdec::TileConfig cfg;
+  const int tile_rows[7] = {16, 16, 16, rows, 8, rows, rows}, tile_cols[7] = {64, 64, 64, 32, 64, 64, 64};
+  for (int t = 0; t < 7; ++t) {
+    cfg.rows[t] = tile_rows[t];
+    cfg.colsb[t] = tile_cols[t];
+  }
+  magicdec::load_tiles(cfg);
+}
+
+template <int D, bool kTiles>
 struct Task {
   static constexpr int P = D / 2;  // bf16 pairs per row: the dot-product unit of vdpbf16ps
   const uint32_t* q;               // [M, P] this head's queries as bf16 pairs
@@ -81,6 +101,7 @@ struct Task {
     std::vector<float> scores;
     std::vector<uint16_t> probs;
     std::vector<char> visible;
+    std::vector<uint32_t> qt;  // tiles: the queries as B operands, [M / 16][D / 32][16 pairs][16 queries]
   };
 
   // Scores of queries [M] against tile positions [l, l + 16) (n of them real), into s[m * 16 + i].
@@ -108,6 +129,47 @@ struct Task {
     }
   }
 
+  // The queries as tile B operands: for each group of 16 queries and 32 dims, pair p of query j at [p][j] (0 past M).
+  void tile_queries(std::vector<uint32_t>& qt) const {
+    const int64_t groups = (M + 15) / 16;
+    qt.assign(groups * (D / 32) * 256, 0);
+    for (int64_t m = 0; m < M; ++m)
+      for (int p = 0; p < P; ++p) qt[((m / 16 * (D / 32) + p / 16) * 16 + p % 16) * 16 + m % 16] = q[m * P + p];
+  }
+
+  // score_tile on tiles: S^T [16 positions, 16 queries] = K tile @ queries, per group of 16 queries.
+  void score_tile_on_tiles(int64_t b, int64_t h, int64_t l, int64_t n, const uint32_t* qt, float* s) const {
+    alignas(64) uint16_t kpad[16 * D];  // a partial tile's positions, zero past n (the cache may end there)
+    const uint16_t* kt = K.at(b, h, l);
+    int64_t stride = K.sl * 2;
+    if (n < 16) {
+      std::fill(kpad, kpad + 16 * D, uint16_t(0));
+      for (int64_t i = 0; i < n; ++i) std::copy(K.at(b, h, l + i), K.at(b, h, l + i) + D, kpad + i * D);
+      kt = kpad;
+      stride = D * 2;
+    }
+    alignas(64) float st[16 * 16];
+    const __mmask16 real = (__mmask16)((1u << n) - 1);
+    for (int64_t g = 0; g * 16 < M; ++g) {
+      _tile_zero(0);
+      for (int c = 0; c < D / 32; ++c) {
+        _tile_loadd(1, kt + 32 * c, stride);
+        _tile_loadd(2, qt + (g * (D / 32) + c) * 256, 64);
+        _tile_dpbf16ps(0, 1, 2);
+      }
+      _tile_stored(0, st, 64);
+      __m512i r[16];
+      for (int i = 0; i < 16; ++i) r[i] = _mm512_load_si512(st + 16 * i);
+      transpose16(r);  // r[j] lane i: query j's score at position l + i
+      for (int64_t j = 0; j < 16 && g * 16 + j < M; ++j) {
+        const int64_t m = g * 16 + j;
+        const __m512 bias_m = bf16_to_fp32(_mm256_mask_loadu_epi16(
+            _mm256_set1_epi16(kBf16NegInf), real, bias.at(b, 0, m) + l));
+        _mm512_storeu_ps(s + m * kTile, _mm512_fmadd_ps(_mm512_castsi512_ps(r[j]), _mm512_set1_ps(scale), bias_m));
+      }
+    }
+  }
+
   bool tile_visible(int64_t b, int64_t l, int64_t n) const {
     const __mmask16 real = (__mmask16)((1u << n) - 1);
     for (int64_t m = 0; m < M; ++m) {
@@ -117,18 +179,70 @@ struct Task {
     return false;
   }
 
+  // Dims [32c, 32c + 32) of the tile's positions [l, l + 16) (n real) interleaved by position pairs: lo[j * stride]
+  // lane i = (V[2j][32c + i], V[2j + 1][32c + i]), hi[j * stride] the same for dims 32c + 16 + i.
+  void interleave_values(int64_t b, int64_t h, int64_t l, int64_t n, int c, __m512i* lo_out, __m512i* hi_out,
+                         int64_t stride) const {
+    const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                        39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+    for (int64_t j = 0; j < kTile / 2; ++j) {
+      const __m512i a = 2 * j < n ? _mm512_loadu_si512(V.at(b, h, l + 2 * j) + 32 * c) : _mm512_setzero_si512();
+      const __m512i z = 2 * j + 1 < n ? _mm512_loadu_si512(V.at(b, h, l + 2 * j + 1) + 32 * c) : _mm512_setzero_si512();
+      lo_out[j * stride] = _mm512_permutex2var_epi16(a, lo, z);
+      hi_out[j * stride] = _mm512_permutex2var_epi16(a, hi, z);
+    }
+  }
+
+  // P @ V on tiles: for each group of 16 queries and 32 dims, two output tiles accumulate over the chunk's tiles.
+  void values_on_tiles(int64_t b, int64_t h, int64_t l0, int64_t l1, const uint16_t* probs, const char* visible,
+                       float* out) const {
+    const int64_t tiles = (l1 - l0 + kTile - 1) / kTile;
+    alignas(64) __m512i vlo[kTile / 2], vhi[kTile / 2];  // B operands: dims [32c, 32c + 16), [32c + 16, 32c + 32)
+    for (int64_t g = 0; g * 16 < M; ++g) {
+      const int rows = static_cast<int>(std::min<int64_t>(16, M - g * 16));
+      configure_tiles(rows);
+      for (int c = 0; c < D / 32; ++c) {
+        _tile_zero(5);
+        _tile_zero(6);
+        for (int64_t t = 0; t < tiles; ++t) {
+          const int64_t l = l0 + t * kTile, n = std::min<int64_t>(kTile, l1 - l);
+          if (!visible[t]) continue;
+          interleave_values(b, h, l, n, c, vlo, vhi, 1);
+          _tile_loadd(3, probs + g * 16 * tiles * kTile + t * kTile, tiles * kTile * 2);
+          _tile_loadd(4, vlo, 64);
+          _tile_dpbf16ps(5, 3, 4);
+          _tile_loadd(4, vhi, 64);
+          _tile_dpbf16ps(6, 3, 4);
+        }
+        _tile_stored(5, out + g * 16 * D + 32 * c, D * 4);
+        _tile_stored(6, out + g * 16 * D + 32 * c + 16, D * 4);
+      }
+    }
+    _tile_release();
+  }
+
   // Positions [l0, l1) of (b, h): the chunk's maxima [M], softmax sums [M] and unnormalized out [M, D].
   void run(int64_t b, int64_t h, int64_t l0, int64_t l1, Buffers& buffers, float* row_max, float* row_sum,
            float* out) const {
-    auto& [scores, probs, visible] = buffers;
+    auto& [scores, probs, visible, qt] = buffers;
     const int64_t tiles = (l1 - l0 + kTile - 1) / kTile;
     scores.resize(tiles * M * kTile);
     probs.resize(M * tiles * kTile);
     visible.resize(tiles);
+    if constexpr (kTiles) {
+      tile_queries(qt);
+      configure_tiles(16);
+    }
     for (int64_t t = 0; t < tiles; ++t) {
       const int64_t l = l0 + t * kTile, n = std::min<int64_t>(kTile, l1 - l);
       visible[t] = tile_visible(b, l, n);
-      if (visible[t]) score_tile(b, h, l, n, scores.data() + t * M * kTile);
+      if (!visible[t]) continue;
+      if constexpr (kTiles) {
+        score_tile_on_tiles(b, h, l, n, qt.data(), scores.data() + t * M * kTile);
+      } else {
+        score_tile(b, h, l, n, scores.data() + t * M * kTile);
+      }
     }
     // Chunk-local softmax numerators, rounded to bf16 as P @ V consumes them; sums of the rounded values.
     for (int64_t m = 0; m < M; ++m) {
@@ -150,23 +264,17 @@ struct Task {
       }
       row_sum[m] = _mm512_reduce_add_ps(sum);
     }
-    // out[m] += sum_i p[m, i] V[i], two positions per vdpbf16ps: V rows interleaved element-wise.
+    // out[m] += sum_i p[m, i] V[i], two positions per product: V rows interleaved element-wise.
+    if constexpr (kTiles) {
+      values_on_tiles(b, h, l0, l1, probs.data(), visible.data(), out);
+      return;
+    }
     std::fill(out, out + M * D, 0.0f);
-    const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
-                                        39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-    const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
     alignas(64) __m512i vt[kTile / 2][D / 16];  // vt[j][k] lane i: (V[2j][16k + i], V[2j + 1][16k + i])
     for (int64_t t = 0; t < tiles; ++t) {
       const int64_t l = l0 + t * kTile, n = std::min<int64_t>(kTile, l1 - l);
       if (!visible[t]) continue;
-      for (int64_t j = 0; j < kTile / 2; ++j) {
-        for (int c = 0; c < D / 32; ++c) {
-          const __m512i a = 2 * j < n ? _mm512_loadu_si512(V.at(b, h, l + 2 * j) + 32 * c) : _mm512_setzero_si512();
-          const __m512i z = 2 * j + 1 < n ? _mm512_loadu_si512(V.at(b, h, l + 2 * j + 1) + 32 * c) : _mm512_setzero_si512();
-          vt[j][2 * c] = _mm512_permutex2var_epi16(a, lo, z);
-          vt[j][2 * c + 1] = _mm512_permutex2var_epi16(a, hi, z);
-        }
-      }
+      for (int c = 0; c < D / 32; ++c) interleave_values(b, h, l, n, c, &vt[0][2 * c], &vt[0][2 * c + 1], D / 16);
       for (int64_t m = 0; m < M; ++m) {
         const uint32_t* pairs = reinterpret_cast<const uint32_t*>(probs.data() + m * tiles * kTile + t * kTile);
         __m512 acc[D / 16];
@@ -181,7 +289,7 @@ struct Task {
   }
 };
 
-template <int D>
+template <int D, bool kTiles>
 at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                      const at::Tensor& bias, int64_t chunk) {
   const int64_t M = q.size(2);
@@ -192,28 +300,42 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   return magicdec::attend_in_chunks<D>(
       q.size(0), q.size(1), M, k.size(2), chunk, magicdec::strided(bias), q.options().dtype(at::kFloat),
       [&](int64_t bh, int64_t m0, int64_t rows, Strided block_bias) {
-        return Task<D>{qp + (bh * M + m0) * (D / 2), rows, K, V, block_bias, scale};
+        return Task<D, kTiles>{qp + (bh * M + m0) * (D / 2), rows, K, V, block_bias, scale};
       });
 }
 
-}  // namespace
-
-at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                               const at::Tensor& bias, int64_t chunk) {
+template <bool kTiles>
+at::Tensor attend_any(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& bias,
+                      int64_t chunk) {
   TORCH_CHECK(k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16 &&
                   bias.scalar_type() == at::kBFloat16, "decode_attention: K, V and bias must be bf16");
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && bias.dim() == 4, "decode_attention: 4-d tensors");
   TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1 && bias.stride(3) == 1, "decode_attention: last dims must be contiguous");
   TORCH_CHECK(chunk > 0 && chunk % kTile == 0, "decode_attention: chunk must be a positive multiple of 16");
   switch (q.size(3)) {
-    case 64: return attend<64>(q, k, v, bias, chunk);
-    case 128: return attend<128>(q, k, v, bias, chunk);
-    case 256: return attend<256>(q, k, v, bias, chunk);  // Gemma 3
+    case 64: return attend<64, kTiles>(q, k, v, bias, chunk);
+    case 128: return attend<128, kTiles>(q, k, v, bias, chunk);
+    case 256: return attend<256, kTiles>(q, k, v, bias, chunk);  // Gemma 3
     default: TORCH_CHECK(false, "decode_attention: head dim ", q.size(3), " is not 64, 128 or 256");
   }
 }
 
-// Decode/verification attention over a bf16 KV cache (AVX512-BF16)
+}  // namespace
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                               const at::Tensor& bias, int64_t chunk) {
+  return attend_any<false>(q, k, v, bias, chunk);
+}
+
+at::Tensor decode_attention_tiles(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                     const at::Tensor& bias, int64_t chunk) {
+  return attend_any<true>(q, k, v, bias, chunk);
+}
+
+// Decode/verification attention over a bf16 KV cache (AVX512-BF16; decode_attention_tiles: products on AMX tiles,
+// call it only where tiles_ready())
 TORCH_LIBRARY_FRAGMENT(magicdec_avx512bf16, m) {
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor bias, int chunk) -> Tensor", &decode_attention);
+  m.def("decode_attention_tiles(Tensor q, Tensor k, Tensor v, Tensor bias, int chunk) -> Tensor",
+        &decode_attention_tiles);
 }

@@ -18,9 +18,8 @@
 // still computed alike in any batch: rows of a tile do not mix, and a layer takes the tiles (K a
 // multiple of 32) or the vector path whatever M is.
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
+#include "amx.h"
 #include "common.h"
 
 namespace {
@@ -72,20 +71,14 @@ constexpr int64_t kTileK = 32;  // inputs per tile step: 16 pairs
 constexpr int64_t kTileRows = 16;
 constexpr int64_t kPrefetch = 4 * kTileK * kGroup;  // weights read ahead: four tile steps (16 KiB)
 
-struct TileConfig {  // the 64-byte operand of ldtilecfg (palette 1)
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 // Tiles 0-3: the fp32 results of 16 columns each; 4: `rows` input rows x 32 inputs; 5-7: weights.
 inline void configure_tiles(int rows) {
-  TileConfig cfg;
+  magicdec::TileConfig cfg;
   for (int t = 0; t < 8; ++t) {
     cfg.colsb[t] = 64;
     cfg.rows[t] = t <= 4 ? rows : 16;
   }
-  _tile_loadconfig(&cfg);
+  magicdec::load_tiles(cfg);
 }
 
 // `rows` (<= 16, the tiles configured for them) input rows x [rows, K] against one packed group `w`, on tiles;
@@ -116,13 +109,6 @@ inline void tile_block(const uint16_t* x, const uint16_t* w, int64_t K, float* o
 
 }  // namespace
 
-// Whether this process may use AMX tiles: Linux grants the tile state on request (once per process).
-bool tiles_ready() {
-  constexpr long kReqXcompPerm = 0x1023, kXfeatureTileData = 18;
-  static const bool ready = syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureTileData) == 0;
-  return ready;
-}
-
 at::Tensor linear_on(const at::Tensor& x, const at::Tensor& packed, int64_t N,
                         const std::optional<at::Tensor>& bias, bool tiles) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "linear: x [M, K] bf16");
@@ -141,7 +127,7 @@ at::Tensor linear_on(const at::Tensor& x, const at::Tensor& packed, int64_t N,
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
   if (tiles && K % kTileK == 0) {
-    TORCH_CHECK(tiles_ready(), "linear: the OS refused the AMX tile state");
+    TORCH_CHECK(magicdec::tiles_ready(), "linear: the OS refused the AMX tile state");
     at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
       alignas(64) float acc[kTileRows * kGroup];
       int configured = 0;
@@ -185,5 +171,5 @@ at::Tensor linear_tiles(const at::Tensor& x, const at::Tensor& packed, int64_t N
 TORCH_LIBRARY_FRAGMENT(magicdec_avx512bf16, m) {
   m.def("linear(Tensor x, Tensor packed, int N, Tensor? bias) -> Tensor", &linear);
   m.def("linear_tiles(Tensor x, Tensor packed, int N, Tensor? bias) -> Tensor", &linear_tiles);
-  m.def("tiles_ready() -> bool", &tiles_ready);
+  m.def("tiles_ready() -> bool", &magicdec::tiles_ready);
 }
