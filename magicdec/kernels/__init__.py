@@ -179,7 +179,7 @@ def _build(path: IsaPath) -> Any | None:
     build_dir = _build_dir(path.name, [*sources, *sorted(here.glob("*.h"))], flags)
     if not build_dir.exists():
         log.info("compiling the %s for this CPU (once, about 30 s)", what)
-        build_dir.mkdir(parents=True)
+        build_dir.mkdir(parents=True, exist_ok=True)  # another process may build it too
     lock = build_dir / "lock"  # torch waits on it forever; a build killed midway leaves it behind
     if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
         log.warning("removing %s, left by an interrupted build", lock)
