@@ -4,6 +4,8 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <c10/util/Exception.h>
+
 #include <cstdint>
 
 namespace magicdec {
@@ -26,6 +28,11 @@ inline bool tiles_ready() {
   constexpr long kReqXcompPerm = 0x1023, kXfeatureTileData = 18;
   static const bool ready = syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureTileData) == 0;
   return ready;
+}
+
+// Fails the operator `op` with a clear error where the OS refused the tiles (a fault otherwise).
+inline void require_tiles(const char* op) {
+  TORCH_CHECK(tiles_ready(), op, ": the OS refused the AMX tile state");
 }
 
 }  // namespace magicdec

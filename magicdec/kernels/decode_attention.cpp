@@ -312,6 +312,7 @@ at::Tensor attend_any(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && bias.dim() == 4, "decode_attention: 4-d tensors");
   TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1 && bias.stride(3) == 1, "decode_attention: last dims must be contiguous");
   TORCH_CHECK(chunk > 0 && chunk % kTile == 0, "decode_attention: chunk must be a positive multiple of 16");
+  if constexpr (kTiles) magicdec::require_tiles("decode_attention");
   switch (q.size(3)) {
     case 64: return attend<64, kTiles>(q, k, v, bias, chunk);
     case 128: return attend<128, kTiles>(q, k, v, bias, chunk);

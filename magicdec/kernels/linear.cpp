@@ -127,7 +127,7 @@ at::Tensor linear_on(const at::Tensor& x, const at::Tensor& packed, int64_t N,
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
   if (tiles && K % kTileK == 0) {
-    TORCH_CHECK(magicdec::tiles_ready(), "linear: the OS refused the AMX tile state");
+    magicdec::require_tiles("linear");
     at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
       alignas(64) float acc[kTileRows * kGroup];
       int configured = 0;
