@@ -26,12 +26,13 @@ from magicdec.config import EngineConfig
 from magicdec.distributed import init_tp, launched_world_size
 from magicdec.drafters.base import Drafter
 from magicdec.errors import InvalidRequestError
+from magicdec.kv.hybrid import ring_size
 from magicdec.kv.prefix_cache import PrefixCache
 from magicdec.loading import LoadedModel, load_model
 from magicdec.loading.tokenizer import Tokenizer
 from magicdec.memory import available_bytes, peak_bytes
 from magicdec.model import Transformer, attention_path, linear_path, weight_dtype
-from magicdec.runner import ModelRunner, forward_tokens
+from magicdec.runner import CACHE_SLACK, ModelRunner, forward_tokens
 from magicdec.sampling import SamplingParams
 from magicdec.scheduler import FixedGamma, GammaPolicy, Request, Scheduler, Status, cuda_row_bucket
 from magicdec.speculative import Speculation, SpeculativeConfig
@@ -281,7 +282,7 @@ class LLM:
         """Bytes the prefix cache takes for `prompts` prompts of `tokens` tokens in all, as their prefill stores them:
         every block, and for a hybrid model the sliding K/V of the blocks a slot's ring holds at each prompt's end."""
         cfg = self.model.cfg
-        ring = cfg.sliding_window - 1 + forward_tokens(self.config) if cfg.hybrid else 0
+        ring = ring_size(cfg, self.max_model_len + CACHE_SLACK, forward_tokens(self.config)) if cfg.hybrid else 0
         return PrefixCache.bytes_for(cfg, tokens, self.kv_dtype, prompts * min(ring, -(-tokens // prompts)))
 
     def reserve_prefix_cache(self, tokens: int, prompts: int = 1) -> None:
