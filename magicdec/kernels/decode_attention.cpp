@@ -17,7 +17,9 @@
 // (pairs of head dims by query, 16 queries wide), and P @ V multiplies a tile of 16 queries' bf16
 // probabilities by V interleaved by position pairs. A verification forward's 16 or so query rows per
 // KV head then cost about what one row does, the K/V read. Each query row is still computed alike in
-// any batch: rows and columns of a tile product do not mix.
+// any batch: rows and columns of a tile product do not mix. P @ V walks V by 32 dims at a time (two
+// output tiles), so a chunk's V is interleaved once into a buffer, reading each position's row whole:
+// walking the cache itself 32 dims at a time read V from memory at half the rate K is read.
 #include <immintrin.h>
 
 #include <vector>
@@ -102,6 +104,7 @@ struct Task {
     std::vector<uint16_t> probs;
     std::vector<char> visible;
     std::vector<uint32_t> qt;  // tiles: the queries as B operands, [M / 16][D / 32][16 pairs][16 queries]
+    std::vector<__m512i> vt;   // tiles: the chunk's V interleaved by position pairs
   };
 
   // Scores of queries [M] against tile positions [l, l + 16) (n of them real), into s[m * 16 + i].
@@ -179,26 +182,35 @@ struct Task {
     return false;
   }
 
-  // Dims [32c, 32c + 32) of the tile's positions [l, l + 16) (n real) interleaved by position pairs: lo[j * stride]
-  // lane i = (V[2j][32c + i], V[2j + 1][32c + i]), hi[j * stride] the same for dims 32c + 16 + i.
-  void interleave_values(int64_t b, int64_t h, int64_t l, int64_t n, int c, __m512i* lo_out, __m512i* hi_out,
-                         int64_t stride) const {
+  // The tile's positions [l, l + 16) (n real) interleaved by position pairs, read row after row: for dims
+  // [16k, 16k + 16), out[j * sj + k * sk] lane i = (V[2j][16k + i], V[2j + 1][16k + i]).
+  void interleave_tile(int64_t b, int64_t h, int64_t l, int64_t n, __m512i* out, int64_t sj, int64_t sk) const {
     const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
                                         39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
     const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
     for (int64_t j = 0; j < kTile / 2; ++j) {
-      const __m512i a = 2 * j < n ? _mm512_loadu_si512(V.at(b, h, l + 2 * j) + 32 * c) : _mm512_setzero_si512();
-      const __m512i z = 2 * j + 1 < n ? _mm512_loadu_si512(V.at(b, h, l + 2 * j + 1) + 32 * c) : _mm512_setzero_si512();
-      lo_out[j * stride] = _mm512_permutex2var_epi16(a, lo, z);
-      hi_out[j * stride] = _mm512_permutex2var_epi16(a, hi, z);
+      const uint16_t* va = V.at(b, h, l + 2 * j);
+      const uint16_t* vz = V.at(b, h, l + 2 * j + 1);
+      for (int c = 0; c < D / 32; ++c) {
+        const __m512i a = 2 * j < n ? _mm512_loadu_si512(va + 32 * c) : _mm512_setzero_si512();
+        const __m512i z = 2 * j + 1 < n ? _mm512_loadu_si512(vz + 32 * c) : _mm512_setzero_si512();
+        out[j * sj + 2 * c * sk] = _mm512_permutex2var_epi16(a, lo, z);
+        out[j * sj + (2 * c + 1) * sk] = _mm512_permutex2var_epi16(a, hi, z);
+      }
     }
   }
 
-  // P @ V on tiles: for each group of 16 queries and 32 dims, two output tiles accumulate over the chunk's tiles.
+  // P @ V on tiles. The chunk's V is interleaved once, each tile read row after row (`vt`, [tiles][D / 16][8 pairs]
+  // as B operands); then for each group of 16 queries and 32 dims two output tiles accumulate over the chunk's tiles.
   void values_on_tiles(int64_t b, int64_t h, int64_t l0, int64_t l1, const uint16_t* probs, const char* visible,
-                       float* out) const {
+                       std::vector<__m512i>& vt, float* out) const {
     const int64_t tiles = (l1 - l0 + kTile - 1) / kTile;
-    alignas(64) __m512i vlo[kTile / 2], vhi[kTile / 2];  // B operands: dims [32c, 32c + 16), [32c + 16, 32c + 32)
+    constexpr int64_t kPerTile = D / 16 * (kTile / 2);
+    vt.resize(tiles * kPerTile);
+    for (int64_t t = 0; t < tiles; ++t) {
+      const int64_t l = l0 + t * kTile;
+      if (visible[t]) interleave_tile(b, h, l, std::min<int64_t>(kTile, l1 - l), vt.data() + t * kPerTile, 1, 8);
+    }
     for (int64_t g = 0; g * 16 < M; ++g) {
       const int rows = static_cast<int>(std::min<int64_t>(16, M - g * 16));
       configure_tiles(rows);
@@ -206,13 +218,12 @@ struct Task {
         _tile_zero(5);
         _tile_zero(6);
         for (int64_t t = 0; t < tiles; ++t) {
-          const int64_t l = l0 + t * kTile, n = std::min<int64_t>(kTile, l1 - l);
           if (!visible[t]) continue;
-          interleave_values(b, h, l, n, c, vlo, vhi, 1);
+          const __m512i* v = vt.data() + t * kPerTile + 16 * c;  // dims [32c, 32c + 16), then [32c + 16, 32c + 32)
           _tile_loadd(3, probs + g * 16 * tiles * kTile + t * kTile, tiles * kTile * 2);
-          _tile_loadd(4, vlo, 64);
+          _tile_loadd(4, v, 64);
           _tile_dpbf16ps(5, 3, 4);
-          _tile_loadd(4, vhi, 64);
+          _tile_loadd(4, v + 8, 64);
           _tile_dpbf16ps(6, 3, 4);
         }
         _tile_stored(5, out + g * 16 * D + 32 * c, D * 4);
@@ -225,7 +236,7 @@ struct Task {
   // Positions [l0, l1) of (b, h): the chunk's maxima [M], softmax sums [M] and unnormalized out [M, D].
   void run(int64_t b, int64_t h, int64_t l0, int64_t l1, Buffers& buffers, float* row_max, float* row_sum,
            float* out) const {
-    auto& [scores, probs, visible, qt] = buffers;
+    auto& [scores, probs, visible, qt, vt] = buffers;
     const int64_t tiles = (l1 - l0 + kTile - 1) / kTile;
     scores.resize(tiles * M * kTile);
     probs.resize(M * tiles * kTile);
@@ -266,22 +277,22 @@ struct Task {
     }
     // out[m] += sum_i p[m, i] V[i], two positions per product: V rows interleaved element-wise.
     if constexpr (kTiles) {
-      values_on_tiles(b, h, l0, l1, probs.data(), visible.data(), out);
+      values_on_tiles(b, h, l0, l1, probs.data(), visible.data(), vt, out);
       return;
     }
     std::fill(out, out + M * D, 0.0f);
-    alignas(64) __m512i vt[kTile / 2][D / 16];  // vt[j][k] lane i: (V[2j][16k + i], V[2j + 1][16k + i])
+    alignas(64) __m512i vp[kTile / 2][D / 16];  // vp[j][k] lane i: (V[2j][16k + i], V[2j + 1][16k + i])
     for (int64_t t = 0; t < tiles; ++t) {
       const int64_t l = l0 + t * kTile, n = std::min<int64_t>(kTile, l1 - l);
       if (!visible[t]) continue;
-      for (int c = 0; c < D / 32; ++c) interleave_values(b, h, l, n, c, &vt[0][2 * c], &vt[0][2 * c + 1], D / 16);
+      interleave_tile(b, h, l, n, &vp[0][0], D / 16, 1);
       for (int64_t m = 0; m < M; ++m) {
         const uint32_t* pairs = reinterpret_cast<const uint32_t*>(probs.data() + m * tiles * kTile + t * kTile);
         __m512 acc[D / 16];
         for (int k = 0; k < D / 16; ++k) acc[k] = _mm512_loadu_ps(out + m * D + 16 * k);
         for (int64_t j = 0; j < kTile / 2; ++j) {
           const __m512bh pj = (__m512bh)_mm512_set1_epi32(pairs[j]);
-          for (int k = 0; k < D / 16; ++k) acc[k] = _mm512_dpbf16_ps(acc[k], pj, (__m512bh)vt[j][k]);
+          for (int k = 0; k < D / 16; ++k) acc[k] = _mm512_dpbf16_ps(acc[k], pj, (__m512bh)vp[j][k]);
         }
         for (int k = 0; k < D / 16; ++k) _mm512_storeu_ps(out + m * D + 16 * k, acc[k]);
       }
