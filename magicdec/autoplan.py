@@ -31,12 +31,14 @@ from typing import Callable, Iterable, Sequence
 import torch
 
 from magicdec import dtypes
+from magicdec.drafters.vocab import head_coverage
 from magicdec.errors import InvalidRequestError
+from magicdec.loading.tokenizer import Tokenizer
 from magicdec.model import Transformer, weight_dtype
 from magicdec.planner import AcceptanceTable, HardwareProfile, ModelShape, Plan, Workload, get_profile, plan, round_time
 from magicdec.profiles import load_acceptance, load_profile, target_shape
 from magicdec.scheduler import GammaPolicy
-from magicdec.speculative import SpeculativeConfig
+from magicdec.speculative import SpeculativeConfig, corpus_token_counts
 
 #: Self-speculative strategies `choose` searches besides AR.
 SELF_STRATEGIES = ("self-streaming", "self-snapkv")
@@ -75,7 +77,8 @@ def choose(
     model_name: str | None = None, profile: HardwareProfile | str | os.PathLike[str] | None = None,
     acceptance: AcceptanceTable | str | os.PathLike[str] | None = None, mode: str = "greedy",
     budgets: Iterable[int] = DEFAULT_BUDGETS, gammas: Iterable[int] = DEFAULT_GAMMAS,
-    strategies: Iterable[str] = ("ar", *SELF_STRATEGIES), dtype: Dtype | None = None,
+    strategies: Iterable[str] = ("ar", *SELF_STRATEGIES), dtype: Dtype | None = None, draft_vocab: int = 0,
+    vocab_corpus: str | None = None, tokenizer: Tokenizer | None = None,
 ) -> tuple[SpeculativeConfig | None, Replanner | None, Plan]:
     """The predicted-fastest way to decode `batch` sequences of `context` tokens with `model`.
 
@@ -84,12 +87,16 @@ def choose(
     planner ModelShape plans for a model or machine you do not have). `profile`: a HardwareProfile, preset name or
     JSON path (default: the calibrated profile of the model's device and dtype, else a preset). `acceptance`: a table
     or its JSON path (default: the one measured for the model named `model_name` (`profiles.model_key`), else the
-    built-in table). `mode`: "greedy" or "sampling" (temperature > 0). `dtype` defaults to the model's weights'
+    built-in table of its architecture). `mode`: "greedy" or "sampling" (temperature > 0). `dtype` defaults to the model's weights'
     (`weight_dtype`), `kv_dtype` to `dtype`; for a ModelShape, `dtype` defaults to the profile's, else 4 bytes on a
     CPU profile and 2 on others. Raises InvalidRequestError when the profile or the acceptance table cannot be found
     or read. Under tensor parallelism (a Transformer loaded as one rank) the ranks must use the same profile, and the
     plan is for the whole model over the ranks when the profile knows the all-reduce (`magicdec calibrate`), else for
-    this rank's share alone."""
+    this rank's share alone.
+
+    `draft_vocab` > 0 also prices drafting through a draft head of that many rows, the tokens most frequent in the
+    text file `vocab_corpus` as `tokenizer` encodes it (`magicdec.drafters.vocab`): the plan takes it where it pays
+    (`Plan.draft_vocab`), its acceptance the table's times the share of the corpus's tokens the head holds."""
     strategies = tuple(strategies)
     if dtype is None and isinstance(model, Transformer):
         dtype = weight_dtype(model)  # what the planner counts bytes of: 16-bit on the AVX2 kernels
@@ -97,20 +104,34 @@ def choose(
     try:
         hw = _hardware(profile, device, dtype)
         table = acceptance if isinstance(acceptance, AcceptanceTable) else (
-            load_acceptance(model_name) if acceptance is None else AcceptanceTable.from_json(acceptance))
+            load_acceptance(model_name, model.cfg.architecture if isinstance(model, Transformer) else None)
+            if acceptance is None else AcceptanceTable.from_json(acceptance))
     except (ValueError, OSError) as e:
         raise InvalidRequestError(str(e)) from None
     work = _workload(model, hw, batch, context, dtype, kv_dtype)
+    heads = _draft_heads(draft_vocab, vocab_corpus, tokenizer)
     # The decode loop caps gamma (MAX_GAMMA) and sparse budgets must be >= 8 (SpeculativeConfig).
     gammas = [g for g in gammas if 1 <= g <= 16]
     budgets = [b for b in budgets if b >= 8]
     best = plan(work, table, budgets=budgets, gammas=gammas, mode=mode, strategies=strategies,
-                margin=MIN_PREDICTED_SPEEDUP)
+                margin=MIN_PREDICTED_SPEEDUP, draft_heads=heads)
     if best.strategy == "ar":
         return None, None, best
-    replan = _replanner(work, table, best, gammas, mode, plain="ar" in strategies)
+    replan = _replanner(work, table, best, gammas, mode, plain="ar" in strategies, coverage=heads[best.draft_vocab])
+    head = {"draft_vocab": best.draft_vocab, "vocab_corpus": vocab_corpus} if best.draft_vocab else {}
     # Built for the longest draft it may re-plan to; the decode loop starts it at the planned length.
-    return SpeculativeConfig(best.strategy, budget=best.budget, gamma=max(gammas)), replan, best
+    return SpeculativeConfig(best.strategy, budget=best.budget, gamma=max(gammas), **head), replan, best
+
+
+def _draft_heads(draft_vocab: int, vocab_corpus: str | None, tokenizer: Tokenizer | None) -> dict[int, float]:
+    """The draft heads `choose` prices, and the share of the corpus's tokens each holds."""
+    heads = {0: 1.0}
+    if draft_vocab:
+        if vocab_corpus is None or tokenizer is None:
+            raise InvalidRequestError("a draft head (draft_vocab) is counted in a corpus: give vocab_corpus and the "
+                                      "model's tokenizer")
+        heads[draft_vocab] = head_coverage(corpus_token_counts(tokenizer, vocab_corpus), draft_vocab)
+    return heads
 
 
 def _hardware(profile: HardwareProfile | str | os.PathLike[str] | None, device: str,
@@ -140,8 +161,9 @@ def _workload(model: Transformer | ModelShape, hw: HardwareProfile, batch: int, 
 
 
 def _replanner(work: Workload, table: AcceptanceTable, best: Plan, gammas: list[int], mode: str,
-               plain: bool) -> Replanner:
-    """Mid-run, the choice is the chosen drafter at another length, or (if `plain`) plain decoding."""
+               plain: bool, coverage: float) -> Replanner:
+    """Mid-run, the choice is the chosen drafter (and draft head, which holds `coverage` of the text's tokens) at
+    another length, or (if `plain`) plain decoding."""
 
     def at(live: int, context: int) -> Workload:
         return dataclasses.replace(work, batch=live, context=context)
@@ -150,9 +172,10 @@ def _replanner(work: Workload, table: AcceptanceTable, best: Plan, gammas: list[
         lambda live, context, alpha, scale: plan(
             at(live, context), _single_rate(best, alpha, mode), budgets=[best.budget], gammas=gammas, mode=mode,
             strategies=[best.strategy, *(["ar"] if plain else [])],
-            rows=1, margin=MIN_PREDICTED_SPEEDUP, spec_time_scale=scale).gamma,
-        lambda live, context, gamma: round_time(at(live, context), gamma, mode, budget=best.budget),
-        prior=lambda context: table.alpha(best.strategy, best.budget, context, mode),
+            rows=1, margin=MIN_PREDICTED_SPEEDUP, spec_time_scale=scale, draft_heads={best.draft_vocab: 1.0}).gamma,
+        lambda live, context, gamma: round_time(at(live, context), gamma, mode, budget=best.budget,
+                                                draft_vocab=best.draft_vocab),
+        prior=lambda context: table.alpha(best.strategy, best.budget, context, mode) * coverage,
         min_context=best.budget + 1,
         plain=plain,
     )
@@ -272,7 +295,8 @@ def describe(plan_: Plan) -> str:
     if plan_.strategy == "ar":
         return (f"auto: autoregressive ({plan_.predicted_throughput:.1f} tok/s predicted with profile "
                 f"{plan_.hardware}; speculation does not pay here, step dominated by {plan_.verify_dominant})")
-    return (f"auto: {plan_.strategy} budget {plan_.budget} gamma {plan_.gamma} "
+    head = f" draft head {plan_.draft_vocab}" if plan_.draft_vocab else ""
+    return (f"auto: {plan_.strategy} budget {plan_.budget} gamma {plan_.gamma}{head} "
             f"(alpha {plan_.alpha:.2f}, {plan_.predicted_throughput:.1f} tok/s predicted with profile "
             f"{plan_.hardware}, {plan_.predicted_speedup:.2f}x over AR; verify dominated by {plan_.verify_dominant})")
 

@@ -78,15 +78,21 @@ class BenchGrid:
         """Decode configurations at one (batch, context) point; plain decoding first."""
         out = []
         for mode in self.modes:
-            for draft in ("none", "auto"):  # auto: the planner picks drafter, budget and gamma (or plain decoding)
-                if draft in self.drafters:
-                    out.append({"mode": mode, "draft": draft, "budget": 0, "gamma": 0})
+            if "none" in self.drafters:
+                out.append({"mode": mode, "draft": "none", "budget": 0, "gamma": 0})
+            if "auto" in self.drafters:  # the planner picks drafter, budget, gamma and head (or plain decoding)
+                out += [{"mode": mode, "draft": "auto", "budget": 0, "gamma": 0, **self._head(v)}
+                        for v in self.draft_vocabs]
             fixed = [d for d in self.drafters if d not in ("none", "auto")]
             for d, b, g, pos, v in itertools.product(fixed, self.budgets, self.gammas, self.positions,
                                                      self.draft_vocabs):
                 out.append({"mode": mode, "draft": d, "budget": b, "gamma": g, **({"positions": pos} if pos else {}),
-                            **({"draft_vocab": v, "vocab_corpus": self.vocab_corpus} if v else {})})
+                            **self._head(v)})
         return out
+
+    def _head(self, draft_vocab: int) -> dict:
+        """A configuration's draft-head settings (none for the whole vocabulary)."""
+        return {"draft_vocab": draft_vocab, "vocab_corpus": self.vocab_corpus} if draft_vocab else {}
 
 
 def speculative_config(cfg: dict) -> SpeculativeConfig:
@@ -208,8 +214,11 @@ def _run_config(llm: LLM, args, grid: BenchGrid, rows: list[list[int]], ctx: int
     if cfg["draft"] == "auto":
         profile = getattr(args, "hardware", None) or planning_profile(llm.model)
         spec, policy, plan = choose(llm.model, batch, ctx + grid.new_tokens // 2, kv_dtype=llm.kv_dtype,
-                                    model_name=model_key(llm.loaded.source), profile=profile, mode=cfg["mode"])
-        chosen = {"chosen": f"{spec.draft} K={spec.budget} g={plan.gamma}" if spec else "ar",
+                                    model_name=model_key(llm.loaded.source), profile=profile, mode=cfg["mode"],
+                                    draft_vocab=cfg.get("draft_vocab", 0), vocab_corpus=cfg.get("vocab_corpus"),
+                                    tokenizer=llm.tokenizer)
+        head = f" V={plan.draft_vocab}" if plan.draft_vocab else ""
+        chosen = {"chosen": f"{spec.draft} K={spec.budget} g={plan.gamma}{head}" if spec else "ar",
                   "predicted_speedup": plan.predicted_speedup, "predicted_throughput": plan.predicted_throughput}
     elif cfg["draft"] != "none":
         spec = speculative_config(cfg)

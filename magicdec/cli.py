@@ -130,8 +130,9 @@ def add_draft_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--hardware", help="hardware profile for --draft auto: preset name or JSON from `magicdec calibrate`")
     g.add_argument("--draft-vocab", type=parse_size, default=0,
                    help="the draft proposes among only the N tokens most frequent in --vocab-corpus, through an LM "
-                        "head of N rows (FR-Spec; e.g. 32k of Gemma 3's 262k): cheaper draft steps, the same output "
-                        "(default 0: the whole vocabulary)")
+                        "head of N rows (FR-Spec; e.g. 32k of Gemma 3's 262k): cheaper draft steps, the same output; "
+                        "with --draft auto the planner drafts through it where it pays (default 0: the whole "
+                        "vocabulary)")
     g.add_argument("--vocab-corpus", help="text or .jsonl file whose token counts pick --draft-vocab's tokens")
 
 

@@ -22,8 +22,9 @@ from magicdec.model import attention_path, linear_path
 from magicdec.planner import PRESETS, AcceptanceTable, HardwareProfile, ModelShape
 from magicdec.planner.hardware import CPU_PRESETS
 
-#: The built-in acceptance table, package data.
-BUILTIN_ACCEPTANCE = "acceptance_smollm2.json"
+#: The acceptance tables shipped with magicdec (package data) by model architecture, each measured on PG-19 with a
+#: model of that family; other architectures plan with the first.
+BUILTIN_ACCEPTANCE = {"LlamaForCausalLM": "acceptance_smollm2.json", "Gemma3ForCausalLM": "acceptance_gemma3.json"}
 #: GPU name fragments (lower case) -> preset, for devices without a calibrated profile.
 _GPU_PRESETS = (("h200", "h200"), ("h100", "h100"), ("a100", "a100-80gb"), ("l40s", "l40s"), ("l40", "l40"))
 FALLBACK_GPU_PRESET = "a100-80gb"
@@ -107,18 +108,19 @@ def _read_calibrated(read: Callable[[Path], T], path: Path) -> T:
         raise ValueError(f"{e}; run `magicdec calibrate` again, or delete the file") from None
 
 
-def builtin_acceptance() -> AcceptanceTable:
-    """The acceptance table shipped with magicdec (SmolLM2-135M self-speculation on PG-19)."""
-    ref = resources.files("magicdec") / "data" / BUILTIN_ACCEPTANCE
-    with resources.as_file(ref) as path:
+def builtin_acceptance(architecture: str | None = None) -> AcceptanceTable:
+    """The acceptance table shipped with magicdec for `architecture` (a config's, e.g. "Gemma3ForCausalLM": Gemma 3
+    270M's), else SmolLM2-135M's: self-speculation on PG-19."""
+    name = BUILTIN_ACCEPTANCE.get(architecture, BUILTIN_ACCEPTANCE["LlamaForCausalLM"])
+    with resources.as_file(resources.files("magicdec") / "data" / name) as path:
         return AcceptanceTable.from_json(path)
 
 
-def load_acceptance(model_name: str | None = None) -> AcceptanceTable:
+def load_acceptance(model_name: str | None = None, architecture: str | None = None) -> AcceptanceTable:
     """The table `magicdec calibrate --acceptance` saved for the model named `model_name` (`model_key`), else the
-    built-in one."""
+    built-in one of its `architecture`."""
     if model_name is not None:
         path = default_acceptance_path(model_name)
         if path.is_file():
             return _read_calibrated(AcceptanceTable.from_json, path)
-    return builtin_acceptance()
+    return builtin_acceptance(architecture)

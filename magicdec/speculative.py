@@ -70,7 +70,8 @@ class SpeculativeConfig:
         if drafter is not None and self.draft_vocab:
             if tokenizer is None:
                 raise InvalidRequestError("a draft vocabulary is counted with the model's tokenizer: pass it")
-            ids = frequent_tokens(_token_counts(tokenizer, self.vocab_corpus), self.draft_vocab, tokenizer.eos_ids)
+            ids = frequent_tokens(corpus_token_counts(tokenizer, self.vocab_corpus), self.draft_vocab,
+                                  tokenizer.eos_ids)
             drafter.head = DraftHead(drafter.model, ids)
         return drafter
 
@@ -93,8 +94,9 @@ class SpeculativeConfig:
 
 
 @functools.cache
-def _token_counts(tokenizer: Tokenizer, corpus: str) -> Counter[int]:
-    """`token_counts` of a corpus file, counted once per process (a sweep of draft-head sizes reads it once)."""
+def corpus_token_counts(tokenizer: Tokenizer, corpus: str) -> Counter[int]:
+    """`token_counts` of a corpus file, counted once per process (a sweep of draft-head sizes, and `--draft auto`
+    pricing a head before building it, read it once)."""
     return token_counts(tokenizer, load_texts(corpus))
 
 

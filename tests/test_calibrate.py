@@ -29,6 +29,7 @@ from magicdec.profiles import (
     builtin_acceptance,
     default_acceptance_path,
     default_profile_path,
+    load_acceptance,
     load_profile,
     preset_for_device,
     target_shape,
@@ -226,13 +227,18 @@ def test_row_spread():
         row_spread([0.2])
 
 
-def test_builtin_acceptance_table():
-    table = builtin_acceptance()
+@pytest.mark.parametrize("architecture", [None, "LlamaForCausalLM", "Gemma3ForCausalLM"])
+def test_builtin_acceptance_tables(architecture):
+    """Each architecture with a table of its own plans with it (Gemma 3's, measured up to 32k); others with
+    SmolLM2's."""
+    table = builtin_acceptance(architecture)
     assert set(table.drafters()) >= {"self-streaming", "self-snapkv"}
+    assert load_acceptance(None, architecture) == table
+    assert (table == builtin_acceptance()) != (architecture == "Gemma3ForCausalLM")
     for drafter in ("self-streaming", "self-snapkv"):
         for mode in ("greedy", "sampling"):
             assert 0.0 < table.row_spread(drafter, mode) < 0.3
-            for budget in (64, 128, 256, 512, 1024):
+            for budget in (256, 512, 1024):
                 for context in (1024, 4096, 8192, 32768):
                     a = table.alpha(drafter, budget, context, mode)
                     assert 0.0 < a < 1.0
@@ -418,6 +424,11 @@ def test_quick_profile_is_measured_once_per_cpu_threads_dtype_and_kernels(tiny_l
     assert path.is_file() and HardwareProfile.from_json(path) == first
     assert quick.planning_profile(model) == first and len(measured) == 1  # reused, not measured again
     assert choose(model, 8, 512, profile=first)[2].hardware == first.name
+    old = json.loads(path.read_text())
+    old["sampling_s_per_token"] = old.pop("sampling_s_per_logit")  # as an older magicdec kept it
+    path.write_text(json.dumps(old))
+    assert quick.planning_profile(model).name == first.name and len(measured) == 2  # measured again, not an error
+    assert "unknown hardware profile fields" in capsys.readouterr().err and HardwareProfile.from_json(path)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(threads + 1)
@@ -426,4 +437,4 @@ def test_quick_profile_is_measured_once_per_cpu_threads_dtype_and_kernels(tiny_l
         torch.set_num_threads(threads)
     assert quick.quick_profile_path(torch.bfloat16) != path
     first.to_json(default_profile_path("cpu", "fp32"))  # as `magicdec calibrate` saves one
-    assert quick.planning_profile(model) is None and len(measured) == 1  # choose then loads the calibrated one
+    assert quick.planning_profile(model) is None and len(measured) == 2  # choose then loads the calibrated one

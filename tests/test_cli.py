@@ -104,6 +104,27 @@ def test_bench_resumes_and_plots(tmp_path, capsys):
     assert all(doc["points"][k]["time"] == t for k, t in stamps.items())
 
 
+def test_bench_runs_auto_once_per_draft_head():
+    from magicdec.bench import BenchGrid, point_key
+
+    grid = BenchGrid(batches=[1], contexts=[256], drafters=["none", "auto"], budgets=[64], gammas=[2],
+                     modes=["greedy"], new_tokens=8, draft_vocabs=[0, 1024], vocab_corpus="book.txt")
+    assert [point_key(1, 256, c) for c in grid.configs()] == [
+        "B1-S256-greedy-none-K0-g0", "B1-S256-greedy-auto-K0-g0", "B1-S256-greedy-auto-K0-g0-V1024"]
+    assert grid.configs()[2]["vocab_corpus"] == "book.txt"
+
+
+def test_generate_auto_prices_a_draft_head(tmp_path, capsys):
+    """`--draft auto --draft-vocab` plans with the head among its choices and says what it chose."""
+    vocab_text = tmp_path / "vocab.txt"
+    vocab_text.write_text(json.loads(DATA.open().readline())["text"][:100_000])
+    code, out, err = run(["generate", "--prompt", "The capital of France is", "--max-tokens", "4", "--draft", "auto",
+                          "--draft-vocab", "1k", "--vocab-corpus", str(vocab_text), "--hardware",
+                          "cpu-avx512bf16-2t-bf16"], capsys)
+    assert code == 0, err
+    assert "auto: " in err and out.startswith("--- [0]")
+
+
 def test_bench_shares_prefill_and_shortens_long_contexts(tmp_path, capsys, tiny_llama):
     """Batches of one context tile one prefill of the distinct prompts; a context the model cannot hold
     with the new tokens runs at the longest length that fits (the tiny model holds 1024 tokens); with

@@ -251,6 +251,32 @@ def test_a_draft_head_over_frequent_tokens_is_lossless_on_gemma(gemma, two_promp
     assert sum(stats.accepted_hist[1:]) > 0
 
 
+@needs_gemma
+def test_draft_auto_prices_a_draft_head_on_gemma(gemma, two_prompts, plain_greedy, tmp_path):
+    """`--draft auto` on the real model, with Gemma 3's own acceptance table: at B=32 x 32k on the AVX512-BF16 preset
+    it drafts through a head of the 32768 tokens most frequent in another book, which holds nearly all of that text
+    and is predicted faster than the whole head; the configuration it returns decodes exactly as plain decoding."""
+    from magicdec.autoplan import choose, describe
+    from magicdec.drafters.vocab import head_coverage, token_counts
+
+    with open(data_path()) as f:
+        text = [json.loads(line)["text"] for line in f][3][:400_000]  # the prompts come from book 0
+    corpus = tmp_path / "book.txt"
+    corpus.write_text(text)
+    counts = token_counts(gemma.tokenizer, [text])
+    assert 0.97 < head_coverage(counts, 32768) <= head_coverage(counts, len(counts)) == 1.0
+    cell = dict(batch=32, context=32768, profile="cpu-avx512bf16-2t-bf16", dtype="bf16")
+    spec, _, best = choose(gemma.model, **cell, draft_vocab=32768, vocab_corpus=str(corpus), tokenizer=gemma.tokenizer)
+    assert best.draft_vocab == 32768 and "draft head 32768" in describe(best)
+    assert (spec.draft_vocab, spec.vocab_corpus) == (32768, str(corpus))
+    whole = choose(gemma.model, **cell)[2]
+    assert whole.draft_vocab == 0 and best.predicted_throughput > whole.predicted_throughput
+    drafter = spec.build(gemma.model, gemma.tokenizer)
+    requests, _ = run_engine(gemma.model, two_prompts, SamplingParams(max_tokens=12, ignore_eos=True),
+                             drafter=drafter, gamma=3, prefill_chunk=256)
+    assert [r.output_ids for r in requests] == plain_greedy
+
+
 # --- prefix caching on a hybrid model ----------------------------------------------------------------------------
 def test_a_hybrid_hit_ends_where_the_blocks_carry_the_window(tiny_gemma):
     """Blocks keep the sliding layers' K/V only where the ring held them at store time; a hit ends after blocks that

@@ -307,8 +307,9 @@ def test_margin_keeps_plain_decoding_on_close_calls():
 
 
 def test_sampling_work_is_charged_per_token_drawn():
-    """In sampling mode a plain step draws one token per row and a round 2 gamma + 1; greedy mode is free."""
-    hw = dataclasses.replace(get_profile("h100"), sampling_s_per_token=1e-4)
+    """In sampling mode a plain step draws one token per row and a round 2 gamma + 1, each over the vocabulary's
+    logits; greedy mode is free."""
+    hw = dataclasses.replace(get_profile("h100"), sampling_s_per_logit=1e-4 / LLAMA3.vocab_size)
     table = AcceptanceTable()
     for mode in ("greedy", "sampling"):
         for budget in (256, 512, 1024):
@@ -316,7 +317,7 @@ def test_sampling_work_is_charged_per_token_drawn():
     w = Workload(LLAMA3, hw, batch=128, context=32768, tp=8)
     args = dict(acceptance=table, strategies=["self-streaming"])
     greedy = plan(w, **args)
-    assert greedy == plan(dataclasses.replace(w, hw=dataclasses.replace(hw, sampling_s_per_token=0.0)), **args)
+    assert greedy == plan(dataclasses.replace(w, hw=dataclasses.replace(hw, sampling_s_per_logit=0.0)), **args)
     sampled = plan(w, mode="sampling", **args, gammas=[greedy.gamma], budgets=[greedy.budget])
     t_round = (draft_time(w, greedy.budget, greedy.gamma, first_tokens=1)
                + verify_step_time(w, greedy.gamma) + (2 * greedy.gamma + 1) * 128e-4)
@@ -324,8 +325,43 @@ def test_sampling_work_is_charged_per_token_drawn():
     ar = 128 / (decode_step_time(w) + 128e-4)
     assert sampled.predicted_speedup == pytest.approx(sampled.predicted_throughput / ar)
     # dear enough sampling makes plain decoding (one draw per token) the better choice
-    costly = dataclasses.replace(hw, sampling_s_per_token=1e-2)
+    costly = dataclasses.replace(hw, sampling_s_per_logit=1e-2 / LLAMA3.vocab_size)
     assert plan(dataclasses.replace(w, hw=costly), table, mode="sampling").strategy == "ar"
+
+
+GEMMA = MODEL_PRESETS["gemma3-270m"]
+
+
+def test_a_draft_head_cheapens_draft_forwards_and_their_sampling():
+    """A draft head of V rows: the draft forwards read and multiply V rows of the LM head, and sampling draws the gamma
+    draft positions from V logits (the gamma + 1 verified ones from the whole vocabulary)."""
+    hw = dataclasses.replace(get_profile("cpu-avx512bf16-2t-bf16"), sampling_s_per_logit=1e-9)
+    w = Workload(GEMMA, hw, batch=32, context=32768)
+    head = dataclasses.replace(w, shape=dataclasses.replace(GEMMA, vocab_size=32768))
+    for mode, t_logit in (("greedy", 0.0), ("sampling", 32e-9)):
+        expected = (draft_time(head, 512, 3, first_tokens=1) + verify_step_time(w, 3)
+                    + (3 * 32768 + 4 * GEMMA.vocab_size) * t_logit)
+        assert round_time(w, 3, mode, budget=512, draft_vocab=32768) == pytest.approx(expected)
+        assert round_time(w, 3, mode, budget=512, draft_vocab=32768) < round_time(w, 3, mode, budget=512)
+    assert round_time(w, 0, "sampling") == pytest.approx(decode_step_time(w) + GEMMA.vocab_size * 32e-9)
+
+
+def test_plan_drafts_through_a_head_where_it_pays():
+    """Given draft heads and the share of the text each holds, the plan prices each drafter through each: Gemma 3's
+    262k-row head dominates a draft step at B=32 x 32k, so a 32k head holding 99% of the text wins; one holding half
+    of it accepts too little, and a head as large as the vocabulary is the LM head itself."""
+    table = AcceptanceTable()
+    for mode in ("greedy", "sampling"):
+        table.add("self-streaming", 0.8, budget=512, mode=mode)
+    w = Workload(GEMMA, get_profile("cpu-avx512bf16-2t-bf16"), batch=32, context=32768)
+    args = dict(acceptance=table, strategies=["self-streaming"], budgets=[512])
+    whole = plan(w, **args)
+    assert whole.draft_vocab == 0 and plan(w, **args, draft_heads={0: 1.0}) == whole
+    best = plan(w, **args, draft_heads={0: 1.0, 32768: 0.99})
+    assert best.draft_vocab == 32768 and best.alpha == pytest.approx(0.99 * whole.alpha)
+    assert best.predicted_throughput > whole.predicted_throughput
+    assert plan(w, **args, draft_heads={0: 1.0, 32768: 0.5}).draft_vocab == 0
+    assert plan(w, **args, draft_heads={0: 1.0, GEMMA.vocab_size: 1.0}) == whole
 
 
 def test_plan_with_draft_model_uses_fewer_devices_for_few_kv_heads():

@@ -252,7 +252,7 @@ def profile_from(m: dict[str, Any], shape: ModelShape, name: str, device: torch.
         fixed_overhead_s=overhead["fixed_s"] + overhead["decode_loop_extra_s"],
         per_layer_overhead_s=overhead["per_layer_s"],
         linear_rates=linear_rates, attention_rates=attention_rates,
-        sampling_s_per_token=m["sampling"]["seconds_per_token"], attention=attention_path(device, dtype),
+        sampling_s_per_logit=m["sampling"]["seconds_per_logit"], attention=attention_path(device, dtype),
         linear=linear_path(device, dtype),
     )
 
@@ -295,7 +295,7 @@ def nondecreasing(values: Sequence[float]) -> list[float]:
 
 
 def measure_sampling(vocab: int, device: torch.device, reps: int, batch: int = 32) -> dict[str, Any]:
-    """Seconds per token that drawing with the sampling preset (T 0.7, top-p 0.9) adds to a greedy argmax.
+    """Seconds per logit that drawing with the sampling preset (T 0.7, top-p 0.9) adds to a greedy argmax.
 
     The logits are shaped like a language model's at these settings: most rows peaked (a nucleus of a few tokens),
     some wide (SmolLM2 on PG-19: nucleus past 64 tokens at ~11% of positions, past 1024 at 1-3%), as 28 rows of N(0,
@@ -307,7 +307,7 @@ def measure_sampling(vocab: int, device: torch.device, reps: int, batch: int = 3
     t_sampled = median_time(lambda: sample_tokens(logits, sampled, position), device, reps)
     t_greedy = median_time(lambda: sample_tokens(logits, RowParams(batch, device), position), device, reps)
     return {"batch": batch, "vocab": vocab, "seconds_sampled": t_sampled, "seconds_greedy": t_greedy,
-            "seconds_per_token": max(0.0, t_sampled - t_greedy) / batch}
+            "seconds_per_logit": max(0.0, t_sampled - t_greedy) / (batch * vocab)}
 
 
 def _decode_step_time(model: Transformer, steps: int) -> float:

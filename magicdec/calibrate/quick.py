@@ -51,7 +51,10 @@ def planning_profile(model: Transformer) -> HardwareProfile | None:
         return None
     path = quick_profile_path(dtype)
     if path.is_file():
-        return HardwareProfile.from_json(path)
+        try:
+            return HardwareProfile.from_json(path)
+        except ValueError as e:  # kept by an older magicdec, whose profiles had other fields: measured again
+            print(f"{e}: measuring again", file=sys.stderr)
     print("no hardware profile of this CPU: a quick measurement (about 30 s) instead of another CPU's preset; "
           "`magicdec calibrate` measures it thoroughly", file=sys.stderr)
     name = f"quick-cpu-{path_name()}-{torch.get_num_threads()}t-{dtype_name(dtype)}"

@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import sys
+from pathlib import Path
 
 from tqdm import tqdm
 
@@ -19,20 +20,30 @@ from magicdec.speculative import SpeculativeConfig
 
 def speculative_from_args(args, llm, batch: int, context: int):
     """(SpeculativeConfig or None, the gamma policy or None, the plan of --draft auto or None); `serve` too."""
-    if args.draft_vocab and args.draft in ("none", "auto"):
-        raise InvalidRequestError("--draft-vocab needs a fixed drafter (--draft self-streaming, self-snapkv or model): "
-                                  "the planner of --draft auto does not model a draft head")
+    if args.draft_vocab:
+        _check_draft_head(args)
     if args.draft == "none":
         return None, None, None
     if args.draft == "auto":
         # `serve` has no temperature of its own (each request brings one) and plans for greedy requests.
         profile = args.hardware or planning_profile(llm.model)
         return choose(llm.model, batch, context, kv_dtype=llm.kv_dtype, model_name=model_key(llm.loaded.source),
-                      profile=profile, mode="greedy" if getattr(args, "temperature", 0) == 0 else "sampling")
+                      profile=profile, mode="greedy" if getattr(args, "temperature", 0) == 0 else "sampling",
+                      draft_vocab=args.draft_vocab, vocab_corpus=args.vocab_corpus, tokenizer=llm.tokenizer)
     return SpeculativeConfig(args.draft, budget=args.budget, gamma=args.gamma, draft_model=args.draft_model,
                              draft_cache=args.draft_cache,
                              reindex=None if args.positions is None else args.positions == "reindex",
                              draft_vocab=args.draft_vocab, vocab_corpus=args.vocab_corpus), None, None
+
+
+def _check_draft_head(args) -> None:
+    """Refuse --draft-vocab's companions before any planning (a first `--draft auto` measures the machine)."""
+    if args.draft == "none":
+        raise InvalidRequestError("--draft-vocab is a drafter's head: give --draft too")
+    if not args.vocab_corpus:
+        raise InvalidRequestError("--draft-vocab counts its tokens in a text: give --vocab-corpus")
+    if not Path(args.vocab_corpus).is_file():
+        raise InvalidRequestError(f"corpus file not found: {args.vocab_corpus}")
 
 
 def dtype_line(llm) -> str:

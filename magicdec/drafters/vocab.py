@@ -35,6 +35,13 @@ def frequent_tokens(counts: Counter[int], size: int, always: Iterable[int]) -> T
     return torch.tensor(sorted(keep), dtype=torch.long)
 
 
+def head_coverage(counts: Counter[int], size: int) -> float:
+    """The share of the tokens counted in `counts` that the `size` most frequent of them make up: what a draft head
+    of `size` rows can propose, where the text is like the one counted (1.0 for an empty count)."""
+    total = sum(counts.values())
+    return sum(n for _, n in counts.most_common(size)) / total if total else 1.0
+
+
 def lm_head_rows(model: Transformer, ids: Tensor) -> Tensor:
     """The LM head's weight rows of tokens `ids`: [n, dim], in the head's storage dtype."""
     if model.cfg.tie_embeddings:

@@ -63,17 +63,19 @@ class HardwareProfile:
     """How linear layers ran when the rates were measured ("packed": the native kernel, or "torch": see
     `magicdec.model.linear_path`); None for datasheet figures and profiles measured before the packed
     kernel existed."""
-    sampling_s_per_token: float = 0.0
-    """Seconds to draw one sampled token (one row, one position) from the logits at temperature 0.7 and
-    top-p 0.9, beyond a greedy argmax; the planner charges it per token drawn in sampling mode (a plain
-    step draws one per row, a speculative round 2 gamma + 1). 0 for datasheet figures."""
+    sampling_s_per_logit: float = 0.0
+    """Seconds that drawing a sampled token at temperature 0.7 and top-p 0.9 adds to a greedy argmax, per logit it
+    draws from (one row, one position): the sort and the sums grow with the vocabulary, so a model of 262k tokens
+    pays five times what one of 49k does, and a draft head of 32k rows an eighth of its model's. The planner charges
+    it per token drawn in sampling mode (a plain step draws one per row, a speculative round 2 gamma + 1). 0 for
+    datasheet figures."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str):
             raise ValueError(f"name must be a string, got {self.name!r}")
         numbers = ["flops_per_s", "mem_bandwidth", "mem_bytes", "matmul_efficiency", "bandwidth_efficiency",
                    "attention_efficiency", "fixed_overhead_s", "per_layer_overhead_s", "allreduce_latency_s",
-                   "sampling_s_per_token"]
+                   "sampling_s_per_logit"]
         for field in numbers + (["ici_bandwidth"] if self.ici_bandwidth is not None else []):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
@@ -98,7 +100,7 @@ class HardwareProfile:
             if not 0 < value <= 1:
                 raise ValueError(f"{field} must be in (0, 1], got {value}")
         if min(self.fixed_overhead_s, self.per_layer_overhead_s, self.allreduce_latency_s,
-               self.sampling_s_per_token) < 0:
+               self.sampling_s_per_logit) < 0:
             raise ValueError("overheads must be non-negative")
         if self.ici_bandwidth is not None and self.ici_bandwidth <= 0:
             raise ValueError(f"ici_bandwidth must be positive or None, got {self.ici_bandwidth}")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +42,8 @@ class Plan:
     """Whether weights plus KV caches (target and draft) fit in device memory."""
     hardware: str = ""
     """Name of the hardware profile the plan was made with."""
+    draft_vocab: int = 0
+    """Rows of the draft's LM head: a draft head over that many frequent tokens, or 0 for the whole vocabulary."""
 
 
 @dataclass(frozen=True)
@@ -52,39 +54,54 @@ class _Drafter:
     key: str  # name in the acceptance table
     shape: ModelShape
     tp: int
+    vocab: int = 0  # rows of the draft head; 0: the whole LM head
+    coverage: float = 1.0  # share of the text's tokens the draft head holds
 
 
 def _drafters(
     target: ModelShape, draft: ModelShape | None, budgets: Iterable[int], context: int, tp: int,
-    strategies: set[str],
+    strategies: set[str], draft_heads: Mapping[int, float],
 ) -> Iterator[_Drafter]:
     # A sparse cache whose budget reaches the context holds every token: it is a dense cache.
     sparse_budgets = sorted(b for b in set(budgets) if b < context)
+    drafters = []
     for strategy in ("self-streaming", "self-snapkv"):
         if strategy in strategies:
-            for budget in sparse_budgets:
-                yield _Drafter(strategy, None, budget, strategy, target, tp)
+            drafters += [_Drafter(strategy, None, budget, strategy, target, tp) for budget in sparse_budgets]
     if draft is not None and "model" in strategies:
         # Tensor parallelism splits KV heads, so a draft with fewer KV heads than devices runs on gcd(tp, n_kv_heads)
         # of them (as MagicDec runs TinyLlama on 4 of 8 GPUs).
         draft_tp = math.gcd(tp, draft.n_kv_heads)
         for cache in DRAFT_CACHES:
-            for budget in [None] if cache == "dense" else sparse_budgets:
-                yield _Drafter("model", cache, budget, f"{draft.name}:{cache}", draft, draft_tp)
+            drafters += [_Drafter("model", cache, budget, f"{draft.name}:{cache}", draft, draft_tp)
+                         for budget in ([None] if cache == "dense" else sparse_budgets)]
+    for d in drafters:
+        for vocab, coverage in draft_heads.items():
+            if vocab < d.shape.vocab_size:
+                yield dataclasses.replace(d, vocab=vocab, coverage=coverage)
 
 
 def round_time(w: Workload, gamma: int, mode: str = "greedy", draft: ModelShape | None = None,
-               budget: int | None = None, draft_tp: int | None = None) -> float:
+               budget: int | None = None, draft_tp: int | None = None, draft_vocab: int = 0) -> float:
     """Predicted seconds of one decode round of the workload: a plain step for gamma 0, else gamma forwards of
     `draft` (default: the target itself, self-speculation) over its cache (`budget` entries; None: dense) on
-    `draft_tp` devices (default: the target's) and the target's verification of gamma + 1 tokens. In sampling mode,
-    every position drawn costs the profile's `sampling_s_per_token` per row (2 gamma + 1 per round)."""
-    t_sample = w.batch * w.hw.sampling_s_per_token if mode == "sampling" else 0.0
+    `draft_tp` devices (default: the target's) and the target's verification of gamma + 1 tokens. `draft_vocab`: the
+    rows of the draft's LM head (a draft head, `magicdec.drafters.vocab`; 0: its whole vocabulary). In sampling
+    mode, every position drawn costs the profile's `sampling_s_per_logit` per row and logit it draws from: gamma
+    positions from the draft's head, gamma + 1 from the target's."""
+    t_logit = w.batch * w.hw.sampling_s_per_logit if mode == "sampling" else 0.0
+    vocab = w.shape.vocab_size
     if gamma == 0:
-        return decode_step_time(w) + t_sample
-    drafting = dataclasses.replace(w, shape=draft or w.shape, tp=draft_tp or w.tp)
+        return decode_step_time(w) + vocab * t_logit
+    drafting = dataclasses.replace(w, shape=_with_head(draft or w.shape, draft_vocab), tp=draft_tp or w.tp)
     t_draft = draft_time(drafting, budget, gamma, first_tokens=2 if draft is not None else 1)
-    return t_draft + verify_step_time(w, gamma) + (2 * gamma + 1) * t_sample
+    t_sample = (gamma * drafting.shape.vocab_size + (gamma + 1) * vocab) * t_logit
+    return t_draft + verify_step_time(w, gamma) + t_sample
+
+
+def _with_head(shape: ModelShape, draft_vocab: int) -> ModelShape:
+    """`shape` drafting through a head of `draft_vocab` rows (0: its own LM head)."""
+    return dataclasses.replace(shape, vocab_size=draft_vocab) if draft_vocab else shape
 
 
 def _memory(w: Workload, shape: ModelShape, kv_len: int, devices: int, weights: bool) -> float:
@@ -126,7 +143,7 @@ def _best_speculative(
     best: _Candidate | None = None
     for d in drafters:
         try:
-            alpha = acceptance.alpha(d.key, d.budget, w.context, mode, rows=rows)
+            alpha = acceptance.alpha(d.key, d.budget, w.context, mode, rows=rows) * d.coverage
         except KeyError:
             continue
         kv_len = w.context if d.budget is None else d.budget
@@ -135,7 +152,7 @@ def _best_speculative(
         if ar_fits and not fits:
             continue
         for g in gammas:
-            t_round = round_time(w, g, mode, d.shape if d.strategy == "model" else None, d.budget, d.tp)
+            t_round = round_time(w, g, mode, d.shape if d.strategy == "model" else None, d.budget, d.tp, d.vocab)
             throughput = w.batch * expected_tokens(alpha, g) / (spec_time_scale * t_round)
             if best is None or throughput > best.throughput:
                 best = _Candidate(throughput, d, g, alpha, fits)
@@ -146,6 +163,7 @@ def plan(
     w: Workload, acceptance: AcceptanceTable, draft: ModelShape | None = None,
     budgets: Iterable[int] = (64, 128, 256, 512, 1024, 2048), gammas: Iterable[int] = range(1, 9), mode: str = "greedy",
     strategies: Iterable[str] | None = None, rows: int | None = None, margin: float = 1.0, spec_time_scale: float = 1.0,
+    draft_heads: Mapping[int, float] | None = None,
 ) -> Plan:
     """Pick the strategy, budget and gamma with the highest predicted throughput for the workload.
 
@@ -163,12 +181,17 @@ def plan(
 
     `strategies` restricts the search (default: all of STRATEGIES); leaving "ar" out returns the best speculative
     plan even when it is slower than AR. With "ar" in it, speculation is chosen only when predicted faster than
-    `margin` times AR (a margin above 1 allows for the cost model's error)."""
+    `margin` times AR (a margin above 1 allows for the cost model's error).
+
+    `draft_heads` maps draft-head sizes to the share of the text's tokens each head holds (default {0: 1.0}, the
+    whole LM head alone): each drafter is also priced drafting through each head (FR-Spec), its draft forwards reading
+    and sampling that many rows, its acceptance the table's times that share (a token outside the head is never
+    proposed, and the draft's choice among the rest is as good as its choice among all)."""
     chosen = set(STRATEGIES if strategies is None else strategies)
     gammas = sorted(set(gammas))
     rows = w.batch if rows is None else rows
     _check_plan_args(w, chosen, gammas, mode, rows)
-    drafters = _drafters(w.shape, draft, budgets, w.context, w.tp, chosen)
+    drafters = _drafters(w.shape, draft, budgets, w.context, w.tp, chosen, draft_heads or {0: 1.0})
     best = _best_speculative(w, acceptance, drafters, gammas, mode, rows, spec_time_scale)
     ar_throughput = w.batch / round_time(w, 0, mode)
     if "ar" in chosen and (best is None or best.throughput <= margin * ar_throughput):
@@ -182,10 +205,10 @@ def plan(
         )
     d, g = best.drafter, best.gamma
     kv_len = w.context if d.budget is None else d.budget
-    drafting = forward_cost(dataclasses.replace(w, shape=d.shape, tp=d.tp), 1, kv_len)
+    drafting = forward_cost(dataclasses.replace(w, shape=_with_head(d.shape, d.vocab), tp=d.tp), 1, kv_len)
     return Plan(
         d.strategy, d.budget, g, d.cache, best.alpha, best.throughput, best.throughput / ar_throughput,
-        forward_cost(w, g + 1, w.context).dominant, drafting.dominant, best.fits, w.hw.name,
+        forward_cost(w, g + 1, w.context).dominant, drafting.dominant, best.fits, w.hw.name, d.vocab,
     )
 
 
