@@ -125,6 +125,22 @@ def test_chunked_prefill_of_a_32k_prompt():
     assert torch.isfinite(last).all() and not torch.allclose(last, alone, atol=1e-3)
 
 
+def test_a_hybrid_model_is_measured_for_the_planner(tiny_gemma):
+    """`--draft auto` on a CPU with no profile measures the model it loaded (`measure_hardware(quick=True)`): a hybrid
+    one too, over caches whose sliding layers' ring holds the last positions, as after a prefill."""
+    from magicdec.calibrate.hardware import measure_hardware
+    from magicdec.calibrate.timing import filled_cache
+
+    model = tiny_gemma[0]
+    cache = filled_cache(model.cfg, 2, 100, 4, torch.float32, torch.device("cpu"))
+    ring = cache.window.capacity  # the window (16) less one, plus the 4 tokens a forward writes
+    assert ring == WINDOW + 3 and cache.lens.tolist() == [100, 100]
+    assert sorted(cache.window.slot_pos[0].tolist()) == list(range(100 - ring, 100))
+    assert filled_cache(model.cfg, 1, 0, 4, torch.float32, torch.device("cpu")).window.slot_pos.eq(-1).all()
+    profile = measure_hardware("cpu", quick=True, model=model).profile
+    assert profile.attention_rates and all(rate > 0 for _, rate in profile.attention_rates)
+
+
 def test_unsupported_gemma_variants_are_refused_by_name():
     with pytest.raises(UnsupportedModelError, match="multimodal Gemma 3"):
         ModelConfig.from_hf({"architectures": ["Gemma3ForConditionalGeneration"], "text_config": {}})

@@ -223,10 +223,13 @@ def measure_attention(run: _Run, model: Transformer, shape: ModelShape) -> list[
         t_long = time_forward(model, att_batch, q, att_len, reps=run.reps, kv_dtype=run.storage)
         t_short = time_forward(model, att_batch, q, SHORT, reps=run.reps, kv_dtype=run.storage)
         attention.append({"q": q, "batch": att_batch, "kv_len": att_len, "seconds": t_long, "seconds_short": t_short})
-    # the KV bytes over what the long cache adds to the short one's time
+    # the KV bytes the long cache adds (a hybrid model's sliding layers: a window against 16 positions) over the
+    # time it adds to the short one's
     extra = nondecreasing([max(r["seconds"] - r["seconds_short"], 0.05 * r["seconds"]) for r in attention])
+    added = att_batch * (att_len * shape.kv_bytes_per_token(run.stored)
+                         + shape.window_kv_bytes(att_len, run.stored) - shape.window_kv_bytes(SHORT, run.stored))
     for r, t in zip(attention, extra):
-        r["kv_bytes_per_s"] = att_batch * att_len * shape.kv_bytes_per_token(run.stored) / t
+        r["kv_bytes_per_s"] = added / t
     return attention
 
 

@@ -10,7 +10,7 @@ from typing import Any, Callable
 import torch
 
 from magicdec.config import ModelConfig
-from magicdec.kv import KVCache
+from magicdec.kv.hybrid import HybridCache, make_cache
 from magicdec.model import Transformer, pack_linears
 from magicdec.planner import ModelShape
 from magicdec.runner import synchronize
@@ -76,11 +76,18 @@ def synthetic_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, 
 
 
 def filled_cache(cfg: ModelConfig, batch: int, length: int, slack: int, dtype: torch.dtype,
-                 device: torch.device) -> KVCache:
-    """A dense cache holding `length` committed tokens per row (values touched, so pages are real)."""
-    cache = KVCache(cfg, batch, length + slack, dtype, device)
-    cache.k.fill_(0.5)  # attention's speed does not depend on the values; the pages must exist
-    cache.v.fill_(0.5)
+                 device: torch.device) -> KVCache | HybridCache:
+    """A dense cache holding `length` committed tokens per row, with room for forwards of `slack` tokens (values
+    touched, so pages are real); a hybrid model's sliding layers' ring holds the last positions, as after a prefill."""
+    cache = make_cache(cfg, batch, length + slack, dtype, device, max_q=slack)
+    hybrid = isinstance(cache, HybridCache)
+    for part in (cache.full, cache.window) if hybrid else (cache,):
+        part.k.fill_(0.5)  # attention's speed does not depend on the values; the pages must exist
+        part.v.fill_(0.5)
+    if hybrid:  # slot s holds the last position p < length with p = s mod ring (-1 where there is none)
+        ring = cache.window.capacity
+        held = length - 1 - (length - 1 - torch.arange(ring, device=device)) % ring
+        cache.window.slot_pos[:] = held.clamp(min=-1)
     if length:
         cache.commit(length)
     return cache
