@@ -1,12 +1,13 @@
 """Attention over a bf16 KV cache on CPU: formulations side by side, in GB/s of K/V read.
 
     PYTHONPATH=. python benchmarks/bench_attention.py [--batches 1,8,32,64] [--contexts 1024,4096,8192]
-                                                     [--q 1,4,9] [--threads 1] [--out PATH]
+                                                     [--q 1,4,9] [--threads 1] [--shape NAME] [--out PATH]
 
-The shapes are the default model's (SmolLM2-135M: 9 query heads over 3 KV heads of 64, 30 layers). A
-cache of all 30 layers is allocated as magicdec's KVCache stores it ([layers, B, KV, capacity, hd], so
-no layer's K/V sits in cache when it is read), and one "step" runs attention once per layer, as a
-forward does. Every row has its own length (the last row is 64 tokens short), so masks are real.
+The shapes are a planner preset's (`--shape`; default the default model's, SmolLM2-135M: 9 query heads over 3 KV heads
+of 64, 30 layers; `gemma3-270m`: 4 query heads over 1 KV head of 256, and its 3 global layers). A cache of all those
+layers is allocated as magicdec's KVCache stores it ([layers, B, KV, capacity, hd], so no layer's K/V sits in cache
+when it is read), and one "step" runs attention once per layer, as a forward does. Where the CPU has AMX tiles the
+native kernel runs on them and on vector instructions, side by side. Every row has its own length (the last row is 64 tokens short), so masks are real.
 Each variant is timed interleaved with the others (median of --repeats) and reported as K/V bytes per
 second, beside a `.sum()` over the same bytes (the read-bandwidth baseline). Results go to
 benchmarks/results/attention.json with the machine info.
@@ -15,10 +16,12 @@ benchmarks/results/attention.json with the machine info.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -29,12 +32,28 @@ from magicdec import kernels  # noqa: E402
 from magicdec.model import matmul_attend  # noqa: E402
 from bench_dtype import interleaved  # noqa: E402
 from magicdec.calibrate.machine import machine_info  # noqa: E402
+from magicdec.planner import MODEL_PRESETS  # noqa: E402
 
-LAYERS, KV, G, HD = 30, 3, 3, 64
 
 
-def make_case(batch: int, context: int, q: int, dtype: torch.dtype):
+@dataclass(frozen=True)
+class Shape:
+    """What the attention of one forward reads: `layers` over the whole context, KV heads of `hd`, G queries each."""
+
+    layers: int
+    kv: int
+    g: int
+    hd: int
+
+    @classmethod
+    def of(cls, name: str) -> Shape:
+        m = MODEL_PRESETS[name]
+        return cls(m.n_layers - m.sliding_layers, m.n_kv_heads, m.n_heads // m.n_kv_heads, m.head_dim)
+
+
+def make_case(shape: Shape, batch: int, context: int, q: int, dtype: torch.dtype):
     """Queries per layer [B, KV, G*q, hd], the cache's K/V [layers, B, KV, L, hd] and the visibility mask."""
+    LAYERS, KV, G, HD = shape.layers, shape.kv, shape.g, shape.hd
     L = context + q
     k = torch.randn(LAYERS, batch, KV, L, HD).to(dtype)
     v = torch.randn(LAYERS, batch, KV, L, HD).to(dtype)
@@ -68,7 +87,10 @@ def variants(xq, k, v, mask, dtype, skip: tuple[str, ...] = ()):
     if dtype == torch.bfloat16:
         out["matmul, bf16 softmax"] = lambda i: matmul_attend(xq, k[i], v[i], bias)
         if kernels.takes(xq, k[0], v[0], bias):
-            out["native kernel (magicdec)"] = lambda i: kernels.decode_attention(xq, k[i], v[i], bias)
+            out["native kernel (magicdec)"] = lambda i: kernels.decode_attention(xq, k[i], v[i], bias, on_tiles=False)
+            if kernels.tiles():
+                out["native kernel on AMX tiles"] = lambda i: kernels.decode_attention(xq, k[i], v[i], bias,
+                                                                                     on_tiles=True)
     if "compile" not in skip:
         compiled = torch.compile(matmul_attention, dynamic=False)
         out["torch.compile(matmul)"] = lambda i: compiled(xq, k[i], v[i], bias32)
@@ -93,17 +115,18 @@ def check(fns, reference: str, atol: float) -> list[str]:
     return [n for n, f in fns.items() if "not ragged" not in n and (f(0).float() - ref).abs().max() > atol]
 
 
-def bench_point(batch: int, context: int, q: int, dtype: torch.dtype, repeats: int, skip: tuple[str, ...]) -> dict:
+def bench_point(shape: Shape, batch: int, context: int, q: int, dtype: torch.dtype, repeats: int,
+                skip: tuple[str, ...]) -> dict:
     torch._dynamo.reset()  # past 8 shapes dynamo stops compiling and the compiled variants would run eagerly
-    xq, k, v, mask = make_case(batch, context, q, dtype)
+    xq, k, v, mask = make_case(shape, batch, context, q, dtype)
     fns = variants(xq, k, v, mask, dtype, skip)
     # bf16 .sum() converts as it reads and runs far below bandwidth: sum the same bytes seen as fp32
     kf, vf = (k, v) if dtype == torch.float32 else (k.view(torch.float32), v.view(torch.float32))
     fns["read baseline: .sum() of K and V"] = lambda i: (kf[i].sum(), vf[i].sum())
     wrong = check({n: f for n, f in fns.items() if not n.startswith("read")}, "matmul, fp32 softmax", 0.05)
     with torch.inference_mode():  # one step: every layer once (the first call also compiles)
-        times = interleaved({n: (lambda f=f: [f(i) for i in range(LAYERS)]) for n, f in fns.items()}, repeats)
-    kv_bytes = 2 * k[0].numel() * k.element_size() * LAYERS
+        times = interleaved({n: (lambda f=f: [f(i) for i in range(shape.layers)]) for n, f in fns.items()}, repeats)
+    kv_bytes = 2 * k[0].numel() * k.element_size() * shape.layers
     res = {n: {"seconds": t, "gb_per_s": kv_bytes / t / 1e9} for n, t in times.items()}
     return {"batch": batch, "context": context, "q": q, "dtype": str(dtype).removeprefix("torch."),
             "kv_bytes": kv_bytes, "variants": res, "mismatched": wrong, "loadavg": list(os.getloadavg())}
@@ -120,18 +143,22 @@ def main(argv=None) -> None:
     p.add_argument("--no-flex", action="store_true", help="skip flex_attention (slow to compile and to run)")
     p.add_argument("--no-compile", action="store_true", help="skip torch.compile of the matmuls")
     p.add_argument("--max-gib", type=float, default=4.0, help="skip points whose cache exceeds this")
+    p.add_argument("--shape", default="smollm2-135m", choices=sorted(MODEL_PRESETS),
+                   help="the model whose attention shapes to use (its global layers)")
     p.add_argument("--out", default=str(Path(__file__).parent / "results/attention.json"))
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
-    results = {"machine": machine_info("cpu"), "points": []}
+    shape = Shape.of(args.shape)
+    results = {"machine": machine_info("cpu"), "shape": {"name": args.shape, **dataclasses.asdict(shape)},
+               "kernels": kernels.path_name(), "points": []}
     for batch in map(int, args.batches.split(",")):
         for context in map(int, args.contexts.split(",")):
-            if 2 * LAYERS * batch * KV * context * HD * dtype.itemsize > args.max_gib * 2**30:
+            if 2 * shape.layers * batch * shape.kv * context * shape.hd * dtype.itemsize > args.max_gib * 2**30:
                 continue
             for q in map(int, args.q.split(",")):
                 skip = ("flex",) * args.no_flex + ("compile",) * args.no_compile
-                pt = bench_point(batch, context, q, dtype, args.repeats, skip)
+                pt = bench_point(shape, batch, context, q, dtype, args.repeats, skip)
                 results["points"].append(pt)
                 base = pt["variants"]["read baseline: .sum() of K and V"]["gb_per_s"]
                 print(f"B={batch} L={context} q={q} (load {pt['loadavg'][0]:.1f}, read {base:.1f} GB/s)"

@@ -65,18 +65,19 @@ def dtype_forward() -> str:
 
 
 ATTENTION = {"SDPA, bias": "sdpa additive bias", "bf16 matmuls": "matmul, bf16 softmax",
-             "native kernel": "native kernel (magicdec)"}
+             "native kernel": "native kernel (magicdec)", "kernel on AMX tiles": "native kernel on AMX tiles"}
 
 
-def attention(prefill: bool) -> str:
+def attention(prefill: bool, name: str = "attention") -> str:
     rows = []
-    for p in load("attention")["points"]:
+    for p in load(name)["points"]:
         if (p["q"] >= 128) != prefill:
             continue
         v = p["variants"]
         row = {"B": p["batch"], "L": p["context"], "q": p["q"]}
         for label, key in ATTENTION.items():
-            row[label] = ms(v[key]["seconds"]) + ("" if prefill else f" ({v[key]['gb_per_s']:.1f} GB/s)")
+            if key in v:  # tiles: where the CPU has AMX
+                row[label] = ms(v[key]["seconds"]) + ("" if prefill else f" ({v[key]['gb_per_s']:.1f} GB/s)")
         row["matmuls / kernel"] = f"{v[ATTENTION['bf16 matmuls']]['seconds'] / v[ATTENTION['native kernel']]['seconds']:.2f}x"
         if not prefill:
             row[".sum()"] = f"{v['read baseline: .sum() of K and V']['gb_per_s']:.0f} GB/s"
@@ -243,6 +244,24 @@ def draft_vocab() -> str:
     return text(rows) if rows else "No results yet (`results/gemma/draft_vocab_*.json`): run the command above."
 
 
+def gemma_auto(name: str) -> str:
+    """Gemma 3 per cell and mode: plain decoding, then each other configuration of the run (`--draft auto`: what it
+    chose, its predicted throughput and how far that was from the measurement)."""
+    rows = []
+    for (b, s, mode), pts in sorted(_cells(load(f"gemma/{name}")).items()):
+        plain = next(p for p in pts if p["draft"] == "none")["throughput"]
+        for p in (p for p in pts if p["draft"] != "none"):
+            fixed = f"{p['draft']} K={p['budget']} g={p['gamma']}" + (f" V={p['draft_vocab']}" if p.get("draft_vocab")
+                                                                       else "")
+            predicted = p.get("predicted_throughput")
+            rows.append({"B": b, "context": s, "mode": mode, "plain tok/s": plain,
+                         "configuration": f"auto: {p['chosen']}" if "chosen" in p else fixed,
+                         "tok/s": p["throughput"], "x plain": f"{p['throughput'] / plain:.2f}x",
+                         "tokens/step": p["tokens_per_step"], "predicted tok/s": predicted,
+                         "predicted / measured": predicted and f"{predicted / p['throughput']:.2f}"})
+    return text(rows)
+
+
 def auto() -> str:
     rows: dict[tuple, dict] = {}
     for (b, s, mode), pts in sorted(_cells(load("auto")).items(), key=lambda c: (-c[0][1], -c[0][0])):
@@ -267,7 +286,9 @@ TABLES = {"ar": ar, "dtype_linear": dtype_linear, "dtype_forward": dtype_forward
           "linear_tiles": lambda: linear("linear_amx", "gflop_per_s", "kernel", "tiles"),           "bf16_flips": bf16_flips, "cpu_grid": cpu_grid, "llamacpp": llamacpp, "throughput": throughput,
           "auto": auto, "positions": positions, "validate_planner": validate_planner, "serving_8k": serving_8k,
           "serving_trace": serving_trace, "chat": lambda: chat("chat"), "chat_shared": lambda: chat("chat_shared"), "prefix_hit": prefix_hit,
-          "tp": tp, "draft_vocab": draft_vocab, "avx2_storage": avx2_storage, "avx2_grid": avx2_grid, "avx2_llamacpp": avx2_llamacpp}
+          "tp": tp, "draft_vocab": draft_vocab,
+          "gemma_auto_32k": lambda: gemma_auto("auto_32k"), "gemma_auto_grid": lambda: gemma_auto("auto_grid"),
+          "gemma_attention": lambda: attention(False, "gemma/attention_32k"), "avx2_storage": avx2_storage, "avx2_grid": avx2_grid, "avx2_llamacpp": avx2_llamacpp}
 MODELS = {"cpu_grid": "cpu_grid", "throughput": "throughput", "auto": "auto", "positions": "acceptance"}
 
 

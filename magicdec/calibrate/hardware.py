@@ -9,8 +9,9 @@
 - whole forwards of a real-sized model (the one passed in, or a randomly initialised one with the default model's
   shape): at m = 1..384 tokens over a short cache, the linear layers' weight bytes per second against m; at q = 1..8
   new tokens per sequence over a long cache, less the same forward over a short one, attention's KV bytes per second
-  against q. Times that fall as the work grows are noise and are pooled (`nondecreasing`) before rates are derived
-  from them.
+  against q (enough rows that the long cache's bytes outweigh the rest of the forward). Each of these takes the
+  fastest of a few runs (FASTEST_OF); times that still fall as the work grows are noise and are pooled
+  (`nondecreasing`) before rates are derived from them.
 
 Those measured rates make the profile (`HardwareProfile.linear_rates`, `attention_rates`): small matrices do not
 follow a roofline on CPUs (a few rows can cost twice one row), so one efficiency per group cannot predict both a
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import statistics
 from dataclasses import dataclass, field
@@ -49,6 +51,13 @@ GiB = 1024**3
 STAGES = 7
 #: Cache length of the forwards whose attention is negligible.
 SHORT = 16
+#: KV bytes the attention measurement's long cache holds at least, in up to ATTENTION_MAX_ROWS rows.
+ATTENTION_BYTES = 1 << 30
+ATTENTION_MAX_ROWS = 64
+#: Runs of each forward the linear layers' and attention's rates take the fastest of, at least: on a shared machine
+#: a forward's time varies by 2x from run to run (a 262k-vocabulary model's forwards allocate B x q x 262144 logits,
+#: and page faults come and go), and the median of two is as likely to hold a slow run as not.
+FASTEST_OF = 4
 
 
 @dataclass
@@ -206,7 +215,8 @@ def measure_linear(run: _Run, model: Transformer, shape: ModelShape, t_overhead:
     else:
         tokens = ((1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384) if not run.gpu
                   else (1, 4, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192))
-    linear = [{"tokens": n, "seconds": time_forward(model, n, 1, SHORT, reps=run.reps, kv_dtype=run.storage)}
+    reps = max(run.reps, FASTEST_OF)
+    linear = [{"tokens": n, "seconds": time_forward(model, n, 1, SHORT, reps=reps, kv_dtype=run.storage, best=True)}
               for n in tokens]
     for r, t in zip(linear, nondecreasing([r["seconds"] for r in linear])):
         r["weight_bytes_per_s"] = shape.n_params_linear * run.stored / max(t - t_overhead, 0.05 * t)
@@ -215,13 +225,19 @@ def measure_linear(run: _Run, model: Transformer, shape: ModelShape, t_overhead:
 
 def measure_attention(run: _Run, model: Transformer, shape: ModelShape) -> list[dict[str, Any]]:
     """Attention's rate against new tokens per sequence: a long cache less the same forward over a short one."""
-    # the longest context the model takes (the score rows per query grow with it and fall out of cache)
-    att_batch = 8 if not run.gpu else 32
+    # the longest context the model takes (the score rows per query grow with it and fall out of cache), and rows
+    # enough that the cache's bytes outweigh the rest of the forward (a hybrid model's few global layers hold little
+    # per row: 8 rows of Gemma 3 270M at 8k read 200 MB, a fifth of a forward's time, and the difference of two
+    # forwards timed attention 30% slow)
     att_len = min(8192 if not run.gpu else 16384, model.cfg.max_seq_len - 16)
+    per_row = att_len * shape.kv_bytes_per_token(run.stored)
+    att_batch = min(ATTENTION_MAX_ROWS, max(8 if not run.gpu else 32, math.ceil(ATTENTION_BYTES / per_row)))
     attention = []
     for q in ((1, 4) if run.quick else (1, 2, 3, 4, 5, 6, 8) if not run.gpu else (1, 2, 4, 8, 16)):
-        t_long = time_forward(model, att_batch, q, att_len, reps=run.reps, kv_dtype=run.storage)
-        t_short = time_forward(model, att_batch, q, SHORT, reps=run.reps, kv_dtype=run.storage)
+        # the fastest runs: their difference is attention's, where a slow run of either would be taken for it
+        reps = max(run.reps, FASTEST_OF)
+        t_long = time_forward(model, att_batch, q, att_len, reps=reps, kv_dtype=run.storage, best=True)
+        t_short = time_forward(model, att_batch, q, SHORT, reps=reps, kv_dtype=run.storage, best=True)
         attention.append({"q": q, "batch": att_batch, "kv_len": att_len, "seconds": t_long, "seconds_short": t_short})
     # the KV bytes the long cache adds (a hybrid model's sliding layers: a window against 16 positions) over the
     # time it adds to the short one's

@@ -279,9 +279,10 @@ def takes(xq: Tensor, keys: Tensor, values: Tensor, bias: Tensor) -> bool:
             and values.dtype == bias.dtype == keys.dtype and supported(keys.device, keys.dtype))
 
 
-def decode_attention(xq: Tensor, keys: Tensor, values: Tensor, bias: Tensor) -> Tensor:
+def decode_attention(xq: Tensor, keys: Tensor, values: Tensor, bias: Tensor, *,
+                     on_tiles: bool | None = None) -> Tensor:
     """Softmax attention of queries [B, KV, M, hd] (any float dtype) over K/V [B, KV, L, hd] (16-bit) with an
     additive bias [B, 1, M, L] (K's dtype, 0 or -inf); returns [B, KV, M, hd] fp32. Call only where `takes` is
-    True."""
-    op = _ops().decode_attention_tiles if tiles() else _ops().decode_attention
+    True. `on_tiles`: AMX tiles or vector instructions (None: this process's choice, `tiles()`)."""
+    op = _ops().decode_attention_tiles if (tiles() if on_tiles is None else on_tiles) else _ops().decode_attention
     return op(xq, keys, values, bias, CHUNK)
