@@ -168,6 +168,13 @@ def test_bad_gguf_metadata_is_refused_naming_the_key(tmp_path, monkeypatch, key,
         load_model(path, device="cpu")
 
 
+def test_a_config_claiming_more_layers_than_the_weights_is_refused_at_the_first_missing(ckpt):
+    """Before the shapes are checked layer after layer, listing 5e14 layers' tensors took 22 GB."""
+    edit_config(ckpt, num_hidden_layers=501332187960512)
+    with pytest.raises(ModelLoadError, match="lacks tensor 'model.layers.2.self_attn.q_proj.weight'"):
+        load_model(ckpt, device="cpu")
+
+
 # --- random garbage in every field ------------------------------------------------------------------------
 CONFIG_KEYS = [
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",

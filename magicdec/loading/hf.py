@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -63,26 +64,28 @@ def load_hf_state_dict(folder: Path) -> dict[str, torch.Tensor]:
     return sd
 
 
-def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor a checkpoint of `cfg` must have, in Hugging Face naming, with its shape."""
+def hf_shapes(cfg: ModelConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """Every tensor a checkpoint of `cfg` must have, in Hugging Face naming, with its shape, layer after layer: a
+    config that claims more layers than the checkpoint holds is refused at the first one missing, before any work
+    grows with the number it claims."""
     q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-    shapes = {"model.embed_tokens.weight": (cfg.vocab_size, cfg.dim), "model.norm.weight": (cfg.dim,)}
+    yield "model.embed_tokens.weight", (cfg.vocab_size, cfg.dim)
+    yield "model.norm.weight", (cfg.dim,)
     if not cfg.tie_embeddings:
-        shapes["lm_head.weight"] = (cfg.vocab_size, cfg.dim)
+        yield "lm_head.weight", (cfg.vocab_size, cfg.dim)
     for i in range(cfg.n_layers):
         p = f"model.layers.{i}."
         for x, rows in (("q", q), ("k", kv), ("v", kv)):
-            shapes[f"{p}self_attn.{x}_proj.weight"] = (rows, cfg.dim)
+            yield f"{p}self_attn.{x}_proj.weight", (rows, cfg.dim)
             if cfg.qkv_bias:
-                shapes[f"{p}self_attn.{x}_proj.bias"] = (rows,)
-        shapes[f"{p}self_attn.o_proj.weight"] = (cfg.dim, q)
-        shapes[f"{p}input_layernorm.weight"] = (cfg.dim,)
-        shapes[f"{p}post_attention_layernorm.weight"] = (cfg.dim,)
-        shapes[f"{p}mlp.gate_proj.weight"] = (cfg.ffn_dim, cfg.dim)
-        shapes[f"{p}mlp.up_proj.weight"] = (cfg.ffn_dim, cfg.dim)
-        shapes[f"{p}mlp.down_proj.weight"] = (cfg.dim, cfg.ffn_dim)
-        shapes.update(_gemma_norm_shapes(cfg, p))
-    return shapes
+                yield f"{p}self_attn.{x}_proj.bias", (rows,)
+        yield f"{p}self_attn.o_proj.weight", (cfg.dim, q)
+        yield f"{p}input_layernorm.weight", (cfg.dim,)
+        yield f"{p}post_attention_layernorm.weight", (cfg.dim,)
+        yield f"{p}mlp.gate_proj.weight", (cfg.ffn_dim, cfg.dim)
+        yield f"{p}mlp.up_proj.weight", (cfg.ffn_dim, cfg.dim)
+        yield f"{p}mlp.down_proj.weight", (cfg.dim, cfg.ffn_dim)
+        yield from _gemma_norm_shapes(cfg, p).items()
 
 
 #: Gemma's norms beyond Llama's (Hugging Face name -> this project's), and the dimension each normalizes
@@ -100,7 +103,7 @@ def _gemma_norm_shapes(cfg: ModelConfig, prefix: str) -> dict[str, tuple[int, ..
 
 def check_shapes(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> None:
     """Raise ModelLoadError naming the first tensor that is missing or whose shape the config contradicts."""
-    for name, shape in hf_shapes(cfg).items():
+    for name, shape in hf_shapes(cfg):
         if name not in sd:
             raise ModelLoadError(f"checkpoint lacks tensor {name!r}")
         if tuple(sd[name].shape) != shape:
