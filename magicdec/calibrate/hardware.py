@@ -233,17 +233,15 @@ def measure_attention(run: _Run, model: Transformer, shape: ModelShape) -> list[
     per_row = att_len * shape.kv_bytes_per_token(run.stored)
     att_batch = min(ATTENTION_MAX_ROWS, max(8 if not run.gpu else 32, math.ceil(ATTENTION_BYTES / per_row)))
     attention = []
+    reps = max(run.reps, FASTEST_OF)  # the fastest runs: a slow run of either forward would be taken for attention
     for q in ((1, 4) if run.quick else (1, 2, 3, 4, 5, 6, 8) if not run.gpu else (1, 2, 4, 8, 16)):
-        # the fastest runs: their difference is attention's, where a slow run of either would be taken for it
-        reps = max(run.reps, FASTEST_OF)
         t_long = time_forward(model, att_batch, q, att_len, reps=reps, kv_dtype=run.storage, best=True)
         t_short = time_forward(model, att_batch, q, SHORT, reps=reps, kv_dtype=run.storage, best=True)
         attention.append({"q": q, "batch": att_batch, "kv_len": att_len, "seconds": t_long, "seconds_short": t_short})
     # the KV bytes the long cache adds (a hybrid model's sliding layers: a window against 16 positions) over the
     # time it adds to the short one's
     extra = nondecreasing([max(r["seconds"] - r["seconds_short"], 0.05 * r["seconds"]) for r in attention])
-    added = att_batch * (att_len * shape.kv_bytes_per_token(run.stored)
-                         + shape.window_kv_bytes(att_len, run.stored) - shape.window_kv_bytes(SHORT, run.stored))
+    added = att_batch * (per_row + shape.window_kv_bytes(att_len, run.stored) - shape.window_kv_bytes(SHORT, run.stored))
     for r, t in zip(attention, extra):
         r["kv_bytes_per_s"] = added / t
     return attention

@@ -84,10 +84,8 @@ def filled_cache(cfg: ModelConfig, batch: int, length: int, slack: int, dtype: t
     for part in (cache.full, cache.window) if hybrid else (cache,):
         part.k.fill_(0.5)  # attention's speed does not depend on the values; the pages must exist
         part.v.fill_(0.5)
-    if hybrid:  # slot s holds the last position p < length with p = s mod ring (-1 where there is none)
-        ring = cache.window.capacity
-        held = length - 1 - (length - 1 - torch.arange(ring, device=device)) % ring
-        cache.window.slot_pos[:] = held.clamp(min=-1)
+    if hybrid:  # the ring holds the last positions before `length`
+        cache.window.hold(torch.arange(max(0, length - cache.window.capacity), length, device=device))
     if length:
         cache.commit(length)
     return cache

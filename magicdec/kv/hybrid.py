@@ -60,6 +60,10 @@ class WindowKVCache(KVCache):
         pos, qp = self.slot_pos[:, None, :], qpos[:, :, None]
         return ((pos >= 0) & (pos <= qp) & (pos > qp - self.window))[:, None]
 
+    def hold(self, pos: Tensor) -> None:
+        """Record that every row's ring holds positions `pos` [n] (at most `capacity` of them), each in its slot."""
+        self.slot_pos[:, pos % self.capacity] = pos
+
     def attended_slots(self, q: int) -> int:
         return self.capacity  # the ring spans the whole buffer; the mask picks what is held
 

@@ -164,7 +164,7 @@ class PrefixCache:
             slots, offsets = pos % ring.capacity, pos - i * BLOCK_SIZE
             ring.k[:, 0].index_copy_(2, slots, k.index_select(2, offsets))
             ring.v[:, 0].index_copy_(2, slots, v.index_select(2, offsets))
-            ring.slot_pos[0, slots] = pos
+            ring.hold(pos)
 
     def unpin(self, keys: Sequence[bytes]) -> None:
         """The request that matched `keys` copied them (or will not): they may be evicted again."""
