@@ -7,7 +7,8 @@ The shapes are a planner preset's (`--shape`; default the default model's, SmolL
 of 64, 30 layers; `gemma3-270m`: 4 query heads over 1 KV head of 256, and its 3 global layers). A cache of all those
 layers is allocated as magicdec's KVCache stores it ([layers, B, KV, capacity, hd], so no layer's K/V sits in cache
 when it is read), and one "step" runs attention once per layer, as a forward does. Where the CPU has AMX tiles the
-native kernel runs on them and on vector instructions, side by side. Every row has its own length (the last row is 64 tokens short), so masks are real.
+native kernel runs on them and on vector instructions, side by side. Every row has its own length (the last row is 64
+tokens short), so masks are real.
 Each variant is timed interleaved with the others (median of --repeats) and reported as K/V bytes per
 second, beside a `.sum()` over the same bytes (the read-bandwidth baseline). Results go to
 benchmarks/results/attention.json with the machine info.

@@ -87,8 +87,8 @@ def choose(
     planner ModelShape plans for a model or machine you do not have). `profile`: a HardwareProfile, preset name or
     JSON path (default: the calibrated profile of the model's device and dtype, else a preset). `acceptance`: a table
     or its JSON path (default: the one measured for the model named `model_name` (`profiles.model_key`), else the
-    built-in table of its architecture). `mode`: "greedy" or "sampling" (temperature > 0). `dtype` defaults to the model's weights'
-    (`weight_dtype`), `kv_dtype` to `dtype`; for a ModelShape, `dtype` defaults to the profile's, else 4 bytes on a
+    built-in table of its architecture). `mode`: "greedy" or "sampling" (temperature > 0). `dtype` defaults to the
+    model's weights' (`weight_dtype`), `kv_dtype` to `dtype`; for a ModelShape, `dtype` defaults to the profile's, else 4 bytes on a
     CPU profile and 2 on others. Raises InvalidRequestError when the profile or the acceptance table cannot be found
     or read. Under tensor parallelism (a Transformer loaded as one rank) the ranks must use the same profile, and the
     plan is for the whole model over the ranks when the profile knows the all-reduce (`magicdec calibrate`), else for

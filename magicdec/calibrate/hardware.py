@@ -241,7 +241,8 @@ def measure_attention(run: _Run, model: Transformer, shape: ModelShape) -> list[
     # the KV bytes the long cache adds (a hybrid model's sliding layers: a window against 16 positions) over the
     # time it adds to the short one's
     extra = nondecreasing([max(r["seconds"] - r["seconds_short"], 0.05 * r["seconds"]) for r in attention])
-    added = att_batch * (per_row + shape.window_kv_bytes(att_len, run.stored) - shape.window_kv_bytes(SHORT, run.stored))
+    window = shape.window_kv_bytes(att_len, run.stored) - shape.window_kv_bytes(SHORT, run.stored)
+    added = att_batch * (per_row + window)
     for r, t in zip(attention, extra):
         r["kv_bytes_per_s"] = added / t
     return attention
