@@ -317,6 +317,22 @@ def test_cpu_candidate_sampler_follows_the_distribution():
         assert chi_square(torch.bincount(tokens[:, 0], minlength=probs.shape[1]), probs[row])[0] > P_MIN, row
 
 
+@pytest.mark.parametrize("vocab,k", [(4096, 64), (32768, 64), (262144, 64), (1500, 64), (49152, 1024), (100, 64)])
+@pytest.mark.parametrize("ties", [False, True])
+def test_top_indices_are_the_k_largest_logits(vocab, k, ties):
+    """The block-maxima top-k (candidates of a large vocabulary) picks logits of the values torch.topk picks, largest
+    first, also where logits tie (quantized to a few values) and where the vocabulary has no whole blocks."""
+    from magicdec.sampling import _top_indices
+
+    logits = torch.randn(5, vocab, generator=torch.Generator().manual_seed(vocab + k))
+    if ties:
+        logits = (logits * 2).round()
+    got = _top_indices(logits, k)
+    assert got.shape == (5, k) and (got >= 0).all() and (got < vocab).all()
+    assert all(len(set(row)) == k for row in got.tolist())  # distinct tokens
+    assert torch.equal(logits.gather(1, got), logits.topk(k, dim=-1).values)
+
+
 def test_noise_is_independent_across_positions_and_seeds():
     """Draws at consecutive positions of one seed, and of consecutive seeds, are independent (joint chi-square)."""
     p = torch.softmax(torch.randn(6, generator=torch.Generator().manual_seed(3)), 0)
