@@ -133,17 +133,18 @@ class PackedLinear(nn.Module):
     """A bias-optional linear layer whose weight is packed in 16 bits for the native kernel (`kernels.linear`): it
     reads each weight once per call, where torch's matmul reads them well below the memory bandwidth at the few rows
     of a decode step (benchmarks/README.md, "A packed bf16 linear kernel"), and a row gets the same bits in any
-    batch. `pack_linears` puts it in place of nn.Linear at load time."""
+    batch. `pack_linears` puts it in place of nn.Linear at load time. `fp32`: outputs in fp32 (an LM head: logits are
+    wanted in fp32, and the kernel's sums are)."""
 
-    def __init__(self, linear: nn.Linear, storage: torch.dtype):
+    def __init__(self, linear: nn.Linear, storage: torch.dtype, fp32: bool = False):
         super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.in_features, self.out_features, self.fp32 = linear.in_features, linear.out_features, fp32
         self.packed = nn.Parameter(kernels.pack_linear(linear.weight.detach(), storage), requires_grad=False)
         # in fp32 once, as the kernel adds it to its fp32 sums (not converted in every forward)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float(), requires_grad=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return kernels.linear(x, self.packed, self.out_features, self.bias)
+        return kernels.linear(x, self.packed, self.out_features, self.bias, fp32=self.fp32)
 
 
 class RMSNorm(nn.Module):
@@ -314,18 +315,18 @@ def pack_linears(model: Transformer, storage: torch.dtype | None = None) -> None
     CPU with AVX512-BF16, an fp32 model with AVX2 when `storage` names one of its 16-bit dtypes); elsewhere
     nothing changes. `storage`: the dtype the packed weights are stored in (None: the model's). A load-time
     transform: run it last (tensor parallelism shards nn.Linear weights first). A tied LM head gets its own packed
-    copy of the embedding table."""
+    copy of the embedding table; the head returns fp32 logits."""
     storage = storage or model.dtype
     for module in list(model.modules()):
         for name, child in module.named_children():
             if isinstance(child, nn.Linear):
-                setattr(module, name, packed(child, storage))
+                setattr(module, name, packed(child, storage, fp32=child is model.output))
 
 
-def packed(linear: nn.Linear, storage: torch.dtype) -> nn.Module:
-    """`linear` as a `PackedLinear` whose weights are stored in `storage`, where the native linear kernel takes it
-    (see `pack_linears`); elsewhere `linear` itself."""
+def packed(linear: nn.Linear, storage: torch.dtype, fp32: bool = False) -> nn.Module:
+    """`linear` as a `PackedLinear` whose weights are stored in `storage` (`fp32`: with fp32 outputs), where the
+    native linear kernel takes it (see `pack_linears`); elsewhere `linear` itself."""
     weight = linear.weight
     if kernels.linear_supported(weight.device, weight.dtype, storage) and kernels.packable(linear.in_features):
-        return PackedLinear(linear, storage)
+        return PackedLinear(linear, storage, fp32)
     return linear

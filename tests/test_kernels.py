@@ -282,6 +282,9 @@ def test_linear_matches_fp32_and_gives_a_row_the_same_bits_in_any_batch(isa, til
             assert torch.equal(kernels.linear(x, packed, N, b), out)  # columns shared among threads or not
         batched = kernels.linear(x.view(1, M, K).expand(2, M, K), packed, N, b)  # leading dims kept
         assert batched.shape == (2, M, N) and torch.equal(batched[1], out)
+        wide = kernels.linear(x, packed, N, b, fp32=True)  # an LM head's logits: the fp32 sums themselves
+        assert wide.dtype == torch.float32 and torch.equal(wide.to(isa.compute), out)
+        assert rel_err(wide, ref) <= rel_err(out, ref)
 
 
 def test_unpack_linear_gives_back_the_packed_weight(isa):
@@ -309,6 +312,7 @@ def test_pack_linears_swaps_every_linear_layer(isa, tiny_llama, tied):
         after = model(tokens, KVCache(cfg, 2, 16, storage, "cpu"))
     assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
     assert sum(isinstance(m, PackedLinear) for m in model.modules()) == 4 * cfg.n_layers + 1
+    assert model.output.fp32 and not any(m.fp32 for m in model.layers.modules() if isinstance(m, PackedLinear))
     assert weight_dtype(model) == storage and model.dtype == isa.compute
     # rounding order apart (bf16 model: measured 0 here; fp32 over fp16 weights: 1e-3); a misplaced weight gives ~1
     assert rel_err(after, before) < 0.03

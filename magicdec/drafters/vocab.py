@@ -59,7 +59,7 @@ class DraftHead(nn.Module):
         super().__init__()
         linear = nn.Linear(model.cfg.dim, len(ids), bias=False, device=model.device, dtype=model.dtype)
         linear.weight.data.copy_(lm_head_rows(model, ids.to(model.device)))
-        self.linear = packed(linear, weight_dtype(model))
+        self.linear = packed(linear, weight_dtype(model), fp32=True)
         self.register_buffer("ids", ids.to(model.device), persistent=False)
 
     def forward(self, x: Tensor) -> Tensor:

@@ -262,14 +262,15 @@ def unpack_linear(packed: Tensor, out_features: int) -> Tensor:
     return packed.transpose(1, 2).reshape(groups * group, k)[:out_features]
 
 
-def linear(x: Tensor, packed: Tensor, out_features: int, bias: Tensor | None = None, *,
+def linear(x: Tensor, packed: Tensor, out_features: int, bias: Tensor | None = None, *, fp32: bool = False,
            on_tiles: bool | None = None) -> Tensor:
     """x [..., K] @ W^T (+ bias) with W packed by `pack_linear`; returns [..., out_features] in x's dtype (the path's
-    compute dtype). Call only where `linear_supported` is True. `on_tiles`: AMX tiles or vector instructions (None:
+    compute dtype), or in fp32 where `fp32` (the LM head's logits: the sums are fp32, so this skips a rounding and a
+    conversion). Call only where `linear_supported` is True. `on_tiles`: AMX tiles or vector instructions (None:
     this process's choice, `tiles()`; a benchmark compares the two)."""
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     op = _ops().linear_tiles if (tiles() if on_tiles is None else on_tiles) else _ops().linear
-    return op(rows, packed, out_features, bias).view(*x.shape[:-1], out_features)
+    return op(rows, packed, out_features, bias, fp32).view(*x.shape[:-1], out_features)
 
 
 def takes(xq: Tensor, keys: Tensor, values: Tensor, bias: Tensor) -> bool:

@@ -28,25 +28,30 @@ constexpr int64_t kGroup = 64;  // output columns per packed group: 4 zmm of fp3
 constexpr int kVecs = kGroup / 16;
 constexpr int kRows = 6;  // input rows per block: 6 x 4 accumulators, 4 weight vectors, 1 broadcast
 
-// Rounds `rows` x `cols` fp32 results [rows, 64] (+ bias) to bf16 into y (row stride ldy): both paths end here.
-inline void store_rows(const float* acc, int rows, const float* bias, uint16_t* y, int64_t ldy, int64_t cols) {
+// One output vector of 16 columns (m: the valid ones): rounded to bf16, or kept in fp32 (the LM head's logits,
+// which are wanted in fp32: rounding them first would cost a pass over a step's largest output).
+inline void put(uint16_t* y, __mmask16 m, __m512 v) { _mm256_mask_storeu_epi16(y, m, (__m256i)_mm512_cvtneps_pbh(v)); }
+inline void put(float* y, __mmask16 m, __m512 v) { _mm512_mask_storeu_ps(y, m, v); }
+
+// Stores `rows` x `cols` fp32 results [rows, 64] (+ bias) into y (row stride ldy): both paths end here.
+template <class Out>
+inline void store_rows(const float* acc, int rows, const float* bias, Out* y, int64_t ldy, int64_t cols) {
   for (int j = 0; j < kVecs; ++j) {
     const int64_t c = cols - 16 * j;
     if (c <= 0) break;
     const __mmask16 m = c >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << c) - 1);
     const __m512 b = bias != nullptr ? _mm512_maskz_loadu_ps(m, bias + 16 * j) : _mm512_setzero_ps();
     for (int i = 0; i < rows; ++i) {
-      const __m512 v = _mm512_add_ps(_mm512_loadu_ps(acc + i * kGroup + 16 * j), b);
-      _mm256_mask_storeu_epi16(y + i * ldy + 16 * j, m, (__m256i)_mm512_cvtneps_pbh(v));
+      put(y + i * ldy + 16 * j, m, _mm512_add_ps(_mm512_loadu_ps(acc + i * kGroup + 16 * j), b));
     }
   }
 }
 
 // `rows` input rows x [rows, K] against one packed group `w` [K / 2, 64, 2]; writes the group's `cols`
 // valid columns of y (row stride ldy).
-template <int rows>
-inline void block(const uint16_t* x, const uint16_t* w, int64_t K, const float* bias,
-                  uint16_t* y, int64_t ldy, int64_t cols) {
+template <int rows, class Out>
+inline void block(const uint16_t* x, const uint16_t* w, int64_t K, const float* bias, Out* y, int64_t ldy,
+                  int64_t cols) {
   __m512 acc[rows][kVecs];
   for (int i = 0; i < rows; ++i)
     for (int j = 0; j < kVecs; ++j) acc[i][j] = _mm512_setzero_ps();
@@ -107,27 +112,11 @@ inline void tile_block(const uint16_t* x, const uint16_t* w, int64_t K, float* o
   _tile_stored(3, out + 48, kGroup * 4);
 }
 
-}  // namespace
-
-at::Tensor linear_on(const at::Tensor& x, const at::Tensor& packed, int64_t N,
-                        const std::optional<at::Tensor>& bias, bool tiles) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "linear: x [M, K] bf16");
-  const int64_t M = x.size(0), K = x.size(1);
+template <class Out>
+void run(const uint16_t* xp, const uint16_t* wp, const float* bp, Out* yp, int64_t M, int64_t K, int64_t N,
+         bool tiles) {
   const int64_t groups = (N + kGroup - 1) / kGroup;
-  TORCH_CHECK(K % 2 == 0 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
-              packed.numel() == groups * K * kGroup, "linear: weights packed for K = ", K, " and N = ", N);
-  at::Tensor b;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "linear: bias [N] expected");
-    b = bias->to(at::kFloat).contiguous();
-  }
-  auto y = at::empty({M, N}, x.options());
-  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
-  const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
-  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
-  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
-  if (tiles && K % kTileK == 0) {
-    magicdec::require_tiles("linear");
+  if (tiles) {
     at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
       alignas(64) float acc[kTileRows * kGroup];
       int configured = 0;
@@ -142,7 +131,7 @@ at::Tensor linear_on(const at::Tensor& x, const at::Tensor& packed, int64_t N,
       }
       _tile_release();
     });
-    return y;
+    return;
   }
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g) {
@@ -154,22 +143,50 @@ at::Tensor linear_on(const at::Tensor& x, const at::Tensor& packed, int64_t N,
       });
     }
   });
+}
+
+}  // namespace
+
+at::Tensor linear_on(const at::Tensor& x, const at::Tensor& packed, int64_t N,
+                     const std::optional<at::Tensor>& bias, bool fp32, bool tiles) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "linear: x [M, K] bf16");
+  const int64_t M = x.size(0), K = x.size(1);
+  const int64_t groups = (N + kGroup - 1) / kGroup;
+  TORCH_CHECK(K % 2 == 0 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
+              packed.numel() == groups * K * kGroup, "linear: weights packed for K = ", K, " and N = ", N);
+  at::Tensor b;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "linear: bias [N] expected");
+    b = bias->to(at::kFloat).contiguous();
+  }
+  auto y = at::empty({M, N}, x.options().dtype(fp32 ? at::kFloat : at::kBFloat16));
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  tiles = tiles && K % kTileK == 0;
+  if (tiles) magicdec::require_tiles("linear");
+  if (fp32) {
+    run(xp, wp, bp, y.data_ptr<float>(), M, K, N, tiles);
+  } else {
+    run(xp, wp, bp, reinterpret_cast<uint16_t*>(y.data_ptr()), M, K, N, tiles);
+  }
   return y;
 }
 
-// bf16 linear layer over packed weights (AVX512-BF16), the same bits for a row in any batch
-at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t N, const std::optional<at::Tensor>& bias) {
-  return linear_on(x, packed, N, bias, false);
+// bf16 linear layer over packed weights (AVX512-BF16), the same bits for a row in any batch; fp32: fp32 output
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t N, const std::optional<at::Tensor>& bias,
+                  bool fp32) {
+  return linear_on(x, packed, N, bias, fp32, false);
 }
 
 at::Tensor linear_tiles(const at::Tensor& x, const at::Tensor& packed, int64_t N,
-                        const std::optional<at::Tensor>& bias) {
-  return linear_on(x, packed, N, bias, true);
+                        const std::optional<at::Tensor>& bias, bool fp32) {
+  return linear_on(x, packed, N, bias, fp32, true);
 }
 
 // (linear_tiles: on AMX tiles where K is a multiple of 32; call it only where tiles_ready())
 TORCH_LIBRARY_FRAGMENT(magicdec_avx512bf16, m) {
-  m.def("linear(Tensor x, Tensor packed, int N, Tensor? bias) -> Tensor", &linear);
-  m.def("linear_tiles(Tensor x, Tensor packed, int N, Tensor? bias) -> Tensor", &linear_tiles);
+  m.def("linear(Tensor x, Tensor packed, int N, Tensor? bias, bool fp32) -> Tensor", &linear);
+  m.def("linear_tiles(Tensor x, Tensor packed, int N, Tensor? bias, bool fp32) -> Tensor", &linear_tiles);
   m.def("tiles_ready() -> bool", &magicdec::tiles_ready);
 }

@@ -62,8 +62,9 @@ void run(const float* xp, const uint16_t* wp, const float* bp, float* yp, int64_
 
 }  // namespace
 
-at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
-                     const std::optional<at::Tensor>& bias) {
+// (fp32: the output is fp32 whatever it says, this path's compute dtype; the argument keeps the paths' signatures alike)
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t N, const std::optional<at::Tensor>& bias,
+                  bool /*fp32*/) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "linear: x [M, K] fp32");
   const int64_t M = x.size(0), K = x.size(1), groups = (N + kGroup - 1) / kGroup;
   const auto type = packed.scalar_type();
@@ -83,5 +84,5 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
 
 // fp32 linear layer over packed fp16 or bf16 weights (AVX2, FMA, F16C), the same bits for a row in any batch
 TORCH_LIBRARY_FRAGMENT(magicdec_avx2, m) {
-  m.def("linear(Tensor x, Tensor packed, int N, Tensor? bias) -> Tensor", &linear);
+  m.def("linear(Tensor x, Tensor packed, int N, Tensor? bias, bool fp32) -> Tensor", &linear);
 }
