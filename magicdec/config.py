@@ -25,6 +25,10 @@ REFUSED_ARCHITECTURES = {
     "GemmaForCausalLM": "Gemma 1",
 }
 
+#: Most layers a config may claim: far more than any model has (Llama 3.1 405B: 126), and few enough that a per-layer
+#: list is small.
+MAX_LAYERS = 4096
+
 #: The Hugging Face `config.json` key of each field, to name the key a user can fix in error messages.
 HF_KEYS = {
     "vocab_size": "vocab_size", "dim": "hidden_size", "n_layers": "num_hidden_layers",
@@ -103,6 +107,8 @@ class ModelConfig:
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len"):
             if not (_is_int(getattr(self, name)) and getattr(self, name) >= 1):
                 raise ConfigFieldError(name, f"must be a positive integer, got {getattr(self, name)!r}")
+        if self.n_layers > MAX_LAYERS:  # per-layer lists are built from it before any weight is read
+            raise ConfigFieldError("n_layers", f"must be at most {MAX_LAYERS}, got {self.n_layers}")
         if not (_is_int(self.head_dim) and self.head_dim >= 0):
             raise ConfigFieldError("head_dim", f"must be a positive integer, got {self.head_dim!r}")
         if self.head_dim == 0:
@@ -273,6 +279,8 @@ def gemma3_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     types = cfg.get("layer_types")
     if types is None:  # older configs: every `sliding_window_pattern`-th layer is global
         pattern = cfg.get("sliding_window_pattern", cfg.get("_sliding_window_pattern", 6))
+        if not (_is_int(pattern) and pattern >= 1):
+            raise ModelLoadError(f"sliding_window_pattern must be a positive integer, got {pattern!r}")
         types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
                  for i in range(cfg["num_hidden_layers"])]
     if not (isinstance(types, list) and all(t in kinds for t in types)):

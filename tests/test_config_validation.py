@@ -59,6 +59,7 @@ LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_fr
         ({"hidden_size": 0}, ModelLoadError, "hidden_size must be a positive integer"),
         ({"num_attention_heads": -4}, ModelLoadError, "num_attention_heads must be a positive integer"),
         ({"num_hidden_layers": 0}, ModelLoadError, "num_hidden_layers must be a positive integer"),
+        ({"num_hidden_layers": 501332187960512}, ModelLoadError, "num_hidden_layers must be at most 4096"),
         ({"num_key_value_heads": 0}, ModelLoadError, "num_key_value_heads must be a positive integer"),
         ({"num_key_value_heads": 3}, UnsupportedModelError, "not a multiple of n_kv_heads"),
         ({"hidden_size": "64"}, ModelLoadError, "hidden_size must be a positive integer, got '64'"),
@@ -169,8 +170,9 @@ def test_bad_gguf_metadata_is_refused_naming_the_key(tmp_path, monkeypatch, key,
 
 
 def test_a_config_claiming_more_layers_than_the_weights_is_refused_at_the_first_missing(ckpt):
-    """Before the shapes are checked layer after layer, listing 5e14 layers' tensors took 22 GB."""
-    edit_config(ckpt, num_hidden_layers=501332187960512)
+    """The shapes are checked layer after layer (a claim of 5e14 layers, now refused by the ceiling, once listed 22 GB
+    of expected tensors)."""
+    edit_config(ckpt, num_hidden_layers=4000)
     with pytest.raises(ModelLoadError, match="lacks tensor 'model.layers.2.self_attn.q_proj.weight'"):
         load_model(ckpt, device="cpu")
 

@@ -16,7 +16,7 @@ import torch
 from conftest import data_path, randomize_, run_engine
 from test_prefix_cache import GREEDY, SAMPLED, random_ids
 from magicdec.config import GLOBAL, SLIDING, ModelConfig
-from magicdec.errors import UnsupportedModelError
+from magicdec.errors import ModelLoadError, UnsupportedModelError
 from magicdec.kv.hybrid import HybridCache, WindowKVCache, cache_bytes, make_cache
 from magicdec.kv.prefix_cache import BLOCK_SIZE, PrefixCache, block_keys
 from magicdec.model import Transformer
@@ -149,6 +149,19 @@ def test_unsupported_gemma_variants_are_refused_by_name():
     raw = tiny_gemma_config(attn_logit_softcapping=50.0).to_dict()
     with pytest.raises(UnsupportedModelError, match="soft-capping"):
         ModelConfig.from_hf({**raw, "architectures": ["Gemma3ForCausalLM"]})
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"sliding_window_pattern": 0}, "sliding_window_pattern must be a positive integer, got 0"),
+    ({"sliding_window_pattern": "6"}, "sliding_window_pattern must be a positive integer"),
+    ({"num_hidden_layers": 10**15}, "num_hidden_layers must be at most 4096"),
+], ids=str)
+def test_a_gemma_config_without_layer_types_is_checked_before_listing_them(changes, message):
+    """Older configs give the layer kinds as a pattern: a bad pattern or an absurd layer count is refused with the key
+    named (not a ZeroDivisionError, nor a list of 1e15 kinds)."""
+    raw = {k: v for k, v in tiny_gemma_config().to_dict().items() if k != "layer_types"}
+    with pytest.raises(ModelLoadError, match=message):
+        ModelConfig.from_hf({**raw, **changes, "architectures": ["Gemma3ForCausalLM"]})
 
 
 # --- the packaged Gemma 3 270M ----------------------------------------------------------------------------
