@@ -288,6 +288,8 @@ TABLES = {"ar": ar, "dtype_linear": dtype_linear, "dtype_forward": dtype_forward
           "serving_trace": serving_trace, "chat": lambda: chat("chat"), "chat_shared": lambda: chat("chat_shared"), "prefix_hit": prefix_hit,
           "tp": tp, "draft_vocab": draft_vocab,
           "gemma_auto_32k": lambda: gemma_auto("auto_32k"), "gemma_auto_grid": lambda: gemma_auto("auto_grid"),
+          "gemma_auto_32k_sampler": lambda: gemma_auto("auto_32k_sampler"),
+          "gemma_auto_grid_sampler": lambda: gemma_auto("auto_grid_sampler"),
           "gemma_attention": lambda: attention(False, "gemma/attention_32k"),
           "avx2_storage": avx2_storage, "avx2_grid": avx2_grid, "avx2_llamacpp": avx2_llamacpp}
 MODELS = {"cpu_grid": "cpu_grid", "throughput": "throughput", "auto": "auto", "positions": "acceptance"}
