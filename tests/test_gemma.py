@@ -141,6 +141,21 @@ def test_a_hybrid_model_is_measured_for_the_planner(tiny_gemma):
     assert profile.attention_rates and all(rate > 0 for _, rate in profile.attention_rates)
 
 
+def test_overheads_are_measured_on_a_tiny_model_built_like_the_planned_one(tiny_gemma):
+    """The per-forward overheads the planner adds to every forward come from a tiny-dim model of the same build: a
+    hybrid model's layers do more small operations than a Llama's (two norms more, masks of two kinds)."""
+    from magicdec.calibrate.hardware import tiny_like
+
+    cfg = tiny_gemma[0].cfg
+    tiny = tiny_like(cfg, 6)
+    assert (tiny.dim, tiny.n_layers, tiny.vocab_size) == (64, 6, 256)
+    assert (tiny.qk_norm, tiny.sandwich_norms, tiny.activation, tiny.scale_embeddings) == (True, True, "gelu_tanh", True)
+    assert tiny.layer_types == cfg.layer_types[2:] + cfg.layer_types  # the last 6, repeated
+    assert tiny_like(cfg, 2).layer_types == cfg.layer_types[2:]
+    llama = tiny_like(None, 4)
+    assert llama.layer_types == () and not llama.qk_norm and llama.activation == "silu"
+
+
 def test_unsupported_gemma_variants_are_refused_by_name():
     with pytest.raises(UnsupportedModelError, match="multimodal Gemma 3"):
         ModelConfig.from_hf({"architectures": ["Gemma3ForConditionalGeneration"], "text_config": {}})

@@ -138,7 +138,7 @@ def measure_hardware(
     report(1, STAGES, "matmul")
     m["square_matmul"] = measure_matmul(run)
     report(2, STAGES, "per-forward overhead")
-    m["overhead"] = measure_overhead(run)
+    m["overhead"] = measure_overhead(run, model.cfg if model is not None else None)
     report(3, STAGES, "sampling")
     default = MODEL_PRESETS["smollm2-135m"]
     vocab = model.cfg.vocab_size if model is not None else default.vocab_size
@@ -188,15 +188,27 @@ def measure_matmul(run: _Run) -> list[dict[str, float]]:
     return squares
 
 
-def measure_overhead(run: _Run) -> dict[str, Any]:
-    """Fixed and per-layer seconds of a forward, from a tiny-dim Transformer with 30 and with 4 layers, batch 1, one
-    token, 16 cached; and the decode loop's own work per step (sampling, bookkeeping, the host sync) beyond the
-    forward."""
+def tiny_like(cfg: ModelConfig | None, layers: int) -> ModelConfig:
+    """A tiny-dim model of `layers` layers built like `cfg` (None: a Llama): its norms and activation, and the kinds of
+    its last `layers` layers (repeated where it has fewer), so that a hybrid model's global layers are among them.
+    Its forward costs what a forward of `cfg` costs beside the arithmetic and the memory it reads."""
+    tiny = dict(vocab_size=256, dim=64, n_layers=layers, n_heads=4, n_kv_heads=2, ffn_dim=128, head_dim=16,
+                max_seq_len=4096)
+    if cfg is None:
+        return ModelConfig(**tiny)
+    n = len(cfg.layer_types)
+    kinds = tuple(cfg.layer_types[(i - layers) % n] for i in range(layers)) if n else ()
+    return dataclasses.replace(cfg, **tiny, layer_types=kinds, bos_token_id=None, eos_token_ids=())
+
+
+def measure_overhead(run: _Run, cfg: ModelConfig | None = None) -> dict[str, Any]:
+    """Fixed and per-layer seconds of a forward, from a tiny-dim model built like `cfg` (`tiny_like`: a hybrid
+    model's layers do more small operations than a Llama's, two norms more and masks of two kinds) with 30 and with 4
+    layers, batch 1, one token, 16 cached; and the decode loop's own work per step (sampling, bookkeeping, the host
+    sync) beyond the forward."""
     overhead = []
     for layers in (4, 30):
-        cfg = ModelConfig(vocab_size=256, dim=64, n_layers=layers, n_heads=4, n_kv_heads=2, ffn_dim=128,
-                          head_dim=16, max_seq_len=4096)
-        tiny = synthetic_model(cfg, run.device, run.dtype, storage=run.storage)
+        tiny = synthetic_model(tiny_like(cfg, layers), run.device, run.dtype, storage=run.storage)
         overhead.append({"n_layers": layers, "seconds": time_forward(tiny, 1, 1, SHORT, reps=15 if run.quick else 40,
                                                                     kv_dtype=run.storage)})
     loop_step = _decode_step_time(tiny, steps=16 if run.quick else 48)  # with the 30-layer model
