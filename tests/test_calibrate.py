@@ -405,10 +405,11 @@ def test_builtin_table_is_valid_json():
     assert data["entries"] and all(0 <= e["alpha"] <= 1 for e in data["entries"])
 
 
-def test_quick_profile_is_measured_once_per_cpu_threads_dtype_and_kernels(tiny_llama, tmp_path, monkeypatch, capsys):
+def test_quick_profile_is_measured_once_per_cpu_threads_dtype_kernels_model_and_source(tiny_llama, tmp_path,
+                                                                                       monkeypatch, capsys):
     """Where `magicdec calibrate` has not run, `--draft auto` measures this machine quickly on first use (with a
-    progress line), keeps the profile, and reuses it; another thread count measures again; a calibrated profile of
-    the device and dtype wins."""
+    progress line), keeps the profile, and reuses it; another thread count, model config or magicdec source measures
+    again; a calibrated profile of the device and dtype wins."""
 
     import magicdec.calibrate.quick as quick
 
@@ -420,7 +421,7 @@ def test_quick_profile_is_measured_once_per_cpu_threads_dtype_and_kernels(tiny_l
     first = quick.planning_profile(model)
     assert measured == [model] and "measuring this machine for the planner" in capsys.readouterr().err
     assert first.dtype == "fp32" and first.name.startswith("quick-cpu-") and 1e9 < first.mem_bandwidth < 1e12
-    path = quick.quick_profile_path(torch.float32)
+    path = quick.quick_profile_path(model.cfg, torch.float32)
     assert path.is_file() and HardwareProfile.from_json(path) == first
     assert quick.planning_profile(model) == first and len(measured) == 1  # reused, not measured again
     assert choose(model, 8, 512, profile=first)[2].hardware == first.name
@@ -432,9 +433,14 @@ def test_quick_profile_is_measured_once_per_cpu_threads_dtype_and_kernels(tiny_l
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(threads + 1)
-        assert quick.quick_profile_path(torch.float32) != path  # keyed by the thread count too
+        assert quick.quick_profile_path(model.cfg, torch.float32) != path  # keyed by the thread count too
     finally:
         torch.set_num_threads(threads)
-    assert quick.quick_profile_path(torch.bfloat16) != path
+    assert quick.quick_profile_path(model.cfg, torch.bfloat16) != path
+    assert quick.quick_profile_path(dataclasses.replace(model.cfg, vocab_size=262144), torch.float32) != path
+    assert quick.source_digest() == quick.source_digest() and len(quick.source_digest()) == 12
+    with monkeypatch.context() as patched:
+        patched.setattr(quick, "source_digest", lambda: "other-source")  # as another magicdec's sources hash
+        assert quick.quick_profile_path(model.cfg, torch.float32) != path
     first.to_json(default_profile_path("cpu", "fp32"))  # as `magicdec calibrate` saves one
     assert quick.planning_profile(model) is None and len(measured) == 2  # choose then loads the calibrated one

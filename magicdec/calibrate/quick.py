@@ -4,14 +4,20 @@ Without a profile measured here, `--draft auto` would plan with a preset measure
 strategy, budget and draft length rests on absolute costs, and a preset of a CPU with AMX predicts an AVX2 machine's
 steps several times too fast. So the first `--draft auto` run (and `serve`) on a CPU with no calibrated profile for
 its dtype takes `measure_hardware(quick=True)` of the model it loaded (about 30 s; progress on stderr) and keeps the
-profile in the cache folder under a name of the CPU model, thread count, dtype and kernel path: a later run with the
-same four reuses it, and one that changes any of them measures again. `magicdec calibrate` remains the thorough
-measurement, and where it has saved a profile for this device and dtype that one is used.
+profile in the cache folder under a key of the CPU model, thread count, dtype, kernel path, the model's config and
+magicdec's sources: a later run with the same reuses it, and one that changes any of them measures again. The model
+counts because the profile's rates and overheads are measured on its forwards (Gemma 3's 262k-token head and hybrid
+layers cost what SmolLM2's do not); the sources because a profile measured by other code (another sampler, other
+kernels) predicts the old code's costs. `magicdec calibrate` remains the thorough measurement, and where it has saved
+a profile for this device and dtype that one is used.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import hashlib
+import json
 import sys
 from pathlib import Path
 
@@ -19,6 +25,7 @@ import torch
 
 from magicdec.calibrate.hardware import measure_hardware
 from magicdec.calibrate.machine import machine_info
+from magicdec.config import ModelConfig
 from magicdec.cpu import dtype_name
 from magicdec.kernels import path_name
 from magicdec.loading.cache import cache_root
@@ -27,11 +34,23 @@ from magicdec.planner import HardwareProfile
 from magicdec.profiles import default_profile_path
 
 
-def quick_profile_path(dtype: torch.dtype) -> Path:
-    """Where the quick profile of this CPU model, thread count, `dtype` and kernel path is kept."""
+@functools.cache
+def source_digest() -> str:
+    """A digest of magicdec's sources (Python and native kernels) as installed."""
+    root = Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256()
+    for source in sorted(p for p in root.rglob("*") if p.suffix in (".py", ".cpp", ".h")):
+        digest.update(source.relative_to(root).as_posix().encode() + b"\0" + source.read_bytes())
+    return digest.hexdigest()[:12]
+
+
+def quick_profile_path(cfg: ModelConfig, dtype: torch.dtype) -> Path:
+    """Where the quick profile of this CPU model, thread count, `dtype`, kernel path, model config `cfg` and magicdec
+    source is kept."""
     cpu, threads, kernels = machine_info("cpu")["cpu"], torch.get_num_threads(), path_name()
-    key = hashlib.sha256(f"{cpu}|{threads}|{dtype_name(dtype)}|{kernels}".encode()).hexdigest()[:12]
-    return cache_root() / f"hardware-quick-cpu-{kernels}-{threads}t-{dtype_name(dtype)}-{key}.json"
+    model = json.dumps(dataclasses.asdict(cfg), sort_keys=True, default=str)
+    key = hashlib.sha256(f"{cpu}|{threads}|{dtype_name(dtype)}|{kernels}|{model}|{source_digest()}".encode())
+    return cache_root() / f"hardware-quick-cpu-{kernels}-{threads}t-{dtype_name(dtype)}-{key.hexdigest()[:12]}.json"
 
 
 def _progress(done: int, total: int, label: str) -> None:
@@ -49,7 +68,7 @@ def planning_profile(model: Transformer) -> HardwareProfile | None:
     dtype = weight_dtype(model)
     if default_profile_path("cpu", dtype_name(dtype)).is_file():
         return None
-    path = quick_profile_path(dtype)
+    path = quick_profile_path(model.cfg, dtype)
     if path.is_file():
         try:
             return HardwareProfile.from_json(path)
