@@ -31,7 +31,8 @@ def load(name: str) -> dict:
 
 
 def text(rows: list[dict]) -> str:
-    return "```\n" + format_table(rows) + "\n```"
+    """Rows as a fenced table, a column for every key of any row (in the order first met)."""
+    return "```\n" + format_table(rows, list(dict.fromkeys(k for row in rows for k in row))) + "\n```"
 
 
 def model(doc: dict) -> str:
@@ -253,12 +254,16 @@ def gemma_auto(name: str) -> str:
         for p in (p for p in pts if p["draft"] != "none"):
             fixed = f"{p['draft']} K={p['budget']} g={p['gamma']}" + (f" V={p['draft_vocab']}" if p.get("draft_vocab")
                                                                        else "")
-            predicted = p.get("predicted_throughput")
-            rows.append({"B": b, "context": s, "mode": mode, "plain tok/s": plain,
-                         "configuration": f"auto: {p['chosen']}" if "chosen" in p else fixed,
-                         "tok/s": p["throughput"], "x plain": f"{p['throughput'] / plain:.2f}x",
-                         "tokens/step": p["tokens_per_step"], "predicted tok/s": predicted,
-                         "predicted / measured": predicted and f"{predicted / p['throughput']:.2f}"})
+            predicted, learned = p.get("predicted_throughput"), p.get("predicted_throughput_learned")
+            row = {"B": b, "context": s, "mode": mode, "plain tok/s": plain,
+                   "configuration": f"auto: {p['chosen']}" if "chosen" in p else fixed,
+                   "tok/s": p["throughput"], "x plain": f"{p['throughput'] / plain:.2f}x",
+                   "tokens/step": p["tokens_per_step"], "predicted tok/s": predicted,
+                   "predicted / measured": predicted and f"{predicted / p['throughput']:.2f}"}
+            if learned is not None:  # predicted again at the acceptance the run learned
+                row["learned alpha"] = p["learned_alpha"]
+                row["at learned alpha / measured"] = f"{learned / p['throughput']:.2f}"
+            rows.append(row)
     return text(rows)
 
 

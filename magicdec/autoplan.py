@@ -172,7 +172,7 @@ def _replanner(work: Workload, table: AcceptanceTable, best: Plan, gammas: list[
         lambda live, context, alpha, scale: plan(
             at(live, context), _single_rate(best, alpha, mode), budgets=[best.budget], gammas=gammas, mode=mode,
             strategies=[best.strategy, *(["ar"] if plain else [])],
-            rows=1, margin=MIN_PREDICTED_SPEEDUP, spec_time_scale=scale, draft_heads={best.draft_vocab: 1.0}).gamma,
+            rows=1, margin=MIN_PREDICTED_SPEEDUP, spec_time_scale=scale, draft_heads={best.draft_vocab: 1.0}),
         lambda live, context, gamma: round_time(at(live, context), gamma, mode, budget=best.budget,
                                                 draft_vocab=best.draft_vocab),
         prior=lambda context: table.alpha(best.strategy, best.budget, context, mode) * coverage,
@@ -206,13 +206,13 @@ class Replanner(GammaPolicy):
       a plain step costs nothing against plain decoding; a one-token draft round, where the timings alone turned
       drafting off, risks a fraction of one step."""
 
-    def __init__(self, gamma_at: Callable[[int, int, float, float], int], predict: Callable[[int, int, int], float],
+    def __init__(self, plan_at: Callable[[int, int, float, float], Plan], predict: Callable[[int, int, int], float],
                  prior: Callable[[int], float], min_context: int, plain: bool = True):
-        """`gamma_at(live, context, alpha, spec_time_scale)`: the planned draft length (0: plain decoding);
-        `predict(live, context, gamma)`: the cost model's seconds of that round; `prior(context)`: the acceptance
-        table's rate; `min_context`: the shortest context planned at (beyond the draft budget); `plain`: whether
-        plain steps may run (else every round drafts and only the acceptance is learned)."""
-        self._gamma_at = functools.lru_cache(maxsize=4096)(gamma_at)
+        """`plan_at(live, context, alpha, spec_time_scale)`: the plan of the chosen drafter there (gamma 0: plain
+        decoding); `predict(live, context, gamma)`: the cost model's seconds of that round; `prior(context)`: the
+        acceptance table's rate; `min_context`: the shortest context planned at (beyond the draft budget); `plain`:
+        whether plain steps may run (else every round drafts and only the acceptance is learned)."""
+        self._plan_at = functools.lru_cache(maxsize=4096)(plan_at)
         self._predict = functools.lru_cache(maxsize=4096)(predict)
         self._prior = prior
         self._min_context = min_context
@@ -235,6 +235,16 @@ class Replanner(GammaPolicy):
         prior = self._prior(context)
         rate = (self.accepted + PRIOR_TOKENS * prior) / (self.accepted + self.rejected + PRIOR_TOKENS)
         return round(rate, 2)
+
+    def plan_at(self, live: int, context: int) -> Plan:
+        """The plan at `live` rows and `context` with the acceptance learned so far and the cost model's own timings:
+        what the cost model predicts for the text being generated (the plan `choose` returned predicted with the
+        acceptance table's rate)."""
+        context = max(context, self._min_context)
+        return self._plan_at(live, context, self.alpha(context), 1.0)
+
+    def _gamma_at(self, live: int, context: int, alpha: float, spec_time_scale: float) -> int:
+        return self._plan_at(live, context, alpha, spec_time_scale).gamma
 
     def spec_time_scale(self) -> float:
         """Measured over predicted seconds of speculative rounds, relative to plain steps (1 until both are
@@ -288,6 +298,14 @@ class Replanner(GammaPolicy):
             self._since += 1
         elif warm:  # the other kind was timed: again soon if its time moved, else after twice as many rounds
             self._since, self._interval = 0, EXPLORE_EVERY if moved else min(2 * self._interval, EXPLORE_MOST)
+
+
+def describe_learned(replanner: Replanner, live: int, context: int) -> str:
+    """One line, after a run: the prediction again at the acceptance the run learned (`Replanner.plan_at`)."""
+    learned = replanner.plan_at(live, context)
+    what = f"gamma {learned.gamma}" if learned.strategy != "ar" else "plain decoding"
+    return (f"auto at the acceptance this run learned (alpha {replanner.alpha(max(context, 1)):.2f}): {what}, "
+            f"{learned.predicted_throughput:.1f} tok/s predicted")
 
 
 def describe(plan_: Plan) -> str:

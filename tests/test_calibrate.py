@@ -309,11 +309,15 @@ def test_replanner_follows_the_acceptance_it_observes():
     for _ in range(20):
         replan.observe(4, [0] * 128, 0.0)  # every draft rejected at its first token
     assert replan.alpha(32768) < 0.05 and replan(128, 32768) == 0
+    low = replan.plan_at(128, 32768)  # the prediction again at the rate learned: plain decoding's
+    assert low.gamma == 0 and low.predicted_throughput < plan.predicted_throughput
     chosen = []
     for _ in range(300):  # as the engine drives it
         chosen.append(replan(128, 32768))
         replan.observe(chosen[-1], [chosen[-1]] * 128, 0.0)
     assert chosen[0] == 0 and replan.alpha(32768) > 0.9 and chosen[-1] >= start
+    high = replan.plan_at(128, 32768)
+    assert high.alpha == replan.alpha(32768) and high.predicted_throughput > plan.predicted_throughput
 
 
 def test_replanner_follows_the_round_times_it_measures():

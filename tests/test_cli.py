@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from magicdec.cli import main
+from magicdec.planner import get_profile
 
 DATA = Path(os.environ.get("MAGICDEC_DATA", Path(__file__).resolve().parents[1].parent / "shared/data/pg19_dev.jsonl"))
 
@@ -123,6 +125,24 @@ def test_generate_auto_prices_a_draft_head(tmp_path, capsys):
                           "cpu-avx512bf16-2t-bf16"], capsys)
     assert code == 0, err
     assert "auto: " in err and out.startswith("--- [0]")
+    # where it drafted, the prediction again at the acceptance the run learned
+    assert ("auto at the acceptance this run learned" in err) == ("auto: autoregressive" not in err)
+
+
+def test_bench_auto_records_the_prediction_at_the_learned_acceptance(tmp_path, capsys, tiny_llama):
+    """A `--draft auto` point keeps the plan's prediction (the acceptance table's rate) and the prediction again at
+    the rate the run learned, so that the cost model's error and the table's can be told apart."""
+    slow_attention = dataclasses.replace(get_profile("cpu-avx512bf16-2t-bf16"), name="slow-attention", dtype="fp32",
+                                         attention_rates=((1.0, 1e6), (8.0, 1e6)))  # KV reads dominate: drafting pays
+    slow_attention.to_json(tmp_path / "profile.json")
+    out = tmp_path / "bench.json"
+    argv = ["bench", "--model", tiny_llama[0].source, "--corpus", str(DATA), "--batch", "2", "--context", "1k",
+            "--distinct-prompts", "1", "--drafters", "auto", "--max-tokens", "24", "--hardware",
+            str(tmp_path / "profile.json"), "--out", str(out)]
+    assert run(argv, capsys)[0] == 0
+    (point,) = json.loads(out.read_text())["points"].values()
+    assert point["chosen"].startswith("self-") and point["predicted_throughput"] > 0
+    assert 0 <= point["learned_alpha"] <= 1 and point["predicted_throughput_learned"] > 0
 
 
 def test_bench_shares_prefill_and_shortens_long_contexts(tmp_path, capsys, tiny_llama):

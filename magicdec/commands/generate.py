@@ -7,7 +7,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from magicdec.autoplan import choose, describe
+from magicdec.autoplan import choose, describe, describe_learned
 from magicdec.calibrate.quick import planning_profile
 from magicdec.cli import llm_options
 from magicdec.corpus import cut_prompts, load_texts
@@ -106,7 +106,8 @@ def run(args) -> int:
         params = [dataclasses.replace(params, seed=None if args.seed is None else args.seed + i % args.n)
                   for i in range(len(ids))]
     batch = min(args.batch_size or len(ids), len(ids))
-    spec, policy, plan = speculative_from_args(args, llm, batch, max(map(len, ids)) + args.max_tokens // 2)
+    context = max(map(len, ids)) + args.max_tokens // 2
+    spec, policy, plan = speculative_from_args(args, llm, batch, context)
     if plan is not None:
         print(describe(plan), file=sys.stderr)
     modes = [("ar", None)] if args.compare_ar and spec is not None else []
@@ -121,6 +122,8 @@ def run(args) -> int:
             close()
         if not args.json:
             print(f"{format_stats(llm.last_stats, label)}\n[{label}] {dtype_line(llm)}", file=sys.stderr)
+            if cfg is not None and policy is not None:
+                print(f"[{label}] {describe_learned(policy, batch, context)}", file=sys.stderr)
         runs.append({"mode": label, "stats": llm.last_stats.as_dict(), "speculative": cfg and dataclasses.asdict(cfg)
                      | {"replanned": policy is not None}})
     if len(runs) == 2:
