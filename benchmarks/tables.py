@@ -296,6 +296,8 @@ TABLES = {"ar": ar, "dtype_linear": dtype_linear, "dtype_forward": dtype_forward
           "gemma_auto_32k_sampler": lambda: gemma_auto("auto_32k_sampler"),
           "gemma_auto_grid_sampler": lambda: gemma_auto("auto_grid_sampler"),
           "gemma_auto_grid_overhead": lambda: gemma_auto("auto_grid_overhead"),
+          "gemma_auto_32k_learned": lambda: gemma_auto("auto_32k_learned"),
+          "gemma_auto_32k_repeats": lambda: gemma_auto("auto_32k_repeats"),
           "gemma_attention": lambda: attention(False, "gemma/attention_32k"),
           "avx2_storage": avx2_storage, "avx2_grid": avx2_grid, "avx2_llamacpp": avx2_llamacpp}
 MODELS = {"cpu_grid": "cpu_grid", "throughput": "throughput", "auto": "auto", "positions": "acceptance"}
