@@ -232,7 +232,7 @@ class Replanner(GammaPolicy):
 
     def alpha(self, context: int) -> float:
         """The acceptance rate planned with at `context`, rounded to 0.01 (plans are cached per rate)."""
-        prior = self._prior(context)
+        prior = self._prior(max(context, self._min_context))
         rate = (self.accepted + PRIOR_TOKENS * prior) / (self.accepted + self.rejected + PRIOR_TOKENS)
         return round(rate, 2)
 
@@ -304,7 +304,7 @@ def describe_learned(replanner: Replanner, live: int, context: int) -> str:
     """One line, after a run: the prediction again at the acceptance the run learned (`Replanner.plan_at`)."""
     learned = replanner.plan_at(live, context)
     what = f"gamma {learned.gamma}" if learned.strategy != "ar" else "plain decoding"
-    return (f"auto at the acceptance this run learned (alpha {replanner.alpha(max(context, 1)):.2f}): {what}, "
+    return (f"auto at the acceptance this run learned (alpha {replanner.alpha(context):.2f}): {what}, "
             f"{learned.predicted_throughput:.1f} tok/s predicted")
 
 
