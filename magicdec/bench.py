@@ -225,8 +225,9 @@ def _run_config(llm: LLM, args, grid: BenchGrid, rows: list[list[int]], ctx: int
     llm.generate(prompt_token_ids=rows, params=params, speculative=spec, gamma_policy=policy)
     stats = llm.last_stats
     if policy is not None:  # the prediction again with the acceptance the run learned: the cost model's error alone
-        learned = policy.plan_at(batch, ctx + grid.new_tokens // 2)
-        chosen |= {"learned_alpha": learned.alpha, "predicted_throughput_learned": learned.predicted_throughput}
+        mid = ctx + grid.new_tokens // 2
+        chosen |= {"learned_alpha": policy.alpha(mid),
+                   "predicted_throughput_learned": policy.plan_at(batch, mid).predicted_throughput}
     return chosen | {
         "throughput": stats.decode_tok_s, "tokens_per_step": stats.tokens_per_step,
         "acceptance": stats.acceptance_rate, "accepted_hist": stats.accepted_hist,
