@@ -216,9 +216,28 @@ def probs_from_logits(logits: Tensor, rows: RowParams) -> Tensor:
     return probs
 
 
+#: Logits per block of `argmax`.
+ARGMAX_BLOCK = 256
+
+
+def argmax(logits: Tensor) -> Tensor:
+    """`logits.argmax(dim=-1)`: the first index of each row's maximum (NaN counting as the maximum), [..., V] -> [...].
+
+    torch's argmax over a large last axis runs at about a sixth of the rate of its amax on CPU (43 against 7 ms over
+    a verification's 128 x 262k logits), so this takes the maximum of each block of ARGMAX_BLOCK logits, the first
+    block holding the largest, and the first maximum within it: the same index."""
+    *lead, V = logits.shape
+    if V % ARGMAX_BLOCK or V < 2 * ARGMAX_BLOCK:
+        return logits.argmax(dim=-1)
+    blocks = logits.reshape(-1, V // ARGMAX_BLOCK, ARGMAX_BLOCK)  # [n, V / block, block]
+    best = blocks.amax(dim=-1).argmax(dim=-1)  # [n]
+    inner = blocks[torch.arange(len(blocks), device=logits.device), best].argmax(dim=-1)
+    return (best * ARGMAX_BLOCK + inner).view(lead)
+
+
 def _race(probs: Tensor, seed: Tensor, position: Tensor, token: Tensor) -> Tensor:
     """argmax over the last axis of probs / E(seed, position, token): an exact draw from probs."""
-    return (probs / exponential_noise(seed, position, token)).argmax(dim=-1)
+    return argmax(probs / exponential_noise(seed, position, token))
 
 
 def sample_probs(probs: Tensor, seed: Tensor, position: Tensor, ids: Tensor | None = None) -> Tensor:
@@ -336,12 +355,12 @@ def sample_tokens(logits: Tensor, rows: RowParams, position: Tensor, ids: Tensor
     On CPU the sampled rows take `_sample_cpu` (the same draws as the full path, most of them from a few dozen
     candidates); on CUDA the full path, whose sort is fast and which needs no per-row host checks."""
     if rows.all_greedy:
-        return _token_of(logits.argmax(dim=-1), ids)
+        return _token_of(argmax(logits), ids)
     if logits.device.type == "cpu":
         drawn = _sample_cpu(logits, rows, position, ids)
     else:
         drawn = sample_probs(probs_from_logits(logits, rows), rows.seed, position, ids)
     if not rows.any_greedy:
         return drawn
-    return torch.where(rows.greedy[:, None], _token_of(logits.argmax(dim=-1), ids), drawn)
+    return torch.where(rows.greedy[:, None], _token_of(argmax(logits), ids), drawn)
 

@@ -24,7 +24,8 @@ from magicdec.drafters import ModelDrafter, SelfSpecDrafter
 from magicdec.kv import KVCache
 from magicdec.model import Transformer
 from magicdec.kv.prefix_cache import PrefixCache
-from magicdec.sampling import RowParams, SamplingParams, probs_from_logits, sample_probs, sample_tokens
+from magicdec.sampling import (ARGMAX_BLOCK, RowParams, SamplingParams, argmax, probs_from_logits, sample_probs,
+                               sample_tokens)
 from magicdec.verify import accept_drafts
 
 V = 24  # vocabulary of the tiny models
@@ -331,6 +332,22 @@ def test_top_indices_are_the_k_largest_logits(vocab, k, ties):
     assert got.shape == (5, k) and (got >= 0).all() and (got < vocab).all()
     assert all(len(set(row)) == k for row in got.tolist())  # distinct tokens
     assert torch.equal(logits.gather(1, got), logits.topk(k, dim=-1).values)
+
+
+@pytest.mark.parametrize("vocab", [ARGMAX_BLOCK * 2, ARGMAX_BLOCK * 192, 262144, ARGMAX_BLOCK * 3 + 5, 100])
+@pytest.mark.parametrize("values", ["ties", "normal", "nan", "all -inf"])
+def test_blocked_argmax_is_torchs_argmax(vocab, values):
+    """The first index of the maximum, as torch's argmax gives it: ties across and within blocks, NaN as the maximum."""
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(3, 5, vocab, generator=g)
+    if values == "ties":
+        logits = torch.randint(0, 3, logits.shape, generator=g).float()
+    elif values == "nan":
+        logits.view(-1, vocab)[::2, torch.randint(0, vocab, (2,), generator=g)] = float("nan")
+    elif values == "all -inf":
+        logits.fill_(float("-inf"))
+    assert torch.equal(argmax(logits), logits.argmax(dim=-1))
+    assert torch.equal(argmax(logits[:, 1:3]), logits[:, 1:3].argmax(dim=-1))  # a strided view
 
 
 def test_noise_is_independent_across_positions_and_seeds():
