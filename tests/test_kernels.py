@@ -121,6 +121,19 @@ def test_every_query_row_is_computed_alike_whatever_the_number_of_queries(isa, t
         assert torch.equal(kernels.decode_attention(xq, k, v, bias).view(B, KV, G, q, hd), full)
 
 
+@pytest.mark.parametrize("q, lens", [(1, [1400, 900, 20]), (5, [1400, 900, 20]), (300, [1000, 0, 600])])
+def test_a_bias_row_per_token_serves_every_query_head(isa, tiles, q, lens):
+    """The bias of one row per new token [B, 1, q, L] (what the model passes the kernel) gives the bits of the bias
+    repeated for each grouped query head, also where a prefill chunk's rows are split into blocks."""
+    B, KV, G, L, hd = 3, 2, 3, 1500, 64
+    storage = isa.storage[0]
+    xq, k, v, mask = ragged(B, KV, G, q, L, hd, lens, L, isa.compute, storage)
+    short = kernels.decode_attention(xq, k, v, attention_bias(mask, 1, storage))
+    assert torch.equal(short, kernels.decode_attention(xq, k, v, attention_bias(mask, G, storage)))
+    with pytest.raises(RuntimeError, match="R dividing"):
+        kernels.decode_attention(xq, k, v, attention_bias(mask, G + 1, storage))
+
+
 def test_fully_hidden_chunks_are_skipped_not_averaged(isa, tiles):
     """A row whose visible positions all fall in one chunk: other chunks contribute nothing (NaN in the
     hidden slots, which a kernel that read them would spread)."""

@@ -277,13 +277,15 @@ def takes(xq: Tensor, keys: Tensor, values: Tensor, bias: Tensor) -> bool:
     """Whether `decode_attention` takes these operands (see `supported`; a supported head size, contiguous last
     dimensions)."""
     return (keys.shape[-1] in HEAD_DIMS and keys.stride(-1) == 1 and values.stride(-1) == 1 and bias.stride(-1) == 1
-            and values.dtype == bias.dtype == keys.dtype and supported(keys.device, keys.dtype))
+            and xq.shape[2] % bias.shape[2] == 0 and values.dtype == bias.dtype == keys.dtype
+            and supported(keys.device, keys.dtype))
 
 
 def decode_attention(xq: Tensor, keys: Tensor, values: Tensor, bias: Tensor, *,
                      on_tiles: bool | None = None) -> Tensor:
     """Softmax attention of queries [B, KV, M, hd] (any float dtype) over K/V [B, KV, L, hd] (16-bit) with an
-    additive bias [B, 1, M, L] (K's dtype, 0 or -inf); returns [B, KV, M, hd] fp32. Call only where `takes` is
-    True. `on_tiles`: AMX tiles or vector instructions (None: this process's choice, `tiles()`)."""
+    additive bias [B, 1, R, L] (K's dtype, 0 or -inf; R divides M, and query row m takes bias row m % R: one row per
+    new token serves the grouped query heads, rows ordered head then token); returns [B, KV, M, hd] fp32. Call only
+    where `takes` is True. `on_tiles`: AMX tiles or vector instructions (None: this process's choice, `tiles()`)."""
     op = _ops().decode_attention_tiles if (tiles() if on_tiles is None else on_tiles) else _ops().decode_attention
     return op(xq, keys, values, bias, CHUNK)

@@ -36,6 +36,26 @@ inline Strided strided(const at::Tensor& t) {
   return {reinterpret_cast<const uint16_t*>(t.data_ptr()), t.stride(0), t.stride(1), t.stride(2)};
 }
 
+// The additive bias (0 / -inf) [B, 1, R, L] of a head's M query rows, M a multiple of R: query row m takes bias row
+// m % R. The model passes one row per new token (R = q) for the G x q rows of a KV head's grouped queries (ordered
+// query head, then token), so a forward builds and reads the bias once per token rather than once per query head.
+// A task walks its rows in order from `first`, the bias row of its first query row.
+struct Bias {
+  Strided rows;
+  int64_t R, first;
+  const uint16_t* at(int64_t b, int64_t r, int64_t l) const { return rows.at(b, 0, r) + l; }  // bias row r
+  int64_t next(int64_t r) const { return r + 1 == R ? 0 : r + 1; }
+  int64_t distinct(int64_t M) const { return std::min(M, R); }  // bias rows that M consecutive query rows take
+};
+
+// The checks and the Bias of a kernel's bias operand for M query rows over L positions.
+inline Bias bias_of(const at::Tensor& bias, int64_t M, int64_t L) {
+  TORCH_CHECK(bias.size(2) > 0 && M % bias.size(2) == 0 && bias.size(3) >= L,
+              "decode_attention: bias [B, 1, R, L] with R dividing the query rows (", M, ") expected, got ",
+              bias.sizes());
+  return {strided(bias), bias.size(2), 0};
+}
+
 // out[i] = the chunks' partial results of query row i merged by their maxima: sum_c w_c out_c / sum_c w_c sum_c,
 // w_c = exp(max_c - max). A chunk the row sees nothing of (max -inf) is skipped.
 template <int D>
@@ -60,13 +80,13 @@ void merge_chunks(int64_t rows, int64_t M, int64_t C, const float* pm, const flo
 }
 
 // Attention of M query rows per (row, KV head) over L positions in chunks of `chunk`, returning [B, H, M, D] fp32.
-// make_task(bh, m0, rows, bias) builds the task of rows [m0, m0 + rows) of head bh (with the bias of those rows);
+// make_task(bh, m0, rows, bias) builds the task of rows [m0, m0 + rows) of head bh (with the bias from its row m0);
 // its run(b, h, l0, l1, buffers, max, sum, out) writes the chunk's maxima, sums and unnormalized outputs.
 // A prefill chunk's many query rows are split into blocks where (row, head, chunk) tasks alone would leave threads
 // idle (one prompt row, a short context). A row's arithmetic does not depend on the block it is in: a tile hidden
 // from all of a block's rows adds nothing to them whether skipped or not.
 template <int D, class MakeTask>
-at::Tensor attend_in_chunks(int64_t B, int64_t H, int64_t M, int64_t L, int64_t chunk, const Strided& bias,
+at::Tensor attend_in_chunks(int64_t B, int64_t H, int64_t M, int64_t L, int64_t chunk, const Bias& bias,
                                const at::TensorOptions& opts, MakeTask make_task) {
   const int64_t C = (L + chunk - 1) / chunk, BHC = B * H * C, want = 4 * at::get_num_threads();
   auto part_out = at::empty({BHC, M, D}, opts), part_max = at::empty({BHC, M}, opts);
@@ -75,12 +95,12 @@ at::Tensor attend_in_chunks(int64_t B, int64_t H, int64_t M, int64_t L, int64_t 
   const int64_t R = std::max<int64_t>(1, std::min<int64_t>(M / kMinBlockRows, (want + BHC - 1) / BHC));
   const int64_t rows = (M + R - 1) / R;
   at::parallel_for(0, BHC * R, 1, [&](int64_t begin, int64_t end) {
-    typename std::invoke_result_t<MakeTask, int64_t, int64_t, int64_t, Strided>::Buffers buffers;
+    typename std::invoke_result_t<MakeTask, int64_t, int64_t, int64_t, Bias>::Buffers buffers;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t m0 = task % R * rows, bhc = task / R, c = bhc % C, bh = bhc / C, h = bh % H, b = bh / H;
       if (m0 >= M) continue;
-      Strided block_bias = bias;
-      block_bias.data += m0 * bias.sl;
+      Bias block_bias = bias;
+      block_bias.first = m0 % bias.R;
       const auto work = make_task(bh, m0, std::min(rows, M - m0), block_bias);
       const int64_t first = bhc * M + m0;  // the block's first row among the partial results
       work.run(b, h, c * chunk, std::min(L, (c + 1) * chunk), buffers, pm + first, ps + first, po + first * D);

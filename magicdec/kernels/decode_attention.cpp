@@ -2,12 +2,12 @@
 // rows per KV head, memory-bound) and prefill chunks (hundreds of rows, compute-bound).
 //
 // Queries q [B, KV, M, D] (M = query heads per KV head x new tokens per row; bf16) attend over K/V
-// [B, KV, L, D] (bf16; any strides but a contiguous last dim) with an additive bias [B, 1, M, L]
-// (bf16, 0 / -inf). The context is split into chunks of a fixed size (flash-decoding). A task takes one
-// chunk of one (row, KV head), 16 cached positions at a time: it transposes the K tile so that
-// `vdpbf16ps` forms 16 scores per instruction for each query, takes a chunk-local softmax and accumulates
-// P @ V with the V tile interleaved by position pairs, so every K and V element is read from memory once
-// however many queries there are (a prefill chunk's rows may be split into a few blocks, for threads).
+// [B, KV, L, D] (bf16; any strides but a contiguous last dim) with an additive bias [B, 1, R, L]
+// (bf16, 0 / -inf; query row m takes bias row m % R, see magicdec::Bias). The context is split into
+// chunks of a fixed size (flash-decoding). A task takes one chunk of one (row, KV head), 16 cached
+// positions at a time: it transposes the K tile so that `vdpbf16ps` forms 16 scores per instruction for
+// each query, takes a chunk-local softmax and accumulates P @ V with the V tile interleaved by position
+// pairs, so every K and V element is read from memory once however many queries there are (a prefill chunk's rows may be split into a few blocks, for threads).
 // Chunks are merged by their maxima. Each query row is computed with the same arithmetic whatever M and
 // L are: a verification forward attends exactly as the one-token steps do. Tiles the bias hides
 // entirely (unfilled cache slots) are skipped.
@@ -29,6 +29,7 @@
 
 namespace {
 
+using magicdec::Bias;
 using magicdec::kNegInf;
 using magicdec::Strided;
 
@@ -97,7 +98,8 @@ struct Task {
   static constexpr int P = D / 2;  // bf16 pairs per row: the dot-product unit of vdpbf16ps
   const uint32_t* q;               // [M, P] this head's queries as bf16 pairs
   int64_t M;
-  Strided K, V, bias;
+  Strided K, V;
+  Bias bias;
   float scale;
   struct Buffers {  // a thread's, reused across its tasks
     std::vector<float> scores;
@@ -117,7 +119,7 @@ struct Task {
       transpose16(r);
       for (int p = 0; p < 16; ++p) kt[16 * half + p] = r[p];
     }
-    for (int64_t m = 0; m < M; ++m) {
+    for (int64_t m = 0, r = bias.first; m < M; ++m, r = bias.next(r)) {
       // Four independent accumulator chains: vdpbf16ps has a latency of several cycles.
       __m512 acc4[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
       const uint32_t* qm = q + m * P;
@@ -127,7 +129,7 @@ struct Task {
       const __m512 acc = _mm512_add_ps(_mm512_add_ps(acc4[0], acc4[1]), _mm512_add_ps(acc4[2], acc4[3]));
       const __mmask16 real = (__mmask16)((1u << n) - 1);
       const __m512 bias_m = bf16_to_fp32(_mm256_mask_loadu_epi16(
-          _mm256_set1_epi16(kBf16NegInf), real, bias.at(b, 0, m) + l));
+          _mm256_set1_epi16(kBf16NegInf), real, bias.at(b, r, l)));
       _mm512_storeu_ps(s + m * kTile, _mm512_fmadd_ps(acc, _mm512_set1_ps(scale), bias_m));
     }
   }
@@ -153,6 +155,7 @@ struct Task {
     }
     alignas(64) float st[16 * 16];
     const __mmask16 real = (__mmask16)((1u << n) - 1);
+    int64_t br = bias.first;  // query row m's bias row
     for (int64_t g = 0; g * 16 < M; ++g) {
       _tile_zero(0);
       for (int c = 0; c < D / 32; ++c) {
@@ -164,10 +167,10 @@ struct Task {
       __m512i r[16];
       for (int i = 0; i < 16; ++i) r[i] = _mm512_load_si512(st + 16 * i);
       transpose16(r);  // r[j] lane i: query j's score at position l + i
-      for (int64_t j = 0; j < 16 && g * 16 + j < M; ++j) {
+      for (int64_t j = 0; j < 16 && g * 16 + j < M; ++j, br = bias.next(br)) {
         const int64_t m = g * 16 + j;
         const __m512 bias_m = bf16_to_fp32(_mm256_mask_loadu_epi16(
-            _mm256_set1_epi16(kBf16NegInf), real, bias.at(b, 0, m) + l));
+            _mm256_set1_epi16(kBf16NegInf), real, bias.at(b, br, l)));
         _mm512_storeu_ps(s + m * kTile, _mm512_fmadd_ps(_mm512_castsi512_ps(r[j]), _mm512_set1_ps(scale), bias_m));
       }
     }
@@ -175,8 +178,8 @@ struct Task {
 
   bool tile_visible(int64_t b, int64_t l, int64_t n) const {
     const __mmask16 real = (__mmask16)((1u << n) - 1);
-    for (int64_t m = 0; m < M; ++m) {
-      const __m256i bm = _mm256_maskz_loadu_epi16(real, bias.at(b, 0, m) + l);
+    for (int64_t i = 0, r = bias.first; i < bias.distinct(M); ++i, r = bias.next(r)) {
+      const __m256i bm = _mm256_maskz_loadu_epi16(real, bias.at(b, r, l));
       if (_mm256_mask_cmpneq_epi16_mask(real, bm, _mm256_set1_epi16(kBf16NegInf))) return true;
     }
     return false;
@@ -309,8 +312,8 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   const Strided K = magicdec::strided(k), V = magicdec::strided(v);
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   return magicdec::attend_in_chunks<D>(
-      q.size(0), q.size(1), M, k.size(2), chunk, magicdec::strided(bias), q.options().dtype(at::kFloat),
-      [&](int64_t bh, int64_t m0, int64_t rows, Strided block_bias) {
+      q.size(0), q.size(1), M, k.size(2), chunk, magicdec::bias_of(bias, M, k.size(2)),
+      q.options().dtype(at::kFloat), [&](int64_t bh, int64_t m0, int64_t rows, Bias block_bias) {
         return Task<D, kTiles>{qp + (bh * M + m0) * (D / 2), rows, K, V, block_bias, scale};
       });
 }

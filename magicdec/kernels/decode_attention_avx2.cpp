@@ -3,11 +3,11 @@
 // The arithmetic is fp32 throughout; the cache is only stored in 16 bits.
 //
 // Queries q [B, KV, M, D] (fp32) attend over K/V [B, KV, L, D] (any strides but a contiguous last dim)
-// with an additive bias [B, 1, M, L] (the cache's dtype, 0 / -inf), split into chunks of a fixed size as
-// in decode_attention.cpp. A task takes one chunk of one (row, KV head), 8 cached positions at a time: it
-// converts the tile's K and V rows to fp32 once (a shift for bf16, vcvtph2ps for fp16) into buffers that
-// stay in L1, then for every query forms the 8 scores (8 dot products, summed across lanes together),
-// takes a chunk-local softmax and accumulates P @ V. Every K and V element is read from memory once
+// with an additive bias [B, 1, R, L] (the cache's dtype, 0 / -inf; query row m takes bias row m % R, see
+// magicdec::Bias), split into chunks of a fixed size as in decode_attention.cpp. A task takes one chunk
+// of one (row, KV head), 8 cached positions at a time: it converts the tile's K and V rows to fp32 once
+// (a shift for bf16, vcvtph2ps for fp16) into buffers that stay in L1, then for every query forms the 8
+// scores (8 dot products, summed across lanes together), takes a chunk-local softmax and accumulates P @ V. Every K and V element is read from memory once
 // however many queries there are, and each query row is computed with the same arithmetic whatever M
 // and L are, so a verification forward attends exactly as the one-token steps do. Tiles the bias hides
 // from all of a task's rows are skipped.
@@ -78,7 +78,8 @@ template <int D, class S>
 struct Task {
   const float* q;  // [M, D] this head's queries
   int64_t M;
-  Strided K, V, bias;
+  Strided K, V;
+  magicdec::Bias bias;
   float scale;
   struct Buffers {  // a thread's, reused across its tasks
     std::vector<float> scores;  // [tiles, M, 8]: scores, then softmax numerators in place
@@ -92,14 +93,14 @@ struct Task {
         _mm256_store_ps(rows + i * D + 8 * c, i < n ? S::load8(X.at(b, h, l + i) + 8 * c) : _mm256_setzero_ps());
   }
 
-  __m256 bias_tile(int64_t b, int64_t m, int64_t l, int64_t n) const {
-    const uint16_t* p = bias.at(b, 0, m) + l;
+  __m256 bias_tile(int64_t b, int64_t r, int64_t l, int64_t n) const {  // bias row r
+    const uint16_t* p = bias.at(b, r, l);
     return n == kTile ? S::load8(p) : load_partial<S>(p, n, S::kNegInfBits);
   }
 
   bool tile_visible(int64_t b, int64_t l, int64_t n) const {
-    for (int64_t m = 0; m < M; ++m) {
-      const uint16_t* p = bias.at(b, 0, m) + l;
+    for (int64_t j = 0, r = bias.first; j < bias.distinct(M); ++j, r = bias.next(r)) {
+      const uint16_t* p = bias.at(b, r, l);
       for (int64_t i = 0; i < n; ++i)
         if (p[i] != S::kNegInfBits) return true;
     }
@@ -110,7 +111,7 @@ struct Task {
   void score_tile(int64_t b, int64_t h, int64_t l, int64_t n, float* s) const {
     alignas(32) float kt[kTile * D];
     widen_tile(K, b, h, l, n, kt);
-    for (int64_t m = 0; m < M; ++m) {
+    for (int64_t m = 0, r = bias.first; m < M; ++m, r = bias.next(r)) {
       __m256 acc[kTile];
       for (int i = 0; i < kTile; ++i) acc[i] = _mm256_setzero_ps();
       const float* qm = q + m * D;
@@ -118,7 +119,7 @@ struct Task {
         const __m256 qc = _mm256_loadu_ps(qm + 8 * c);
         for (int i = 0; i < kTile; ++i) acc[i] = _mm256_fmadd_ps(qc, _mm256_load_ps(kt + i * D + 8 * c), acc[i]);
       }
-      _mm256_storeu_ps(s + m * kTile, _mm256_fmadd_ps(sum_lanes8(acc), _mm256_set1_ps(scale), bias_tile(b, m, l, n)));
+      _mm256_storeu_ps(s + m * kTile, _mm256_fmadd_ps(sum_lanes8(acc), _mm256_set1_ps(scale), bias_tile(b, r, l, n)));
     }
   }
 
@@ -190,8 +191,8 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   const Strided K = magicdec::strided(k), V = magicdec::strided(v);
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   return magicdec::attend_in_chunks<D>(
-      q.size(0), q.size(1), M, k.size(2), chunk, magicdec::strided(bias), qf.options(),
-      [&](int64_t bh, int64_t m0, int64_t rows, Strided block_bias) {
+      q.size(0), q.size(1), M, k.size(2), chunk, magicdec::bias_of(bias, M, k.size(2)), qf.options(),
+      [&](int64_t bh, int64_t m0, int64_t rows, magicdec::Bias block_bias) {
         return Task<D, S>{qp + (bh * M + m0) * D, rows, K, V, block_bias, scale};
       });
 }
