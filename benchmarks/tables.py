@@ -267,6 +267,22 @@ def gemma_auto(name: str) -> str:
     return text(rows)
 
 
+def gemma_ab(before: str, after: str) -> str:
+    """Two runs of the same Gemma 3 bench command, before and after a change, one after the other."""
+    rows = []
+    for name, label in ((before, "before"), (after, "after")):
+        for (b, s, mode), pts in sorted(_cells(load(f"gemma/{name}")).items()):
+            by = {p["draft"]: p for p in pts}
+            plain, auto = by["none"]["throughput"], by["auto"]
+            rows.append({"run": label, "B": b, "context": s, "mode": mode, "plain tok/s": plain,
+                         "plain runs": " / ".join(f"{t:.1f}" for t in by["none"]["throughput_runs"]),
+                         "auto": auto["chosen"], "auto tok/s": auto["throughput"],
+                         "auto runs": " / ".join(f"{t:.1f}" for t in auto["throughput_runs"]),
+                         "auto x plain": f"{auto['throughput'] / plain:.2f}x",
+                         "gamma from round": " ".join(f"{g}@{r}" for r, g in auto["gamma_changes"])})
+    return text(rows)
+
+
 def auto() -> str:
     rows: dict[tuple, dict] = {}
     for (b, s, mode), pts in sorted(_cells(load("auto")).items(), key=lambda c: (-c[0][1], -c[0][0])):
@@ -298,6 +314,8 @@ TABLES = {"ar": ar, "dtype_linear": dtype_linear, "dtype_forward": dtype_forward
           "gemma_auto_grid_overhead": lambda: gemma_auto("auto_grid_overhead"),
           "gemma_auto_32k_learned": lambda: gemma_auto("auto_32k_learned"),
           "gemma_auto_32k_repeats": lambda: gemma_auto("auto_32k_repeats"),
+          "gemma_auto_32k_llamacpp_hour2": lambda: gemma_auto("auto_32k_llamacpp_hour2"),
+          "gemma_auto_32k_ab": lambda: gemma_ab("auto_32k_ab_before", "auto_32k_ab_after"),
           "gemma_attention": lambda: attention(False, "gemma/attention_32k"),
           "avx2_storage": avx2_storage, "avx2_grid": avx2_grid, "avx2_llamacpp": avx2_llamacpp}
 MODELS = {"cpu_grid": "cpu_grid", "throughput": "throughput", "auto": "auto", "positions": "acceptance"}
