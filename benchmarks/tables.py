@@ -134,15 +134,16 @@ def avx2_storage() -> str:
     return text(rows)
 
 
-def avx2_grid() -> str:
+def avx2_grid(suffix: str = "") -> str:
     """The AVX2 kernels (fp16 storage) against fp32 torch limited to AVX2, with the AR step over its floor at the
-    read bandwidth of the quick profile measured in the same run."""
-    bandwidth = load("quick_profile_avx2")["mem_bandwidth"]
-    return markdown(grid_rows(load("cpu_grid_avx2"), load("cpu_grid_avx2_fp32"), bandwidth), label="AVX2")
+    read bandwidth of the quick profile measured in the same run (`suffix`: of the result files)."""
+    bandwidth = load(f"quick_profile_avx2{suffix}")["mem_bandwidth"]
+    return markdown(grid_rows(load(f"cpu_grid_avx2{suffix}"), load(f"cpu_grid_avx2_fp32{suffix}"), bandwidth),
+                    label="AVX2")
 
 
-def avx2_llamacpp() -> str:
-    doc = load("llamacpp_avx2")
+def avx2_llamacpp(suffix: str = "") -> str:
+    doc = load(f"llamacpp_avx2{suffix}")
     rows = []
     for t in doc["table"]:
         cell = {(r["weights"], r["flash_attn"]): r for r in doc["runs"]
@@ -317,7 +318,8 @@ TABLES = {"ar": ar, "dtype_linear": dtype_linear, "dtype_forward": dtype_forward
           "gemma_auto_32k_llamacpp_hour2": lambda: gemma_auto("auto_32k_llamacpp_hour2"),
           "gemma_auto_32k_ab": lambda: gemma_ab("auto_32k_ab_before", "auto_32k_ab_after"),
           "gemma_attention": lambda: attention(False, "gemma/attention_32k"),
-          "avx2_storage": avx2_storage, "avx2_grid": avx2_grid, "avx2_llamacpp": avx2_llamacpp}
+          "avx2_storage": avx2_storage, "avx2_grid": avx2_grid, "avx2_llamacpp": avx2_llamacpp,
+          "avx2_grid_2t": lambda: avx2_grid("_2t"), "avx2_llamacpp_2t": lambda: avx2_llamacpp("_2t")}
 MODELS = {"cpu_grid": "cpu_grid", "throughput": "throughput", "auto": "auto", "positions": "acceptance"}
 
 
