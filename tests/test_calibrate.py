@@ -15,7 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from magicdec.calibrate.acceptance import acceptance_mle, calibrate_acceptance, row_spread
-from magicdec.calibrate.hardware import measure_hardware, nondecreasing
+from magicdec.calibrate.hardware import _Run, attention_rates, measure_hardware, nondecreasing
 from magicdec.cli import build_parser
 from magicdec.commands.calibrate import calibrate_allreduce
 from magicdec.config import EngineConfig
@@ -218,6 +218,19 @@ def test_nondecreasing_is_monotone_and_keeps_the_total(values):
     assert len(out) == len(values)
     assert all(a <= b + 1e-12 for a, b in zip(out, out[1:]))
     assert sum(out) == pytest.approx(sum(values))
+
+
+def test_attention_rates_keep_the_faster_sweep():
+    """A sweep slowed by other work on the machine (every long forward 50% slower) does not lower attention's rates:
+    each forward's fastest time across the sweeps is taken."""
+    shape = SMOL
+    run = _Run(torch.device("cpu"), torch.float32, True, torch.float32)
+    idle = [{"q": q, "batch": 8, "kv_len": 8192, "seconds": 0.10 * q, "seconds_short": 0.02 * q} for q in (1, 4)]
+    busy = [dict(r, seconds=1.5 * r["seconds"]) for r in idle]
+    rates = [r["kv_bytes_per_s"] for r in attention_rates(run, shape, busy, idle)]
+    assert rates == [r["kv_bytes_per_s"] for r in attention_rates(run, shape, idle)]
+    assert rates[0] == pytest.approx(8 * 8192 * shape.kv_bytes_per_token(4) / 0.08)
+    assert all(a > b for a, b in zip(rates, (r["kv_bytes_per_s"] for r in attention_rates(run, shape, busy))))
 
 
 def test_row_spread():
