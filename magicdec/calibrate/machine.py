@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+import magicdec
 from magicdec.cpu import reported_flags
 from magicdec.kernels import path_name
 
@@ -40,6 +41,7 @@ def machine_info(device: str | torch.device = "cpu") -> dict[str, Any]:
         "cpu": _proc_field("/proc/cpuinfo", "model name") or platform.processor() or platform.machine(),
         "cpu_flags": reported_flags(),
         "kernels": path_name(),  # the native kernel path runs pick (magicdec.kernels), "torch" where none
+        "malloc": magicdec.MALLOC,  # whether freed memory is kept for the next step's tensors (magicdec/__init__.py)
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "memory_bytes": device_memory_bytes(torch.device("cpu")),
