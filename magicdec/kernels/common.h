@@ -92,12 +92,12 @@ at::Tensor attend_in_chunks(int64_t B, int64_t H, int64_t M, int64_t L, int64_t 
   auto part_out = at::empty({BHC, M, D}, opts), part_max = at::empty({BHC, M}, opts);
   auto part_sum = at::empty({BHC, M}, opts);
   float *po = part_out.data_ptr<float>(), *pm = part_max.data_ptr<float>(), *ps = part_sum.data_ptr<float>();
-  const int64_t R = std::max<int64_t>(1, std::min<int64_t>(M / kMinBlockRows, (want + BHC - 1) / BHC));
-  const int64_t rows = (M + R - 1) / R;
-  at::parallel_for(0, BHC * R, 1, [&](int64_t begin, int64_t end) {
+  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(M / kMinBlockRows, (want + BHC - 1) / BHC));
+  const int64_t rows = (M + blocks - 1) / blocks;
+  at::parallel_for(0, BHC * blocks, 1, [&](int64_t begin, int64_t end) {
     typename std::invoke_result_t<MakeTask, int64_t, int64_t, int64_t, Bias>::Buffers buffers;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t m0 = task % R * rows, bhc = task / R, c = bhc % C, bh = bhc / C, h = bh % H, b = bh / H;
+      const int64_t m0 = task % blocks * rows, bhc = task / blocks, c = bhc % C, bh = bhc / C, h = bh % H, b = bh / H;
       if (m0 >= M) continue;
       Bias block_bias = bias;
       block_bias.first = m0 % bias.R;
