@@ -111,13 +111,18 @@ struct Task {
 
   // Scores of queries [M] against tile positions [l, l + 16) (n of them real), into s[m * 16 + i].
   void score_tile(int64_t b, int64_t h, int64_t l, int64_t n, float* s) const {
+    // The tile's rows are copied position after position, a sequential read, then transposed 16 pairs at a
+    // time: gathering 16 rows 2 D bytes apart for each 64-byte slice read the cache at 3/4 of the rate on a Zen 4.
+    alignas(64) __m512i rows[kTile][P / 16];
+    for (int i = 0; i < kTile; ++i)
+      for (int c = 0; c < P / 16; ++c)
+        rows[i][c] = i < n ? _mm512_loadu_si512(K.at(b, h, l + i) + 32 * c) : _mm512_setzero_si512();
     alignas(64) __m512i kt[P];  // kt[p] lane i: pair p of position l + i
-    for (int half = 0; half < P / 16; ++half) {
+    for (int c = 0; c < P / 16; ++c) {
       __m512i r[16];
-      for (int i = 0; i < 16; ++i)
-        r[i] = i < n ? _mm512_loadu_si512(K.at(b, h, l + i) + 32 * half) : _mm512_setzero_si512();
+      for (int i = 0; i < 16; ++i) r[i] = rows[i][c];
       transpose16(r);
-      for (int p = 0; p < 16; ++p) kt[16 * half + p] = r[p];
+      for (int p = 0; p < 16; ++p) kt[16 * c + p] = r[p];
     }
     for (int64_t m = 0, r = bias.first; m < M; ++m, r = bias.next(r)) {
       // Four independent accumulator chains: vdpbf16ps has a latency of several cycles.
