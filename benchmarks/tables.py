@@ -319,6 +319,8 @@ TABLES = {"ar": ar, "dtype_linear": dtype_linear, "dtype_forward": dtype_forward
           "gemma_auto_32k_llamacpp_hour3": lambda: gemma_auto("auto_32k_llamacpp_hour3"),
           "gemma_auto_32k_ab": lambda: gemma_ab("auto_32k_ab_before", "auto_32k_ab_after"),
           "gemma_auto_32k_malloc": lambda: gemma_ab("auto_32k_malloc_default", "auto_32k_malloc_kept"),
+          "gemma_zen4_32k": lambda: gemma_ab("zen4_32k_before", "zen4_32k_after"),
+          "gemma_zen4_32k_hour": lambda: gemma_auto("zen4_32k_hour"),
           "gemma_attention": lambda: attention(False, "gemma/attention_32k"),
           "avx2_storage": avx2_storage, "avx2_grid": avx2_grid, "avx2_llamacpp": avx2_llamacpp,
           "avx2_grid_2t": lambda: avx2_grid("_2t"), "avx2_llamacpp_2t": lambda: avx2_llamacpp("_2t")}
