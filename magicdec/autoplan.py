@@ -78,7 +78,7 @@ def choose(
     acceptance: AcceptanceTable | str | os.PathLike[str] | None = None, mode: str = "greedy",
     budgets: Iterable[int] = DEFAULT_BUDGETS, gammas: Iterable[int] = DEFAULT_GAMMAS,
     strategies: Iterable[str] = ("ar", *SELF_STRATEGIES), dtype: Dtype | None = None, draft_vocab: int = 0,
-    vocab_corpus: str | None = None, tokenizer: Tokenizer | None = None,
+    vocab_corpus: str | None = None, tokenizer: Tokenizer | None = None, rows: int | None = None,
 ) -> tuple[SpeculativeConfig | None, Replanner | None, Plan]:
     """The predicted-fastest way to decode `batch` sequences of `context` tokens with `model`.
 
@@ -96,7 +96,10 @@ def choose(
 
     `draft_vocab` > 0 also prices drafting through a draft head of that many rows, the tokens most frequent in the
     text file `vocab_corpus` as `tokenizer` encodes it (`magicdec.drafters.vocab`): the plan takes it where it pays
-    (`Plan.draft_vocab`), its acceptance the table's times the share of the corpus's tokens the head holds."""
+    (`Plan.draft_vocab`), its acceptance the table's times the share of the corpus's tokens the head holds.
+
+    `rows`: how many of the batch's sequences differ (default: all). A static batch decodes until its slowest sequence
+    is done, so the plan prices the slowest of `rows`; greedy copies of one prompt decode alike and count once."""
     strategies = tuple(strategies)
     if dtype is None and isinstance(model, Transformer):
         dtype = weight_dtype(model)  # what the planner counts bytes of: 16-bit on the AVX2 kernels
@@ -113,7 +116,7 @@ def choose(
     # The decode loop caps gamma (MAX_GAMMA) and sparse budgets must be >= 8 (SpeculativeConfig).
     gammas = [g for g in gammas if 1 <= g <= 16]
     budgets = [b for b in budgets if b >= 8]
-    best = plan(work, table, budgets=budgets, gammas=gammas, mode=mode, strategies=strategies,
+    best = plan(work, table, budgets=budgets, gammas=gammas, mode=mode, strategies=strategies, rows=rows,
                 margin=MIN_PREDICTED_SPEEDUP, draft_heads=heads)
     if best.strategy == "ar":
         return None, None, best

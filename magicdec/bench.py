@@ -213,10 +213,12 @@ def _run_config(llm: LLM, args, grid: BenchGrid, rows: list[list[int]], ctx: int
     spec, policy, chosen = None, None, {}
     if cfg["draft"] == "auto":
         profile = getattr(args, "hardware", None) or planning_profile(llm.model)
+        # sampled rows draw their own tokens; greedy rows of one prompt decode alike
+        distinct = len({tuple(r) for r in rows}) if cfg["mode"] == "greedy" else batch
         spec, policy, plan = choose(llm.model, batch, ctx + grid.new_tokens // 2, kv_dtype=llm.kv_dtype,
                                     model_name=model_key(llm.loaded.source), profile=profile, mode=cfg["mode"],
                                     draft_vocab=cfg.get("draft_vocab", 0), vocab_corpus=cfg.get("vocab_corpus"),
-                                    tokenizer=llm.tokenizer)
+                                    tokenizer=llm.tokenizer, rows=distinct)
         head = f" V={plan.draft_vocab}" if plan.draft_vocab else ""
         chosen = {"chosen": f"{spec.draft} K={spec.budget} g={plan.gamma}{head}" if spec else "ar",
                   "predicted_speedup": plan.predicted_speedup, "predicted_throughput": plan.predicted_throughput}

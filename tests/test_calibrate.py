@@ -312,6 +312,15 @@ def test_choose_speculates_where_kv_dominates(llm, preset):
     assert choose(llm.model, 128, 32768, kv_dtype=llm.kv_dtype, profile=preset)[0] is not None
 
 
+def test_choose_prices_the_slowest_of_the_rows_that_differ():
+    """A static batch runs until its slowest sequence is done; greedy copies of one prompt decode alike, so a batch
+    of them is priced at the mean rate, not at the slowest of 128."""
+    _, _, every_row = choose(SMOL, 128, 32768, profile="h100")
+    _, _, one_prompt = choose(SMOL, 128, 32768, profile="h100", rows=1)
+    assert one_prompt.alpha > every_row.alpha
+    assert one_prompt.predicted_throughput > every_row.predicted_throughput
+
+
 def test_replanner_follows_the_acceptance_it_observes():
     """The per-step re-planner starts from the table's rate and moves to what the run accepts: rounds that
     reject early shorten the draft (to plain decoding); while it decodes plainly the rate drifts back to the
