@@ -5,12 +5,14 @@
 // Queries q [B, KV, M, D] (fp32) attend over K/V [B, KV, L, D] (any strides but a contiguous last dim)
 // with an additive bias [B, 1, R, L] (the cache's dtype, 0 / -inf; query row m takes bias row m % R, see
 // magicdec::Bias), split into chunks of a fixed size as in decode_attention.cpp. A task takes one chunk
-// of one (row, KV head), 8 cached positions at a time: it converts the tile's K and V rows to fp32 once
-// (a shift for bf16, vcvtph2ps for fp16) into buffers that stay in L1, then for every query forms the 8
-// scores (8 dot products, summed across lanes together), takes a chunk-local softmax and accumulates P @ V. Every K and V element is read from memory once
-// however many queries there are, and each query row is computed with the same arithmetic whatever M
-// and L are, so a verification forward attends exactly as the one-token steps do. Tiles the bias hides
-// from all of a task's rows are skipped.
+// of one (row, KV head), 8 cached positions at a time: for every block of three query rows it widens each K
+// vector to fp32 in a register (a shift for bf16, vcvtph2ps for fp16) and multiplies it into the three rows
+// there, forms the 8 scores (8 dot products, summed across lanes together), takes a chunk-local softmax and
+// accumulates P @ V the same way. A one-token step (three rows per KV head in SmolLM2) thus reads each K and V
+// element from memory once and widens it once; widening into a buffer instead cost as much as the arithmetic.
+// Each query row is computed with the same arithmetic whatever M and L are (the order of its sums does not
+// depend on the block it falls in), so a verification forward attends exactly as the one-token steps do.
+// Tiles the bias hides from all of a task's rows are skipped.
 #include <immintrin.h>
 
 #include <cstring>
@@ -28,6 +30,8 @@ using magicdec::kNegInf;
 using magicdec::Strided;
 
 constexpr int kTile = 8;  // cached positions per tile: one ymm of fp32 scores
+constexpr int kRowBlock = 3;  // query rows that meet each widened K or V vector in registers
+constexpr int kPrefetch = 16;  // positions ahead
 
 // The first n (< 8) words of p widened to fp32, the rest filled with `fill` (bits of the same type).
 template <class S>
@@ -86,11 +90,15 @@ struct Task {
     std::vector<char> visible;
   };
 
-  // Rows [l, l + n) of K or V widened to fp32 into rows[8][D] (rows past n zero: never read from the cache).
-  void widen_tile(const Strided& X, int64_t b, int64_t h, int64_t l, int64_t n, float* rows) const {
-    for (int64_t i = 0; i < kTile; ++i)
-      for (int c = 0; c < D / 8; ++c)
-        _mm256_store_ps(rows + i * D + 8 * c, i < n ? S::load8(X.at(b, h, l + i) + 8 * c) : _mm256_setzero_ps());
+  // Pointers to the tile's rows [l, l + 8) of K or V; rows past n point at zeros (never read from the cache).
+  // The rows kPrefetch positions ahead are prefetched (a prefetch past the cache's end does not fault): the dot
+  // products between the loads leave the hardware prefetcher behind.
+  void tile_rows(const Strided& X, int64_t b, int64_t h, int64_t l, int64_t n, const uint16_t* rows[kTile]) const {
+    static const uint16_t zeros[D] = {};
+    for (int64_t i = 0; i < kTile; ++i) {
+      rows[i] = i < n ? X.at(b, h, l + i) : zeros;
+      for (int c = 0; c < D; c += 32) _mm_prefetch(reinterpret_cast<const char*>(X.at(b, h, l + i + kPrefetch) + c), _MM_HINT_T0);
+    }
   }
 
   __m256 bias_tile(int64_t b, int64_t r, int64_t l, int64_t n) const {  // bias row r
@@ -107,20 +115,36 @@ struct Task {
     return false;
   }
 
-  // Scores of queries [M] against tile positions [l, l + 8) (n of them real), into s[m * 8 + i].
+  // Scores of queries [M] against tile positions [l, l + 8) (n of them real), into s[m * 8 + i]. Query rows go
+  // kRowBlock at a time and positions 4 at a time, with 12 accumulators: each K vector is widened once into a
+  // register and meets the block's rows there.
   void score_tile(int64_t b, int64_t h, int64_t l, int64_t n, float* s) const {
-    alignas(32) float kt[kTile * D];
-    widen_tile(K, b, h, l, n, kt);
-    for (int64_t m = 0, r = bias.first; m < M; ++m, r = bias.next(r)) {
-      __m256 acc[kTile];
-      for (int i = 0; i < kTile; ++i) acc[i] = _mm256_setzero_ps();
-      const float* qm = q + m * D;
-      for (int c = 0; c < D / 8; ++c) {
-        const __m256 qc = _mm256_loadu_ps(qm + 8 * c);
-        for (int i = 0; i < kTile; ++i) acc[i] = _mm256_fmadd_ps(qc, _mm256_load_ps(kt + i * D + 8 * c), acc[i]);
+    const uint16_t* k[kTile];
+    tile_rows(K, b, h, l, n, k);
+    magicdec::for_each_row_block<kRowBlock>(M, [&](int64_t m0, auto block) {
+      constexpr int R = decltype(block)::value;
+      __m256 dots[R][kTile];
+      for (int i = 0; i < kTile; i += 4) {
+        __m256 acc[R][4];
+        for (int r = 0; r < R; ++r)
+          for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_setzero_ps();
+        for (int c = 0; c < D / 8; ++c) {
+          __m256 qc[R];
+          for (int r = 0; r < R; ++r) qc[r] = _mm256_loadu_ps(q + (m0 + r) * D + 8 * c);
+          for (int j = 0; j < 4; ++j) {
+            const __m256 kc = S::load8(k[i + j] + 8 * c);
+            for (int r = 0; r < R; ++r) acc[r][j] = _mm256_fmadd_ps(qc[r], kc, acc[r][j]);
+          }
+        }
+        for (int r = 0; r < R; ++r)
+          for (int j = 0; j < 4; ++j) dots[r][i + j] = acc[r][j];
       }
-      _mm256_storeu_ps(s + m * kTile, _mm256_fmadd_ps(sum_lanes8(acc), _mm256_set1_ps(scale), bias_tile(b, r, l, n)));
-    }
+      for (int r = 0; r < R; ++r) {
+        const int64_t m = m0 + r;
+        _mm256_storeu_ps(s + m * kTile, _mm256_fmadd_ps(sum_lanes8(dots[r]), _mm256_set1_ps(scale),
+                                                        bias_tile(b, (bias.first + m) % bias.R, l, n)));
+      }
+    });
   }
 
   // Softmax numerators of row m in place of its scores (0 in hidden tiles); returns the row's chunk maximum and
@@ -142,22 +166,28 @@ struct Task {
     return mxs;
   }
 
-  // out[m] += sum_i p[m, i] V[l + i] over the tile's positions.
+  // out[m] += sum_i p[m, i] V[l + i] over the tile's positions, query rows kRowBlock at a time, 16 dims at a time.
   void accumulate_tile(int64_t b, int64_t h, int64_t l, int64_t n, const float* probs, float* out) const {
-    alignas(32) float vt[kTile * D];
-    widen_tile(V, b, h, l, n, vt);
-    for (int64_t m = 0; m < M; ++m) {
-      const float* p = probs + m * kTile;
-      for (int c = 0; c < D; c += 32) {  // 4 ymm of outputs at a time
-        float* o = out + m * D + c;
-        __m256 acc[4] = {_mm256_loadu_ps(o), _mm256_loadu_ps(o + 8), _mm256_loadu_ps(o + 16), _mm256_loadu_ps(o + 24)};
+    const uint16_t* v[kTile];
+    tile_rows(V, b, h, l, n, v);
+    magicdec::for_each_row_block<kRowBlock>(M, [&](int64_t m0, auto block) {
+      constexpr int R = decltype(block)::value;
+      for (int c = 0; c < D; c += 16) {
+        __m256 acc[R][2];
+        for (int r = 0; r < R; ++r)
+          for (int j = 0; j < 2; ++j) acc[r][j] = _mm256_loadu_ps(out + (m0 + r) * D + c + 8 * j);
         for (int i = 0; i < kTile; ++i) {
-          const __m256 pi = _mm256_broadcast_ss(p + i);
-          for (int j = 0; j < 4; ++j) acc[j] = _mm256_fmadd_ps(pi, _mm256_load_ps(vt + i * D + c + 8 * j), acc[j]);
+          const __m256 v0 = S::load8(v[i] + c), v1 = S::load8(v[i] + c + 8);
+          for (int r = 0; r < R; ++r) {
+            const __m256 p = _mm256_broadcast_ss(probs + (m0 + r) * kTile + i);
+            acc[r][0] = _mm256_fmadd_ps(p, v0, acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(p, v1, acc[r][1]);
+          }
         }
-        for (int j = 0; j < 4; ++j) _mm256_storeu_ps(o + 8 * j, acc[j]);
+        for (int r = 0; r < R; ++r)
+          for (int j = 0; j < 2; ++j) _mm256_storeu_ps(out + (m0 + r) * D + c + 8 * j, acc[r][j]);
       }
-    }
+    });
   }
 
   // Positions [l0, l1) of (b, h): the chunk's maxima [M], softmax sums [M] and unnormalized out [M, D].
