@@ -358,16 +358,28 @@ struct Task {
       const int64_t l = l0 + t * kTile, n = std::min<int64_t>(kTile, l1 - l);
       if (!visible[t]) continue;
       interleave_tile(b, h, l, n, &vp[0][0], D / 16, 1);
-      for (int64_t m = 0; m < M; ++m) {
-        const uint32_t* pairs = reinterpret_cast<const uint32_t*>(probs.data() + m * tiles * kTile + t * kTile);
-        __m512 acc[D / 16];
-        for (int k = 0; k < D / 16; ++k) acc[k] = _mm512_loadu_ps(out + m * D + 16 * k);
-        for (int64_t j = 0; j < kTile / 2; ++j) {
-          const __m512bh pj = (__m512bh)_mm512_set1_epi32(pairs[j]);
-          for (int k = 0; k < D / 16; ++k) acc[k] = _mm512_dpbf16_ps(acc[k], pj, (__m512bh)vp[j][k]);
+      // Four rows by 64 dims at a time (16 accumulators): each interleaved V vector is loaded once for four rows.
+      magicdec::for_each_row_block<4>(M, [&](int64_t m0, auto block) {
+        constexpr int R = decltype(block)::value;
+        const uint32_t* pairs[R];
+        for (int r = 0; r < R; ++r)
+          pairs[r] = reinterpret_cast<const uint32_t*>(probs.data() + (m0 + r) * tiles * kTile + t * kTile);
+        for (int k0 = 0; k0 < D / 16; k0 += 4) {
+          __m512 acc[R][4];
+          for (int r = 0; r < R; ++r)
+            for (int k = 0; k < 4; ++k) acc[r][k] = _mm512_loadu_ps(out + (m0 + r) * D + 16 * (k0 + k));
+          for (int64_t j = 0; j < kTile / 2; ++j) {
+            __m512bh pj[R];
+            for (int r = 0; r < R; ++r) pj[r] = (__m512bh)_mm512_set1_epi32(pairs[r][j]);
+            for (int k = 0; k < 4; ++k) {
+              const __m512bh vk = (__m512bh)vp[j][k0 + k];
+              for (int r = 0; r < R; ++r) acc[r][k] = _mm512_dpbf16_ps(acc[r][k], pj[r], vk);
+            }
+          }
+          for (int r = 0; r < R; ++r)
+            for (int k = 0; k < 4; ++k) _mm512_storeu_ps(out + (m0 + r) * D + 16 * (k0 + k), acc[r][k]);
         }
-        for (int k = 0; k < D / 16; ++k) _mm512_storeu_ps(out + m * D + 16 * k, acc[k]);
-      }
+      });
     }
   }
 };
