@@ -39,12 +39,12 @@ inline Strided strided(const at::Tensor& t) {
 // The additive bias (0 / -inf) [B, 1, R, L] of a head's M query rows, M a multiple of R: query row m takes bias row
 // m % R. The model passes one row per new token (R = q) for the G x q rows of a KV head's grouped queries (ordered
 // query head, then token), so a forward builds and reads the bias once per token rather than once per query head.
-// A task walks its rows in order from `first`, the bias row of its first query row.
+// `first` is the bias row of a task's first query row.
 struct Bias {
   Strided rows;
   int64_t R, first;
   const uint16_t* at(int64_t b, int64_t r, int64_t l) const { return rows.at(b, 0, r) + l; }  // bias row r
-  int64_t next(int64_t r) const { return r + 1 == R ? 0 : r + 1; }
+  int64_t row(int64_t m) const { return (first + m) % R; }  // bias row of the task's query row m
   int64_t distinct(int64_t M) const { return std::min(M, R); }  // bias rows that M consecutive query rows take
 };
 

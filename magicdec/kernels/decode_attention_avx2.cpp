@@ -107,8 +107,8 @@ struct Task {
   }
 
   bool tile_visible(int64_t b, int64_t l, int64_t n) const {
-    for (int64_t j = 0, r = bias.first; j < bias.distinct(M); ++j, r = bias.next(r)) {
-      const uint16_t* p = bias.at(b, r, l);
+    for (int64_t j = 0; j < bias.distinct(M); ++j) {
+      const uint16_t* p = bias.at(b, bias.row(j), l);
       for (int64_t i = 0; i < n; ++i)
         if (p[i] != S::kNegInfBits) return true;
     }
@@ -142,7 +142,7 @@ struct Task {
       for (int r = 0; r < R; ++r) {
         const int64_t m = m0 + r;
         _mm256_storeu_ps(s + m * kTile, _mm256_fmadd_ps(sum_lanes8(dots[r]), _mm256_set1_ps(scale),
-                                                        bias_tile(b, (bias.first + m) % bias.R, l, n)));
+                                                        bias_tile(b, bias.row(m), l, n)));
       }
     });
   }
