@@ -42,6 +42,11 @@ constexpr uint16_t kBf16NegInf = 0xFF80;
 // with the arithmetic between the loads, kept Gemma 3's global layers at half the rate a plain sum reads (Zen 4).
 constexpr int64_t kPrefetch = 128;
 
+// Prefetches the 64 bytes at p into L2. Each load of a cached row is preceded by the prefetch of the line it will
+// load kPrefetch positions on: a tile's prefetches issued together, ahead of its arithmetic, held the loads behind
+// them and read a Zen 4's memory at 0.6x the rate of the spread ones.
+inline void prefetch(const uint16_t* p) { _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T2); }
+
 // exp(x) for x <= 0 (Cephes expf: range reduction by ln 2, degree-6 polynomial); 0 where x is -inf.
 inline __m512 exp16(__m512 x) {
   const __mmask16 finite = _mm512_cmp_ps_mask(x, _mm512_set1_ps(kNegInf), _CMP_NEQ_OQ);
@@ -135,8 +140,6 @@ struct Task {
   // are only two 32-dim slices a position, the sum across lanes would cost more than the products, and the K tile is
   // transposed instead (once for all rows: a prefill chunk's hundreds of rows ran 1.4x slower along the dims).
   void score_tile(int64_t b, int64_t h, int64_t l, int64_t n, float* s) const {
-    for (int i = 0; i < kTile; ++i)
-      for (int c = 0; c < D; c += 32) _mm_prefetch(reinterpret_cast<const char*>(K.at(b, h, l + i + kPrefetch) + c), _MM_HINT_T2);
     if constexpr (D >= 128) {
       score_tile_along_dims(b, h, l, n, s);
     } else {
@@ -162,6 +165,7 @@ struct Task {
           __m512bh qc[R];
           for (int r = 0; r < R; ++r) qc[r] = (__m512bh)_mm512_loadu_si512(q + (m0 + r) * P + 16 * c);
           for (int j = 0; j < 4; ++j) {
+            if (m0 == 0) prefetch(K.at(b, h, l + i + j + kPrefetch) + 32 * c);
             const __m512bh kc = (__m512bh)_mm512_loadu_si512(k[i + j] + 32 * c);
             for (int r = 0; r < R; ++r) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], qc[r], kc);
           }
@@ -186,8 +190,10 @@ struct Task {
     // time: gathering 16 rows 2 D bytes apart for each 64-byte slice read the cache at 3/4 of the rate on a Zen 4.
     alignas(64) __m512i rows[kTile][P / 16];
     for (int i = 0; i < kTile; ++i)
-      for (int c = 0; c < P / 16; ++c)
+      for (int c = 0; c < P / 16; ++c) {
+        prefetch(K.at(b, h, l + i + kPrefetch) + 32 * c);
         rows[i][c] = i < n ? _mm512_loadu_si512(K.at(b, h, l + i) + 32 * c) : _mm512_setzero_si512();
+      }
     alignas(64) __m512i kt[P];  // kt[p] lane i: pair p of position l + i
     for (int c = 0; c < P / 16; ++c) {
       __m512i r[16];
@@ -259,11 +265,9 @@ struct Task {
     for (int64_t j = 0; j < kTile / 2; ++j) {
       const uint16_t* va = V.at(b, h, l + 2 * j);
       const uint16_t* vz = V.at(b, h, l + 2 * j + 1);
-      for (int c = 0; c < D; c += 32) {
-        _mm_prefetch(reinterpret_cast<const char*>(va + kPrefetch * V.sl + c), _MM_HINT_T2);
-        _mm_prefetch(reinterpret_cast<const char*>(vz + kPrefetch * V.sl + c), _MM_HINT_T2);
-      }
       for (int c = 0; c < D / 32; ++c) {
+        prefetch(va + kPrefetch * V.sl + 32 * c);
+        prefetch(vz + kPrefetch * V.sl + 32 * c);
         const __m512i a = 2 * j < n ? _mm512_loadu_si512(va + 32 * c) : _mm512_setzero_si512();
         const __m512i z = 2 * j + 1 < n ? _mm512_loadu_si512(vz + 32 * c) : _mm512_setzero_si512();
         out[j * sj + 2 * c * sk] = _mm512_permutex2var_epi16(a, lo, z);
