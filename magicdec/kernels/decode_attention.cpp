@@ -152,8 +152,11 @@ struct Task {
   // lanes are then summed across in one tree (sum_lanes16).
   void score_tile_along_dims(int64_t b, int64_t h, int64_t l, int64_t n, float* s) const {
     static const uint16_t zeros[D] = {};
-    const uint16_t* k[kTile];
-    for (int i = 0; i < kTile; ++i) k[i] = i < n ? K.at(b, h, l + i) : zeros;
+    const uint16_t *k[kTile], *ahead[kTile];  // the rows, and those prefetched while the first block reads them
+    for (int i = 0; i < kTile; ++i) {
+      k[i] = i < n ? K.at(b, h, l + i) : zeros;
+      ahead[i] = K.at(b, h, l + i + kPrefetch);
+    }
     magicdec::for_each_row_block<4>(M, [&](int64_t m0, auto block) {
       constexpr int R = decltype(block)::value;
       __m512 dots[R][kTile];
@@ -165,7 +168,7 @@ struct Task {
           __m512bh qc[R];
           for (int r = 0; r < R; ++r) qc[r] = (__m512bh)_mm512_loadu_si512(q + (m0 + r) * P + 16 * c);
           for (int j = 0; j < 4; ++j) {
-            if (m0 == 0) prefetch(K.at(b, h, l + i + j + kPrefetch) + 32 * c);
+            if (m0 == 0) prefetch(ahead[i + j] + 32 * c);
             const __m512bh kc = (__m512bh)_mm512_loadu_si512(k[i + j] + 32 * c);
             for (int r = 0; r < R; ++r) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], qc[r], kc);
           }
