@@ -133,6 +133,7 @@ struct Task {
     std::vector<char> visible;
     std::vector<uint32_t> qt;  // tiles: the queries as B operands, [M / 16][D / 32][16 pairs][16 queries]
     std::vector<__m512i> vt;   // tiles: the chunk's V interleaved by position pairs
+    std::vector<__m512> lanes;  // [2, M]: each row's maxima, then sums, lane by lane
   };
 
   // Scores of queries [M] against tile positions [l, l + 16) (n of them real), into s[m * 16 + i]. With 128 or 256
@@ -299,7 +300,7 @@ struct Task {
         for (int64_t t = 0; t < tiles; ++t) {
           if (!visible[t]) continue;
           const __m512i* v = vt.data() + t * kPerTile + 16 * c;  // dims [32c, 32c + 16), then [32c + 16, 32c + 32)
-          _tile_loadd(3, probs + g * 16 * tiles * kTile + t * kTile, tiles * kTile * 2);
+          _tile_loadd(3, probs + (t * M + g * 16) * kTile, kTile * 2);
           _tile_loadd(4, v, 64);
           _tile_dpbf16ps(5, 3, 4);
           _tile_loadd(4, v + 8, 64);
@@ -312,10 +313,35 @@ struct Task {
     _tile_release();
   }
 
+  // Chunk-local softmax numerators probs [tiles, M, 16] of scores [tiles, M, 16], rounded to bf16 as P @ V consumes
+  // them; each row's maximum and the sum of its rounded numerators. Tile by tile, each row's maxima and sums kept lane
+  // by lane: a prefill chunk's scores reach past L2, and walking one row across the tiles waited on each of them (an
+  // eighth of a 512-token chunk's attention). A row's sums run over the tiles in order either way.
+  void softmax(int64_t tiles, const float* scores, const char* visible, std::vector<__m512>& lanes, uint16_t* probs,
+               float* row_max, float* row_sum) const {
+    lanes.assign(M, _mm512_set1_ps(kNegInf));
+    for (int64_t t = 0; t < tiles; ++t)
+      if (visible[t])
+        for (int64_t m = 0; m < M; ++m) lanes[m] = _mm512_max_ps(lanes[m], _mm512_loadu_ps(scores + (t * M + m) * kTile));
+    for (int64_t m = 0; m < M; ++m) row_max[m] = _mm512_reduce_max_ps(lanes[m]);
+    lanes.assign(M, _mm512_setzero_ps());
+    for (int64_t t = 0; t < tiles; ++t)
+      for (int64_t m = 0; m < M; ++m) {
+        __m256i pb = _mm256_setzero_si256();
+        if (visible[t] && row_max[m] != kNegInf) {
+          const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(scores + (t * M + m) * kTile), _mm512_set1_ps(row_max[m])));
+          pb = (__m256i)_mm512_cvtneps_pbh(e);
+          lanes[m] = _mm512_add_ps(lanes[m], bf16_to_fp32(pb));
+        }
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs + (t * M + m) * kTile), pb);
+      }
+    for (int64_t m = 0; m < M; ++m) row_sum[m] = _mm512_reduce_add_ps(lanes[m]);
+  }
+
   // Positions [l0, l1) of (b, h): the chunk's maxima [M], softmax sums [M] and unnormalized out [M, D].
   void run(int64_t b, int64_t h, int64_t l0, int64_t l1, Buffers& buffers, float* row_max, float* row_sum,
            float* out) const {
-    auto& [scores, probs, visible, qt, vt] = buffers;
+    auto& [scores, probs, visible, qt, vt, lanes] = buffers;
     const int64_t tiles = (l1 - l0 + kTile - 1) / kTile;
     scores.resize(tiles * M * kTile);
     probs.resize(M * tiles * kTile);
@@ -334,26 +360,7 @@ struct Task {
         score_tile(b, h, l, n, scores.data() + t * M * kTile);
       }
     }
-    // Chunk-local softmax numerators, rounded to bf16 as P @ V consumes them; sums of the rounded values.
-    for (int64_t m = 0; m < M; ++m) {
-      __m512 mx = _mm512_set1_ps(kNegInf);
-      for (int64_t t = 0; t < tiles; ++t)
-        if (visible[t]) mx = _mm512_max_ps(mx, _mm512_loadu_ps(scores.data() + (t * M + m) * kTile));
-      const float mxs = _mm512_reduce_max_ps(mx);
-      row_max[m] = mxs;
-      __m512 sum = _mm512_setzero_ps();
-      uint16_t* pm = probs.data() + m * tiles * kTile;
-      for (int64_t t = 0; t < tiles; ++t) {
-        __m256i pb = _mm256_setzero_si256();
-        if (visible[t] && mxs != kNegInf) {
-          const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(scores.data() + (t * M + m) * kTile), _mm512_set1_ps(mxs)));
-          pb = (__m256i)_mm512_cvtneps_pbh(e);
-          sum = _mm512_add_ps(sum, bf16_to_fp32(pb));
-        }
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pm + t * kTile), pb);
-      }
-      row_sum[m] = _mm512_reduce_add_ps(sum);
-    }
+    softmax(tiles, scores.data(), visible.data(), lanes, probs.data(), row_max, row_sum);
     // out[m] += sum_i p[m, i] V[i], two positions per product: V rows interleaved element-wise.
     if constexpr (kTiles) {
       values_on_tiles(b, h, l0, l1, probs.data(), visible.data(), vt, out);
@@ -370,7 +377,7 @@ struct Task {
         constexpr int R = decltype(block)::value;
         const uint32_t* pairs[R];
         for (int r = 0; r < R; ++r)
-          pairs[r] = reinterpret_cast<const uint32_t*>(probs.data() + (m0 + r) * tiles * kTile + t * kTile);
+          pairs[r] = reinterpret_cast<const uint32_t*>(probs.data() + (t * M + m0 + r) * kTile);
         for (int k0 = 0; k0 < D / 16; k0 += 4) {
           __m512 acc[R][4];
           for (int r = 0; r < R; ++r)

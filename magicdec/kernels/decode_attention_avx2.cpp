@@ -88,6 +88,7 @@ struct Task {
   struct Buffers {  // a thread's, reused across its tasks
     std::vector<float> scores;  // [tiles, M, 8]: scores, then softmax numerators in place
     std::vector<char> visible;
+    std::vector<__m256> lanes;  // [M]: each row's maxima, then sums, lane by lane
   };
 
   // Pointers to the tile's rows [l, l + 8) of K or V; rows past n point at zeros (never read from the cache).
@@ -147,23 +148,27 @@ struct Task {
     });
   }
 
-  // Softmax numerators of row m in place of its scores (0 in hidden tiles); returns the row's chunk maximum and
-  // writes the sum of the numerators.
-  float softmax_row(int64_t m, int64_t tiles, float* scores, const char* visible, float* row_sum) const {
-    __m256 mx = _mm256_set1_ps(kNegInf);
+  // Softmax numerators in place of the scores [tiles, M, 8] (0 in hidden tiles); each row's chunk maximum and the sum
+  // of its numerators. Tile by tile, each row's maxima and sums kept lane by lane: a prefill chunk's scores reach past
+  // L2, and walking one row across the tiles waited on each of them. A row's sums run over the tiles in order.
+  void softmax(int64_t tiles, float* scores, const char* visible, std::vector<__m256>& lanes, float* row_max,
+               float* row_sum) const {
+    lanes.assign(M, _mm256_set1_ps(kNegInf));
     for (int64_t t = 0; t < tiles; ++t)
-      if (visible[t]) mx = _mm256_max_ps(mx, _mm256_loadu_ps(scores + (t * M + m) * kTile));
-    const float mxs = max_lanes(mx);
-    __m256 sum = _mm256_setzero_ps();
-    for (int64_t t = 0; t < tiles; ++t) {
-      float* st = scores + (t * M + m) * kTile;
-      const __m256 e = visible[t] && mxs != kNegInf ? exp8(_mm256_sub_ps(_mm256_loadu_ps(st), _mm256_set1_ps(mxs)))
-                                                    : _mm256_setzero_ps();
-      _mm256_storeu_ps(st, e);
-      sum = _mm256_add_ps(sum, e);
-    }
-    *row_sum = sum_lanes(sum);
-    return mxs;
+      if (visible[t])
+        for (int64_t m = 0; m < M; ++m) lanes[m] = _mm256_max_ps(lanes[m], _mm256_loadu_ps(scores + (t * M + m) * kTile));
+    for (int64_t m = 0; m < M; ++m) row_max[m] = max_lanes(lanes[m]);
+    lanes.assign(M, _mm256_setzero_ps());
+    for (int64_t t = 0; t < tiles; ++t)
+      for (int64_t m = 0; m < M; ++m) {
+        float* st = scores + (t * M + m) * kTile;
+        const __m256 e = visible[t] && row_max[m] != kNegInf
+                             ? exp8(_mm256_sub_ps(_mm256_loadu_ps(st), _mm256_set1_ps(row_max[m])))
+                             : _mm256_setzero_ps();
+        _mm256_storeu_ps(st, e);
+        lanes[m] = _mm256_add_ps(lanes[m], e);
+      }
+    for (int64_t m = 0; m < M; ++m) row_sum[m] = sum_lanes(lanes[m]);
   }
 
   // out[m] += sum_i p[m, i] V[l + i] over the tile's positions, query rows kRowBlock at a time, 16 dims at a time.
@@ -203,7 +208,7 @@ struct Task {
       visible[t] = tile_visible(b, l, n);
       if (visible[t]) score_tile(b, h, l, n, scores.data() + t * M * kTile);
     }
-    for (int64_t m = 0; m < M; ++m) row_max[m] = softmax_row(m, tiles, scores.data(), visible.data(), row_sum + m);
+    softmax(tiles, scores.data(), visible.data(), buffers.lanes, row_max, row_sum);
     std::fill(out, out + M * D, 0.0f);
     for (int64_t t = 0; t < tiles; ++t) {
       const int64_t l = l0 + t * kTile;
