@@ -92,16 +92,18 @@ inline void transpose16(__m512i r[16]) {
   }
 }
 
-// Lane i of the result: the sum of the 16 lanes of a[i] (a tree: pairs of vectors, then pairs of pairs, then the
-// four 128-bit blocks).
-inline __m512 sum_lanes16(const __m512 a[16]) {
-  __m512 t[8], u[4];
-  for (int j = 0; j < 8; ++j)  // block lanes: a[2j] 0+2, a[2j+1] 0+2, a[2j] 1+3, a[2j+1] 1+3
-    t[j] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * j], a[2 * j + 1]), _mm512_unpackhi_ps(a[2 * j], a[2 * j + 1]));
-  for (int j = 0; j < 4; ++j) {  // block lane e: the block's sum of a[4j + e]
-    const __m512d x = _mm512_castps_pd(t[2 * j]), y = _mm512_castps_pd(t[2 * j + 1]);
-    u[j] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-  }
+// The sums of 16 vectors' lanes in a tree, in two stages so that a caller holds four vectors where it had 16.
+// sum_lanes4: lane e of each 128-bit block b of the result is the sum of block b of a[e] (pairs of vectors, then pairs of
+// pairs); sum_blocks4: lane i of the result is the sum of the 16 lanes of the i % 4-th vector that sum_lanes4 took to
+// u[i / 4] (the four 128-bit blocks).
+inline __m512 sum_lanes4(const __m512 a[4]) {
+  const __m512 t0 = _mm512_add_ps(_mm512_unpacklo_ps(a[0], a[1]), _mm512_unpackhi_ps(a[0], a[1]));
+  const __m512 t1 = _mm512_add_ps(_mm512_unpacklo_ps(a[2], a[3]), _mm512_unpackhi_ps(a[2], a[3]));
+  const __m512d x = _mm512_castps_pd(t0), y = _mm512_castps_pd(t1);
+  return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+}
+
+inline __m512 sum_blocks4(const __m512 u[4]) {
   const __m512 w01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xdd));
   const __m512 w23 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88), _mm512_shuffle_f32x4(u[2], u[3], 0xdd));
   return _mm512_add_ps(_mm512_shuffle_f32x4(w01, w23, 0x88), _mm512_shuffle_f32x4(w01, w23, 0xdd));
@@ -149,8 +151,9 @@ struct Task {
   }
 
   // Query rows four at a time and positions four at a time (16 accumulators): each 32-dim slice of a K row is read
-  // from the cache once per block of rows and multiplied into the rows' queries in registers; the 16 positions'
-  // lanes are then summed across in one tree (sum_lanes16).
+  // from the cache once per block of rows and multiplied into the rows' queries in registers; each four positions'
+  // lanes are summed across in part as soon as they are done (four vectors a row stay live where 16 were spilled),
+  // the 16 positions' sums finished after the tile: one tree either way, the same bits.
   void score_tile_along_dims(int64_t b, int64_t h, int64_t l, int64_t n, float* s) const {
     static const uint16_t zeros[D] = {};
     const uint16_t *k[kTile], *ahead[kTile];  // the rows, and those prefetched while the first block reads them
@@ -160,7 +163,7 @@ struct Task {
     }
     magicdec::for_each_row_block<4>(M, [&](int64_t m0, auto block) {
       constexpr int R = decltype(block)::value;
-      __m512 dots[R][kTile];
+      __m512 quads[R][kTile / 4];  // each four positions' dot products, their lanes summed in part (sum_lanes4)
       for (int i = 0; i < kTile; i += 4) {
         __m512 acc[R][4];
         for (int r = 0; r < R; ++r)
@@ -174,10 +177,9 @@ struct Task {
             for (int r = 0; r < R; ++r) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], qc[r], kc);
           }
         }
-        for (int r = 0; r < R; ++r)
-          for (int j = 0; j < 4; ++j) dots[r][i + j] = acc[r][j];
+        for (int r = 0; r < R; ++r) quads[r][i / 4] = sum_lanes4(acc[r]);
       }
-      for (int r = 0; r < R; ++r) store_scores(b, m0 + r, l, n, sum_lanes16(dots[r]), s);
+      for (int r = 0; r < R; ++r) store_scores(b, m0 + r, l, n, sum_blocks4(quads[r]), s);
     });
   }
 
