@@ -58,12 +58,15 @@ inline __m256 exp8(__m256 x) {
   return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(pow2n)), finite);
 }
 
-// Lane i of the result: the sum of the 8 lanes of a[i].
-inline __m256 sum_lanes8(const __m256 a[8]) {
-  const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
-  const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
-  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);  // lanes: a0..a3 low, a0..a3 high halves
-  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+// The sums of 8 vectors' lanes in a tree, in two stages so that a caller holds two vectors where it had eight.
+// sum_lanes4: lane e of each 128-bit half of the result is the sum of that half of a[e]; sum_halves: lane i of the
+// result is the sum of the 8 lanes of the i % 4-th vector that sum_lanes4 took to u[i / 4].
+inline __m256 sum_lanes4(const __m256 a[4]) {
+  return _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+}
+
+inline __m256 sum_halves(const __m256 u[2]) {
+  return _mm256_add_ps(_mm256_permute2f128_ps(u[0], u[1], 0x20), _mm256_permute2f128_ps(u[0], u[1], 0x31));
 }
 
 inline float sum_lanes(__m256 v) {
@@ -124,7 +127,7 @@ struct Task {
     tile_rows(K, b, h, l, n, k);
     magicdec::for_each_row_block<kRowBlock>(M, [&](int64_t m0, auto block) {
       constexpr int R = decltype(block)::value;
-      __m256 dots[R][kTile];
+      __m256 quads[R][kTile / 4];  // each four positions' dot products, their lanes summed in part (sum_lanes4)
       for (int i = 0; i < kTile; i += 4) {
         __m256 acc[R][4];
         for (int r = 0; r < R; ++r)
@@ -137,12 +140,11 @@ struct Task {
             for (int r = 0; r < R; ++r) acc[r][j] = _mm256_fmadd_ps(qc[r], kc, acc[r][j]);
           }
         }
-        for (int r = 0; r < R; ++r)
-          for (int j = 0; j < 4; ++j) dots[r][i + j] = acc[r][j];
+        for (int r = 0; r < R; ++r) quads[r][i / 4] = sum_lanes4(acc[r]);
       }
       for (int r = 0; r < R; ++r) {
         const int64_t m = m0 + r;
-        _mm256_storeu_ps(s + m * kTile, _mm256_fmadd_ps(sum_lanes8(dots[r]), _mm256_set1_ps(scale),
+        _mm256_storeu_ps(s + m * kTile, _mm256_fmadd_ps(sum_halves(quads[r]), _mm256_set1_ps(scale),
                                                         bias_tile(b, bias.row(m), l, n)));
       }
     });
