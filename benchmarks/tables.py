@@ -327,12 +327,15 @@ TABLES = {"ar": ar, "dtype_linear": dtype_linear, "dtype_forward": dtype_forward
           "gemma_zen4_32k_pv": lambda: gemma_auto("zen4_32k_pv"),
           "gemma_zen4_32k_spread": lambda: gemma_auto("zen4_32k_spread"),
           "gemma_zen4_32k_softmax": lambda: gemma_auto("zen4_32k_softmax"),
+          "gemma_zen4_32k_quads": lambda: gemma_auto("zen4_32k_quads"),
           "gemma_attention": lambda: attention(False, "gemma/attention_32k"),
           "avx2_storage": avx2_storage, "avx2_grid": avx2_grid, "avx2_llamacpp": avx2_llamacpp,
           "avx2_grid_2t": lambda: avx2_grid("_2t"), "avx2_llamacpp_2t": lambda: avx2_llamacpp("_2t"),
           "avx2_grid_zen4": lambda: avx2_grid("_zen4"), "avx2_llamacpp_zen4": lambda: avx2_llamacpp("_zen4"),
           "avx2_grid_zen4_regs": lambda: avx2_grid("_zen4_regs"),
-          "avx2_llamacpp_zen4_regs": lambda: avx2_llamacpp("_zen4_regs")}
+          "avx2_llamacpp_zen4_regs": lambda: avx2_llamacpp("_zen4_regs"),
+          "avx2_grid_zen4_quads": lambda: avx2_grid("_zen4_quads"),
+          "avx2_llamacpp_zen4_quads": lambda: avx2_llamacpp("_zen4_quads")}
 MODELS = {"cpu_grid": "cpu_grid", "throughput": "throughput", "auto": "auto", "positions": "acceptance"}
 
 
