@@ -135,7 +135,7 @@ struct Task {
     std::vector<char> visible;
     std::vector<uint32_t> qt;  // tiles: the queries as B operands, [M / 16][D / 32][16 pairs][16 queries]
     std::vector<__m512i> vt;   // tiles: the chunk's V interleaved by position pairs
-    std::vector<__m512> lanes;  // [2, M]: each row's maxima, then sums, lane by lane
+    std::vector<__m512> lanes;  // [M]: each row's maxima, then sums, lane by lane
   };
 
   // Scores of queries [M] against tile positions [l, l + 16) (n of them real), into s[m * 16 + i]. With 128 or 256
