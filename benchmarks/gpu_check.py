@@ -1,28 +1,32 @@
 """GPU readiness check (run by benchmarks/gpu_check.sh on a CUDA machine; a few minutes).
 
-1. Greedy speculative output equals autoregressive output on a tiny random model, on the GPU, for the
-   self-speculative StreamingLLM and SnapKV drafters.
-2. Step times at Llama-3.1-8B shapes with random bf16 weights: a decode step (q=1 over S), a verify
-   step (q=gamma+1 over S) and a self-speculative draft step (q=1 over a 512-entry sparse cache), for
-   B in {32, 64, 128} and S in {8k, 16k, 32k} where the KV cache fits, with the cost model's prediction
-   (H200 preset) beside each measurement.
+1. Greedy speculative output equals autoregressive output on tiny random models, on the GPU, for the
+   self-speculative StreamingLLM and SnapKV drafters: a Llama and a hybrid (sliding-window) Gemma 3.
+2. Forward times at Llama-3.1-8B and Gemma 3 270M shapes with placeholder bf16 weights: a decode step (q=1 over
+   S), a verification (q=gamma+1 over S) and a self-speculative draft step (q=1 over a `budget`-token cache), for
+   each batch B and context S whose KV cache fits, with the cost model's prediction (H200 preset) beside each.
+3. The engine on the GPU (Gemma 3 270M shape, random weights): a plain decode step and a self-speculative round as
+   `LLMEngine` runs them, Python and sampling included, against the forwards of item 2. Random weights make the
+   acceptance meaningless; the round's time is what a real model's acceptance multiplies.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
-import time
+import traceback
+from pathlib import Path
 
 import torch
 
-from magicdec.config import EngineConfig, ModelConfig
+from magicdec.calibrate.timing import filled_cache, median_time, synthetic_model
+from magicdec.config import GLOBAL, SLIDING, EngineConfig, ModelConfig
 from magicdec.drafters import SelfSpecDrafter
 from magicdec.engine import LLMEngine
 from magicdec.errors import OutOfMemoryError
-from magicdec.kv import KVCache
+from magicdec.kv.hybrid import cache_bytes
 from magicdec.memory import check_fits
-from magicdec.model import Transformer
 from magicdec.planner import Workload, forward_cost, get_model_shape, get_profile
 from magicdec.sampling import SamplingParams
 from magicdec.scheduler import FixedGamma
@@ -32,112 +36,158 @@ LLAMA31_8B = ModelConfig(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n
                          rope_theta=500000.0, max_seq_len=131072,
                          rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+GEMMA_CONVENTIONS = dict(architecture="Gemma3ForCausalLM", rope_theta=1e6, rope_local_theta=1e4, qk_norm=True,
+                         sandwich_norms=True, activation="gelu_tanh", scale_embeddings=True, tie_embeddings=True)
+# google/gemma-3-270m: five sliding-window layers, then a global one, three times
+GEMMA3_270M = ModelConfig(vocab_size=262144, dim=640, n_layers=18, n_heads=4, n_kv_heads=1, head_dim=256,
+                          ffn_dim=2048, max_seq_len=32768, layer_types=((SLIDING,) * 5 + (GLOBAL,)) * 3,
+                          sliding_window=512, query_pre_attn_scalar=256, **GEMMA_CONVENTIONS)
+PROFILED = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+SHAPES = {"llama-3.1-8b": LLAMA31_8B, "gemma3-270m": GEMMA3_270M}
 
 
-def random_model(cfg: ModelConfig, device: str, dtype: torch.dtype, seed: int = 0) -> Transformer:
-    torch.manual_seed(seed)
-    with torch.device(device):
-        model = Transformer(cfg)
-    for p in model.parameters():
-        torch.nn.init.normal_(p, std=0.02)
-    for layer in model.layers:  # RMSNorm weights near 1
-        layer.attention_norm.weight.data.fill_(1.0)
-        layer.ffn_norm.weight.data.fill_(1.0)
-    model.norm.weight.data.fill_(1.0)
-    inv_freq = model.inv_freq
-    model = model.to(dtype).eval().requires_grad_(False)
-    model.inv_freq = inv_freq.float()
-    return model
-
-
-def check_lossless(device: str) -> bool:
-    cfg = ModelConfig(vocab_size=512, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=256, max_seq_len=2048)
-    model = random_model(cfg, device, torch.bfloat16)
+def check_lossless(device: torch.device) -> bool:
+    tiny = {
+        "llama": ModelConfig(vocab_size=512, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=256,
+                             max_seq_len=2048),
+        "gemma3": ModelConfig(vocab_size=512, dim=128, n_layers=6, n_heads=4, n_kv_heads=1, head_dim=64, ffn_dim=256,
+                              max_seq_len=2048, layer_types=(SLIDING, SLIDING, GLOBAL) * 2, sliding_window=96,
+                              **GEMMA_CONVENTIONS),
+    }
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (300, 120, 700, 45)]
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     config = EngineConfig(max_num_seqs=len(prompts), max_model_len=max(map(len, prompts)) + params.max_tokens)
-    ar = LLMEngine(model, config).generate(prompts, params)
     ok = True
-    for kind in ("streaming", "snapkv"):
-        drafter = SelfSpecDrafter(model, kind, budget=64, gamma=3, reindex=kind == "streaming")
-        engine = LLMEngine(model, config, speculation=Speculation(drafter, FixedGamma(3)))
-        spec, stats = engine.generate(prompts, params), engine.stats
-        same = all(a.output_ids == s.output_ids for a, s in zip(ar, spec))
-        print(f"lossless greedy, self-{kind}: {'OK' if same else 'MISMATCH'} (acceptance {stats.acceptance_rate:.2f})")
-        ok &= same
+    for name, cfg in tiny.items():
+        model = synthetic_model(cfg, device, torch.bfloat16, random=True)
+        ar = LLMEngine(model, config).generate(prompts, params)
+        for kind in ("streaming", "snapkv"):
+            drafter = SelfSpecDrafter(model, kind, budget=64, gamma=3, reindex=kind == "streaming")
+            engine = LLMEngine(model, config, speculation=Speculation(drafter, FixedGamma(3)))
+            spec = engine.generate(prompts, params)
+            same = all(a.output_ids == s.output_ids for a, s in zip(ar, spec))
+            print(f"lossless greedy, {name} self-{kind}: {'OK' if same else 'MISMATCH'} "
+                  f"(acceptance {engine.stats.acceptance_rate:.2f})", flush=True)
+            ok &= same
     return ok
 
 
-def timed(fn, reps: int = 5) -> float:
-    fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t) / reps
+def forward_ms(model, batch: int, q: int, kv_len: int, cache_len: int) -> float:
+    """Median ms of a forward of `batch` x `q` tokens at position kv_len over a cache of kv_len entries (cache_len
+    rows allocated: the draft's cache is allocated at its budget)."""
+    device = model.device
+    cache = filled_cache(model.cfg, batch, cache_len, q, model.dtype, device)
+    tokens = torch.randint(0, 1000, (batch, q), device=device)
+    t = median_time(lambda: model(tokens, cache), device, reps=5, warmup=2)
+    del cache
+    torch.cuda.empty_cache()
+    return t * 1e3
 
 
 @torch.inference_mode()
-def step_times(device: str, batches, contexts, gamma: int, budget: int) -> list[dict]:
-    model = random_model(LLAMA31_8B, device, torch.bfloat16)
-    shape, hw = get_model_shape("llama-3.1-8b"), get_profile("h200")
+def step_times(device: torch.device, name: str, batches, contexts, gamma: int, budget: int) -> list[dict]:
+    cfg = SHAPES[name]
+    model = synthetic_model(cfg, device, torch.bfloat16)
+    shape, hw = get_model_shape(name), get_profile("h200")
     rows = []
     for S in contexts:
         for B in batches:
-            cap = S + gamma + 2
             try:
-                check_fits(KVCache.nbytes(LLAMA31_8B, B, cap, torch.bfloat16) + 2 * 1024**3, torch.device(device),
-                           f"B={B} S={S}")
+                check_fits(cache_bytes(cfg, B, S + gamma + 1, torch.bfloat16, gamma + 1) + 2 * 1024**3, device,
+                           f"{name} B={B} S={S}")
             except OutOfMemoryError as e:
-                print(f"skip: {e}")
+                print(f"skip: {e}", flush=True)
                 continue
-            dense = KVCache(LLAMA31_8B, B, cap, torch.bfloat16, device)
-            dense.k.normal_(std=0.5)
-            dense.v.normal_(std=0.5)
-            dense.lens.fill_(S)
-            dense.next_pos.fill_(S)
-            dense.max_len = S
-            sparse = KVCache(LLAMA31_8B, B, budget + gamma + 2, torch.bfloat16, device)
-            sparse.lens.fill_(budget)
-            sparse.next_pos.fill_(S)
-            sparse.max_len = budget
-            tok1 = torch.randint(0, 1000, (B, 1), device=device)
-            tokv = torch.randint(0, 1000, (B, gamma + 1), device=device)
-            t_dec = timed(lambda: model(tok1, dense))
-            t_ver = timed(lambda: model(tokv, dense))
-            t_dra = timed(lambda: model(tok1, sparse))
-            pred = {k: forward_cost(Workload(shape, hw, B, S), q, L).time
+            t_dec = forward_ms(model, B, 1, S, S)
+            t_ver = forward_ms(model, B, gamma + 1, S, S)
+            t_dra = forward_ms(model, B, 1, budget, budget)
+            pred = {k: forward_cost(Workload(shape, hw, B, S), q, L).time * 1e3
                     for k, q, L in (("decode", 1, S), ("verify", gamma + 1, S), ("draft", 1, budget))}
-            row = {"B": B, "S": S, "decode_ms": t_dec * 1e3, "verify_ms": t_ver * 1e3, "draft_ms": t_dra * 1e3,
+            row = {"model": name, "B": B, "S": S, "decode_ms": t_dec, "verify_ms": t_ver, "draft_ms": t_dra,
                    "verify/decode": t_ver / t_dec, "draft/decode": t_dra / t_dec,
-                   **{f"pred_{k}_ms": v * 1e3 for k, v in pred.items()}}
+                   **{f"pred_{k}_ms": v for k, v in pred.items()}}
             rows.append(row)
             print("  ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
-            del dense, sparse
-            torch.cuda.empty_cache()
+    del model
+    torch.cuda.empty_cache()
     return rows
+
+
+@torch.inference_mode()
+def engine_rounds(device: torch.device, batch: int, context: int, gamma: int, budget: int, new: int,
+                  profile: bool = False) -> dict:
+    """ms of a plain decode step and of a self-speculative round (StreamingLLM, fixed gamma) as the engine runs them
+    on the Gemma 3 270M shape, random weights; `profile`: the operators' table of each measured run."""
+    model = synthetic_model(GEMMA3_270M, device, torch.bfloat16, random=True)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 262144, (context,), generator=g).tolist() for _ in range(batch)]
+    params = SamplingParams(max_tokens=new, ignore_eos=True)
+    config = EngineConfig(max_num_seqs=batch, max_model_len=context + new + gamma + 1, prefill_chunk=4096,
+                          enable_prefix_caching=False)
+    out = {"B": batch, "S": context, "gamma": gamma, "budget": budget}
+    for label, spec in (("plain", None),
+                        ("self_streaming", Speculation(SelfSpecDrafter(model, "streaming", budget, gamma, True),
+                                                       FixedGamma(gamma)))):
+        engine = LLMEngine(model, config, speculation=spec)
+        engine.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))  # first-use costs out of the timing
+        engine = LLMEngine(model, config, speculation=spec)
+        with torch.profiler.profile(activities=PROFILED) if profile else contextlib.nullcontext() as prof:
+            engine.generate(prompts, params)
+        if profile:
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25), flush=True)
+        s = engine.stats
+        out[f"{label}_prefill_s"] = s.prefill_s
+        out[f"{label}_round_ms"] = s.decode_s / s.steps * 1e3
+        out[f"{label}_tokens_per_round"] = s.decode_tokens / s.steps / batch
+        print(f"engine {label}: B={batch} S={context} prefill {s.prefill_s:.2f} s, {s.steps} rounds of "
+              f"{out[f'{label}_round_ms']:.2f} ms, {out[f'{label}_tokens_per_round']:.2f} tokens a row a round",
+              flush=True)
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--batches", default="32,64,128")
-    ap.add_argument("--contexts", default="8192,16384,32768")
+    ap.add_argument("--batches", default="32,64,128", help="batches at Llama-3.1-8B shapes")
+    ap.add_argument("--contexts", default="8192,16384,32768", help="contexts at Llama-3.1-8B shapes")
+    ap.add_argument("--gemma-batches", default="32,128,256")
+    ap.add_argument("--gemma-contexts", default="8192,32768")
+    ap.add_argument("--engine", default="32x8192", help="BxS of the engine check on the Gemma 3 shape ('' skips)")
+    ap.add_argument("--profile", action="store_true", help="print the operators' table of the engine check's runs")
     ap.add_argument("--gamma", type=int, default=3)
     ap.add_argument("--budget", type=int, default=512)
     ap.add_argument("--out", default="gpu_check.json")
+    ap.add_argument("--device", default="cuda", help="cpu: a dry run of the script at small --*batches/--*contexts")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("gpu_check: no CUDA device")
-    device = "cuda"
-    print(torch.cuda.get_device_name(0), torch.__version__)
-    ok = check_lossless(device)
-    rows = step_times(device, [int(x) for x in args.batches.split(",")], [int(x) for x in args.contexts.split(",")],
-                      args.gamma, args.budget)
-    with open(args.out, "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(0), "lossless": ok, "rows": rows}, f, indent=1)
-    raise SystemExit(0 if ok else 1)
+    ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(name, torch.__version__, flush=True)
+    result = {"device": name, "torch": torch.__version__, "gamma": args.gamma,
+              "budget": args.budget, "rows": [], "errors": []}
+    sections = [("lossless", lambda: check_lossless(device))]
+    sections.append(("gemma3-270m", lambda: step_times(device, "gemma3-270m", ints(args.gemma_batches),
+                                                        ints(args.gemma_contexts), args.gamma, args.budget)))
+    if args.engine:
+        B, S = map(int, args.engine.split("x"))
+        sections.append(("engine", lambda: engine_rounds(device, B, S, args.gamma, args.budget, 32, args.profile)))
+    sections.append(("llama-3.1-8b", lambda: step_times(device, "llama-3.1-8b", ints(args.batches),
+                                                         ints(args.contexts), args.gamma, args.budget)))
+    for name, run in sections:  # each section's result is written as it ends: a later failure keeps it
+        try:
+            value = run()
+        except Exception:  # a check that breaks is reported and the others still run
+            result["errors"].append(f"{name}: {traceback.format_exc()}")
+            print(result["errors"][-1], flush=True)
+            continue
+        if isinstance(value, list):
+            result["rows"] += value
+        else:
+            result[name] = value
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    raise SystemExit(0 if result.get("lossless") and not result["errors"] else 1)
 
 
 if __name__ == "__main__":

@@ -8,12 +8,14 @@ of eager PyTorch, not arithmetic, dominates a decode step.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Callable, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from magicdec import kernels
 from magicdec.config import GLOBAL, SLIDING, ModelConfig
@@ -99,6 +101,12 @@ def weight_dtype(model: Transformer) -> torch.dtype:
     return packed or model.dtype
 
 
+#: SDPA's kernels on CUDA. Not cuDNN's: it builds an execution plan for each new key length, which in decoding is
+#: every step (on an H200, 1.2 ms of host time a call: a plain round of Gemma 3 270M at B=32 x 8k took 100 ms in the
+#: engine with it, 11.6 ms without; benchmarks/README.md, "gpu_check.sh").
+CUDA_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
 def attention_bias(mask: Tensor, groups: int, kv_dtype: torch.dtype) -> Tensor:
     """Bool mask [B, 1, q, L] -> additive bias [B, 1, groups*q, L] (0 or -inf) for grouped queries, in the cache's
     dtype (on CPU an additive bias is markedly faster than a bool mask for SDPA). Built once per forward; groups 1
@@ -118,7 +126,8 @@ def attend(xq: Tensor, keys: Tensor, values: Tensor, bias: Tensor) -> Tensor:
     xq = xq.to(keys.dtype)
     if matmul_attention(keys.device, keys.dtype):
         return matmul_attend(xq, keys, values, bias)
-    return F.scaled_dot_product_attention(xq, keys, values, attn_mask=bias)
+    with sdpa_kernel(CUDA_ATTENTION) if keys.is_cuda else contextlib.nullcontext():
+        return F.scaled_dot_product_attention(xq, keys, values, attn_mask=bias)
 
 
 def matmul_attend(xq: Tensor, keys: Tensor, values: Tensor, bias: Tensor) -> Tensor:
