@@ -15,7 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from magicdec.calibrate.acceptance import acceptance_mle, calibrate_acceptance, row_spread
-from magicdec.calibrate.hardware import _Run, attention_rates, measure_hardware, nondecreasing
+from magicdec.calibrate.hardware import _Run, attention_rates, measure_hardware, nondecreasing, profile_from
 from magicdec.cli import build_parser
 from magicdec.commands.calibrate import calibrate_allreduce
 from magicdec.config import EngineConfig
@@ -231,6 +231,23 @@ def test_attention_rates_keep_the_faster_sweep():
     assert rates == [r["kv_bytes_per_s"] for r in attention_rates(run, shape, idle)]
     assert rates[0] == pytest.approx(8 * 8192 * shape.kv_bytes_per_token(4) / 0.08)
     assert all(a > b for a, b in zip(rates, (r["kv_bytes_per_s"] for r in attention_rates(run, shape, busy))))
+
+
+@pytest.mark.parametrize("att_rate", [20e9, 50e9])
+def test_read_bandwidth_is_never_the_linear_rate(att_rate):
+    """The profile's memory bandwidth is the fastest rate that times bytes alone (plain reads, attention's long-less-
+    short difference), never the one-row linear rate, which subtracts an estimated overhead and can come out above
+    the memory's rate; that rate then sets the streaming efficiency at 1."""
+    gb = 1e9
+    m = {"linear": [{"tokens": n, "seconds": 0.004 * n, "weight_bytes_per_s": 86 * gb / n} for n in (1, 4)],
+         "attention": [{"q": q, "batch": 8, "kv_len": 8192, "seconds": 0.1, "seconds_short": 0.02,
+                        "kv_bytes_per_s": att_rate / q} for q in (1, 4)],
+         "overhead": {"fixed_s": 0.001, "per_layer_s": 1e-4, "decode_loop_extra_s": 0.001},
+         "square_matmul": [{"flops_per_s": 1e12}], "read_bandwidth": {"sum": 38 * gb, "mv": 30 * gb},
+         "sampling": {"seconds_per_logit": 1e-9}}
+    hw = profile_from(m, SMOL, "test", torch.device("cpu"), torch.float32)
+    assert hw.mem_bandwidth == max(38 * gb, att_rate)
+    assert hw.bandwidth_efficiency == 1.0 and hw.linear_rates[0] == (1, 86 * gb)
 
 
 def test_row_spread():

@@ -288,11 +288,14 @@ def profile_from(m: dict[str, Any], shape: ModelShape, name: str, device: torch.
     att_flops = max(4 * r["batch"] * r["q"] * r["kv_len"] * shape.n_layers * shape.n_heads * shape.head_dim
                     / max(r["seconds"] - r["seconds_short"], 1e-9) for r in attention)
     flops = max(max(r["flops_per_s"] for r in m["square_matmul"]), best_linear_flops, att_flops)
-    bandwidth = max(m["read_bandwidth"]["sum"], m["read_bandwidth"]["mv"], linear_rates[0][1], attention_rates[0][1])
+    # Read rates that time bytes alone: plain reads, and attention over a long cache less a short one. Not the
+    # one-row linear rate: it subtracts an overhead estimated from tiny models, and came out above the memory's rate
+    # (86 GB/s on a VM that streams 38), which made every "step over its floor" report meaningless.
+    bandwidth = max(m["read_bandwidth"]["sum"], m["read_bandwidth"]["mv"], attention_rates[0][1])
     return HardwareProfile(
         name=name, dtype=dtype_name(dtype), flops_per_s=flops, mem_bandwidth=bandwidth,
         mem_bytes=device_memory_bytes(device), matmul_efficiency=best_linear_flops / flops,
-        bandwidth_efficiency=linear_rates[0][1] / bandwidth, attention_efficiency=att_flops / flops,
+        bandwidth_efficiency=min(1.0, linear_rates[0][1] / bandwidth), attention_efficiency=att_flops / flops,
         # a decode step is a forward plus the loop's own work: the planner sees it as fixed overhead
         fixed_overhead_s=overhead["fixed_s"] + overhead["decode_loop_extra_s"],
         per_layer_overhead_s=overhead["per_layer_s"],
