@@ -18,7 +18,10 @@
 
 namespace magicdec {
 
-constexpr int64_t kMinBlockRows = 128;  // query rows per task at least when a prefill chunk's rows are split
+// Query rows per task at most. A prefill chunk's hundreds of rows per KV head are split into blocks of this many:
+// a block's scores and probabilities over a context chunk stay in L2 (2048 rows of Gemma 3 over 1024 positions were
+// 12 MB), and a block skips the tiles none of its rows sees (the chunk's causal part, a sliding window's edges).
+constexpr int64_t kBlockRows = 128;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // exp(x) as Cephes expf computes it: n = round(x log2 e), r = x - n ln 2 (ln 2 in two parts), then
 // 1 + r + r^2 P(r) with P of degree 5 (kExpPoly, highest power first), times 2^n.
@@ -82,17 +85,16 @@ void merge_chunks(int64_t rows, int64_t M, int64_t C, const float* pm, const flo
 // Attention of M query rows per (row, KV head) over L positions in chunks of `chunk`, returning [B, H, M, D] fp32.
 // make_task(bh, m0, rows, bias) builds the task of rows [m0, m0 + rows) of head bh (with the bias from its row m0);
 // its run(b, h, l0, l1, buffers, max, sum, out) writes the chunk's maxima, sums and unnormalized outputs.
-// A prefill chunk's many query rows are split into blocks where (row, head, chunk) tasks alone would leave threads
-// idle (one prompt row, a short context). A row's arithmetic does not depend on the block it is in: a tile hidden
-// from all of a block's rows adds nothing to them whether skipped or not.
+// A prefill chunk's many query rows are split into blocks of at most kBlockRows. A row's arithmetic does not depend
+// on the block it is in: a tile hidden from all of a block's rows adds nothing to them whether skipped or not.
 template <int D, class MakeTask>
 at::Tensor attend_in_chunks(int64_t B, int64_t H, int64_t M, int64_t L, int64_t chunk, const Bias& bias,
                                const at::TensorOptions& opts, MakeTask make_task) {
-  const int64_t C = (L + chunk - 1) / chunk, BHC = B * H * C, want = 4 * at::get_num_threads();
+  const int64_t C = (L + chunk - 1) / chunk, BHC = B * H * C;
   auto part_out = at::empty({BHC, M, D}, opts), part_max = at::empty({BHC, M}, opts);
   auto part_sum = at::empty({BHC, M}, opts);
   float *po = part_out.data_ptr<float>(), *pm = part_max.data_ptr<float>(), *ps = part_sum.data_ptr<float>();
-  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(M / kMinBlockRows, (want + BHC - 1) / BHC));
+  const int64_t blocks = (M + kBlockRows - 1) / kBlockRows;
   const int64_t rows = (M + blocks - 1) / blocks;
   at::parallel_for(0, BHC * blocks, 1, [&](int64_t begin, int64_t end) {
     typename std::invoke_result_t<MakeTask, int64_t, int64_t, int64_t, Bias>::Buffers buffers;
