@@ -303,14 +303,12 @@ def positions() -> str:
     return text([rows[k] for k in sorted(rows)])
 
 
-def gpu_check(before: str, after: str) -> str:
-    """gpu_check.py on one GPU, two runs (SDPA's default kernel choice, then magicdec's): forward times per shape,
-    then the engine's rounds."""
-    runs = ((before, "default"), (after, "magicdec"))
-    rows = [{"SDPA": label, "model": r["model"], "B": r["B"], "S": r["S"],
+def gpu_check(*runs: tuple[str, str]) -> str:
+    """gpu_check.py on one GPU, runs as (result name, label): forward times per shape, then the engine's rounds."""
+    rows = [{"run": label, "model": r["model"], "B": r["B"], "S": r["S"],
              **{k: r[f"{k}_ms"] for k in ("decode", "verify", "draft")}, "pred decode": r["pred_decode_ms"]}
             for name, label in runs for r in load(name)["rows"]]
-    engine = [{"SDPA": label, **{k: v for k, v in load(name)["engine"].items() if "prefill" not in k}}
+    engine = [{"run": label, **{k: v for k, v in load(name)["engine"].items() if "prefill" not in k}}
               for name, label in runs]
     return text(rows) + "\n\n" + text(engine)
 
@@ -349,7 +347,10 @@ TABLES = {"ar": ar, "dtype_linear": dtype_linear, "dtype_forward": dtype_forward
           "avx2_llamacpp_zen4_regs": lambda: avx2_llamacpp("_zen4_regs"),
           "avx2_grid_zen4_quads": lambda: avx2_grid("_zen4_quads"),
           "avx2_llamacpp_zen4_quads": lambda: avx2_llamacpp("_zen4_quads"),
-          "gpu_check_h200": lambda: gpu_check("gpu_check_h200_cudnn", "gpu_check_h200")}
+          "avx2_grid_zen4_blocks": lambda: avx2_grid("_zen4_blocks"),
+          "avx2_llamacpp_zen4_blocks": lambda: avx2_llamacpp("_zen4_blocks"),
+          "gpu_check_h200": lambda: gpu_check(("gpu_check_h200_cudnn", "cuDNN"), ("gpu_check_h200", "no cuDNN"),
+                                               ("gpu_check_h200_again", "no cuDNN, again"))}
 MODELS = {"cpu_grid": "cpu_grid", "throughput": "throughput", "auto": "auto", "positions": "acceptance"}
 
 
