@@ -4,7 +4,8 @@
    self-speculative StreamingLLM and SnapKV drafters: a Llama and a hybrid (sliding-window) Gemma 3.
 2. Forward times at Llama-3.1-8B and Gemma 3 270M shapes with placeholder bf16 weights: a decode step (q=1 over
    S), a verification (q=gamma+1 over S) and a self-speculative draft step (q=1 over a `budget`-token cache), for
-   each batch B and context S whose KV cache fits, with the cost model's prediction (H200 preset) beside each.
+   each batch B and context S whose KV cache fits, eager and replayed from a CUDA graph (the GPU's own time), with
+   the cost model's prediction (H200 preset) beside each.
 3. The engine on the GPU (Gemma 3 270M shape, random weights): a plain decode step and a self-speculative round as
    `LLMEngine` runs them, Python and sampling included, against the forwards of item 2. Random weights make the
    acceptance meaningless; the round's time is what a real model's acceptance multiplies.
@@ -73,16 +74,35 @@ def check_lossless(device: torch.device) -> bool:
     return ok
 
 
-def forward_ms(model, batch: int, q: int, kv_len: int, cache_len: int) -> float:
-    """Median ms of a forward of `batch` x `q` tokens at position kv_len over a cache of kv_len entries (cache_len
-    rows allocated: the draft's cache is allocated at its budget)."""
+def graph_replay_s(fn, device: torch.device) -> float | None:
+    """Median seconds of `fn`'s kernels replayed from a CUDA graph: its time without the host issuing them (what
+    capturing it would give); None where capture fails."""
+    try:
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            fn()  # capture wants its first run on a side stream
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+    except RuntimeError as e:
+        print(f"CUDA graph capture failed: {e}", flush=True)
+        return None
+    return median_time(graph.replay, device, reps=10, warmup=2)
+
+
+def forward_ms(model, batch: int, q: int, kv_len: int) -> tuple[float, float | None]:
+    """Median ms of a forward of `batch` x `q` tokens over a cache of kv_len entries: eager, and replayed from a CUDA
+    graph (None off CUDA or where capture fails)."""
     device = model.device
-    cache = filled_cache(model.cfg, batch, cache_len, q, model.dtype, device)
+    cache = filled_cache(model.cfg, batch, kv_len, q, model.dtype, device)
     tokens = torch.randint(0, 1000, (batch, q), device=device)
-    t = median_time(lambda: model(tokens, cache), device, reps=5, warmup=2)
+    eager = median_time(lambda: model(tokens, cache), device, reps=5, warmup=2) * 1e3
+    graph = graph_replay_s(lambda: model(tokens, cache), device) if device.type == "cuda" else None
     del cache
     torch.cuda.empty_cache()
-    return t * 1e3
+    return eager, graph and graph * 1e3
 
 
 @torch.inference_mode()
@@ -99,13 +119,13 @@ def step_times(device: torch.device, name: str, batches, contexts, gamma: int, b
             except OutOfMemoryError as e:
                 print(f"skip: {e}", flush=True)
                 continue
-            t_dec = forward_ms(model, B, 1, S, S)
-            t_ver = forward_ms(model, B, gamma + 1, S, S)
-            t_dra = forward_ms(model, B, 1, budget, budget)
+            (t_dec, g_dec), (t_ver, g_ver), (t_dra, g_dra) = (forward_ms(model, B, q, L)
+                                                              for q, L in ((1, S), (gamma + 1, S), (1, budget)))
             pred = {k: forward_cost(Workload(shape, hw, B, S), q, L).time * 1e3
                     for k, q, L in (("decode", 1, S), ("verify", gamma + 1, S), ("draft", 1, budget))}
             row = {"model": name, "B": B, "S": S, "decode_ms": t_dec, "verify_ms": t_ver, "draft_ms": t_dra,
                    "verify/decode": t_ver / t_dec, "draft/decode": t_dra / t_dec,
+                   "graph_decode_ms": g_dec, "graph_verify_ms": g_ver, "graph_draft_ms": g_dra,
                    **{f"pred_{k}_ms": v for k, v in pred.items()}}
             rows.append(row)
             print("  ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)

@@ -304,12 +304,15 @@ def positions() -> str:
 
 
 def gpu_check(*runs: tuple[str, str]) -> str:
-    """gpu_check.py on one GPU, runs as (result name, label): forward times per shape, then the engine's rounds."""
-    rows = [{"run": label, "model": r["model"], "B": r["B"], "S": r["S"],
-             **{k: r[f"{k}_ms"] for k in ("decode", "verify", "draft")}, "pred decode": r["pred_decode_ms"]}
+    """gpu_check.py on one GPU, runs as (result name, label): forward times per shape (eager; replayed from a CUDA
+    graph where the run timed it), then the engine's rounds of the runs that timed them."""
+    steps = ("decode", "verify", "draft")
+    rows = [{"run": label, "model": r["model"], "B": r["B"], "S": r["S"], **{k: r[f"{k}_ms"] for k in steps},
+             **{f"graph {k}": r[f"graph_{k}_ms"] for k in steps if f"graph_{k}_ms" in r},
+             "pred decode": r["pred_decode_ms"]}
             for name, label in runs for r in load(name)["rows"]]
-    engine = [{"run": label, **{k: v for k, v in load(name)["engine"].items() if "prefill" not in k}}
-              for name, label in runs]
+    engine = [{"run": label, **{k: v for k, v in doc["engine"].items() if "prefill" not in k}}
+              for name, label in runs if "engine" in (doc := load(name))]
     return text(rows) + "\n\n" + text(engine)
 
 
@@ -350,7 +353,8 @@ TABLES = {"ar": ar, "dtype_linear": dtype_linear, "dtype_forward": dtype_forward
           "avx2_grid_zen4_blocks": lambda: avx2_grid("_zen4_blocks"),
           "avx2_llamacpp_zen4_blocks": lambda: avx2_llamacpp("_zen4_blocks"),
           "gpu_check_h200": lambda: gpu_check(("gpu_check_h200_cudnn", "cuDNN"), ("gpu_check_h200", "no cuDNN"),
-                                               ("gpu_check_h200_again", "no cuDNN, again"))}
+                                               ("gpu_check_h200_again", "no cuDNN, again"),
+                                               ("gpu_check_h200_graphs", "no cuDNN, graphs"))}
 MODELS = {"cpu_grid": "cpu_grid", "throughput": "throughput", "auto": "auto", "positions": "acceptance"}
 
 
