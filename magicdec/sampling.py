@@ -257,7 +257,7 @@ def _token_of(index: Tensor, ids: Tensor | None) -> Tensor:
 #: Candidate counts the CPU sampler tries in turn before the whole vocabulary. On CPU, sorting (or drawing
 #: noise for) a 50k-128k vocabulary per row and position costs more than a draft forward at batch 32,
 #: while a top-p nucleus or top-k support rarely reaches past a few dozen tokens (PG-19 at T 0.7, top-p 0.9: SmolLM2
-#: past 64 at 8% of 28,672 positions, past 1024 at 2; Gemma 3 270M past 64 at 8% of 12,288, never past 1024).
+#: past 64 at 9% of 28,672 positions, past 1024 at 2; Gemma 3 270M past 64 at 10% of 12,288, never past 1024).
 CPU_CANDIDATES = (64, 1024)
 
 

@@ -345,8 +345,9 @@ def nondecreasing(values: Sequence[float]) -> list[float]:
 def measure_sampling(vocab: int, device: torch.device, reps: int, batch: int = 32) -> dict[str, Any]:
     """Seconds per logit that drawing with the sampling preset (T 0.7, top-p 0.9) adds to a greedy argmax.
 
-    The logits are shaped like a language model's on text at these settings (PG-19: SmolLM2's nucleus past 64 tokens
-    at 8% of 28,672 positions and past 1024 at 2 of them; Gemma 3 270M's past 64 at 8% of 12,288, never past 1024):
+    The logits are shaped like a language model's on text at these settings (PG-19, benchmarks/bench_sampler.py:
+    SmolLM2's nucleus past 64 tokens at 9% of 28,672 positions, past 1024 at 2; Gemma 3 270M's past 64 at 10% of
+    12,288, never past 1024):
     `batch - 3` rows of N(0, 6^2) (a nucleus of a few tokens) and 3 of N(0, 3^2) (100-260 tokens), none wider than
     the CPU sampler's candidates. (A row of N(0, 1) in every batch, as this measure once had, forced a pass over the
     whole vocabulary each time and priced sampling at 2.3x (SmolLM2) and 4x (Gemma 3) what real logits cost.)"""
