@@ -353,6 +353,8 @@ TABLES = {"ar": ar, "dtype_linear": dtype_linear, "dtype_forward": dtype_forward
           "avx2_llamacpp_zen4_quads": lambda: avx2_llamacpp("_zen4_quads"),
           "avx2_grid_zen4_blocks": lambda: avx2_grid("_zen4_blocks"),
           "avx2_llamacpp_zen4_blocks": lambda: avx2_llamacpp("_zen4_blocks"),
+          "avx2_grid_zen4_sampler": lambda: avx2_grid("_zen4_sampler"),
+          "avx2_llamacpp_zen4_sampler": lambda: avx2_llamacpp("_zen4_sampler"),
           "gpu_check_h200": lambda: gpu_check(("gpu_check_h200_cudnn", "cuDNN"), ("gpu_check_h200", "no cuDNN"),
                                                ("gpu_check_h200_again", "no cuDNN, again"),
                                                ("gpu_check_h200_graphs", "no cuDNN, graphs"))}
