@@ -348,8 +348,9 @@ def measure_sampling(vocab: int, device: torch.device, reps: int, batch: int = 3
     The logits are shaped like a language model's on text at these settings (PG-19, benchmarks/bench_sampler.py:
     SmolLM2's nucleus past 64 tokens at 9% of 28,672 positions, past 1024 at 2; Gemma 3 270M's past 64 at 10% of
     12,288, never past 1024): `batch - 3` rows of N(0, 6^2) (a nucleus of a few tokens) and 3 of N(0, 3^2) (100-260
-    tokens), none wider than the CPU sampler's candidates. (A row of N(0, 1) in every batch, as this measure once had, forced a pass over the
-    whole vocabulary each time and priced sampling at 2.3x (SmolLM2) and 4x (Gemma 3) what real logits cost.)"""
+    tokens), none wider than the CPU sampler's candidates. (A row of N(0, 1) in every batch, as this measure once
+    had, forced a pass over the whole vocabulary each time and priced sampling at 2.3x (SmolLM2) and 4x (Gemma 3)
+    what real logits cost.)"""
     scale = torch.tensor([6.0] * (batch - 3) + [3.0] * 3)[:, None, None]
     logits = (torch.randn(batch, 1, vocab, generator=torch.Generator().manual_seed(0)) * scale).to(device)
     position = torch.zeros(batch, 1, dtype=torch.long, device=device)
