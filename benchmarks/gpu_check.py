@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from magicdec.calibrate.timing import filled_cache, median_time, synthetic_model
-from magicdec.config import GLOBAL, SLIDING, EngineConfig, ModelConfig
+from magicdec.config import EngineConfig, ModelConfig
 from magicdec.drafters import SelfSpecDrafter
 from magicdec.engine import LLMEngine
 from magicdec.errors import OutOfMemoryError
@@ -37,12 +37,19 @@ LLAMA31_8B = ModelConfig(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n
                          rope_theta=500000.0, max_seq_len=131072,
                          rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
-GEMMA_CONVENTIONS = dict(architecture="Gemma3ForCausalLM", rope_theta=1e6, rope_local_theta=1e4, qk_norm=True,
-                         sandwich_norms=True, activation="gelu_tanh", scale_embeddings=True, tie_embeddings=True)
-# google/gemma-3-270m: five sliding-window layers, then a global one, three times
-GEMMA3_270M = ModelConfig(vocab_size=262144, dim=640, n_layers=18, n_heads=4, n_kv_heads=1, head_dim=256,
-                          ffn_dim=2048, max_seq_len=32768, layer_types=((SLIDING,) * 5 + (GLOBAL,)) * 3,
-                          sliding_window=512, query_pre_attn_scalar=256, **GEMMA_CONVENTIONS)
+
+
+def gemma3_config(**hf) -> ModelConfig:
+    """A Gemma 3 text model's config, read from Hugging Face `config.json` keys as the loader reads them (its
+    conventions from magicdec.config.gemma3_fields)."""
+    return ModelConfig.from_hf({"architectures": ["Gemma3ForCausalLM"], "rope_theta": 1e6,
+                                "rope_local_base_freq": 1e4, "rms_norm_eps": 1e-6, **hf})
+
+
+# google/gemma-3-270m's config.json: five sliding-window layers, then a global one, three times
+GEMMA3_270M = gemma3_config(vocab_size=262144, hidden_size=640, num_hidden_layers=18, num_attention_heads=4,
+                            num_key_value_heads=1, head_dim=256, intermediate_size=2048, max_position_embeddings=32768,
+                            sliding_window=512, sliding_window_pattern=6, query_pre_attn_scalar=256)
 PROFILED = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
 SHAPES = {"llama-3.1-8b": LLAMA31_8B, "gemma3-270m": GEMMA3_270M}
 
@@ -51,9 +58,9 @@ def check_lossless(device: torch.device) -> bool:
     tiny = {
         "llama": ModelConfig(vocab_size=512, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=256,
                              max_seq_len=2048),
-        "gemma3": ModelConfig(vocab_size=512, dim=128, n_layers=6, n_heads=4, n_kv_heads=1, head_dim=64, ffn_dim=256,
-                              max_seq_len=2048, layer_types=(SLIDING, SLIDING, GLOBAL) * 2, sliding_window=96,
-                              **GEMMA_CONVENTIONS),
+        "gemma3": gemma3_config(vocab_size=512, hidden_size=128, num_hidden_layers=6, num_attention_heads=4,
+                                num_key_value_heads=1, head_dim=64, intermediate_size=256, max_position_embeddings=2048,
+                                sliding_window=96, sliding_window_pattern=3),
     }
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (300, 120, 700, 45)]
