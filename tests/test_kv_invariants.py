@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import itertools
 import random
@@ -25,6 +26,7 @@ import pytest
 import torch
 from conftest import drive, run_engine
 
+from magicdec import kernels
 from magicdec.config import EngineConfig, ModelConfig
 from magicdec.drafters import ModelDrafter, SelfSpecDrafter
 from magicdec.engine import LLMEngine
@@ -649,16 +651,19 @@ def test_self_spec_with_budget_covering_context_drafts_like_the_target(target, p
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_update_writes_each_row_at_its_own_slots(target, dtype):
-    cfg = target.cfg
+@pytest.mark.parametrize("head_dim", [8, 64])
+def test_update_writes_each_row_at_its_own_slots(target, dtype, head_dim):
+    cfg = dataclasses.replace(target.cfg, head_dim=head_dim)
     cache = KVCache(cfg, 3, 12, dtype, "cpu")
     cache.commit(torch.tensor([0, 4, 7]))  # ragged rows
     q = 3
     cache.attn_mask(q)
-    k = torch.randn(3, cfg.n_kv_heads, q, cfg.head_dim)
-    v = torch.randn(3, cfg.n_kv_heads, q, cfg.head_dim)
+    k = torch.randn(3, cfg.n_kv_heads, q, head_dim)
+    v = torch.randn(3, cfg.n_kv_heads, q, head_dim)
     keys, values = cache.update(1, k, v)
-    assert keys.shape == (3, cfg.n_kv_heads, 12, cfg.head_dim)  # 10 of 12 filled: the contiguous whole buffer
+    # 10 of 12 filled: torch's operators attend over the contiguous whole buffer, the native kernel over the prefix
+    native = kernels.attends(torch.device("cpu"), dtype, head_dim)
+    assert keys.shape == values.shape == (3, cfg.n_kv_heads, 10 if native else 12, head_dim)
     for row, start in enumerate((0, 4, 7)):
         assert torch.equal(cache.k[1, row, :, start : start + q], k[row].to(dtype))
         assert torch.equal(cache.v[1, row, :, start : start + q], v[row].to(dtype))
@@ -667,4 +672,4 @@ def test_update_writes_each_row_at_its_own_slots(target, dtype):
     short = KVCache(cfg, 3, 40, dtype, "cpu")
     short.commit(torch.tensor([0, 4, 7]))
     short.attn_mask(q)
-    assert short.update(1, k, v)[0].shape == (3, cfg.n_kv_heads, 7 + q, cfg.head_dim)  # under half: the prefix
+    assert short.update(1, k, v)[0].shape == (3, cfg.n_kv_heads, 7 + q, head_dim)  # under half: the prefix

@@ -273,12 +273,17 @@ def linear(x: Tensor, packed: Tensor, out_features: int, bias: Tensor | None = N
     return op(rows, packed, out_features, bias, fp32).view(*x.shape[:-1], out_features)
 
 
+def attends(device: torch.device, kv_dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether attention over a cache of this dtype and head size on this device runs the native kernel (see
+    `supported`), which reads a strided prefix of a cache buffer as fast as a whole one."""
+    return head_dim in HEAD_DIMS and supported(device, kv_dtype)
+
+
 def takes(xq: Tensor, keys: Tensor, values: Tensor, bias: Tensor) -> bool:
-    """Whether `decode_attention` takes these operands (see `supported`; a supported head size, contiguous last
-    dimensions)."""
-    return (keys.shape[-1] in HEAD_DIMS and keys.stride(-1) == 1 and values.stride(-1) == 1 and bias.stride(-1) == 1
+    """Whether `decode_attention` takes these operands (see `attends`; contiguous last dimensions)."""
+    return (keys.stride(-1) == 1 and values.stride(-1) == 1 and bias.stride(-1) == 1
             and xq.shape[2] % bias.shape[2] == 0 and values.dtype == bias.dtype == keys.dtype
-            and supported(keys.device, keys.dtype))
+            and attends(keys.device, keys.dtype, keys.shape[-1]))
 
 
 def decode_attention(xq: Tensor, keys: Tensor, values: Tensor, bias: Tensor, *,

@@ -20,6 +20,7 @@ import copy
 import torch
 from torch import Tensor
 
+from magicdec import kernels
 from magicdec.config import ModelConfig
 
 
@@ -89,12 +90,16 @@ class KVCache:
     def attended_slots(self, q: int) -> int:
         """How many leading slots a forward of q new tokens attends over (the rest are never filled).
 
-        On CPU, every slot once the filled prefix reaches half the capacity: a prefix of each row is a strided view,
-        which the matmuls (and SDPA) copy before multiplying, while the whole buffer is contiguous; reading it costs
-        at most twice the bytes and saves that copy, which made decode steps faster in bf16 and in fp32
-        (benchmarks/README.md, "Whole buffers"). The unfilled slots are masked."""
+        Where torch's operators attend on CPU, every slot once the filled prefix reaches half the capacity: a prefix
+        of each row is a strided view, which the matmuls (and SDPA) copy before multiplying, while the whole buffer is
+        contiguous; reading it costs at most twice the bytes and saves that copy, which made decode steps faster in
+        bf16 and in fp32 (benchmarks/README.md, "Whole buffers"). The unfilled slots are masked. The native kernel
+        reads the prefix view as it is: a prefill chunk past half a 32k cache attended over all of it, and checking
+        the unfilled tiles cost a fifth of Gemma 3's global attention."""
         n = self.max_len + q
-        return self.capacity if self.device.type == "cpu" and 2 * n >= self.capacity else n
+        whole = (self.device.type == "cpu" and 2 * n >= self.capacity
+                 and not kernels.attends(self.device, self.dtype, self.k.shape[-1]))
+        return self.capacity if whole else n
 
     # --- what the engine calls -------------------------------------------------------------------
     def commit(self, n: Tensor | int) -> None:
