@@ -344,6 +344,7 @@ TABLES = {"ar": ar, "dtype_linear": dtype_linear, "dtype_forward": dtype_forward
           "gemma_zen4_32k_blocks": lambda: gemma_auto("zen4_32k_blocks"),
           "gemma_zen4_32k_sampler": lambda: gemma_auto("zen4_32k_sampler"),
           "gemma_zen4_32k_sampler2": lambda: gemma_auto("zen4_32k_sampler2"),
+          "gemma_zen4_32k_prefix": lambda: gemma_auto("zen4_32k_prefix"),
           "gemma_attention": lambda: attention(False, "gemma/attention_32k"),
           "avx2_storage": avx2_storage, "avx2_grid": avx2_grid, "avx2_llamacpp": avx2_llamacpp,
           "avx2_grid_2t": lambda: avx2_grid("_2t"), "avx2_llamacpp_2t": lambda: avx2_llamacpp("_2t"),
