@@ -353,6 +353,7 @@ TABLES = {"ar": ar, "dtype_linear": dtype_linear, "dtype_forward": dtype_forward
           "avx2_llamacpp_zen4_regs": lambda: avx2_llamacpp("_zen4_regs"),
           "avx2_grid_zen4_quads": lambda: avx2_grid("_zen4_quads"),
           "avx2_llamacpp_zen4_quads": lambda: avx2_llamacpp("_zen4_quads"),
+          "avx2_llamacpp_zen4_prefix": lambda: avx2_llamacpp("_zen4_prefix"),
           "avx2_grid_zen4_blocks": lambda: avx2_grid("_zen4_blocks"),
           "avx2_llamacpp_zen4_blocks": lambda: avx2_llamacpp("_zen4_blocks"),
           "avx2_grid_zen4_sampler": lambda: avx2_grid("_zen4_sampler"),
