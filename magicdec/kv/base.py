@@ -41,6 +41,9 @@ class KVCache:
         self.max_len = 0  # host-side upper bound of lens, so attention reads only the filled prefix
         self._slots: Tensor | None = None  # slots being written by the current forward, [B, q]
         self._rows = torch.arange(batch, device=device)[:, None]  # [B, 1], pairs with _slots
+        # where torch's operators attend on CPU, over the whole buffer once half of it is filled (`attended_slots`)
+        self._whole_buffer = (self.device.type == "cpu"
+                              and not kernels.attends(self.device, dtype, cfg.head_dim))
 
     @staticmethod
     def nbytes(cfg: ModelConfig, batch: int, capacity: int, dtype: torch.dtype) -> int:
@@ -97,9 +100,7 @@ class KVCache:
         reads the prefix view as it is: a prefill chunk past half a 32k cache attended over all of it, and checking
         the unfilled tiles cost a fifth of Gemma 3's global attention."""
         n = self.max_len + q
-        whole = (self.device.type == "cpu" and 2 * n >= self.capacity
-                 and not kernels.attends(self.device, self.dtype, self.k.shape[-1]))
-        return self.capacity if whole else n
+        return self.capacity if self._whole_buffer and 2 * n >= self.capacity else n
 
     # --- what the engine calls -------------------------------------------------------------------
     def commit(self, n: Tensor | int) -> None:
