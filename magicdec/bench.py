@@ -20,12 +20,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
+import torch
 from tqdm import tqdm
 
 from magicdec.autoplan import choose
 from magicdec.calibrate.acceptance import sampling_params
 from magicdec.calibrate.machine import machine_info
 from magicdec.calibrate.quick import planning_profile
+from magicdec.calibrate.timing import read_rate
 from magicdec.cli import llm_options
 from magicdec.corpus import cut_prompts, load_texts
 from magicdec.engine import LLM
@@ -43,6 +45,8 @@ from magicdec.speculative import SpeculativeConfig
 MODES = ("greedy", "sampling")
 DRAFTERS = ("none", "self-streaming", "self-snapkv", "auto")
 POSITIONS = (None, "reindex", "original")  # None: the default per cache kind
+#: Bytes summed after each run for the memory's read rate (`read_bandwidth_gbs`): well past a last-level cache.
+READ_PROBE_BYTES = 256 * 2**20
 
 
 @dataclass
@@ -226,6 +230,10 @@ def _run_config(llm: LLM, args, grid: BenchGrid, rows: list[list[int]], ctx: int
         spec = speculative_config(cfg)
     llm.generate(prompt_token_ids=rows, params=params, speculative=spec, gamma_policy=policy)
     stats = llm.last_stats
+    # the memory's read rate right after the run: a VM's moves by up to 2x within an hour, and this places the run
+    probe = torch.full((READ_PROBE_BYTES // 4,), 0.5, device=llm.model.device)
+    read_gbs = read_rate(probe, 3) / 1e9
+    del probe
     if policy is not None:  # the prediction again with the acceptance the run learned: the cost model's error alone
         mid = ctx + grid.new_tokens // 2
         chosen |= {"learned_alpha": policy.alpha(mid),
@@ -235,7 +243,8 @@ def _run_config(llm: LLM, args, grid: BenchGrid, rows: list[list[int]], ctx: int
         "acceptance": stats.acceptance_rate, "accepted_hist": stats.accepted_hist,
         "steps": stats.steps, "gamma_changes": stats.gamma_changes, "decode_s": stats.decode_s,
         "draft_s": stats.draft_s, "verify_s": stats.verify_s, "max_batch": stats.max_batch,
-        "peak_memory_gib": stats.peak_memory_bytes / 1024**3, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "peak_memory_gib": stats.peak_memory_bytes / 1024**3, "read_bandwidth_gbs": read_gbs,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
 
 
@@ -300,8 +309,14 @@ def best_points(doc: dict) -> list[dict]:
 
 
 def format_results(doc: dict) -> str:
+    """The best configuration per cell against plain decoding, then the range of the memory's read rate after the runs
+    (where recorded): a spread that wide between runs of a VM also spreads their throughputs."""
     rows = best_points(doc)
-    return format_table(rows) if rows else "no results"
+    if not rows:
+        return "no results"
+    rates = [p["read_bandwidth_gbs"] for p in doc["points"].values() if "read_bandwidth_gbs" in p]
+    spread = f"\nmemory read rate after the runs: {min(rates):.1f}-{max(rates):.1f} GB/s" if rates else ""
+    return format_table(rows) + spread
 
 
 def plot_results(doc: dict, folder: Path, stem: str) -> list[Path]:

@@ -89,11 +89,12 @@ def test_bench_resumes_and_plots(tmp_path, capsys):
     out = tmp_path / "bench.json"
     argv = ["bench", "--corpus", str(DATA), "--batch", "2", "--context", "200", "--drafters",
             "none,self-streaming", "--budget", "32", "--gamma", "1,2", "--max-tokens", "6", "--out", str(out)]
-    assert run(argv, capsys)[0] == 0
+    code, printed, _ = run(argv, capsys)
+    assert code == 0 and "memory read rate after the runs:" in printed
     doc = json.loads(out.read_text())
     points = {k: v for k, v in doc["points"].items()}
     assert len(points) == 3 and "machine" in doc and doc["settings"]["new_tokens"] == 6
-    assert all(p["throughput"] > 0 for p in points.values())
+    assert all(p["throughput"] > 0 and p["read_bandwidth_gbs"] > 0 for p in points.values())
     assert any("speedup" in p for p in points.values())
     assert (tmp_path / "bench_throughput.png").exists() and (tmp_path / "bench_acceptance.png").exists()
     stamps = {k: v["time"] for k, v in points.items()}

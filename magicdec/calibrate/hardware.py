@@ -34,7 +34,8 @@ import torch
 
 from magicdec.calibrate.acceptance import CalibrationProgress, sampling_params
 from magicdec.calibrate.machine import device_memory_bytes, machine_info
-from magicdec.calibrate.timing import best_time, median_time, model_config_from_shape, synthetic_model, time_forward
+from magicdec.calibrate.timing import (best_time, median_time, model_config_from_shape, read_rate, synthetic_model,
+                                      time_forward)
 from magicdec.config import EngineConfig, ModelConfig
 from magicdec.cpu import cpu_kind, dtype_name
 from magicdec.engine import LLMEngine
@@ -170,14 +171,11 @@ def measure_read_bandwidth(run: _Run) -> dict[str, float]:
     """Plain read bandwidth, bytes/s: reductions over a tensor well beyond the last-level cache."""
     nbytes = (2 * GiB if run.gpu else 512 * 2**20) if run.quick else (4 * GiB if run.gpu else 1 * GiB)
     x = torch.empty(nbytes // run.es, dtype=run.dtype, device=run.device).fill_(0.5)  # values do not change the speed
-    # the bytes seen as fp32: a bf16 .sum() on CPU converts as it reads, at a fraction of the bandwidth
-    x32 = x.view(torch.float32)
-    t_sum = best_time(lambda: x32.sum(), run.device, run.reps)
     cols = 4096
     xm = x[: x.numel() // cols * cols].view(-1, cols)
     ones = torch.ones(cols, dtype=run.dtype, device=run.device)
     t_mv = best_time(lambda: torch.mv(xm, ones), run.device, run.reps)
-    return {"sum": nbytes / t_sum, "mv": xm.numel() * run.es / t_mv, "bytes": nbytes}
+    return {"sum": read_rate(x, run.reps), "mv": xm.numel() * run.es / t_mv, "bytes": nbytes}
 
 
 def measure_matmul(run: _Run) -> list[dict[str, float]]:

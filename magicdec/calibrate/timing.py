@@ -35,6 +35,13 @@ def best_time(fn: Callable[[], Any], device: torch.device, reps: int, warmup: in
     return min(times(fn, device, reps, warmup))
 
 
+def read_rate(x: torch.Tensor, reps: int) -> float:
+    """Bytes/s of the fastest of `reps` plain sums over x, its bytes read as fp32 (a 16-bit sum on CPU converts as it
+    reads, at a fraction of the bandwidth): over a tensor well beyond the last-level cache, the memory's read rate."""
+    x32 = x.view(torch.float32)
+    return x.numel() * x.element_size() / best_time(lambda: x32.sum(), x.device, reps)
+
+
 def median_time(fn: Callable[[], Any], device: torch.device, reps: int, warmup: int = 1) -> float:
     """Median of `reps` runs: the estimate of what a real run takes."""
     return statistics.median(times(fn, device, reps, warmup))
