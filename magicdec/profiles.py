@@ -20,7 +20,7 @@ from magicdec.engine import parse_dtype
 from magicdec.loading.cache import cache_root
 from magicdec.model import attention_path, linear_path
 from magicdec.planner import PRESETS, AcceptanceTable, HardwareProfile, ModelShape
-from magicdec.planner.hardware import CPU_PRESETS
+from magicdec.planner.hardware import CPU_PRESETS, eager
 
 #: The acceptance tables shipped with magicdec (package data) by model architecture, each measured on PG-19 with a
 #: model of that family; other architectures plan with the first.
@@ -64,7 +64,8 @@ def target_shape(cfg: ModelConfig) -> ModelShape:
 
 def preset_for_device(device: str, dtype: str | None = None) -> HardwareProfile:
     """The preset standing in for an uncalibrated device: for a CPU, the measured preset of the same dtype (fp32,
-    bf16), from the same kind of CPU where there is one; for a GPU, the one matching its name."""
+    bf16), from the same kind of CPU where there is one; for a GPU, the one matching its name, as the engine runs on it
+    (`eager`: kernels launched from Python); a common datacenter GPU's where there is no CUDA to ask."""
     if not device.startswith("cuda"):
         kind = cpu.cpu_kind()
         return PRESETS[min(CPU_PRESETS, key=lambda n: (PRESETS[n].dtype != dtype, not n.startswith(f"cpu-{kind}-")))]
@@ -72,7 +73,7 @@ def preset_for_device(device: str, dtype: str | None = None) -> HardwareProfile:
         name = torch.cuda.get_device_name(torch.device(device)).lower()
     except Exception:  # no CUDA here (planning for another machine): a common datacenter GPU
         return PRESETS[FALLBACK_GPU_PRESET]
-    return PRESETS[next((preset for fragment, preset in _GPU_PRESETS if fragment in name), FALLBACK_GPU_PRESET)]
+    return eager(PRESETS[next((preset for fragment, preset in _GPU_PRESETS if fragment in name), FALLBACK_GPU_PRESET)])
 
 
 def load_profile(device: str = "cpu", dtype: str | None = None) -> HardwareProfile:

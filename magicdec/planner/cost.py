@@ -7,7 +7,8 @@ The forward pass is split into two groups of kernels that are bound separately:
 - attention streams the KV cache and does 4 * B * q * L * n_layers * n_heads * head_dim flops.
 
 Each group takes max(bytes / effective bandwidth, flops / effective FLOP rate), and the pass takes the sum of the two
-plus overhead (plus all-reduce time under tensor parallelism). Taking one max over the whole pass would let the
+plus overhead (plus all-reduce time under tensor parallelism), or on a GPU the time the host takes to launch its
+kernels where that is longer (eager PyTorch launches a small model's kernels slower than the device runs them). Taking one max over the whole pass would let the
 attention's idle compute hide the linear layers' compute: once verification of gamma+1 tokens makes the linear layers
 compute-bound while attention is still streaming a long KV cache, the two add up, which is why verification gets
 dearer with gamma even when the KV cache dominates.
@@ -43,7 +44,7 @@ class ForwardCost:
     t_comm: float
     """Tensor-parallel all-reduces (0 when tp == 1)."""
     t_overhead: float
-    """Fixed and per-layer overhead."""
+    """Fixed and per-layer overhead (without the kernel launches a host-bound forward waits for: see `time`)."""
     time: float
     """Predicted seconds for the pass."""
     dominant: str
@@ -153,6 +154,8 @@ def forward_cost(w: Workload, q: int, kv_len: int) -> ForwardCost:
     shares = {"weights": 0.0, "kv": 0.0, "compute": 0.0, "overhead": t_overhead + t_comm}
     shares["weights" if t_linear_memory >= t_linear_compute else "compute"] += max(t_linear_memory, t_linear_compute)
     shares["kv" if t_kv >= t_attention_compute else "compute"] += max(t_kv, t_attention_compute)
+    # the device works while the host launches the next kernels: a forward takes at least the launches
+    shares["overhead"] += max(0.0, hw.launch_per_layer_s * shape.n_layers - sum(shares.values()))
     return ForwardCost(
         bytes_weights=bytes_weights, bytes_kv=bytes_kv, bytes_activations=bytes_activations,
         flops_linear=flops_linear, flops_attention=flops_attention,

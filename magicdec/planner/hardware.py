@@ -38,6 +38,10 @@ class HardwareProfile:
     """Time per forward pass that does not scale with work: kernel launches, Python, sync."""
     per_layer_overhead_s: float = 0.0
     """Extra fixed time per layer per forward pass (e.g. all-reduce latency under TP)."""
+    launch_per_layer_s: float = 0.0
+    """Host time to launch one layer's kernels, per forward pass (eager PyTorch on a GPU). The device runs the
+    kernels while the host launches the next ones, so a forward takes the longer of the two: its work plus
+    overhead, or n_layers times this. 0 where the host waits on each kernel (CPUs)."""
     ici_bandwidth: float | None = None
     """Per-direction interconnect bandwidth per device, bytes/s (NVLink, PCIe); None if unknown. From
     `magicdec calibrate`: the all-reduce's measured bus bandwidth (the message's bytes per second times
@@ -74,8 +78,8 @@ class HardwareProfile:
         if not isinstance(self.name, str):
             raise ValueError(f"name must be a string, got {self.name!r}")
         numbers = ["flops_per_s", "mem_bandwidth", "mem_bytes", "matmul_efficiency", "bandwidth_efficiency",
-                   "attention_efficiency", "fixed_overhead_s", "per_layer_overhead_s", "allreduce_latency_s",
-                   "sampling_s_per_logit"]
+                   "attention_efficiency", "fixed_overhead_s", "per_layer_overhead_s", "launch_per_layer_s",
+                   "allreduce_latency_s", "sampling_s_per_logit"]
         for field in numbers + (["ici_bandwidth"] if self.ici_bandwidth is not None else []):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
@@ -99,7 +103,7 @@ class HardwareProfile:
             value = getattr(self, field)
             if not 0 < value <= 1:
                 raise ValueError(f"{field} must be in (0, 1], got {value}")
-        if min(self.fixed_overhead_s, self.per_layer_overhead_s, self.allreduce_latency_s,
+        if min(self.fixed_overhead_s, self.per_layer_overhead_s, self.launch_per_layer_s, self.allreduce_latency_s,
                self.sampling_s_per_logit) < 0:
             raise ValueError("overheads must be non-negative")
         if self.ici_bandwidth is not None and self.ici_bandwidth <= 0:
@@ -131,12 +135,25 @@ TB = 1e12
 TFLOPS = 1e12
 
 
+#: Host seconds to launch a layer's kernels in magicdec's eager forward on a GPU: on an H200's host, Gemma 3 270M's
+#: decode, verification and draft forwards took 9.5-12.7 ms at every batch and context up to 128 x 32k, 18 layers
+#: (benchmarks/results/gpu_check_h200*.json), where the same forwards replayed from CUDA graphs took 2.2-8.5.
+#: `eager` adds it to a preset.
+GPU_LAUNCH_PER_LAYER_S = 0.55e-3
+
+
 # GPU presets. Peak numbers are from the NVIDIA datasheets; the efficiencies (the profile's defaults) and the fixed
 # overhead are our assumptions (typical of a compiled PyTorch decode loop), not measurements. Datasheets quote "with
 # sparsity" tensor FLOP/s; we use the dense figure (half of it).
 def _gpu(name: str, tflops: float, mem_bandwidth: float, mem_gb: float, ici_gb: float) -> HardwareProfile:
     return HardwareProfile(name=name, flops_per_s=tflops * TFLOPS, mem_bandwidth=mem_bandwidth, mem_bytes=mem_gb * GB,
                            ici_bandwidth=ici_gb * GB, fixed_overhead_s=2e-3)
+
+
+def eager(preset: HardwareProfile) -> HardwareProfile:
+    """A GPU preset as magicdec's engine runs on it: forwards launched kernel by kernel from Python (no CUDA graphs),
+    so that a small model's forward takes the host's launch time whatever its work (named `<preset>-eager`)."""
+    return dataclasses.replace(preset, name=f"{preset.name}-eager", launch_per_layer_s=GPU_LAUNCH_PER_LAYER_S)
 
 
 PRESETS: dict[str, HardwareProfile] = {p.name: p for p in (
