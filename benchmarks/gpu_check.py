@@ -5,7 +5,8 @@
 2. Forward times at Llama-3.1-8B and Gemma 3 270M shapes with placeholder bf16 weights: a decode step (q=1 over
    S), a verification (q=gamma+1 over S) and a self-speculative draft step (q=1 over a `budget`-token cache), for
    each batch B and context S whose KV cache fits, eager and replayed from a CUDA graph (the GPU's own time), with
-   the cost model's prediction (H200 preset) beside each.
+   the cost model's predictions beside each: the H200 preset (launch-free, as graphs run) and `eager` of it (the
+   engine's kernel launches, what `--draft auto` plans with on a GPU).
 3. The engine on the GPU (Gemma 3 270M shape, random weights): a plain decode step and a self-speculative round as
    `LLMEngine` runs them, Python and sampling included, against the forwards of item 2. Random weights make the
    acceptance meaningless; the round's time is what a real model's acceptance multiplies.
@@ -29,6 +30,7 @@ from magicdec.errors import OutOfMemoryError
 from magicdec.kv.hybrid import cache_bytes
 from magicdec.memory import check_fits
 from magicdec.planner import Workload, forward_cost, get_model_shape, get_profile
+from magicdec.planner.hardware import eager
 from magicdec.sampling import SamplingParams
 from magicdec.scheduler import FixedGamma
 from magicdec.speculative import Speculation
@@ -128,8 +130,10 @@ def step_times(device: torch.device, name: str, batches, contexts, gamma: int, b
                 continue
             (t_dec, g_dec), (t_ver, g_ver), (t_dra, g_dra) = (forward_ms(model, B, q, L)
                                                               for q, L in ((1, S), (gamma + 1, S), (1, budget)))
-            pred = {k: forward_cost(Workload(shape, hw, B, S), q, L).time * 1e3
-                    for k, q, L in (("decode", 1, S), ("verify", gamma + 1, S), ("draft", 1, budget))}
+            steps = (("decode", 1, S), ("verify", gamma + 1, S), ("draft", 1, budget))
+            # the preset as CUDA graphs run (beside the replays) and as the eager engine runs (beside the eager times)
+            pred = {f"{prefix}{k}": forward_cost(Workload(shape, profile, B, S), q, L).time * 1e3
+                    for prefix, profile in (("", hw), ("eager_", eager(hw))) for k, q, L in steps}
             row = {"model": name, "B": B, "S": S, "decode_ms": t_dec, "verify_ms": t_ver, "draft_ms": t_dra,
                    "verify/decode": t_ver / t_dec, "draft/decode": t_dra / t_dec,
                    "graph_decode_ms": g_dec, "graph_verify_ms": g_ver, "graph_draft_ms": g_dra,
