@@ -128,9 +128,8 @@ def step_times(device: torch.device, name: str, batches, contexts, gamma: int, b
             except OutOfMemoryError as e:
                 print(f"skip: {e}", flush=True)
                 continue
-            (t_dec, g_dec), (t_ver, g_ver), (t_dra, g_dra) = (forward_ms(model, B, q, L)
-                                                              for q, L in ((1, S), (gamma + 1, S), (1, budget)))
             steps = (("decode", 1, S), ("verify", gamma + 1, S), ("draft", 1, budget))
+            (t_dec, g_dec), (t_ver, g_ver), (t_dra, g_dra) = (forward_ms(model, B, q, L) for _, q, L in steps)
             # the preset as CUDA graphs run (beside the replays) and as the eager engine runs (beside the eager times)
             pred = {f"{prefix}{k}": forward_cost(Workload(shape, profile, B, S), q, L).time * 1e3
                     for prefix, profile in (("", hw), ("eager_", eager(hw))) for k, q, L in steps}

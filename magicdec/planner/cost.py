@@ -8,10 +8,10 @@ The forward pass is split into two groups of kernels that are bound separately:
 
 Each group takes max(bytes / effective bandwidth, flops / effective FLOP rate), and the pass takes the sum of the two
 plus overhead (plus all-reduce time under tensor parallelism), or on a GPU the time the host takes to launch its
-kernels where that is longer (eager PyTorch launches a small model's kernels slower than the device runs them). Taking one max over the whole pass would let the
-attention's idle compute hide the linear layers' compute: once verification of gamma+1 tokens makes the linear layers
-compute-bound while attention is still streaming a long KV cache, the two add up, which is why verification gets
-dearer with gamma even when the KV cache dominates.
+kernels where that is longer (eager PyTorch launches a small model's kernels slower than the device runs them).
+Taking one max over the whole pass would let the attention's idle compute hide the linear layers' compute: once
+verification of gamma+1 tokens makes the linear layers compute-bound while attention is still streaming a long KV
+cache, the two add up, which is why verification gets dearer with gamma even when the KV cache dominates.
 
 A calibrated profile may carry measured rates instead of a single efficiency per group: the weight bytes/s of the
 linear layers against the tokens per forward, and the KV bytes/s of attention against the new tokens per sequence
