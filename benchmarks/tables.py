@@ -4,7 +4,11 @@ Each table sits between `<!-- table:NAME -->` and `<!-- /table -->` in the READM
 current result file of its benchmark (TABLES below), so no number in a table is typed by hand.
 
     python benchmarks/tables.py            # rewrite the tables in place
-    python benchmarks/tables.py --check    # exit 1 (naming the stale tables) if the README differs
+    python benchmarks/tables.py --check    # exit 1 if the README differs, or the files and the README disagree
+
+Both also keep benchmarks/results to what the README shows: they fail where the README names a file under
+`results/` that does not exist, where a JSON file under results/ feeds no table, and where a PNG under results/ is
+shown by neither this README nor the top-level one. A superseded run is deleted (git keeps it), not kept beside.
 """
 
 from __future__ import annotations
@@ -22,12 +26,19 @@ from cpu_grid import grid_rows, markdown  # noqa: E402
 from magicdec.planner.report import format_table  # noqa: E402
 
 README = HERE / "README.md"
+TOP_README = HERE.parent / "README.md"
 RESULTS = HERE / "results"
 BLOCK = re.compile(r"(<!-- table:(\w+) -->\n)(.*?)(<!-- /table -->)", re.S)
+#: A result file or plot named in a README: `results/...` (or `benchmarks/results/...`), .json or .png.
+RESULT_REF = re.compile(r"(?<![\w/.-])(?:benchmarks/)?results/([\w./-]+?\.(?:json|png))(?![\w/-])")
+#: The result files the tables rendered so far have read.
+USED: set[Path] = set()
 
 
 def load(name: str) -> dict:
-    return json.loads((RESULTS / f"{name}.json").read_text())
+    path = RESULTS / f"{name}.json"
+    USED.add(path)
+    return json.loads(path.read_text())
 
 
 def text(rows: list[dict]) -> str:
@@ -43,26 +54,6 @@ def model(doc: dict) -> str:
 
 def ms(seconds: float) -> str:
     return f"{1e3 * seconds:.0f} ms"
-
-
-def ar() -> str:
-    return text([{"batch": p["batch"], "context": p["context"], "threads": p.get("threads"),
-                  "magicdec tok/s": p["magicdec"]["tok_s"], "transformers tok/s": p.get("hf", {}).get("tok_s"),
-                  "ratio": f"{p['speedup']:.2f}x" if "speedup" in p else None,
-                  "magicdec / floor": p["magicdec"]["step_over_floor"],
-                  "transformers / floor": p.get("hf", {}).get("step_over_floor")} for p in load("ar")["points"]])
-
-
-def dtype_linear() -> str:
-    doc, rows = load("dtype"), {}
-    for p in doc["linear"]:
-        rows.setdefault(f"{p['layer']} {p['in']}->{p['out']}", {})[f"{p['rows']} rows"] = p["bf16_over_fp32"]
-    return text([{"bf16 / fp32 time": layer, **cells} for layer, cells in rows.items()])
-
-
-def dtype_forward() -> str:
-    return text([{"B": p["batch"], "L": p["context"], "q": p["q"], "fp32": ms(p["seconds"]["fp32"]),
-                  "bf16": ms(p["seconds"]["bf16"]), "bf16 / fp32": p["bf16_over_fp32"]} for p in load("dtype")["forward"]])
 
 
 ATTENTION = {"SDPA, bias": "sdpa additive bias", "bf16 matmuls": "matmul, bf16 softmax",
@@ -180,12 +171,6 @@ def chat(name: str) -> str:
     return f"```\n{table(doc['results'])}\n\n{summary_table(doc['results'])}\n```\n\nModel: {model(doc)}."
 
 
-def serving_trace() -> str:
-    from serving_trace import table
-
-    return table(load("serving_trace")["runs"])
-
-
 def tp() -> str:
     rows = []
     for r in load("tp")["runs"]:
@@ -215,37 +200,6 @@ def _cells(doc: dict) -> dict[tuple, list[dict]]:
     return cells
 
 
-def throughput() -> str:
-    rows = []
-    for (b, s, mode), pts in sorted(_cells(load("throughput")).items(), key=lambda c: (-c[0][1], -c[0][0])):
-        ar_ = next(p for p in pts if p["draft"] == "none")
-        spec = [p for p in pts if p["draft"] not in ("none", "auto")]
-        best = max(spec, key=lambda p: p["throughput"])
-        auto = next((p for p in pts if p["draft"] == "auto"), None)
-        rows.append({"batch": b, "prompt": s, "AR tok/s": ar_["throughput"],
-                     "best speculative": f"{best['draft']} K={best['budget']} g={best['gamma']}",
-                     "tok/s": best["throughput"], "tokens/step": best["tokens_per_step"],
-                     "speedup": f"{best['throughput'] / ar_['throughput']:.2f}x",
-                     "auto speedup": f"{auto['throughput'] / ar_['throughput']:.2f}x" if auto else None})
-    return text(rows)
-
-
-def draft_vocab() -> str:
-    """Gemma 3 self-speculation with its whole LM head against a draft head over the 32k most frequent tokens, beside
-    plain decoding, per context and mode (`magicdec bench --draft-vocab 0,32k`)."""
-    rows = []
-    for path in sorted(RESULTS.glob("gemma/draft_vocab_*.json")):
-        for (b, s, mode), pts in sorted(_cells(json.loads(path.read_text())).items()):
-            plain = next(p for p in pts if p["draft"] == "none")
-            row = {"B": b, "context": s, "mode": mode, "plain tok/s": plain["throughput"]}
-            for p in sorted((p for p in pts if p["draft"] != "none"), key=lambda p: p.get("draft_vocab", 0)):
-                head = f"head {p.get('draft_vocab') or 'all'}"
-                row.update({f"{head} tok/s": p["throughput"], f"{head} x plain": p["throughput"] / plain["throughput"],
-                            f"{head} tokens/step": p["tokens_per_step"], f"{head} draft s": p["draft_s"]})
-            rows.append(row)
-    return text(rows) if rows else "No results yet (`results/gemma/draft_vocab_*.json`): run the command above."
-
-
 def gemma_auto(name: str) -> str:
     """Gemma 3 per cell and mode: plain decoding, then each other configuration of the run (`--draft auto`: what it
     chose, its predicted throughput and how far that was from the measurement)."""
@@ -266,32 +220,6 @@ def gemma_auto(name: str) -> str:
                 row["at learned alpha / measured"] = f"{learned / p['throughput']:.2f}"
             rows.append(row)
     return text(rows)
-
-
-def gemma_ab(before: str, after: str) -> str:
-    """Two runs of the same Gemma 3 bench command, before and after a change, one after the other."""
-    rows = []
-    for name, label in ((before, "before"), (after, "after")):
-        for (b, s, mode), pts in sorted(_cells(load(f"gemma/{name}")).items()):
-            by = {p["draft"]: p for p in pts}
-            plain, auto = by["none"]["throughput"], by["auto"]
-            rows.append({"run": label, "B": b, "context": s, "mode": mode, "plain tok/s": plain,
-                         "plain runs": " / ".join(f"{t:.1f}" for t in by["none"]["throughput_runs"]),
-                         "auto": auto["chosen"], "auto tok/s": auto["throughput"],
-                         "auto runs": " / ".join(f"{t:.1f}" for t in auto["throughput_runs"]),
-                         "auto x plain": f"{auto['throughput'] / plain:.2f}x",
-                         "gamma from round": " ".join(f"{g}@{r}" for r, g in auto["gamma_changes"])})
-    return text(rows)
-
-
-def auto() -> str:
-    rows: dict[tuple, dict] = {}
-    for (b, s, mode), pts in sorted(_cells(load("auto")).items(), key=lambda c: (-c[0][1], -c[0][0])):
-        by = {p["draft"]: p["throughput"] for p in pts}
-        row = rows.setdefault((b, s), {"batch": b, "prompt": s})
-        row[f"{mode} AR tok/s"] = by["none"]
-        row[f"{mode} auto"] = f"{by['auto'] / by['none']:.2f}x"
-    return text(list(rows.values()))
 
 
 def positions() -> str:
@@ -316,52 +244,54 @@ def gpu_check(*runs: tuple[str, str]) -> str:
     return text(rows) + "\n\n" + text(engine)
 
 
-TABLES = {"ar": ar, "dtype_linear": dtype_linear, "dtype_forward": dtype_forward,
-          "attention": lambda: attention(False), "attention_prefill": lambda: attention(True), "linear": lambda: linear("linear", "gb_per_s", "torch", "kernel"),
-          "linear_tiles": lambda: linear("linear_amx", "gflop_per_s", "kernel", "tiles"),           "bf16_flips": bf16_flips, "cpu_grid": cpu_grid, "llamacpp": llamacpp, "throughput": throughput,
-          "auto": auto, "positions": positions, "validate_planner": validate_planner, "serving_8k": serving_8k,
-          "serving_trace": serving_trace, "chat": lambda: chat("chat"), "chat_shared": lambda: chat("chat_shared"), "prefix_hit": prefix_hit,
-          "tp": tp, "draft_vocab": draft_vocab,
-          "gemma_auto_32k": lambda: gemma_auto("auto_32k"), "gemma_auto_grid": lambda: gemma_auto("auto_grid"),
-          "gemma_auto_32k_sampler": lambda: gemma_auto("auto_32k_sampler"),
-          "gemma_auto_grid_sampler": lambda: gemma_auto("auto_grid_sampler"),
-          "gemma_auto_grid_overhead": lambda: gemma_auto("auto_grid_overhead"),
-          "gemma_auto_32k_learned": lambda: gemma_auto("auto_32k_learned"),
-          "gemma_auto_32k_repeats": lambda: gemma_auto("auto_32k_repeats"),
-          "gemma_auto_32k_llamacpp_hour2": lambda: gemma_auto("auto_32k_llamacpp_hour2"),
-          "gemma_auto_32k_llamacpp_hour3": lambda: gemma_auto("auto_32k_llamacpp_hour3"),
-          "gemma_auto_32k_ab": lambda: gemma_ab("auto_32k_ab_before", "auto_32k_ab_after"),
-          "gemma_auto_32k_malloc": lambda: gemma_ab("auto_32k_malloc_default", "auto_32k_malloc_kept"),
-          "gemma_zen4_32k": lambda: gemma_ab("zen4_32k_before", "zen4_32k_after"),
-          "gemma_zen4_32k_hour": lambda: gemma_auto("zen4_32k_hour"),
-          "gemma_zen4_32k_rows": lambda: gemma_auto("zen4_32k_rows"),
-          "gemma_zen4_32k_q23": lambda: gemma_auto("zen4_32k_q23"),
-          "gemma_zen4_32k_dims": lambda: gemma_auto("zen4_32k_dims"),
-          "gemma_zen4_32k_pv": lambda: gemma_auto("zen4_32k_pv"),
-          "gemma_zen4_32k_spread": lambda: gemma_auto("zen4_32k_spread"),
-          "gemma_zen4_32k_softmax": lambda: gemma_auto("zen4_32k_softmax"),
-          "gemma_zen4_32k_quads": lambda: gemma_auto("zen4_32k_quads"),
-          "gemma_zen4_32k_blocks": lambda: gemma_auto("zen4_32k_blocks"),
-          "gemma_zen4_32k_sampler": lambda: gemma_auto("zen4_32k_sampler"),
-          "gemma_zen4_32k_sampler2": lambda: gemma_auto("zen4_32k_sampler2"),
-          "gemma_zen4_32k_prefix": lambda: gemma_auto("zen4_32k_prefix"),
+def llamacpp_32k(result: str, llama: str) -> str:
+    """Gemma 3 at B = 32 x 32k against llama.cpp's run beside it (`llama-batched-bench`, the shared prompt prefilled
+    once): plain decoding and `--draft auto` per mode over llama.cpp's generation, and prefill over llama.cpp's."""
+    run = next(r for r in load(f"gemma/{llama}")["runs"] if "speed_tg" in r)
+    rows = []
+    for (b, s, mode), pts in sorted(_cells(load(f"gemma/{result}")).items()):
+        by = {p["draft"]: p for p in pts}
+        for draft, label in (("none", "plain decoding"), ("auto", "--draft auto")):
+            if draft in by:
+                t = by[draft]["throughput"]
+                rows.append({"magicdec": f"{label}, {mode}", "tok/s": t, "llama.cpp tok/s": run["speed_tg"],
+                             "x llama.cpp": f"{t / run['speed_tg']:.2f}x"})
+    plain = next(p for p in load(f"gemma/{result}")["points"].values() if p["draft"] == "none")
+    prefill = plain["context_used"] / plain["prefill_s"]
+    rows.append({"magicdec": f"prefill of the {plain['context_used']}-token prompt", "tok/s": prefill,
+                 "llama.cpp tok/s": run["speed_pp"], "x llama.cpp": f"{prefill / run['speed_pp']:.2f}x"})
+    return text(rows)
+
+
+def paper_comparison() -> str:
+    """The cost model against the speedups the MagicDec paper measured (benchmarks/paper_analysis.py)."""
+    doc = load("paper_analysis")
+    rows = [{"GPUs": r["gpu"], "target": r["target"], "draft": r["draft"], "context": r["context"], "B": r["batch"],
+             "paper": r["paper_speedup"], "preset": r["preset_speedup"], "fitted": r["fitted_speedup"],
+             "in fit": "yes" if r["in_fit"] else ""} for r in doc["paper_comparison"]]
+    e = doc["paper_comparison_errors"]
+    return text(rows) + (f"\n\nMean absolute relative error on the points held out of the fit: presets "
+                         f"{e['preset_mean_abs_rel_error_held_out']:.1%}, fitted overhead "
+                         f"{e['fitted_mean_abs_rel_error_held_out']:.1%}.")
+
+
+TABLES = {"attention": lambda: attention(False), "attention_prefill": lambda: attention(True),
+          "linear": lambda: linear("linear", "gb_per_s", "torch", "kernel"),
+          "linear_tiles": lambda: linear("linear_amx", "gflop_per_s", "kernel", "tiles"),
           "gemma_attention": lambda: attention(False, "gemma/attention_32k"),
-          "avx2_storage": avx2_storage, "avx2_grid": avx2_grid, "avx2_llamacpp": avx2_llamacpp,
-          "avx2_grid_2t": lambda: avx2_grid("_2t"), "avx2_llamacpp_2t": lambda: avx2_llamacpp("_2t"),
+          "bf16_flips": bf16_flips, "avx2_storage": avx2_storage,
+          "cpu_grid": cpu_grid, "llamacpp": llamacpp,
           "avx2_grid_zen4": lambda: avx2_grid("_zen4"), "avx2_llamacpp_zen4": lambda: avx2_llamacpp("_zen4"),
-          "avx2_grid_zen4_regs": lambda: avx2_grid("_zen4_regs"),
-          "avx2_llamacpp_zen4_regs": lambda: avx2_llamacpp("_zen4_regs"),
-          "avx2_grid_zen4_quads": lambda: avx2_grid("_zen4_quads"),
-          "avx2_llamacpp_zen4_quads": lambda: avx2_llamacpp("_zen4_quads"),
-          "avx2_llamacpp_zen4_prefix": lambda: avx2_llamacpp("_zen4_prefix"),
-          "avx2_grid_zen4_blocks": lambda: avx2_grid("_zen4_blocks"),
-          "avx2_llamacpp_zen4_blocks": lambda: avx2_llamacpp("_zen4_blocks"),
-          "avx2_grid_zen4_sampler": lambda: avx2_grid("_zen4_sampler"),
-          "avx2_llamacpp_zen4_sampler": lambda: avx2_llamacpp("_zen4_sampler"),
-          "gpu_check_h200": lambda: gpu_check(("gpu_check_h200_cudnn", "cuDNN"), ("gpu_check_h200", "no cuDNN"),
-                                               ("gpu_check_h200_again", "no cuDNN, again"),
-                                               ("gpu_check_h200_graphs", "no cuDNN, graphs"))}
-MODELS = {"cpu_grid": "cpu_grid", "throughput": "throughput", "auto": "auto", "positions": "acceptance"}
+          "gemma_auto_32k": lambda: gemma_auto("auto_32k"),
+          "gemma_llamacpp_32k": lambda: llamacpp_32k("auto_32k", "llamacpp_32k"),
+          "gemma_auto_32k_zen4": lambda: gemma_auto("auto_32k_zen4"),
+          "gemma_llamacpp_32k_zen4": lambda: llamacpp_32k("auto_32k_zen4", "llamacpp_32k_zen4"),
+          "gemma_auto_grid": lambda: gemma_auto("auto_grid"),
+          "positions": positions, "validate_planner": validate_planner, "paper_comparison": paper_comparison,
+          "serving_8k": serving_8k, "chat": lambda: chat("chat"), "chat_shared": lambda: chat("chat_shared"),
+          "prefix_hit": prefix_hit, "tp": tp,
+          "gpu_check_h200": lambda: gpu_check(("gpu_check_h200", "run 1"), ("gpu_check_h200_graphs", "run 2, graphs"))}
+MODELS = {"cpu_grid": "cpu_grid", "positions": "acceptance"}
 
 
 def render(readme: str) -> tuple[str, list[str]]:
@@ -382,20 +312,40 @@ def render(readme: str) -> tuple[str, list[str]]:
     return BLOCK.sub(fill, readme), changed
 
 
+def file_problems(readmes: list[str]) -> list[str]:
+    """Where benchmarks/results and the READMEs disagree (call after `render`, which records the files it read):
+    a referenced result file or plot that is missing, a JSON file no table reads, a PNG no README shows."""
+    problems = []
+    named = {RESULTS / m.group(1) for text_ in readmes for m in RESULT_REF.finditer(text_)}
+    problems += [f"names a missing file: results/{p.relative_to(RESULTS)}" for p in sorted(named) if not p.exists()]
+    for path in sorted(RESULTS.rglob("*")):
+        rel = path.relative_to(RESULTS)
+        if path.suffix == ".json" and path not in USED and not path.name.endswith(".partial.json"):
+            problems.append(f"results/{rel} feeds no table (delete it: git keeps superseded runs)")
+        elif path.suffix == ".png" and path not in named:
+            problems.append(f"results/{rel} is shown by no README")
+    return problems
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--check", action="store_true", help="only report whether the README's tables are current")
+    p.add_argument("--check", action="store_true",
+                   help="only report whether the README's tables are current and its files all there and all used")
     p.add_argument("--readme", type=Path, default=README)
     args = p.parse_args()
     old = args.readme.read_text()
     new, changed = render(old)
+    tops = [TOP_README.read_text()] if TOP_README.exists() else []
+    problems = file_problems([new, *tops])
+    for problem in problems:
+        print(f"{args.readme}: {problem}")
     if args.check:
         if changed:
             print(f"{args.readme}: stale tables: {', '.join(changed)} (run python benchmarks/tables.py)")
-        return 1 if changed else 0
+        return 1 if changed or problems else 0
     args.readme.write_text(new)
     print(f"{args.readme}: {len(changed)} tables rewritten" + (f" ({', '.join(changed)})" if changed else ""))
-    return 0
+    return 1 if problems else 0
 
 
 if __name__ == "__main__":

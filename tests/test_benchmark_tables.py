@@ -11,3 +11,27 @@ def test_readme_tables_are_current():
     run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "tables.py"), "--check"],
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stdout + run.stderr
+
+
+def test_check_fails_on_missing_and_unused_result_files(tmp_path, monkeypatch):
+    """`tables.py --check` also keeps benchmarks/results to what the README shows: a result file or plot it names must
+    exist, every JSON file must feed a table, every PNG must be shown by a README."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import tables
+
+    results = tmp_path / "results"
+    (results / "gemma").mkdir(parents=True)
+    used, orphan, plot = results / "a.json", results / "gemma" / "old_run.json", results / "gemma" / "a.png"
+    for path in (used, orphan, plot):
+        path.write_text("{}")
+    monkeypatch.setattr(tables, "RESULTS", results)
+    monkeypatch.setattr(tables, "USED", set())
+    tables.load("a")
+    readme = "Table of `results/a.json`; see also results/gone.json and ![plot](results/gemma/a.png)."
+    problems = tables.file_problems([readme])
+    assert any("missing file: results/gone.json" in p for p in problems), problems
+    assert any("results/gemma/old_run.json feeds no table" in p for p in problems), problems
+    assert not any("a.png" in p or p.endswith("a.json") for p in problems), problems
+    assert tables.file_problems(["only `results/a.json`"]) == [
+        "results/gemma/a.png is shown by no README", "results/gemma/old_run.json feeds no table (delete it: git "
+        "keeps superseded runs)"]
