@@ -254,11 +254,11 @@ def llamacpp_32k(result: str, llama: str) -> str:
         for draft, label in (("none", "plain decoding"), ("auto", "--draft auto")):
             if draft in by:
                 t = by[draft]["throughput"]
-                rows.append({"magicdec": f"{label}, {mode}", "tok/s": t, "llama.cpp tok/s": run["speed_tg"],
+                rows.append({"run": f"magicdec {label}, {mode}", "tok/s": t, "llama.cpp tok/s": run["speed_tg"],
                              "x llama.cpp": f"{t / run['speed_tg']:.2f}x"})
     plain = next(p for p in load(f"gemma/{result}")["points"].values() if p["draft"] == "none")
     prefill = plain["context_used"] / plain["prefill_s"]
-    rows.append({"magicdec": f"prefill of the {plain['context_used']}-token prompt", "tok/s": prefill,
+    rows.append({"run": f"magicdec prefill of the {plain['context_used']}-token prompt", "tok/s": prefill,
                  "llama.cpp tok/s": run["speed_pp"], "x llama.cpp": f"{prefill / run['speed_pp']:.2f}x"})
     return text(rows)
 
