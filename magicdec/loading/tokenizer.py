@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from functools import cached_property
 from pathlib import Path
 from typing import Sequence
 
@@ -36,12 +38,26 @@ class Tokenizer:
         ids = self.tok.encode(text, add_special_tokens=False).ids
         return [self.bos_id, *ids] if self.add_bos and add_bos else ids
 
-    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+    def encode_batch(self, texts: Sequence[str], add_bos: bool = True) -> list[list[int]]:
+        """`encode` of each text."""
         ids = [e.ids for e in self.tok.encode_batch(list(texts), add_special_tokens=False)]
-        return [[self.bos_id, *x] for x in ids] if self.add_bos else ids
+        return [[self.bos_id, *x] for x in ids] if self.add_bos and add_bos else ids
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=True)
+
+    @cached_property
+    def max_token_chars(self) -> int | None:
+        """The most characters of text one token can stand for, so that a text longer than n times this cannot be n
+        tokens; None where the tokenizer may drop or merge text, which leaves no such bound.
+
+        A token's string in the vocabulary is at least as long as the text it stands for when no step before the model
+        removes characters: byte-level BPE spells each byte of the text as one character (and a character is one byte
+        or more), SentencePiece spells a space as U+2581, a byte-fallback piece (<0xNN>) stands for part of one
+        character, and an added token for its own content."""
+        if not _keeps_every_character(self.tok):
+            return None
+        return max(map(len, self.tok.get_vocab(with_added_tokens=True)))
 
     def save(self, path: Path) -> None:
         self.tok.save(str(path))
@@ -70,6 +86,36 @@ def read_tokenizer_file(path: Path) -> HFTokenizer:
         return HFTokenizer.from_file(str(path))
     except Exception as e:  # tokenizers raises a bare Exception on unreadable files
         raise ModelLoadError(f"{path}: unreadable tokenizer ({e})") from None
+
+
+#: Pipeline steps (normalizers, pre-tokenizers) that keep every character of the text: they map characters one to
+#: one, split or add; with the conditions in `_keeps_step`.
+KEEPING_STEPS = frozenset({"ByteLevel", "Digits", "Metaspace", "Prepend", "Append", "Split", "Punctuation", "Replace"})
+
+
+def _keeps_every_character(tok: HFTokenizer) -> bool:
+    """Whether every character of a text ends up in some token's string (the premise of `max_token_chars`).
+
+    Not so where a normalizer or pre-tokenizer strips, collapses or composes characters (Strip, NFC, whitespace
+    splitting), where an added token swallows the spaces beside it, or where one unknown token stands for a run of
+    unknown characters (fused, without byte fallback)."""
+    model = tok.model
+    if not isinstance(model, models.BPE) or (model.unk_token and model.fuse_unk and not model.byte_fallback):
+        return False
+    if any(t.lstrip or t.rstrip for t in tok.get_added_tokens_decoder().values()):
+        return False
+    steps = [json.loads(step.__getstate__()) for step in (tok.normalizer, tok.pre_tokenizer) if step is not None]
+    return all(_keeps_step(step) for step in steps)
+
+
+def _keeps_step(step: dict) -> bool:
+    kind = step.get("type")
+    if kind == "Sequence":
+        return all(_keeps_step(s) for s in step.get("normalizers") or step.get("pretokenizers") or [])
+    if kind == "Replace":  # a string replaced by one at least as long
+        pattern = step.get("pattern", {}).get("String")
+        return pattern is not None and len(step.get("content", "")) >= len(pattern)
+    return kind in KEEPING_STEPS and step.get("behavior") != "Removed"
 
 
 #: llama.cpp's token types (tokenizer.ggml.token_type)
