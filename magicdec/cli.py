@@ -64,15 +64,26 @@ def positive_size(text: str) -> int:
     return at_least_1(parse_size(text), text)
 
 
+def _unit_size(text: str, unit: str, unit_bytes: int, least: int) -> int:
+    """A number of `unit`s (`unit_bytes` each) -> bytes, at least `least` and finite."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size in {unit}: {text!r} (e.g. 4 or 0.5)") from None
+    if not least <= value * unit_bytes < float("inf"):  # nan too
+        raise argparse.ArgumentTypeError(f"a size in {unit} must be finite and {least / unit_bytes:g} or more, "
+                                         f"got {text!r}")
+    return int(value * unit_bytes)
+
+
 def gib_size(text: str) -> int:
     """'1.5' (GiB) -> bytes; 0 and up."""
-    try:
-        gib = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a size in GiB: {text!r} (e.g. 4 or 0.5)") from None
-    if not 0 <= gib < float("inf"):
-        raise argparse.ArgumentTypeError(f"a size in GiB must be 0 or more, got {text!r}")
-    return int(gib * 2**30)
+    return _unit_size(text, "GiB", 2**30, 0)
+
+
+def megabytes(text: str) -> int:
+    """'5' or '0.5' (MB) -> bytes; a byte at least."""
+    return _unit_size(text, "MB", 1_000_000, 1)
 
 
 def port_number(text: str) -> int:
@@ -253,6 +264,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-queued", type=positive_int, default=256,
                    help="requests waiting for a slot before new ones get 429 (default 256)")
     s.add_argument("--max-model-len", type=positive_size, help="prompt + output tokens per request (default: the model's context)")
+    s.add_argument("--max-request-mb", dest="max_request_bytes", type=megabytes, metavar="MB",
+                   help="largest request body in MB; a larger one gets 413 before it is read (default: room for a "
+                        "prompt of --max-model-len of the model's longest tokens, 5 MB for the default model at 8k)")
     s.add_argument("--api-key", help="require `Authorization: Bearer <key>` on /v1 routes")
     s.add_argument("--served-model-name", help="the model name clients send (default: --model, or the default model's name)")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="uvicorn's log level")

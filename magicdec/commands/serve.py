@@ -44,6 +44,7 @@ def run(args) -> int:
 
     mirror = StepMirror(tp) if tp is not None else None
     app = build_app(AsyncEngine(engine, metrics, mirror), llm.tokenizer, metrics, model_name=name, model_root=source,
-                    chat_template=chat_template(source), api_key=args.api_key, on_ready=ready, on_stopped=stopped)
+                    chat_template=chat_template(source), api_key=args.api_key,
+                    max_request_bytes=args.max_request_bytes, on_ready=ready, on_stopped=stopped)
     run_server(app, args.host, args.port, log_level=args.log_level)
     return 0

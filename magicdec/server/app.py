@@ -2,28 +2,37 @@
 
 Routes as vLLM serves them: /v1/completions, /v1/chat/completions (SSE streaming with `stream`), /v1/models,
 /tokenize, /detokenize, /health, /metrics. Every error is the OpenAI envelope `{"error": {"message", "type", "param",
-"code"}}`: 400 bad input, 401 missing key, 404 unknown model, 429 full queue, 500 an engine failure, 503 a dead
-engine.
+"code"}}`: 400 bad input, 401 missing key, 404 unknown model, 413 a body over the size limit, 429 full queue, 500
+an engine failure, 503 a dead engine.
+
+Hostile input costs about what reading it costs: a body over the limit is refused before it is read, a prompt
+longer in characters than the context's tokens can spell is refused before it is tokenized, and tokenizing,
+chat-template rendering and /detokenize run on a few threads off the event loop (the tokenizer releases the GIL), so a
+slow one delays no other request's admission or stream.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
 import secrets
 import socket
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable, Sequence
+from typing import Any, AsyncIterator, Callable, Sequence, TypeVar
 
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from magicdec.engine import check_token_ids
 from magicdec.errors import InvalidRequestError
@@ -38,6 +47,22 @@ from magicdec.server.protocol import (ChatCompletionRequest, ChatMessage, Comple
 
 #: How often a non-streaming request checks whether its client is still connected.
 DISCONNECT_POLL_S = 0.25
+#: Threads that tokenize, render chat templates and detokenize for the requests, off the event loop.
+TEXT_THREADS = 4
+MB = 1_000_000
+#: The most bytes a prompt's character takes in a JSON body (a control character escaped as \\u0000).
+JSON_BYTES_PER_CHAR = 6
+#: The characters a token is taken to stand for in sizing the default body limit, where the tokenizer has no bound.
+ASSUMED_TOKEN_CHARS = 32
+
+T = TypeVar("T")
+
+
+def default_max_request_bytes(max_model_len: int, max_token_chars: int | None) -> int:
+    """The default body limit: room for a prompt of `max_model_len` of the longest tokens, every character escaped,
+    and 1 MB for the rest of the body, in whole MB (5 MB for SmolLM2 at its 8k context, 81 characters a token)."""
+    prompt = max_model_len * (max_token_chars or ASSUMED_TOKEN_CHARS) * JSON_BYTES_PER_CHAR
+    return (math.ceil(prompt / MB) + 1) * MB
 
 
 class ApiError(Exception):
@@ -205,6 +230,14 @@ class Server:
     on_ready: Callable[[], None] | None = None
     on_stopped: Callable[[], None] | None = None
     created: int = field(default_factory=lambda: int(time.time()))
+    pool: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(TEXT_THREADS, thread_name_prefix="magicdec-text"))
+
+    @property
+    def max_prompt_chars(self) -> int | None:
+        """The longest prompt text that can fit in the context (None: the tokenizer bounds no token's length)."""
+        longest = self.tokenizer.max_token_chars
+        return None if longest is None else self.engine.max_model_len * longest
 
     @asynccontextmanager
     async def lifespan(self, app: FastAPI) -> AsyncIterator[None]:
@@ -213,8 +246,13 @@ class Server:
             self.on_ready()
         yield
         self.engine.stop()
+        self.pool.shutdown(wait=False, cancel_futures=True)
         if self.on_stopped is not None:
             self.on_stopped()
+
+    async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        """fn(*args) on one of the text threads."""
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
 
     async def check_api_key(self, request: Request) -> None:
         """The /v1 routes' dependency (a dependency, not an HTTP middleware, which would hide disconnects)."""
@@ -227,18 +265,39 @@ class Server:
             raise ApiError(404, f"the model `{name}` does not exist (this server serves `{self.model_name}`)", "model")
         return self.model_name
 
-    def render_chat(self, messages: Sequence[ChatMessage], add_generation_prompt: bool) -> list[int]:
+    def check_fits(self, text: str, param: str) -> None:
+        """Refuse a prompt text longer than any that can fit in the context, before it is tokenized."""
+        limit = self.max_prompt_chars
+        if limit is not None and len(text) > limit:
+            raise ApiError(400, f"the prompt has {len(text)} characters, more than the context of "
+                                f"{self.engine.max_model_len} tokens can hold ({limit}: no token of this model stands "
+                                f"for more than {self.tokenizer.max_token_chars} characters)", param)
+
+    async def encode(self, texts: list[str], add_bos: bool = True) -> list[list[int]]:
+        """Token ids of prompt texts, each checked to fit first."""
+        for text in texts:
+            self.check_fits(text, "prompt")
+        return await self.off_loop(self.tokenizer.encode_batch, texts, add_bos)
+
+    async def render_chat(self, messages: Sequence[ChatMessage], add_generation_prompt: bool) -> list[int]:
         if self.template is None:
             raise InvalidRequestError("this model has no chat template; use /v1/completions")
-        text = self.template.render([{"role": m.role, "content": m.text()} for m in messages], add_generation_prompt)
+        return await self.off_loop(self.chat_ids, [{"role": m.role, "content": m.text()} for m in messages],
+                                   add_generation_prompt)
+
+    def chat_ids(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
+        """The prompt ids of chat messages (on a text thread): the rendered text, checked to fit, then tokenized."""
+        text = self.template.render(messages, add_generation_prompt)
+        self.check_fits(text, "messages")
         return self.tokenizer.encode(text, add_bos=False)  # the template places BOS itself
 
-    def completion_prompts(self, prompt: str | list) -> list[list[int]]:
+    async def completion_prompts(self, prompt: str | list) -> list[list[int]]:
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
             prompt = [prompt]
         if not prompt or any(isinstance(p, str) and not p for p in prompt):
             raise InvalidRequestError("the prompt is empty")
-        return [self.tokenizer.encode(p) if isinstance(p, str) else p for p in prompt]
+        texts = iter(await self.encode([p for p in prompt if isinstance(p, str)]))
+        return [next(texts) if isinstance(p, str) else p for p in prompt]
 
     async def generate(self, http: Request, body: GenerationRequest, prompts: list[list[int]], kind: str,
                        max_tokens: int | None) -> Response:
@@ -270,11 +329,12 @@ class Server:
 
     # --- routes ----------------------------------------------------------------------------------------------
     async def completions(self, body: CompletionRequest, http: Request) -> Response:
-        return await self.generate(http, body, self.completion_prompts(body.prompt), "text_completion", body.max_tokens)
+        prompts = await self.completion_prompts(body.prompt)
+        return await self.generate(http, body, prompts, "text_completion", body.max_tokens)
 
     async def chat_completions(self, body: ChatCompletionRequest, http: Request) -> Response:
         self.check_model(body.model)
-        prompt = self.render_chat(body.messages, body.add_generation_prompt)
+        prompt = await self.render_chat(body.messages, body.add_generation_prompt)
         max_tokens = body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
         return await self.generate(http, body, [prompt], "chat.completion", max_tokens)
 
@@ -288,16 +348,16 @@ class Server:
         if (body.prompt is None) == (body.messages is None):
             raise InvalidRequestError("give either `prompt` or `messages`")
         if body.messages is not None:
-            tokens = self.render_chat(body.messages, body.add_generation_prompt)
+            tokens = await self.render_chat(body.messages, body.add_generation_prompt)
         else:
-            tokens = self.tokenizer.encode(body.prompt, add_bos=body.add_special_tokens)
+            [tokens] = await self.encode([body.prompt], add_bos=body.add_special_tokens)
         return {"count": len(tokens), "max_model_len": self.engine.max_model_len, "tokens": tokens, "token_strs": None}
 
     async def detokenize(self, body: DetokenizeRequest) -> dict:
         self.check_model(body.model)
         if body.tokens:
             check_token_ids(body.tokens, self.tokenizer.vocab_size)
-        return {"prompt": self.tokenizer.decode(body.tokens)}
+        return {"prompt": await self.off_loop(self.tokenizer.decode, body.tokens)}
 
     async def health(self) -> Response:
         if not self.engine.alive:
@@ -306,6 +366,39 @@ class Server:
 
     async def prometheus(self) -> Response:
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+# --- the body limit ---------------------------------------------------------------------------------------------
+class BodyLimit:
+    """ASGI middleware: a request body over `limit` bytes gets 413 before it is read where its Content-Length says so,
+    and as soon as what was read passes the limit where it comes in chunks. uvicorn discards the unread rest of the
+    body, so the client reads the answer.
+
+    (FastAPI's own `max_body_size` answers an announced one in plain text, not in the OpenAI envelope.)"""
+
+    def __init__(self, app: ASGIApp, limit: int):
+        self.app, self.limit = app, limit
+        self.message = (f"the request body is larger than this server's limit of {limit / MB:g} MB "
+                        "(magicdec serve --max-request-mb)")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = Headers(scope=scope).get("content-length", "")
+        if length.isdigit() and int(length) > self.limit:
+            return await _error(413, self.message)(scope, receive, send)
+        read = 0
+
+        async def limited() -> Message:
+            nonlocal read
+            message = await receive()
+            read += len(message.get("body", b""))
+            if read > self.limit:
+                # raised inside the route's reading of the body: FastAPI passes HTTP exceptions to the handlers
+                raise StarletteHTTPException(413, self.message)
+            return message
+
+        await self.app(scope, limited, send)
 
 
 # --- errors ------------------------------------------------------------------------------------------------
@@ -330,12 +423,17 @@ async def _on_validation(request: Request, e: RequestValidationError) -> JSONRes
 
 def build_app(engine: AsyncEngine, tokenizer: Tokenizer, metrics: ServerMetrics, *, model_name: str,
               model_root: str, chat_template: str | None = None, api_key: str | None = None,
-              on_ready: Callable[[], None] | None = None, on_stopped: Callable[[], None] | None = None) -> FastAPI:
+              max_request_bytes: int | None = None, on_ready: Callable[[], None] | None = None,
+              on_stopped: Callable[[], None] | None = None) -> FastAPI:
     """The FastAPI app; it starts the engine thread on startup and stops it on shutdown (calling `on_ready` and
-    `on_stopped` after each)."""
+    `on_stopped` after each). A request body over `max_request_bytes` (default: `default_max_request_bytes`) gets 413
+    before it is read."""
     template = ChatTemplate(chat_template, tokenizer) if chat_template else None
     server = Server(engine, tokenizer, metrics, model_name, model_root, template, api_key, on_ready, on_stopped)
+    if max_request_bytes is None:
+        max_request_bytes = default_max_request_bytes(engine.max_model_len, tokenizer.max_token_chars)
     app = FastAPI(title="magicdec", lifespan=server.lifespan)
+    app.add_middleware(BodyLimit, limit=max_request_bytes)
     for kind in (ApiError, StarletteHTTPException, *_STATUS):
         app.add_exception_handler(kind, _on_error)
     app.add_exception_handler(RequestValidationError, _on_validation)

@@ -123,4 +123,4 @@ def error_body(status: int, message: str, param: str | None = None) -> dict[str,
 
 
 ERROR_TYPES: dict[int, str] = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                               429: "rate_limit_error", 503: "service_unavailable"}
+                               413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable"}
