@@ -3,8 +3,9 @@
 The longest token bounds how many characters a prompt that fits can have (checked on adversarial texts here); the
 live server (its own subprocess, 1024-token context, a 64 MB body limit so that 40 MB prompts reach the character
 check) refuses bodies over the limit with 413 and prompts that cannot fit with 400, before tokenizing them, while a
-small request is served alongside; its resident memory stays near where it was. Time bounds are generous: the
-server that tokenized such prompts on its event loop took ~30 s a refusal, one after another.
+small request is served alongside; its resident memory stays near where it was. The streaming detokenizer's cost
+does not grow with a stop string's length. Time bounds are generous: the server that tokenized such prompts on its
+event loop took ~30 s a refusal, one after another.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from magicdec.cli import main
 from magicdec.loading import default_model_path
 from magicdec.loading.gguf_file import gguf_metadata, read_gguf
 from magicdec.loading.tokenizer import Tokenizer, tokenizer_from_gguf_fields
+from magicdec.server.detokenize import IncrementalDetokenizer
 
 openai = pytest.importorskip("openai")
 
@@ -38,9 +40,10 @@ MAX_LEN = 1024
 LIMIT_MB = 64
 STARTUP_S = 120  # loading the model on a busy 2-core machine
 HUGE_CHARS = 40_000_000  # a 40 MB prompt: ~8M tokens, ~30 s to tokenize here
-#: What a small request may take while huge ones are refused: a few times its worst on a loaded machine, a fraction
-#: of a huge prompt's tokenization (~30 s), which the server did on its event loop before any other request.
-SMALL_WHILE_HUGE_S = 10
+#: What a refusal, a small request among them or a streamed delta may take: a few times its worst on a loaded machine,
+#: a fraction of the work the event loop did before (~30 s to tokenize a 40 MB prompt, ~10 s a delta against a stop
+#: string of a million characters).
+QUICK_S = 10
 #: How much resident memory refused uploads may leave taken (a tokenized 40 MB prompt took 2.6-3.5 GB).
 RSS_SLACK_MB = 500
 CANNOT_FIT = f"more than the context of {MAX_LEN} tokens can hold"
@@ -52,17 +55,18 @@ ADVERSARIAL = [" " * 5000, "\n" + " " * 5000, "#" * 5000, "=" * 3000 + "-" * 300
                "a" * 5000, " a" * 3000, "supercalifragilistic" * 300]
 
 
-def _smollm2() -> Tokenizer:
+@pytest.fixture(scope="module")
+def smollm2() -> Tokenizer:
+    """The default model's tokenizer, from its GGUF metadata (the weights are not loaded)."""
     meta = gguf_metadata(read_gguf(default_model_path()))
     return Tokenizer(tokenizer_from_gguf_fields(meta), meta.get("tokenizer.ggml.bos_token_id"), [], add_bos=True)
 
 
-def test_no_text_has_more_characters_than_its_tokens_times_the_longest():
-    tok = _smollm2()
-    assert tok.max_token_chars == 81  # "\n" and 80 spaces
+def test_no_text_has_more_characters_than_its_tokens_times_the_longest(smollm2):
+    assert smollm2.max_token_chars == 81  # "\n" and 80 spaces
     for text in ADVERSARIAL:
-        ids = tok.encode(text, add_bos=False)
-        assert len(text) <= len(ids) * tok.max_token_chars, text[:20]
+        ids = smollm2.encode(text, add_bos=False)
+        assert len(text) <= len(ids) * smollm2.max_token_chars, text[:20]
 
 
 def _bpe(**steps) -> HFTokenizer:
@@ -88,6 +92,17 @@ def test_no_bound_where_tokens_swallow_spaces_or_unknown_runs():
     assert Tokenizer(fused, None, [], add_bos=False).max_token_chars is None
     kept = _bpe(normalizer=normalizers.Sequence([normalizers.Prepend("_"), normalizers.Replace(" ", "__")]))
     assert Tokenizer(kept, None, [], add_bos=False).max_token_chars == 2
+
+
+def test_a_long_stop_string_costs_the_streaming_detokenizer_what_the_text_costs(smollm2):
+    # each push held the text back against every prefix of the stop string: a million slices of up to a million
+    # characters
+    detok = IncrementalDetokenizer(smollm2, stop=("y" * 1_000_000, "and S"))
+    start = time.monotonic()
+    streamed = "".join(detok.push([i]) for i in smollm2.encode("The sea and sand", add_bos=False))
+    assert time.monotonic() - start < QUICK_S
+    assert streamed == "The sea and s"  # "and" may still become "and S"
+    assert streamed + detok.finish("The sea and sand") == "The sea and sand"
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "x", "inf", "nan", "1e-9"])
@@ -213,8 +228,8 @@ def test_a_small_request_is_served_while_huge_ones_are_refused(server):
         replies = [r.result(timeout=120) for r in refusals]
     for reply in replies:
         assert_refused(reply, 400, CANNOT_FIT)
-        assert reply[2] < SMALL_WHILE_HUGE_S
-    assert latency < SMALL_WHILE_HUGE_S
+        assert reply[2] < QUICK_S
+    assert latency < QUICK_S
 
 
 def test_refused_uploads_leave_resident_memory_where_it_was(server):
@@ -227,3 +242,4 @@ def test_refused_uploads_leave_resident_memory_where_it_was(server):
                 assert reply[0] in (400, 413)
     small_request(server)
     assert server.rss_mb() - before < RSS_SLACK_MB
+

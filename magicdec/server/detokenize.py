@@ -39,8 +39,10 @@ class IncrementalDetokenizer:
         found = [self.text.find(s) for s in self.stop if s in self.text]
         if found:
             end = min(found)
-        else:  # hold back the longest tail that a stop string starts with
-            end -= max((k for s in self.stop for k in range(1, len(s)) if self.text.endswith(s[:k])), default=0)
+        else:  # hold back the longest tail that a stop string starts with (no longer than the text: a stop string of
+            # a million characters would otherwise cost a million slices a push, on the event loop)
+            end -= max((k for s in self.stop for k in range(1, min(len(s), len(self.text) + 1))
+                        if self.text.endswith(s[:k])), default=0)
         if end <= self.emitted:
             return ""
         delta, self.emitted = self.text[self.emitted : end], end
