@@ -244,6 +244,15 @@ def gpu_check(*runs: tuple[str, str]) -> str:
     return text(rows) + "\n\n" + text(engine)
 
 
+def server_limits() -> str:
+    """bench_server_limits.py: a 40 MB prompt against `magicdec serve`, per server configuration."""
+    doc = load("server_limits")
+    return text([{"server": r["config"], "answer": r["status"], "refused in": f"{r['refusal_s']:.2f} s",
+                  "4-token request, three huge ones in flight": f"{r['small_with_three_s']:.2f} s",
+                  "resident MB before -> after": f"{r['rss_before_mb']:.0f} -> {r['rss_after_mb']:.0f}"}
+                 for r in doc["rows"]]) + f"\n\nModel: {model(doc)}; --max-model-len {doc['max_model_len']}."
+
+
 def llamacpp_32k(result: str, llama: str) -> str:
     """Gemma 3 at B = 32 x 32k against llama.cpp's run beside it (`llama-batched-bench`, the shared prompt prefilled
     once): plain decoding and `--draft auto` per mode over llama.cpp's generation, and prefill over llama.cpp's."""
@@ -289,7 +298,7 @@ TABLES = {"attention": lambda: attention(False), "attention_prefill": lambda: at
           "gemma_auto_grid": lambda: gemma_auto("auto_grid"),
           "positions": positions, "validate_planner": validate_planner, "paper_comparison": paper_comparison,
           "serving_8k": serving_8k, "chat": lambda: chat("chat"), "chat_shared": lambda: chat("chat_shared"),
-          "prefix_hit": prefix_hit, "tp": tp,
+          "prefix_hit": prefix_hit, "server_limits": server_limits, "tp": tp,
           "gpu_check_h200": lambda: gpu_check(("gpu_check_h200", "run 1"), ("gpu_check_h200_graphs", "run 2, graphs"))}
 MODELS = {"cpu_grid": "cpu_grid", "positions": "acceptance"}
 
