@@ -34,10 +34,6 @@ def _test_threads() -> int:
     return max(1, min(cores, round(cores - os.getloadavg()[0])))
 
 
-#: Whether this process is one of several pytest-xdist workers (timings are then shared with another test's).
-PARALLEL = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1
-
-
 torch.set_num_threads(_test_threads())
 
 
