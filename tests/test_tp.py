@@ -120,7 +120,7 @@ def test_lost_rank_ends_the_others_with_one_line(tiny, mode):
     assert procs[0].returncode == 3, err
     lines = [line for line in err.splitlines() if line.strip() and "Warning" not in line]
     assert len(lines) == 1 and lines[0].startswith("magicdec: error: rank 0 of 2: a collective failed"), err
-    assert elapsed < 30 + HANG_TIMEOUT_S  # start-up and two steps, then at most the timeout
+    assert elapsed < 90 + HANG_TIMEOUT_S  # start-up and two steps on a busy machine, then the timeout (not 3600 s)
 
 
 def test_ranks_loading_different_models_are_refused(tmp_path, tiny):
