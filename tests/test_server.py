@@ -1,7 +1,7 @@
 """`magicdec serve` end to end: the official openai client against a live server on 127.0.0.1.
 
 One server subprocess per module (the default model, 4 slots x 1024 tokens, self-speculation on, an API
-key), stopped by SIGTERM in the last test. Failure injection (a failing step, a dead engine thread, a
+key), idle at the start of every test that uses it; tests that stop a server start their own. Failure injection (a failing step, a dead engine thread, a
 full queue, a model without a chat template) uses small servers in this process, over the test's own
 engine. Every wait is bounded; outputs are checked against offline plain decoding of each prompt alone.
 """
@@ -23,7 +23,6 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Callable, Iterator
 
 import pytest
@@ -34,7 +33,6 @@ uvicorn = pytest.importorskip("uvicorn")
 
 from magicdec.sampling import SamplingParams  # noqa: E402
 from magicdec.server.metrics import ServerMetrics  # noqa: E402
-from magicdec.stats import GenerationStats  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 KEY = "test-key"
@@ -106,14 +104,11 @@ class Server:
 PREFIX_CACHE_GB = 0.125
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory) -> Iterator[Server]:
+@contextmanager
+def serve(log: Path, *args: str) -> Iterator[Server]:
+    """`magicdec serve` with `args` on a free port of 127.0.0.1, healthy; killed at the end if still running."""
     port = free_port()
-    log = tmp_path_factory.mktemp("serve") / "server.log"
-    cmd = [sys.executable, "-m", "magicdec", "serve", "--port", str(port), "--max-running", "4",
-           "--max-model-len", str(MAX_LEN), "--draft", "self-streaming", "--budget", "64", "--gamma", "3",
-           "--api-key", KEY, "--log-level", "warning", "--dtype", "fp32",  # fp32: the offline reference's dtype
-           "--prefix-cache-gb", str(PREFIX_CACHE_GB)]
+    cmd = [sys.executable, "-m", "magicdec", "serve", "--port", str(port), "--log-level", "warning", *args]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": str(torch.get_num_threads())}
     with log.open("w") as out:
@@ -138,8 +133,26 @@ def server(tmp_path_factory) -> Iterator[Server]:
 
 
 @pytest.fixture(scope="module")
-def model_name(server) -> str:
-    return server.client().models.list().data[0].id
+def shared_server(tmp_path_factory) -> Iterator[Server]:
+    """The module's server: 4 slots x MAX_LEN tokens, self-speculation, an API key, a small prefix cache."""
+    with serve(tmp_path_factory.mktemp("serve") / "server.log", "--max-running", "4", "--max-model-len",
+               str(MAX_LEN), "--draft", "self-streaming", "--budget", "64", "--gamma", "3", "--api-key", KEY,
+               "--dtype", "fp32",  # fp32: the offline reference's dtype
+               "--prefix-cache-gb", str(PREFIX_CACHE_GB)) as srv:
+        yield srv
+
+
+@pytest.fixture
+def server(shared_server) -> Server:
+    """The module's server, idle: a test starts with no request of another's still running or waiting (a client that
+    walked away is aborted by the server a moment later)."""
+    wait_until(lambda: _idle(shared_server), WAIT_S, "the server to be idle")
+    return shared_server
+
+
+@pytest.fixture(scope="module")
+def model_name(shared_server) -> str:
+    return shared_server.client().models.list().data[0].id
 
 
 @pytest.fixture(scope="module")
@@ -406,11 +419,23 @@ def test_load_every_request_answered_once_and_the_server_returns_to_idle(server,
     assert _rss_bytes(server.proc.pid) < rss_idle + 64 * 2**20 + PREFIX_CACHE_GB * 2**30
 
 
-def test_sigterm_shuts_down_cleanly(server):
-    """The module's last test: it stops the server."""
-    server.proc.send_signal(signal.SIGTERM)
-    assert server.proc.wait(30) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal after shutting down
-    log = server.log.read_text()
+def test_sigterm_shuts_down_cleanly(tmp_path):
+    """A server of its own (the others' stays up), stopped mid-stream: the stream ends, the process exits, and the
+    log says so without a traceback."""
+    with serve(tmp_path / "server.log", "--max-running", "1", "--max-model-len", "256", "--draft", "none") as srv:
+        conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=60)
+        conn.request("POST", "/v1/completions", json.dumps({"prompt": PROMPT, "max_tokens": 200, "ignore_eos": True,
+                                                            "stream": True}), {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        assert response.readline().startswith(b"data: ")  # it is generating
+        srv.proc.send_signal(signal.SIGTERM)
+        try:  # the stream ends: complete, or cut when the shutdown's grace period runs out
+            response.read()
+        except http.client.IncompleteRead:
+            pass
+        conn.close()
+        assert srv.proc.wait(30) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal after shutting down
+    log = srv.log.read_text()
     assert log.rstrip().endswith("magicdec serve: stopped") and "Traceback" not in log
 
 
@@ -428,7 +453,8 @@ def test_serve_refuses_what_does_not_fit_in_one_line():
 @contextmanager
 def local_server(llm, *, slots: int = 1, max_queued: int | None = None, chat_template: str | None = None,
                  engine_hook: Callable | None = None) -> Iterator[tuple[str, object]]:
-    """An app over a small engine of the test's LLM, served by uvicorn on a thread: (base URL, LLMEngine)."""
+    """An app over a small engine of the test's LLM, served by uvicorn on a thread: (base URL, LLMEngine). The engine
+    is dropped afterwards, so that no later user of `llm` gets one that `engine_hook` changed."""
     from magicdec.server.app import build_app
     from magicdec.server.async_engine import AsyncEngine
     from magicdec.server.metrics import ServerMetrics
@@ -449,6 +475,7 @@ def local_server(llm, *, slots: int = 1, max_queued: int | None = None, chat_tem
     finally:
         server.should_exit = True
         thread.join(WAIT_S)
+        llm.free_engine()  # the hooked engine is not the LLM's to reuse
 
 
 def test_failing_step_fails_its_requests_and_the_server_stays_up(llm):
@@ -528,16 +555,27 @@ def test_detokenizer_holds_back_partial_characters_and_stop_prefixes(llm):
     assert partial + detok.finish("and ST") == "and ST"  # it did not: the request ended by length
 
 
-def test_prefill_and_decode_seconds_count_the_engine_step_times():
-    """magicdec:prefill_seconds / decode_seconds grow by the engine's prefill_s / decode_s between steps."""
-    stats = GenerationStats()
-    engine = SimpleNamespace(scheduler=SimpleNamespace(slots=[None], waiting=[]), stats=stats)
+def test_prefill_and_decode_seconds_count_the_engine_step_times(llm):
+    """magicdec:prefill_seconds / decode_seconds follow the engine's own prefill_s / decode_s, step by step, over a
+    real engine prefilling in chunks and decoding."""
+    engine = llm.engine(max_num_seqs=2, max_model_len=256, prefill_chunk=32)
+    engine.reset_stats()
     metrics = ServerMetrics("m", "none", None)
 
     def seconds(phase: str) -> float:
         return metrics.registry.get_sample_value(f"magicdec:{phase}_seconds_total", {"model_name": "m"})
 
-    for prefill_s, decode_s in ((1.5, 0.0), (2.0, 0.25), (2.0, 1.0)):
-        stats.prefill_s, stats.decode_s = prefill_s, decode_s
-        metrics.observe_step(engine, [])
-        assert (seconds("prefill"), seconds("decode")) == (prefill_s, decode_s)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    requests = [engine.add_request(f"r{i}", llm.tokenizer.encode(PROMPT * (2 + i)), params) for i in range(2)]
+    seen = []
+    for _ in range(64):
+        if not engine.has_unfinished():
+            break
+        changed = engine.step()
+        metrics.observe_step(engine, [(r, len(r.output_ids)) for r in changed])
+        stats = engine.stats
+        assert (seconds("prefill"), seconds("decode")) == pytest.approx((stats.prefill_s, stats.decode_s), abs=1e-9)
+        seen.append((stats.prefill_s, stats.decode_s))
+    assert all(r.finished for r in requests)
+    assert seen[-1][0] > 0 and seen[-1][1] > 0
+    assert seen == sorted(seen)  # both only grow
