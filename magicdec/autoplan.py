@@ -118,6 +118,8 @@ def choose(
     budgets = [b for b in budgets if b >= 8]
     best = plan(work, table, budgets=budgets, gammas=gammas, mode=mode, strategies=strategies, rows=rows,
                 margin=MIN_PREDICTED_SPEEDUP, draft_heads=heads)
+    if isinstance(model, Transformer) and model.tp is not None:
+        best = model.tp.share(best)  # a rank may plan its own share of the model: rank 0's plan is every rank's
     if best.strategy == "ar":
         return None, None, best
     replan = _replanner(work, table, best, gammas, mode, plain="ar" in strategies, coverage=heads[best.draft_vocab])

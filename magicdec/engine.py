@@ -161,8 +161,14 @@ class LLMEngine:
         return requests
 
     def step(self) -> list[Request]:
-        """Schedule, execute, update. Returns the requests that gained tokens or finished in this step."""
+        """Schedule, execute, update. Returns the requests that gained tokens or finished in this step.
+
+        Under tensor parallelism every rank schedules the same step from the same state, but a gamma policy that
+        times rounds (`--draft auto`) reads this rank's clock: rank 0's draft length travels to the others, so that
+        all run the same forwards."""
         scheduled = self.scheduler.schedule()
+        if self.model.tp is not None and scheduled.n_rows and self.scheduler.max_gamma:
+            scheduled.gamma = self.model.tp.share(scheduled.gamma)
         result = self.runner.execute(scheduled)
         changed, freed = self.scheduler.update(scheduled, result)
         for slot in freed:

@@ -114,6 +114,31 @@ def test_tp2_matches_one_process_default_model(tmp_path, default_path):
     compare(tmp_path, str(default_path), "", ["none", "self-snapkv"], max_tokens=6, sampled=False)
 
 
+#: A machine whose every forward is bound by the bytes it reads: sparse drafts pay at a few hundred tokens of context.
+KV_BOUND = {"name": "kv-bound", "flops_per_s": 1e15, "mem_bandwidth": 1e9, "mem_bytes": 8e9}
+
+
+@pytest.fixture
+def kv_bound(tmp_path) -> str:
+    path = tmp_path / "kv-bound.json"
+    path.write_text(json.dumps(KV_BOUND))
+    return str(path)
+
+
+def test_tp2_draft_auto_runs_rank_0s_draft_lengths(tmp_path, tiny, kv_bound):
+    """`--draft auto` drafts under TP with rank 0's plan and rank 0's draft length every step, even where a rank's own
+    plans would differ (rank 1's always say plain decoding): the ranks finish, agree, and give TP=1's tokens."""
+    one = reference(["auto", tiny[0], kv_bound, str(tmp_path / "tp1.json")])
+    procs, err, _ = launch([["auto", tiny[0], kv_bound, str(tmp_path / "tp2.json")]] * 2,
+                           env={"MAGICDEC_TP_TIMEOUT": "20"})
+    assert [p.returncode for p in procs] == [0, 0], err
+    assert one.wait(timeout=120) == 0
+    ref = json.loads((tmp_path / "tp1.json.rank0").read_text())
+    ranks = [json.loads((tmp_path / f"tp2.json.rank{r}").read_text()) for r in (0, 1)]
+    assert ranks[0] == ranks[1] and ranks[0]["tokens"] == ref["tokens"]
+    assert ranks[0]["verify_steps"] > 0  # it drafted
+
+
 @pytest.mark.parametrize("mode", ["die", "hang"])
 def test_lost_rank_ends_the_others_with_one_line(tiny, mode):
     procs, err, elapsed = launch([[mode, tiny[0]]] * 2, env={"MAGICDEC_TP_TIMEOUT": str(HANG_TIMEOUT_S)}, grace=0)
@@ -144,9 +169,10 @@ def test_more_ranks_than_kv_heads_is_refused():
         check_shardable(cfg, 4)
 
 
-def test_serve_under_tp_answers_as_one_process_and_stops_every_rank(tiny):
-    """Rank 0 serves HTTP and sends each turn to rank 1; idle longer than the heartbeat; SIGTERM to rank 0
-    (as torchrun would send) ends it gracefully and rank 1 with it."""
+def test_serve_under_tp_answers_as_one_process_and_stops_every_rank(tiny, kv_bound):
+    """Rank 0 serves HTTP and sends each turn to rank 1, drafting as `serve`'s default (`--draft auto`) plans on a
+    machine where drafting pays; idle longer than the heartbeat; SIGTERM to rank 0 (as torchrun would send) ends it
+    gracefully and rank 1 with it."""
     import signal
     import urllib.request
 
@@ -154,9 +180,12 @@ def test_serve_under_tp_answers_as_one_process_and_stops_every_rank(tiny):
     from magicdec.sampling import SamplingParams
 
     port = free_port()
-    procs = start([["serve", tiny[0], str(port)]] * 2, env={"MAGICDEC_TP_TIMEOUT": "20"})
+    procs = start([["serve", tiny[0], str(port), "--max-model-len", "1024", "--hardware", kv_bound]] * 2,
+                  env={"MAGICDEC_TP_TIMEOUT": "20"})
     try:
-        want = LLM(tiny[0], device="cpu", dtype="fp32", tp=False).generate(["a b c"], SamplingParams(max_tokens=8, ignore_eos=True))
+        prompt = torch.randint(3, 320, (800,), generator=torch.Generator().manual_seed(2)).tolist()
+        want = LLM(tiny[0], device="cpu", dtype="fp32", tp=False).generate(
+            prompt_token_ids=[prompt], params=SamplingParams(max_tokens=16, ignore_eos=True))
         deadline = time.monotonic() + 90
         while True:
             try:
@@ -166,11 +195,14 @@ def test_serve_under_tp_answers_as_one_process_and_stops_every_rank(tiny):
                 assert time.monotonic() < deadline and procs[0].poll() is None, procs[0].stderr.read()
                 time.sleep(0.5)
         time.sleep(22)  # idle past the timeout: only the heartbeats (every 20 s / 4) keep the follower waiting
-        body = json.dumps({"prompt": "a b c", "max_tokens": 8, "temperature": 0, "ignore_eos": True}).encode()
+        body = json.dumps({"prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True}).encode()
         request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
                                          {"content-type": "application/json"})
         answer = json.loads(urllib.request.urlopen(request, timeout=60).read())
         assert answer["choices"][0]["text"] == want[0].text
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        drafts = [line for line in metrics.splitlines() if line.startswith("magicdec:spec_decode_num_drafts_total")]
+        assert drafts and float(drafts[0].split()[-1]) > 0, drafts  # it drafted
         procs[0].send_signal(signal.SIGTERM)
         assert procs[0].wait(timeout=30) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal after shutting down
         assert procs[1].wait(timeout=30) == 0  # told by rank 0 that serving is over

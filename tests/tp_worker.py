@@ -2,8 +2,9 @@
 (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) or alone for the TP=1 reference.
 
     python tests/tp_worker.py run MODEL DRAFT_MODEL OUT.json RUNS MAX_TOKENS  # logits, tokens of each run
+    python tests/tp_worker.py auto MODEL PROFILE.json OUT.json  # `--draft auto` drafting; rank 1's policy disagrees
     python tests/tp_worker.py die|hang MODEL                    # rank 1 dies / hangs in its 3rd step
-    python tests/tp_worker.py serve MODEL PORT                  # `magicdec serve`, plain decoding
+    python tests/tp_worker.py serve MODEL PORT [ARGS...]        # `magicdec serve`, its default drafting
 
 `run` writes this rank's results to OUT.json.rank<R>; `die` and `hang` run `magicdec generate` through the
 CLI, so the test sees the exit status and the error line a user would.
@@ -21,6 +22,7 @@ import torch
 
 torch.set_num_threads(1)  # one rank per core
 
+from magicdec import autoplan  # noqa: E402
 from magicdec.engine import LLM, LLMEngine  # noqa: E402
 from magicdec.kv import KVCache  # noqa: E402
 from magicdec.sampling import SamplingParams  # noqa: E402
@@ -66,6 +68,25 @@ def run(model: str, draft_model: str, out: str, runs: str, max_tokens: int) -> N
         json.dump(results, f)
 
 
+def auto(model: str, profile: str, out: str) -> None:
+    """`--draft auto` as `magicdec generate` wires it, planned with `profile` (one where drafting pays), over prompts of
+    600-700 tokens. On rank 1 every plan says plain decoding, as on a rank whose share of the model or whose clock
+    said drafting loses: the ranks must still draft as rank 0 chose, every step."""
+    if int(os.environ.get("RANK", 0)) == 1:
+        plan = autoplan.plan
+        autoplan.plan = lambda *a, **kw: plan(*a, **{**kw, "strategies": ["ar"]})
+    llm = LLM(model, device="cpu", dtype="fp32")
+    g = torch.Generator().manual_seed(1)
+    ids = [torch.randint(3, llm.model.cfg.vocab_size, (n,), generator=g).tolist() for n in (650, 700, 600)]
+    spec, policy, _ = autoplan.choose(llm.model, len(ids), max(map(len, ids)), profile=profile)
+    assert spec is not None, "the profile must make drafting pay"
+    outs = llm.generate(prompt_token_ids=ids, params=SamplingParams(max_tokens=12, ignore_eos=True), speculative=spec,
+                        gamma_policy=policy)
+    results = {"tokens": [o.token_ids for o in outs], "verify_steps": llm.last_stats.verify_steps}
+    with open(f"{out}.rank{int(os.environ.get('RANK', 0))}", "w") as f:
+        json.dump(results, f)
+
+
 def fail_in_step(mode: str, model: str) -> int:
     from magicdec.cli import main
 
@@ -85,17 +106,19 @@ def fail_in_step(mode: str, model: str) -> int:
                  "--ignore-eos"])
 
 
-def serve(model: str, port: str) -> int:
+def serve(model: str, port: str, *args: str) -> int:
     from magicdec.cli import main
 
-    return main(["serve", "--model", model, "--device", "cpu", "--port", port, "--draft", "none", "--max-running", "2",
-                 "--max-model-len", "128", "--log-level", "warning", "--dtype", "fp32"])
+    return main(["serve", "--model", model, "--device", "cpu", "--port", port, "--max-running", "2",
+                 "--log-level", "warning", "--dtype", "fp32", *args])
 
 
 if __name__ == "__main__":
     if sys.argv[1] == "run":
         run(*sys.argv[2:6], int(sys.argv[6]))
+    elif sys.argv[1] == "auto":
+        auto(*sys.argv[2:5])
     elif sys.argv[1] == "serve":
-        sys.exit(serve(sys.argv[2], sys.argv[3]))
+        sys.exit(serve(*sys.argv[2:]))
     else:
         sys.exit(fail_in_step(sys.argv[1], sys.argv[2]))
