@@ -80,6 +80,17 @@ def corpus_prompt(corpus_texts, default_model) -> Callable[..., list[int]]:
     return cut
 
 
+# --- a machine where drafting pays -------------------------------------------------------------------------
+@pytest.fixture
+def kv_bound_profile(tmp_path) -> str:
+    """A hardware profile (JSON path) whose linear layers cost next to nothing and whose attention reads its K/V at
+    1 GB/s: `--draft auto` drafts on it from a few hundred tokens of context, whatever machine runs the test."""
+    path = tmp_path / "kv-bound.json"
+    path.write_text(json.dumps({"name": "kv-bound", "flops_per_s": 1e15, "mem_bandwidth": 1e9, "mem_bytes": 8e9,
+                                "linear_rates": [[1, 1e12], [8, 1e13]], "attention_rates": [[1, 1e9], [8, 1e9]]}))
+    return str(path)
+
+
 # --- the default model: ours and the reference ------------------------------------------------------------
 @pytest.fixture(scope="session")
 def default_model():

@@ -3,12 +3,17 @@ the prompt cache, exact speculation over 16-bit caches."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from conftest import run_engine
+from magicdec import engine as engine_module
 from magicdec import kernels
 from magicdec.drafters import SelfSpecDrafter
+from magicdec.engine import LLM
+from magicdec.runner import ModelRunner
 from magicdec.sampling import SamplingParams
 
 EOS = (2,)  # <|im_end|>, the default model's EOS
@@ -237,3 +242,23 @@ def test_engine_text_roundtrip_and_stop_string(llm, short_prompts, free_run):
     outs = llm.generate(texts[:1], SamplingParams(max_tokens=4, ignore_eos=True))
     assert outs[0].prompt == texts[0] and len(outs[0].token_ids) == 4
     assert llm.last_stats is not None and llm.last_stats.generated_tokens == 4
+
+
+@pytest.mark.parametrize("memory_for", [0.3, 3.5, 1000])
+def test_a_run_takes_the_slots_that_fit_in_memory(tiny_llama, monkeypatch, memory_for):
+    """`LLM.generate` runs as many slots as 90% of the free memory holds beside the prefix cache's growth (at least
+    one, at most the prompts), and every prompt still gets plain decoding's tokens, in fewer rounds of slots."""
+    llm = LLM(tiny_llama[0].source, device="cpu", dtype="fp32", max_num_seqs=8, prefix_cache_bytes=1 << 20)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (30, 7, 19, 40, 12, 25)]
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    want = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, params=params)]
+    config = dataclasses.replace(llm.config, max_num_seqs=1, max_model_len=48)
+    per_slot = ModelRunner.memory_bytes(llm.model, config, None)
+    free = llm.prefix_cache.growth_bytes + memory_for * per_slot
+    monkeypatch.setattr(engine_module, "available_bytes", lambda device: int(free / 0.9))
+    llm.free_engine()
+    outs = llm.generate(prompt_token_ids=prompts, params=params)
+    slots = llm.engine(max_num_seqs=1, max_model_len=48).config.max_num_seqs
+    assert slots == {0.3: 1, 3.5: 3, 1000: 6}[memory_for]
+    assert [o.token_ids for o in outs] == want

@@ -439,6 +439,22 @@ def test_sigterm_shuts_down_cleanly(tmp_path):
     assert log.rstrip().endswith("magicdec serve: stopped") and "Traceback" not in log
 
 
+def test_default_draft_auto_serves_plain_decodings_tokens(tmp_path, offline, corpus_prompt, kv_bound_profile):
+    """`serve` with no --draft plans with `--draft auto` (here on a profile where drafting pays, so that no test times
+    the machine): it drafts, re-planning each step, and a greedy and a seeded sampled request get plain decoding's
+    tokens."""
+    with serve(tmp_path / "server.log", "--max-running", "2", "--max-model-len", str(MAX_LEN), "--dtype", "fp32",
+               "--hardware", kv_bound_profile) as srv:
+        assert "draft auto: self-" in srv.log.read_text()
+        client, prompt = srv.client(api_key="-"), corpus_prompt(800, book=6)
+        greedy = client.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=16, temperature=0)
+        sampled = client.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=16,
+                                            temperature=0.8, seed=5)
+        assert greedy.choices[0].text == offline(prompt, 16, temperature=0)
+        assert sampled.choices[0].text == offline(prompt, 16, temperature=0.8, seed=5)
+        assert metric(srv.base, "magicdec:spec_decode_num_drafts_total") > 0
+
+
 def test_serve_refuses_what_does_not_fit_in_one_line():
     cmd = [sys.executable, "-m", "magicdec", "serve", "--max-running", "100000", "--max-model-len", "8k", "--port",
            str(free_port()), "--draft", "none"]

@@ -114,22 +114,11 @@ def test_tp2_matches_one_process_default_model(tmp_path, default_path):
     compare(tmp_path, str(default_path), "", ["none", "self-snapkv"], max_tokens=6, sampled=False)
 
 
-#: A machine whose every forward is bound by the bytes it reads: sparse drafts pay at a few hundred tokens of context.
-KV_BOUND = {"name": "kv-bound", "flops_per_s": 1e15, "mem_bandwidth": 1e9, "mem_bytes": 8e9}
-
-
-@pytest.fixture
-def kv_bound(tmp_path) -> str:
-    path = tmp_path / "kv-bound.json"
-    path.write_text(json.dumps(KV_BOUND))
-    return str(path)
-
-
-def test_tp2_draft_auto_runs_rank_0s_draft_lengths(tmp_path, tiny, kv_bound):
+def test_tp2_draft_auto_runs_rank_0s_draft_lengths(tmp_path, tiny, kv_bound_profile):
     """`--draft auto` drafts under TP with rank 0's plan and rank 0's draft length every step, even where a rank's own
     plans would differ (rank 1's always say plain decoding): the ranks finish, agree, and give TP=1's tokens."""
-    one = reference(["auto", tiny[0], kv_bound, str(tmp_path / "tp1.json")])
-    procs, err, _ = launch([["auto", tiny[0], kv_bound, str(tmp_path / "tp2.json")]] * 2,
+    one = reference(["auto", tiny[0], kv_bound_profile, str(tmp_path / "tp1.json")])
+    procs, err, _ = launch([["auto", tiny[0], kv_bound_profile, str(tmp_path / "tp2.json")]] * 2,
                            env={"MAGICDEC_TP_TIMEOUT": "20"})
     assert [p.returncode for p in procs] == [0, 0], err
     assert one.wait(timeout=120) == 0
@@ -169,7 +158,7 @@ def test_more_ranks_than_kv_heads_is_refused():
         check_shardable(cfg, 4)
 
 
-def test_serve_under_tp_answers_as_one_process_and_stops_every_rank(tiny, kv_bound):
+def test_serve_under_tp_answers_as_one_process_and_stops_every_rank(tiny, kv_bound_profile):
     """Rank 0 serves HTTP and sends each turn to rank 1, drafting as `serve`'s default (`--draft auto`) plans on a
     machine where drafting pays; idle longer than the heartbeat; SIGTERM to rank 0 (as torchrun would send) ends it
     gracefully and rank 1 with it."""
@@ -180,7 +169,7 @@ def test_serve_under_tp_answers_as_one_process_and_stops_every_rank(tiny, kv_bou
     from magicdec.sampling import SamplingParams
 
     port = free_port()
-    procs = start([["serve", tiny[0], str(port), "--max-model-len", "1024", "--hardware", kv_bound]] * 2,
+    procs = start([["serve", tiny[0], str(port), "--max-model-len", "1024", "--hardware", kv_bound_profile]] * 2,
                   env={"MAGICDEC_TP_TIMEOUT": "20"})
     try:
         prompt = torch.randint(3, 320, (800,), generator=torch.Generator().manual_seed(2)).tolist()
