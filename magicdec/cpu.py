@@ -3,8 +3,8 @@
 bf16 pays on a CPU only where the hardware multiplies bf16 natively: on Intel Xeons with AMX-BF16 and AVX512-BF16,
 and AMD Zen 4 (AVX512-BF16), torch's bf16 matmul runs on native bf16 products, faster than fp32, and halves the bytes
 of weights and KV cache; on a CPU without them (an AMD Zen 3) bf16 matmul converts every element and runs far slower
-than fp32 (measurements: benchmarks/README.md, "bf16 on CPU"). So `dtype="auto"` on CPU asks for the flags first,
-then confirms with one quick timing that bf16 matmul is not slower here (a build of torch without the fast kernels,
+than fp32 (measurements: `git show e3fc202:benchmarks/README.md`, "bf16 on CPU"). So `dtype="auto"` on CPU asks for
+the flags first, then confirms with one quick timing that bf16 matmul is not slower here (a build of torch without the fast kernels,
 or a hypervisor hiding the feature, would otherwise pick the slow path).
 """
 

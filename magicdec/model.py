@@ -75,7 +75,7 @@ def matmul_attention(device: torch.device, kv_dtype: torch.dtype) -> bool:
     scores), with the same output but for rare one-ulp roundings (the QK^T product is already rounded to bf16, and a
     power-of-two scale and a 0 / -inf bias add no rounding), and faster than SDPA's flash kernel, which converts the
     bf16 cache as it reads it; over an fp32 cache SDPA is the faster one, as it is on GPUs (measurements:
-    benchmarks/README.md, "Attention over a bf16 cache")."""
+    benchmarks/README.md, "Decode and verification attention over a bf16 cache")."""
     return device.type == "cpu" and kv_dtype == torch.bfloat16
 
 
@@ -103,7 +103,7 @@ def weight_dtype(model: Transformer) -> torch.dtype:
 
 #: SDPA's kernels on CUDA. Not cuDNN's: it builds an execution plan for each new key length, which in decoding is
 #: every step (on an H200, 1.2 ms of host time a call: a plain round of Gemma 3 270M at B=32 x 8k took 100 ms in the
-#: engine with it, 11.6 ms without; benchmarks/README.md, "gpu_check.sh").
+#: engine with it, 11.6 ms without; benchmarks/README.md, "The CUDA path on an H200").
 CUDA_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
@@ -145,7 +145,7 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 class PackedLinear(nn.Module):
     """A bias-optional linear layer whose weight is packed in 16 bits for the native kernel (`kernels.linear`): it
     reads each weight once per call, where torch's matmul reads them well below the memory bandwidth at the few rows
-    of a decode step (benchmarks/README.md, "A packed bf16 linear kernel"), and a row gets the same bits in any
+    of a decode step (benchmarks/README.md, "Packed bf16 linear layers"), and a row gets the same bits in any
     batch. `pack_linears` puts it in place of nn.Linear at load time. `fp32`: outputs in fp32 (an LM head: logits are
     wanted in fp32, and the kernel's sums are)."""
 

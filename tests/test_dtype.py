@@ -1,8 +1,8 @@
 """The compute dtype: `dtype="auto"` from the CPU's flags, attention over a bf16 cache, and bf16 against
 the fp32 reference on the real model.
 
-The bf16 tolerances were measured on this project's CPUs (benchmarks/README.md, "bf16 on CPU"): over 1024
-tokens of three PG-19 books, max|bf16 - fp32| / max|fp32| of the logits is 0.026-0.035 and the greedy
+The bf16 tolerances were measured on this project's CPUs (`git show e3fc202:benchmarks/README.md`, "bf16 on CPU"):
+over 1024 tokens of three PG-19 books, max|bf16 - fp32| / max|fp32| of the logits is 0.026-0.035 and the greedy
 top-1 token agrees at 97-98% of positions. On the native kernels (AVX512-BF16) a verification forward and
 one-token steps give the same logits bit for bit; on torch's bf16 operators they may pick different
 greedy tokens, within 0.15 of each other in fp32 logits.
@@ -163,8 +163,8 @@ def test_every_drafter_with_a_bf16_target(llm_bf16, default_model, default_path,
     """Greedy speculation over a bf16 target emits the plain bf16 tokens: exactly on the native kernels
     (row-invariant: verification and one-token steps round alike); on torch's operators, except where
     verification of gamma+1 tokens and a one-token step round a near-tie differently: then, at the first
-    difference, the two tokens are within TIE_GAP of each other in the fp32 model (benchmarks/README.md
-    measures how often that happens)."""
+    difference, the two tokens are within TIE_GAP of each other in the fp32 model (benchmarks/README.md, "Greedy
+    losslessness in bf16", measures how often that happens)."""
     spec = SpeculativeConfig(draft, budget=64, gamma=3, draft_model=str(default_path) if cache else None,
                              draft_cache=cache or "streaming")
     outs = llm_bf16.generate(prompt_token_ids=bf16_prompts, params=SamplingParams(max_tokens=16, ignore_eos=True),

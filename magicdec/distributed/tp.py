@@ -12,8 +12,8 @@ that each rank holds its share of every layer and one all-reduce joins the share
   from identical logits, with no broadcast): a vocab-parallel head would compute 1/tp of the logits and all-gather B
   x q x vocab of them per forward. Replicated is the simpler choice, not the fastest one: half the head plus an
   all-gather of the logits costs less than the whole head, so a vocab-parallel head would shorten a TP=2 decode step
-  (measured for SmolLM2-135M in benchmarks/README.md, "bench_tp.py"). It is the next step (see the planner's TP cost,
-  which models the head as built: replicated).
+  (measured for SmolLM2-135M in benchmarks/README.md, "Tensor parallelism against one process"). It is the next step
+  (see the planner's TP cost, which models the head as built: replicated).
 
 Splits need not be even: KV heads (and the MLP's columns) go out as evenly as they divide, the first ranks taking one
 more (SmolLM2-135M's 3 KV heads over 2 ranks: 2 + 1, query heads 6 + 3). Each rank's `model.cfg` becomes its local

@@ -3,13 +3,13 @@
 `decode_attention` is attention over a 16-bit KV cache, for decode and verification (a few new tokens per row) and
 for prefill chunks. torch's two 16-bit matmuls read the cache well below the memory bandwidth at one new token and are
 compute-bound at verification shapes; the kernel reads each cached K/V element once, whatever the number of queries
-(benchmarks/README.md, "A decode attention kernel"), and with no scores tensor between two matmuls it also runs
-prefill chunks faster than they do ("Prefill chunks on the kernel").
+(benchmarks/README.md, "Decode and verification attention over a bf16 cache"), and with no scores tensor between two
+matmuls it also runs prefill chunks faster than they do ("Prefill chunks").
 
 `linear` is a linear layer over 16-bit weights packed once at load time (`pack_linear`). torch's matmul reads the
 weights well below the memory bandwidth at a few rows, and rounds a row differently at different row counts; the
 kernel reads each weight once per call, which pays most at a few rows, where the weights are what a forward reads
-(benchmarks/README.md, "A packed bf16 linear kernel"), and gives a row the same bits in any batch, so that a
+(benchmarks/README.md, "Packed bf16 linear layers"), and gives a row the same bits in any batch, so that a
 one-token step and a verification forward agree exactly in the linear layers.
 
 The paths (`PATHS`), in order of preference; the first whose CPU flags this CPU has runs:
@@ -18,13 +18,14 @@ The paths (`PATHS`), in order of preference; the first whose CPU flags this CPU 
   Sapphire Rapids), both kernels' products run on AMX tiles (`tiles`): the linear layers over the same packed
   weights, as fast at one row and 2-4x faster from 16 rows up, where the vector instructions are compute-bound; the
   attention's scores and P @ V for up to 16 query rows per KV head at the cost of about one (a verification forward
-  of a large batch; benchmarks/README.md, "AMX tiles").
+  of a large batch; benchmarks/README.md, "Attention on AMX tiles at Gemma 3's shape").
 - `avx2`: AVX2 + FMA + F16C, most other x86 CPUs (AMD Zen 2/3, Intel client cores, many cloud VMs). They have no 16-bit
   products and torch's bf16 runs slowly there, so the model computes in fp32 and only storage is 16-bit: the kernels
   widen each weight and cached K/V element to fp32 as they read it, halving the bytes a step reads. fp16 is the
   default storage, bf16 the alternative: widening costs about the same (F16C's `vcvtph2ps` against a shift), and
-  fp16's 10 mantissa bits against bf16's 7 flip far fewer greedy tokens against fp32 (benchmarks/README.md, "16-bit
-  storage on AVX2"); the values a Llama-family model stores (weights, keys and values) lie far inside fp16's range.
+  fp16's 10 mantissa bits against bf16's 7 flip far fewer greedy tokens against fp32 (benchmarks/README.md, "fp16 or
+  bf16 storage under the AVX2 kernels"); the values a Llama-family model stores (weights, keys and values) lie far
+  inside fp16's range.
 An ARM path (NEON with fp16 arithmetic) would be one more entry with its own flags, compiler flags and sources.
 
 Each path's kernels are built into one library with torch's C++ extension tooling (a C++ compiler and ninja; once

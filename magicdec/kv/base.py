@@ -96,9 +96,10 @@ class KVCache:
         Where torch's operators attend on CPU, every slot once the filled prefix reaches half the capacity: a prefix
         of each row is a strided view, which the matmuls (and SDPA) copy before multiplying, while the whole buffer is
         contiguous; reading it costs at most twice the bytes and saves that copy, which made decode steps faster in
-        bf16 and in fp32 (benchmarks/README.md, "Whole buffers"). The unfilled slots are masked. The native kernel
-        reads the prefix view as it is: a prefill chunk past half a 32k cache attended over all of it, and checking
-        the unfilled tiles cost a sixth of Gemma 3's global attention (24.0 s of a 32k prefill, 20.0 without)."""
+        bf16 and in fp32 (`git show e3fc202:benchmarks/README.md`, "Whole buffers"). The unfilled slots are masked. The
+        native kernel reads the prefix view as it is: a prefill chunk past half a 32k cache attended over all of it,
+        and checking the unfilled tiles cost a sixth of Gemma 3's global attention (24.0 s of a 32k prefill, 20.0
+        without)."""
         n = self.max_len + q
         return self.capacity if self._whole_buffer and 2 * n >= self.capacity else n
 
