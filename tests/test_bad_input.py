@@ -18,7 +18,7 @@ from magicdec.errors import (
     UnsupportedModelError,
 )
 from magicdec.loading import load_model
-from magicdec.sampling import SamplingParams
+from magicdec.sampling import MAX_STOP_STRINGS, SamplingParams
 
 
 @pytest.fixture
@@ -169,9 +169,9 @@ def test_garbage_gguf(tmp_path, isolated_cache):
         {"temperature": -0.1}, {"temperature": math.nan},
         {"top_k": -1}, {"top_k": 1.5},
         {"top_p": 0.0}, {"top_p": -0.2}, {"top_p": 1.01}, {"top_p": math.nan},
-        {"stop": ""}, {"stop": ("ok", "")},
+        {"stop": ""}, {"stop": ("ok", "")}, {"stop": ["x"] * (MAX_STOP_STRINGS + 1)},
     ],
-    ids=str,
+    ids=lambda kwargs: str(kwargs)[:40],
 )
 def test_invalid_sampling_params(kwargs):
     with pytest.raises(InvalidRequestError):
@@ -181,6 +181,7 @@ def test_invalid_sampling_params(kwargs):
 def test_valid_sampling_edges():
     p = SamplingParams(max_tokens=1, temperature=0.0, top_k=0, top_p=1.0, stop="x", seed=2**64 - 1)
     assert p.greedy and p.stop == ("x",)
+    assert len(SamplingParams(stop=["x"] * MAX_STOP_STRINGS).stop) == MAX_STOP_STRINGS
 
 
 @pytest.mark.parametrize("stop, kept", [(None, ()), ("x", ("x",)), (["x", "y"], ("x", "y")), (("x",), ("x",))])

@@ -218,6 +218,11 @@ def test_prompts_that_cannot_fit_are_refused_before_tokenizing(server):
     assert status == 200 and body["count"] == MAX_LEN
 
 
+def test_too_many_stop_strings_are_refused(server):
+    body = {"prompt": "hi", "max_tokens": 2, "stop": [f"s{i}" for i in range(500_000)]}
+    assert_refused(server.post("/v1/completions", json.dumps(body).encode()), 400, "at most 256 stop strings")
+
+
 def test_a_small_request_is_served_while_huge_ones_are_refused(server):
     small_request(server)  # warm
     huge = completion("x" * HUGE_CHARS)
