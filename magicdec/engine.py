@@ -102,8 +102,10 @@ class LLMEngine:
         return self.config.max_model_len
 
     @staticmethod
-    def _policy(speculation: Speculation | None) -> tuple[GammaPolicy, int]:
-        return (speculation.policy, speculation.drafter.gamma) if speculation is not None else (FixedGamma(0), 0)
+    def _policy(speculation: Speculation | None) -> tuple[GammaPolicy, int, PrefixCache | None]:
+        if speculation is None:
+            return FixedGamma(0), 0, None
+        return speculation.policy, speculation.drafter.gamma, speculation.drafter.prefix_cache
 
     def set_speculation(self, speculation: Speculation | None) -> None:
         """Draft with `speculation` (None: plain decoding) from now on; only between runs, with no request in."""

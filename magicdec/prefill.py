@@ -52,6 +52,15 @@ def prefill_chunk(
     return logits
 
 
+def prefill_upto(model: Transformer, row: KVCache, prompt: Tensor, end: int,
+                 observer: AttentionObserver | None = None) -> Tensor | None:
+    """Bring `row` (one row, holding the prompt's first tokens from a prefix cache or earlier chunks) up to
+    prompt[:end] in one forward; return the last logits [1, V], or None where the row held them all already. A
+    target and a draft model prefill the same chunks this way, each computing only what its own row lacks."""
+    start = row.max_len
+    return prefill_chunk(model, row, prompt, start, end, observer) if start < end else None
+
+
 def prefill_row(model: Transformer, row: KVCache, prompt: Tensor, chunk: int,
                 observer: AttentionObserver | None = None, prefix_cache: PrefixCache | None = None) -> Tensor:
     """Prefill a whole prompt into `row`; `observer` sees the final forward. With a `prefix_cache`, the prompt's

@@ -25,7 +25,7 @@ from magicdec.kv.prefix_cache import PrefixCache
 from magicdec.kv.sparse import SnapKVObserver
 from magicdec.memory import check_fits
 from magicdec.model import Transformer
-from magicdec.prefill import OBSERVATION_WINDOW, prefill_chunk
+from magicdec.prefill import OBSERVATION_WINDOW, prefill_upto
 from magicdec.sampling import RowParams, SamplingParams, sample_tokens
 from magicdec.step import LENGTH, RUNNING, STOPPED, PrefillWork, ScheduledStep, SlotAssignment, SlotOutput, StepResult
 from magicdec.verify import accept_drafts
@@ -119,6 +119,8 @@ class ModelRunner:
         row.clear()
         if a.cached:
             self.prefix_cache.load(a.cached, row)
+        if self.drafter is not None:
+            self.drafter.assign(slot, a.draft_cached)
         self.seq[slot, :n] = torch.tensor(a.prompt, dtype=torch.long)
         self.n_tokens[slot] = n
         self.limit[slot] = n + a.params.max_tokens
@@ -193,21 +195,21 @@ class ModelRunner:
         return StepResult(first, decoded, t1 - t0, t2 - t1, draft_s)
 
     def _prefill(self, work: PrefillWork) -> Tensor | None:
-        """Run one prefill chunk; after the last one, sample the first token and start decoding the slot. Returns
-        (first token, finish code) [2] after the last chunk, else None."""
+        """Run one prefill chunk in the target and the drafter; after the last one, sample the first token and start
+        decoding the slot. Returns (first token, finish code) [2] after the last chunk, else None."""
         slot, ids = work.slot, self.prompts[work.slot]
         T = len(ids)
         row, prompt = self.cache.row(slot), self.seq[slot, :T]
         observer = None
         if work.final and self.drafter is not None and self.drafter.needs_target_attention:
             observer = SnapKVObserver(self.model.cfg.n_layers)
-        logits = prefill_chunk(self.model, row, prompt, work.start, work.end, observer)
+        logits = prefill_upto(self.model, row, prompt, work.end, observer)  # None: its prefix hit covered the chunk
         if work.final and self.prefix_cache is not None:
             self.prefix_cache.store(ids, row)
+        if self.drafter is not None:
+            self.drafter.prefill(slot, prompt, work.end, row, observer)
         if not work.final:
             return None
-        if self.drafter is not None:
-            self.drafter.admit(slot, prompt, row, observer)
         pos = torch.full((1, 1), T, dtype=torch.long, device=self.device)
         first = sample_tokens(logits[:, None], self.rows.row(slot), pos)  # [1, 1]
         one = slice(slot, slot + 1)

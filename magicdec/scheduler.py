@@ -3,13 +3,14 @@
 Requests wait in arrival order until a slot is free (slots are preallocated, so a free slot is memory for the
 request's whole cache). An admitted request's prompt is prefilled in chunks, at most `max_prefill_tokens` per step
 across requests, interleaved with the decode rounds of the running ones, so a long arrival does not stall the streams
-already running. With prefix caching, an admitted request starts from the longest prefix of its prompt that the
-cache holds, and a request whose prompt shares more leading blocks with a prompt being prefilled than the cache holds
-waits for that prefill to store them (n samples of one prompt, or many questions about one document, prefill the
-shared part once). Each step decodes the slots below the
-highest running one, with the draft length the speculation policy picks for the live batch; when no request waits for
-a slot, running requests move down into free slots so that the decoded rows stay few. Every finish (EOS or the token
-limit, as the runner reports them, a stop string, an abort) is decided here, and frees the request's slot at once.
+already running (a standalone draft model prefills the same chunks in the same steps). With prefix caching, an
+admitted request starts from the longest prefix of its prompt that the cache holds, and a request whose prompt shares
+more leading blocks with a prompt being prefilled than the cache holds waits for that prefill to store them (n samples
+of one prompt, or many questions about one document, prefill the shared part once). Each step decodes the slots below
+the highest running one, with the draft length the speculation policy picks for the live batch; when no request waits
+for a slot, running requests move down into free slots so that the decoded rows stay few. Every finish (EOS or the
+token limit, as the runner reports them, a stop string, an abort) is decided here, and frees the request's slot at
+once.
 """
 
 from __future__ import annotations
@@ -106,14 +107,18 @@ class Scheduler:
         self.gamma_policy = gamma_policy
         self.max_gamma = max_gamma  # the drafter's longest draft (0: no drafter)
         self.prefix_cache = prefix_cache
+        self.draft_prefix_cache: PrefixCache | None = None  # a draft model's own (it prefills prompts too)
         self.decode = decode  # token ids -> text, for stop strings
         self.row_bucket = row_bucket  # decoded rows, rounded up to a shape a captured graph can replay
         self.waiting: deque[Request] = deque()
         self.prefilling: list[Request] = []
 
-    def set_speculation(self, gamma_policy: GammaPolicy, max_gamma: int) -> None:
-        """Draft up to `max_gamma` tokens a round (0: never), as `gamma_policy` picks, from the next step on."""
+    def set_speculation(self, gamma_policy: GammaPolicy, max_gamma: int,
+                        draft_prefix_cache: PrefixCache | None = None) -> None:
+        """Draft up to `max_gamma` tokens a round (0: never), as `gamma_policy` picks, from the next step on; a draft
+        model that prefills prompts itself matches them in `draft_prefix_cache` (its `Drafter.prefix_cache`)."""
         self.gamma_policy, self.max_gamma = gamma_policy, max_gamma
+        self.draft_prefix_cache = draft_prefix_cache
 
     # --- requests in and out --------------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -194,14 +199,23 @@ class Scheduler:
         return step
 
     def _admit(self, request: Request, slot: int, caching: bool) -> SlotAssignment:
-        """Give `slot` to `request`: its longest cached prefix is copied, the rest of its prompt prefilled."""
-        cached = self.prefix_cache.match(request.prompt_keys, len(request.prompt_ids)) if caching else []
+        """Give `slot` to `request`: its longest cached prefix is copied, the rest of its prompt prefilled.
+
+        A draft model prefills the same chunks in the same steps, from its own prefix cache's hit. The chunks start
+        where the shorter of the two hits ends, so the model with the longer one skips what it holds, and no step
+        runs more than its budget of either model's prefill (a chat's next turn finds its history in the target's
+        cache, whose blocks include past outputs, and only the prompt's blocks in the draft model's)."""
+        keys, n = request.prompt_keys, len(request.prompt_ids)
+        cached = self.prefix_cache.match(keys, n) if caching else []
+        draft = self.draft_prefix_cache
+        draft_cached = draft.match(keys, n) if caching and draft is not None else []
         request.slot, request.status = slot, Status.PREFILLING
         request.cached_tokens = len(cached) * BLOCK_SIZE
-        request.chunks = deque(prefill_chunks(len(request.prompt_ids), self.prefill_chunk, request.cached_tokens))
+        start = min(len(cached), len(draft_cached)) if draft is not None else len(cached)
+        request.chunks = deque(prefill_chunks(n, self.prefill_chunk, start * BLOCK_SIZE))
         self.slots[slot] = request
         self.prefilling.append(request)
-        return SlotAssignment(slot, request.prompt_ids, request.params, request.seed, cached)
+        return SlotAssignment(slot, request.prompt_ids, request.params, request.seed, cached, draft_cached)
 
     def _compact(self, step: ScheduledStep) -> None:
         """Move running requests from the highest slots into free lower ones. A round decodes every slot below the

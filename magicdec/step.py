@@ -18,18 +18,21 @@ RUNNING, STOPPED, LENGTH = 0, 1, 2
 @dataclass
 class SlotAssignment:
     """A request taking a slot: what the runner needs to prefill and decode it. `cached`: the prefix cache's keys of
-    the prompt's leading blocks, copied into the slot before its prefill chunks (which start after them)."""
+    the prompt's leading blocks, copied into the slot before its prefill chunks (which start after them, or after
+    the draft model's hit where that is shorter); `draft_cached`: those a draft model copies from its own."""
 
     slot: int
     prompt: list[int]
     params: SamplingParams
     seed: int
     cached: list[bytes] = field(default_factory=list)
+    draft_cached: list[bytes] = field(default_factory=list)
 
 
 @dataclass
 class PrefillWork:
-    """Prompt tokens [start, end) of the request in `slot`; the last chunk of a prompt samples its first token."""
+    """Prompt tokens [start, end) of the request in `slot` (a model whose prefix hit covers some of them computes
+    only the rest); the last chunk of a prompt samples its first token."""
 
     slot: int
     start: int

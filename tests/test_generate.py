@@ -85,7 +85,7 @@ def test_repeated_prompts_are_prefilled_once(tiny_llama, monkeypatch):
     """With prefix caching, repeats of a prompt in one batch wait for its prefill and copy its blocks (as `--n`
     runs): each repeat computes only its last partial block and observation window, and gives the same tokens as
     prefilling each."""
-    import magicdec.runner as runner_mod
+    import magicdec.prefill as prefill_mod
 
     model = tiny_llama[0].model
     g = torch.Generator().manual_seed(6)
@@ -94,8 +94,8 @@ def test_repeated_prompts_are_prefilled_once(tiny_llama, monkeypatch):
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     separate, _ = run_engine(model, rows, params)
     computed = []
-    real = runner_mod.prefill_chunk
-    monkeypatch.setattr(runner_mod, "prefill_chunk",
+    real = prefill_mod.prefill_chunk
+    monkeypatch.setattr(prefill_mod, "prefill_chunk",
                         lambda m, row, prompt, start, end, *a: computed.append(end - start) or real(m, row, prompt, start, end, *a))
     shared, stats = run_engine(model, rows, params, caching=True, prefill_chunk=16)
     # 100 + 25 tokens computed once; each of the three repeats copies 64 tokens (two blocks) and computes 36

@@ -100,7 +100,7 @@ def new_engine(model: Transformer, prompts, params, slots: int, drafter=None, po
 
 # --- the per-round monitor ----------------------------------------------------------------------------------
 class Monitor:
-    """Wraps the engine's drafter (admit / propose / accept) and checks the caches of the engine's slots
+    """Wraps the engine's drafter (prefill / propose / accept) and checks the caches of the engine's slots
     against references computed from the runner's token buffer: after each admission, while drafting, after
     each verified round, and after every step (`after_step`), plain-decoding rounds included."""
 
@@ -116,12 +116,14 @@ class Monitor:
         self.rounds = self.rows_verified = self.rejections = 0
         self.max_context = self.max_unseen = self.entries_checked = 0
         self.moves = 0  # requests moved to a lower slot
-        for name in ("admit", "propose", "accept", "move"):
+        for name in ("prefill", "propose", "accept", "move"):
             setattr(self.d, name, functools.partial(getattr(self, "_" + name), getattr(self.d, name)))
 
     # wrappers
-    def _admit(self, orig, slot, prompt, target_row, observer):
-        orig(slot, prompt, target_row, observer)
+    def _prefill(self, orig, slot, prompt, end, target_row, observer):
+        orig(slot, prompt, end, target_row, observer)
+        if end < len(prompt):  # the draft cache is complete after the prompt's final chunk
+            return
         c, P = self.d.cache, len(prompt)
         self.admissions[slot] += 1
         self.prompt_len[slot] = P

@@ -14,11 +14,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-import magicdec.drafters.model_draft as model_draft_mod
 import magicdec.runner as runner_mod
 from conftest import run_engine
 from magicdec.drafters import ModelDrafter, SelfSpecDrafter
-from magicdec.kv.prefix_cache import PrefixCache, block_keys
+from magicdec.kv.prefix_cache import BLOCK_SIZE, PrefixCache, block_keys
+from magicdec.prefill import cacheable_prefix
 from magicdec.sampling import SamplingParams
 from magicdec.scheduler import FixedGamma, GammaPolicy
 
@@ -69,19 +69,23 @@ def draft_model(default_path):
 
 @pytest.fixture
 def draft_prefill_from_cache(monkeypatch, draft_model, cache):
-    """The draft model has the target's weights, so its prefill of a prompt is the target's (bit for bit:
-    same weights, same chunking): serve it from the target's prefix cache instead of recomputing each prompt per
-    test. The LLM test below runs the real draft prefill."""
-    real = model_draft_mod.prefill_row
+    """The draft model has the target's weights, so its prefill of a prompt is the target's (bit for bit): give it
+    the target's prefix cache as its own, so that each prompt's prefill is not recomputed per test. Returns the
+    blocks each admitted request's draft took from it. The LLM test below runs the real draft prefill."""
+    allocate, assign = ModelDrafter.allocate, ModelDrafter.assign
     served = []
 
-    def prefill_row(m, row, prompt, chunk, observer=None, prefix_cache=None):
-        if m is draft_model and cache.cached_prefix(block_keys(prompt.tolist())) >= (len(prompt) - 63) // 32:
-            served.append(len(prompt))
-            prefix_cache = cache
-        return real(m, row, prompt, chunk, observer, prefix_cache)
+    def allocate_sharing(self, *args, **kw):
+        allocate(self, *args, **kw)
+        if self.model is draft_model:
+            self.prefix_cache = cache
 
-    monkeypatch.setattr(model_draft_mod, "prefill_row", prefill_row)
+    def assign_counting(self, slot, cached):
+        served.append(len(cached))
+        assign(self, slot, cached)
+
+    monkeypatch.setattr(ModelDrafter, "allocate", allocate_sharing)
+    monkeypatch.setattr(ModelDrafter, "assign", assign_counting)
     return served
 
 
@@ -124,7 +128,8 @@ def test_greedy_speculative_equals_autoregressive(
     assert sum(sum(o.accepted_hist) for o in outs) == stats.verify_steps
     full = stats.accepted_hist[gamma] / stats.verify_steps
     if name.startswith("model"):
-        assert len(draft_prefill_from_cache) == len(prompts), "the draft prefill was not served"
+        served = [cacheable_prefix(len(p)) // BLOCK_SIZE for p in prompts]
+        assert draft_prefill_from_cache == served, "the draft prefill was not served"
     if name == "model-dense" or budget >= 2048:
         # the draft sees the target's whole context: it is the target, and (numerics aside) always right
         assert full >= 0.9, stats.accepted_hist

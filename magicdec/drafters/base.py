@@ -9,6 +9,7 @@ from torch import Tensor
 
 from magicdec.drafters.vocab import DraftHead
 from magicdec.kv import KVCache
+from magicdec.kv.prefix_cache import PrefixCache
 from magicdec.kv.sparse import SnapKVObserver
 from magicdec.model import Transformer
 from magicdec.sampling import RowParams, sample_tokens
@@ -17,14 +18,15 @@ from magicdec.sampling import RowParams, sample_tokens
 class Drafter(ABC):
     """Proposes gamma tokens per sequence from a cheap model/cache, then follows what the target accepted.
 
-    A drafter keeps one cache row per engine slot. `admit` builds a slot's row once the target has prefilled its
-    prompt; per round, `propose` drafts for the first n slots and `accept` rolls the draft cache back to what the
-    target kept. The draft cache trails the sequence: at the start of a round it first catches up on the tokens it
-    has not seen (usually 1 or 2; more after rounds of plain decoding, which leave it alone), taken from the engine's
-    token buffer (`catch_up`, then the round's first forward)."""
+    A drafter keeps one cache row per engine slot. `assign` starts a slot's row for a new request and `prefill`
+    follows the target's prefill chunk by chunk (a draft model prefills the same chunks in the same steps, within the
+    scheduler's per-step prefill budget); per round, `propose` drafts for the first n slots and `accept` rolls the
+    draft cache back to what the target kept. The draft cache trails the sequence: at the start of a round it first
+    catches up on the tokens it has not seen (usually 1 or 2; more after rounds of plain decoding, which leave it
+    alone), taken from the engine's token buffer (`catch_up`, then the round's first forward)."""
 
     name: str = "drafter"
-    #: whether `admit` needs the attention of the prompt's last tokens observed in the target's prefill
+    #: whether `prefill` needs the attention of the prompt's last tokens observed in the target's prefill
     needs_target_attention: bool = False
 
     def __init__(self, model: Transformer, gamma: int):
@@ -32,6 +34,9 @@ class Drafter(ABC):
         self.gamma = gamma  # the most tokens it will be asked to draft per round (sizes a sparse cache's slack)
         self.head: DraftHead | None = None  # proposes among part of the vocabulary (None: the model's LM head)
         self.cache: KVCache | None = None
+        #: the drafter's own prefix cache, for a draft model that prefills prompts itself (None: it takes a prompt's
+        #: entries from the target's cache); the scheduler matches a request's prompt against it
+        self.prefix_cache: PrefixCache | None = None
 
     @property
     def slack(self) -> int:
@@ -50,9 +55,15 @@ class Drafter(ABC):
     def cache_bytes(self, slots: int, capacity: int, dtype: torch.dtype) -> int:
         """Bytes `allocate` would take (memory is planned before it is allocated)."""
 
+    def assign(self, slot: int, cached: list[bytes]) -> None:
+        """A new request takes `slot`; `cached`: the keys of its prompt's leading blocks that the scheduler matched in
+        `prefix_cache` (a drafter without one takes its entries from the target, and has nothing to start)."""
+
     @abstractmethod
-    def admit(self, slot: int, prompt: Tensor, target: KVCache, observer: SnapKVObserver | None) -> None:
-        """Build slot's draft cache for prompt [T], which the target has prefilled into `target` (a row view)."""
+    def prefill(self, slot: int, prompt: Tensor, end: int, target: KVCache, observer: SnapKVObserver | None) -> None:
+        """The target's row `target` (a view) holds prompt[:end] of slot's request after a prefill chunk: follow it.
+        At end == len(prompt) (the observation window, whose attention `observer` holds where
+        `needs_target_attention`) the slot's draft cache must be complete."""
 
     def free(self) -> None:
         """Drop the draft cache: the drafter leaves its engine."""

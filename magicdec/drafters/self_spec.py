@@ -46,7 +46,9 @@ class SelfSpecDrafter(Drafter):
                  gamma: int) -> None:
         cache.append_from(target, n_tokens - 1, live)
 
-    def admit(self, slot: int, prompt: Tensor, target: KVCache, observer: SnapKVObserver | None) -> None:
+    def prefill(self, slot: int, prompt: Tensor, end: int, target: KVCache, observer: SnapKVObserver | None) -> None:
+        if end < len(prompt):  # the entries are cut from the target's row once it holds the whole prompt
+            return
         row = self.cache.row(slot)
         if isinstance(row, HybridCache):
             row, target, observer = row.full, target.full, global_observer(self.model.cfg, observer)
