@@ -143,6 +143,12 @@ def test_draft_model_prefill_is_chunked_within_the_budget(target, kind):
     assert all(d <= s <= 2 * CHUNK for s, d in meter.steps[start:])
     assert request.output_ids == plain(target, other, request.params)
 
+    # nothing outlives its prompt's prefill: no staging row, no pinned hit (nor after an abort mid-prefill)
+    aborted = engine.add_request("aborted", ids(700, 6), SamplingParams(max_tokens=8))  # no hit: 6 chunks
+    engine.step()
+    engine.abort_request("aborted")
+    assert aborted.finished and not drafter.staging and not drafter.hits and not drafter.prefix_cache.pinned
+
     if kind == "dense":  # the draft is the target's twin over the whole context: its prefill was exact
         stats = engine.stats
         assert stats.accepted_hist[GAMMA] == stats.verify_steps, stats.accepted_hist
