@@ -30,6 +30,7 @@ from magicdec.kv.hybrid import ring_size
 from magicdec.kv.prefix_cache import PrefixCache
 from magicdec.loading import LoadedModel, load_model
 from magicdec.loading.tokenizer import Tokenizer
+from magicdec.logprobs import TokenLogprob
 from magicdec.memory import available_bytes, peak_bytes
 from magicdec.model import Transformer, attention_path, linear_path, weight_dtype
 from magicdec.runner import CACHE_SLACK, ModelRunner, forward_tokens
@@ -63,6 +64,8 @@ class RequestOutput:
     token_ids: list[int]
     finish_reason: str  # "stop" (EOS or stop string), "length" or "abort"
     accepted_hist: list[int]  # verify rounds by number of draft tokens accepted (speculative only)
+    logprobs: list[TokenLogprob] | None = None  # one per token of token_ids, where SamplingParams.logprobs asked
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt token (the first None), if asked
 
 
 class LLMEngine:
@@ -395,7 +398,8 @@ class LLM:
         stats.peak_memory_bytes = peak_bytes(self.model.device)
         self.last_stats = stats
         return [RequestOutput(i, prompts[i] if prompts is not None else None, r.prompt_ids, engine.text_of(r),
-                              r.output_ids, r.finish_reason, r.accepted_hist) for i, r in enumerate(requests)]
+                              r.output_ids, r.finish_reason, r.accepted_hist, r.logprobs, r.prompt_logprobs)
+                for i, r in enumerate(requests)]
 
 
 def _covers(built: EngineConfig, wanted: EngineConfig) -> bool:

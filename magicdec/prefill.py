@@ -42,23 +42,26 @@ def prefill_chunk(
     start: int,
     end: int,
     observer: AttentionObserver | None = None,
+    every: bool = False,
 ) -> Tensor:
-    """Run prompt[start:end] through the model into `row` and commit it; return the last logits [1, V]."""
+    """Run prompt[start:end] through the model into `row` and commit it; return the last logits [1, V], or with
+    `every` the logits of every position [end - start, V] (for the prompt's log-probabilities)."""
     if start == 0:
         row.clear()
-    at = torch.full((1, 1), end - start - 1, dtype=torch.long, device=prompt.device)
-    logits = model(prompt[None, start:end], row, logits_at=at, observer=observer)[:, 0]
+    at = None if every else torch.full((1, 1), end - start - 1, dtype=torch.long, device=prompt.device)
+    logits = model(prompt[None, start:end], row, logits_at=at, observer=observer)[0]
     row.commit(end - start)
     return logits
 
 
 def prefill_upto(model: Transformer, row: KVCache, prompt: Tensor, end: int,
-                 observer: AttentionObserver | None = None) -> Tensor | None:
+                 observer: AttentionObserver | None = None, every: bool = False) -> Tensor | None:
     """Bring `row` (one row, holding the prompt's first tokens from a prefix cache or earlier chunks) up to
-    prompt[:end] in one forward; return the last logits [1, V], or None where the row held them all already. A
-    target and a draft model prefill the same chunks this way, each computing only what its own row lacks."""
+    prompt[:end] in one forward; return the last logits [1, V] (`every`: every computed position's, as
+    `prefill_chunk` does), or None where the row held them all already. A target and a draft model prefill the same
+    chunks this way, each computing only what its own row lacks."""
     start = row.max_len
-    return prefill_chunk(model, row, prompt, start, end, observer) if start < end else None
+    return prefill_chunk(model, row, prompt, start, end, observer, every) if start < end else None
 
 
 def prefill_row(model: Transformer, row: KVCache, prompt: Tensor, chunk: int,

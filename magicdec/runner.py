@@ -11,7 +11,6 @@ compute garbage that is never committed, and a slot's state is rebuilt when it i
 
 from __future__ import annotations
 
-import itertools
 import time
 from typing import Sequence
 
@@ -23,6 +22,7 @@ from magicdec.drafters.base import Drafter
 from magicdec.kv.hybrid import cache_bytes, make_cache
 from magicdec.kv.prefix_cache import PrefixCache
 from magicdec.kv.sparse import SnapKVObserver
+from magicdec.logprobs import Logprobs, TokenLogprob, compute_logprobs, to_host
 from magicdec.memory import check_fits
 from magicdec.model import Transformer
 from magicdec.prefill import OBSERVATION_WINDOW, prefill_upto
@@ -170,56 +170,100 @@ class ModelRunner:
             self._move(src, dst)
         for a in step.assign:
             self._assign(a)
-        firsts = []
-        for work in step.prefills:
-            first = self._prefill(work)
-            if first is not None:
-                firsts.append((work.slot, first))
+        prefilled = [(work, *self._prefill(work)) for work in step.prefills]
         synchronize(self.device)
         t1 = time.perf_counter()
         n, draft_s = step.n_rows, 0.0
+        asking = [i for i, p in enumerate(self.rows.params[:n]) if p.logprobs is not None]
         empty = torch.zeros(0, dtype=torch.long, device=self.device)
-        new, kept, finish, accepted = empty[:, None], empty, empty, empty
+        decoded = (empty[:, None], empty, empty, empty, None)
         if n:
-            new, kept, finish, accepted, draft_s = self._decode(n, step.gamma)
-        k = new.shape[1]
-        values = iter(torch.cat([new.flatten(), kept, finish, accepted] + [f for _, f in firsts]).tolist())
+            *decoded, draft_s = self._decode(n, step.gamma, asking)
+        first, outputs, prompt_logprobs = self._to_host(prefilled, *decoded, asking)
         t2 = time.perf_counter()
+        return StepResult(first, outputs, t1 - t0, t2 - t1, draft_s, prompt_logprobs)
 
-        def take(m: int) -> list[int]:
-            return list(itertools.islice(values, m))
+    def _to_host(self, prefilled: list[tuple[PrefillWork, Tensor | None, Logprobs | None, Logprobs | None]],
+                 new: Tensor, kept: Tensor, finish: Tensor, accepted: Tensor, logprobs: Logprobs | None,
+                 asking: list[int]) -> tuple[list[SlotOutput], list[SlotOutput], list[tuple[int, list[TokenLogprob]]]]:
+        """The step's results in one copy to the host: the first tokens of the prefills that finished, the decoded
+        slots' tokens, and the prompt tokens' log-probabilities of the chunks whose requests asked."""
+        firsts = [(work.slot, first, lp) for work, first, lp, _ in prefilled if first is not None]
+        prompts = [(work, lp) for work, _, _, lp in prefilled if lp is not None]
+        device_lps = [lp for *_, lp in firsts] + [lp for _, lp in prompts] + [logprobs]
+        host = iter(to_host([new, kept, finish, accepted, *(f for _, f, _ in firsts),
+                             *(part for lp in device_lps if lp is not None for part in lp.parts())]))
+        tokens, kept, finish, accepted = (next(host).tolist() for _ in range(4))
+        first_ids = [next(host).tolist() for _ in firsts]
 
-        tokens, kept, finish, accepted = take(n * k), take(n), take(n), take(n)
-        first = [SlotOutput(slot, take(1), next(values)) for slot, _ in firsts]
-        decoded = [SlotOutput(i, tokens[i * k : i * k + kept[i]], finish[i], accepted[i]) for i in range(n) if kept[i]]
-        return StepResult(first, decoded, t1 - t0, t2 - t1, draft_s)
+        def fetch(lp: Logprobs | None) -> Logprobs | None:  # in the order of device_lps
+            return None if lp is None else Logprobs(next(host), next(host), next(host))
 
-    def _prefill(self, work: PrefillWork) -> Tensor | None:
+        first = []
+        for (slot, _, lp), (token, code) in zip(firsts, first_ids):
+            lp = fetch(lp)
+            entries = lp.entries(0, [token], self.rows.params[slot].logprobs) if lp is not None else None
+            first.append(SlotOutput(slot, [token], code, logprobs=entries))
+        prompt_logprobs = []
+        for work, lp in prompts:
+            ids = self.prompts[work.slot][work.start + 1 : work.start + 1 + lp.chosen.shape[1]]
+            prompt_logprobs.append((work.slot, fetch(lp).entries(0, ids, self.rows.params[work.slot].prompt_logprobs)))
+        lp, row_of = fetch(logprobs), {slot: j for j, slot in enumerate(asking)}
+        decoded = []
+        for i in range(len(kept)):
+            if kept[i]:
+                got = tokens[i][: kept[i]]
+                entries = lp.entries(row_of[i], got, self.rows.params[i].logprobs) if i in row_of else None
+                decoded.append(SlotOutput(i, got, finish[i], accepted[i], entries))
+        return first, decoded, prompt_logprobs
+
+    def _prefill(self, work: PrefillWork) -> tuple[Tensor | None, Logprobs | None, Logprobs | None]:
         """Run one prefill chunk in the target and the drafter; after the last one, sample the first token and start
-        decoding the slot. Returns (first token, finish code) [2] after the last chunk, else None."""
+        decoding the slot. Returns (first token, finish code) [2] after the last chunk, else None; the first token's
+        log-probabilities, and those of the chunk's prompt tokens, where the request asks for them (else None)."""
         slot, ids = work.slot, self.prompts[work.slot]
-        T = len(ids)
+        T, params = len(ids), self.rows.params[work.slot]
         row, prompt = self.cache.row(slot), self.seq[slot, :T]
         observer = None
         if work.final and self.drafter is not None and self.drafter.needs_target_attention:
             observer = SnapKVObserver(self.model.cfg.n_layers)
-        logits = prefill_upto(self.model, row, prompt, work.end, observer)  # None: its prefix hit covered the chunk
+        every = params.prompt_logprobs is not None
+        # None: its prefix hit covered the chunk (never with prompt logprobs: such a request takes no hit, and its
+        # chunks start at 0, so the target computes each from work.start)
+        logits = prefill_upto(self.model, row, prompt, work.end, observer, every)
+        prompt_lp = None
+        if every:  # position p's logits give the log-probability of prompt token p + 1
+            m = min(work.end, T - 1) - work.start
+            prompt_lp = compute_logprobs(logits[None, :m], prompt[None, work.start + 1 : work.start + 1 + m],
+                                         params.prompt_logprobs)
+            logits = logits[-1:]
         if work.final and self.prefix_cache is not None:
             self.prefix_cache.store(ids, row)
         if self.drafter is not None:
             self.drafter.prefill(slot, prompt, work.end, row, observer)
         if not work.final:
-            return None
+            return None, None, prompt_lp
         pos = torch.full((1, 1), T, dtype=torch.long, device=self.device)
         first = sample_tokens(logits[:, None], self.rows.row(slot), pos)  # [1, 1]
+        first_lp = compute_logprobs(logits[:, None], first, params.logprobs) if params.logprobs is not None else None
         one = slice(slot, slot + 1)
         self.live[slot] = True
         _, finish = self._emit(one, first, torch.ones(1, dtype=torch.long, device=self.device))
         self.live[slot] = finish[0] == RUNNING
-        return torch.cat((first[0], finish))
+        return torch.cat((first[0], finish)), first_lp, prompt_lp
 
-    def _decode(self, n: int, gamma: int) -> tuple[Tensor, Tensor, Tensor, Tensor, float]:
-        """One round over slots [0, n): plain decoding (gamma 0) or draft, verify and commit."""
+    def _logprobs(self, logits: Tensor, tokens: Tensor, asking: list[int]) -> Logprobs | None:
+        """The log-probabilities of tokens [n, k] under logits [n, k, V], for the rows that ask for them (None where
+        none does: the other rows pay nothing)."""
+        if not asking:
+            return None
+        index = torch.tensor(asking, device=self.device)
+        return compute_logprobs(logits[index], tokens[index], max(self.rows.params[i].logprobs for i in asking))
+
+    def _decode(self, n: int, gamma: int, asking: list[int]) -> tuple[Tensor, Tensor, Tensor, Tensor, Logprobs | None,
+                                                                      float]:
+        """One round over slots [0, n): plain decoding (gamma 0) or draft, verify and commit; with the
+        log-probabilities of the rows in `asking`."""
         cache, rows, live = self.cache.head(n), self.rows.head(n), self.live[:n]
         n_tokens = self.n_tokens[:n].clone()
         last = self.seq[:n].gather(1, (n_tokens - 1).clamp_min(0)[:, None])  # [n, 1]
@@ -230,17 +274,18 @@ class ModelRunner:
             draft = self.drafter.propose(n, gamma, self.seq[:n], n_tokens, live, rows, cache)
             synchronize(self.device)
             draft_s = time.perf_counter() - t
-            target = sample_tokens(self.model(torch.cat((last, draft), dim=1), cache), rows, positions)
-            accepted, nxt = accept_drafts(target, draft)
+            logits = self.model(torch.cat((last, draft), dim=1), cache)
+            accepted, nxt = accept_drafts(sample_tokens(logits, rows, positions), draft)
             new = torch.cat((draft, nxt[:, None]), dim=1).scatter(1, accepted[:, None], nxt[:, None])
         else:
-            new = sample_tokens(self.model(last, cache), rows, positions)
+            logits = self.model(last, cache)
+            new = sample_tokens(logits, rows, positions)
             accepted = torch.zeros(n, dtype=torch.long, device=self.device)
         cache.commit((accepted + 1) * live)
         kept, finish = self._emit(slice(0, n), new, accepted + 1)
         if gamma:
             self.drafter.accept(n, self.n_tokens[:n], live)
-        return new, kept, finish, accepted, draft_s
+        return new, kept, finish, accepted, self._logprobs(logits, new, asking), draft_s
 
     def _emit(self, rows: slice, new: Tensor, count: Tensor) -> tuple[Tensor, Tensor]:
         """Append the first count[b] tokens of new [m, k] to live slots, stopping at EOS and max_tokens. Returns

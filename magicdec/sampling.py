@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from magicdec.errors import InvalidRequestError
+from magicdec.logprobs import MAX_LOGPROBS
 
 #: Temperatures below this sample greedily: dividing logits by them overflows to inf/NaN.
 GREEDY_BELOW = 1e-5
@@ -41,7 +42,12 @@ class SamplingParams:
     """How to pick tokens. temperature 0 means greedy; top_k 0 and top_p 1 disable those filters.
 
     seed: makes a sampled request reproducible (the same tokens alone or in any batch, with or without speculation).
-    stop: strings that end the text (excluded from it). ignore_eos: keep going past EOS."""
+    stop: strings that end the text (excluded from it). ignore_eos: keep going past EOS.
+    logprobs: report each generated token's log-probability and its position's `logprobs` most probable tokens
+    (None: none); prompt_logprobs: the same for the prompt's tokens (the first has none). Both are of the model's raw
+    distribution (log_softmax of its logits), whatever temperature, top-k and top-p do to the draw
+    (`magicdec.logprobs`); a request asking for prompt logprobs prefills its whole prompt, not taking a cached
+    prefix, whose positions have no logits."""
 
     max_tokens: int = 128
     temperature: float = 0.0
@@ -50,6 +56,8 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # None (no stop strings), one string and a list are accepted; the frozen params keep a tuple.
@@ -85,6 +93,11 @@ class SamplingParams:
             raise InvalidRequestError("stop strings must be non-empty")
         if len(self.stop) > MAX_STOP_STRINGS:
             raise InvalidRequestError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, int) and not isinstance(value, bool)
+                                          and 0 <= value <= MAX_LOGPROBS):
+                raise InvalidRequestError(f"{name} must be an integer in [0, {MAX_LOGPROBS}] or None, got {value!r}")
 
     @property
     def greedy(self) -> bool:

@@ -25,6 +25,7 @@ from typing import Callable, Sequence
 from magicdec.config import EngineConfig
 from magicdec.errors import InvalidRequestError
 from magicdec.kv.prefix_cache import BLOCK_SIZE, PrefixCache, block_keys
+from magicdec.logprobs import TokenLogprob
 from magicdec.prefill import cacheable_prefix, prefill_chunks
 from magicdec.sampling import SamplingParams
 from magicdec.step import LENGTH, RUNNING, STOPPED, PrefillWork, ScheduledStep, SlotAssignment, SlotOutput, StepResult
@@ -79,6 +80,20 @@ class Request:
     accepted_hist: list[int] = field(default_factory=list)  # verify rounds by number of drafts accepted
     first_token_time: float | None = None
     finish_time: float | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per output token, where params.logprobs asks
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt token (None for the first), if asked
+
+    def __post_init__(self) -> None:
+        if self.params.logprobs is not None:
+            self.logprobs = []
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
+
+    @property
+    def uses_prefix_cache(self) -> bool:
+        """Whether a cached prefix may stand in for prefilling the prompt's first blocks: not where the prompt's
+        log-probabilities are asked for (a cached block has no logits, and computing them costs its prefill)."""
+        return self.params.prompt_logprobs is None
 
     @property
     def finished(self) -> bool:
@@ -160,7 +175,7 @@ class Scheduler:
         leading blocks with the prompts being prefilled (`in_flight`: their keys) than the cache holds waits for
         those prefills to store them."""
         for i, request in enumerate(self.waiting):
-            keys = request.prompt_keys if in_flight else []
+            keys = request.prompt_keys if in_flight and request.uses_prefix_cache else []
             shared = next((n for n, key in enumerate(keys) if key not in in_flight), len(keys))
             if not shared or shared <= self.prefix_cache.cached_prefix(keys[:shared]):
                 del self.waiting[i]
@@ -206,7 +221,7 @@ class Scheduler:
         runs more than its budget of either model's prefill (a chat's next turn finds its history in the target's
         cache, whose blocks include past outputs, and only the prompt's blocks in the draft model's)."""
         keys, n = request.prompt_keys, len(request.prompt_ids)
-        cached = self.prefix_cache.match(keys, n) if caching else []
+        cached = self.prefix_cache.match(keys, n) if caching and request.uses_prefix_cache else []
         draft = self.draft_prefix_cache
         draft_cached = draft.match(keys, n) if caching and draft is not None else []
         request.slot, request.status = slot, Status.PREFILLING
@@ -236,6 +251,8 @@ class Scheduler:
         now = time.monotonic()
         changed: dict[int, Request] = {}
         freed: list[int] = []
+        for slot, entries in result.prompt_logprobs:
+            self.slots[slot].prompt_logprobs.extend(entries)
         for out in result.first:
             request = self.slots[out.slot]
             self.prefilling.remove(request)
@@ -260,12 +277,16 @@ class Scheduler:
         """Add a slot's new tokens to its request and finish it at EOS, its token limit or a stop string; returns the
         slot when that freed it."""
         request.output_ids.extend(out.tokens)
+        if out.logprobs is not None:
+            request.logprobs.extend(out.logprobs)
         if out.finish != RUNNING:
             return [self._finish(request, FINISH_NAMES[out.finish])]
         if request.params.stop and self.decode is not None:
             end = stop_string_end(self.decode, request.output_ids, request.params.stop)
             if end is not None:
                 del request.output_ids[end:]
+                if request.logprobs is not None:
+                    del request.logprobs[end:]
                 return [self._finish(request, "stop")]
         return []
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from magicdec.logprobs import TokenLogprob
 from magicdec.sampling import SamplingParams
 
 #: How a slot's tokens of a step ended, as the runner sees it on the device: still running, at an EOS
@@ -56,21 +57,26 @@ class ScheduledStep:
 @dataclass
 class SlotOutput:
     """The tokens a slot gained in a step (after EOS and the token limit cut them), how they ended (RUNNING, STOPPED
-    or LENGTH) and, in a speculative round, how many of its drafts the target accepted."""
+    or LENGTH), in a speculative round how many of its drafts the target accepted, and the tokens' log-probabilities
+    where the request asked for them."""
 
     slot: int
     tokens: list[int]
     finish: int
     accepted: int = 0
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
 class StepResult:
     """A step's results on the host: the first token of each request whose prefill finished, and the tokens of each
-    decoded slot that gained any; seconds spent in prefill, the decode round and its drafting."""
+    decoded slot that gained any; seconds spent in prefill, the decode round and its drafting; and the log-probabilities
+    of the prompt tokens its prefill chunks computed, as (slot, entries) in prompt order, for the requests that
+    asked."""
 
     first: list[SlotOutput]
     decoded: list[SlotOutput]
     prefill_s: float
     decode_s: float
     draft_s: float
+    prompt_logprobs: list[tuple[int, list[TokenLogprob]]] = field(default_factory=list)

@@ -293,7 +293,7 @@ def test_error_codes(server, model_name):
     assert e.value.status_code == 401
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="no-such-model", prompt=PROMPT, max_tokens=2)
-    bad = [dict(temperature=-1), dict(top_p=2.0), dict(max_tokens=0), dict(n=0), dict(logprobs=2),
+    bad = [dict(temperature=-1), dict(top_p=2.0), dict(max_tokens=0), dict(n=0), dict(logprobs=99),
            dict(extra_body={"top_k": -5}), dict(prompt=[7] * (MAX_LEN + 10)), dict(prompt=""),
            dict(max_tokens=MAX_LEN), dict(prompt=[10**7])]
     for kw in bad:

@@ -37,10 +37,12 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from magicdec.engine import check_token_ids
 from magicdec.errors import InvalidRequestError
 from magicdec.loading.tokenizer import Tokenizer
+from magicdec.logprobs import TokenLogprob
 from magicdec.scheduler import QueueFullError
 from magicdec.server.async_engine import AsyncEngine, EngineDeadError, Output
 from magicdec.server.chat import ChatTemplate
 from magicdec.server.detokenize import IncrementalDetokenizer
+from magicdec.server.logprob_format import TokenTexts, chat_logprobs, completion_logprobs, prompt_logprobs
 from magicdec.server.metrics import ServerMetrics
 from magicdec.server.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest,
                                       GenerationRequest, TokenizeRequest, error_body)
@@ -83,17 +85,25 @@ class _Choice:
 
     index: int
     request_id: str
-    prompt_tokens: int
+    prompt: list[int]
     detok: IncrementalDetokenizer
+    prompt_text: str = ""  # shown before the output where the request echoes its prompt
     tokens: int = 0
     cached_tokens: int = 0  # of the prompt, taken from the prefix cache
     text: str = ""
     finish_reason: str | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # of the output tokens, where asked
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    shown_chars: int = 0  # characters of the token texts whose log-probabilities were streamed (their offsets)
+    started: bool = False  # a streamed chunk was sent (the echoed prompt goes with the first)
 
     def record(self, out: Output) -> str:
         """Apply an Output to the choice; the text it makes final."""
         self.tokens += len(out.new_ids)
         self.cached_tokens = out.cached_tokens
+        self.logprobs.extend(out.logprobs or ())
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         delta = self.detok.push(out.new_ids)
         if out.finish_reason is not None:
             delta += self.detok.finish(out.text)
@@ -103,12 +113,19 @@ class _Choice:
 
 @dataclass
 class _Call:
-    """One completion call: its choices (n per prompt), all sending their Outputs to one queue."""
+    """One completion call: its choices (n per prompt), all sending their Outputs to one queue. `logprobs`: the
+    responses show the tokens' log-probabilities; `echo`: the prompt before the output (`hide_output`: the prompt
+    alone); `prompt_logprobs`: vLLM's field of the prompt's log-probabilities."""
 
     kind: str  # "text_completion" or "chat.completion"
     model: str
     engine: AsyncEngine
     n: int  # choices per prompt
+    texts: TokenTexts
+    logprobs: bool = False
+    echo: bool = False
+    hide_output: bool = False
+    prompt_logprobs: bool = False
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     choices: dict[str, _Choice] = field(default_factory=dict)  # by request id, in index order
     prompt_tokens: list[int] = field(default_factory=list)  # per prompt, counted once however many choices
@@ -121,7 +138,8 @@ class _Call:
 
     def usage(self) -> dict:
         """OpenAI's usage; a prompt's cached tokens are its choices' most (a prompt counts once, as its tokens do)."""
-        prompt, completion = sum(self.prompt_tokens), sum(c.tokens for c in self.choices.values())
+        prompt = sum(self.prompt_tokens)
+        completion = 0 if self.hide_output else sum(c.tokens for c in self.choices.values())
         per_prompt: dict[int, int] = {}
         for c in self.choices.values():
             p = c.index // self.n
@@ -138,7 +156,26 @@ class _Call:
     def envelope(self, kind: str, choices: list[dict]) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
 
-    def choice_body(self, choice: _Choice, text: str, finish_reason: str | None, whole: bool) -> dict:
+    def shown(self, choice: _Choice, text: str, entries: list[TokenLogprob], with_prompt: bool) -> tuple[str,
+                                                                                                        dict | None]:
+        """The text and `logprobs` a response shows for output `text` whose tokens' log-probabilities are `entries`,
+        after the prompt's where `with_prompt` (an echo)."""
+        if self.hide_output:
+            text, entries = "", []
+        tokens, shown = [e.token for e in entries], list(entries)
+        if with_prompt and self.echo:
+            text, tokens = choice.prompt_text + text, choice.prompt + tokens
+            shown = (choice.prompt_logprobs or [None] * len(choice.prompt)) + shown
+        if not self.logprobs:
+            return text, None
+        if self.kind == "chat.completion":
+            return text, {"content": chat_logprobs(shown, self.texts)}
+        body = completion_logprobs(tokens, shown, self.texts, choice.shown_chars)
+        choice.shown_chars += sum(map(len, body["tokens"]))
+        return text, body
+
+    def choice_body(self, choice: _Choice, text: str, logprobs: dict | None, finish_reason: str | None,
+                    whole: bool) -> dict:
         """A choice as a response shows it: whole (the JSON answer) or the part of a chunk."""
         if self.kind != "chat.completion":
             content = {"text": text}
@@ -146,10 +183,14 @@ class _Call:
             content = {"message": {"role": "assistant", "content": text}}
         else:
             content = {"delta": {"content": text} if text else {}}
-        return {"index": choice.index, **content, "logprobs": None, "finish_reason": finish_reason}
+        body = {"index": choice.index, **content, "logprobs": logprobs, "finish_reason": finish_reason}
+        if self.prompt_logprobs and (whole or not choice.started):
+            body["prompt_logprobs"] = prompt_logprobs(choice.prompt_logprobs or [], self.texts)
+        return body
 
-    def chunk(self, choice: _Choice, text: str, finish_reason: str | None, usage: bool) -> dict:
-        out = self.envelope(self.chunk_kind, [self.choice_body(choice, text, finish_reason, whole=False)])
+    def chunk(self, choice: _Choice, text: str, finish_reason: str | None, usage: bool,
+              logprobs: dict | None = None) -> dict:
+        out = self.envelope(self.chunk_kind, [self.choice_body(choice, text, logprobs, finish_reason, False)])
         if usage:
             out["usage"] = None
         return out
@@ -170,9 +211,11 @@ class _Call:
             if out.last:
                 pending.discard(out.request_id)
             choice = self.choices[out.request_id]
-            text = choice.record(out)
-            if text or out.last:
-                yield f"data: {json.dumps(self.chunk(choice, text, choice.finish_reason, include_usage))}\n\n"
+            text, logprobs = self.shown(choice, choice.record(out), out.logprobs or [], not choice.started)
+            if text or out.last or (logprobs is not None and out.new_ids):
+                event = self.chunk(choice, text, choice.finish_reason, include_usage, logprobs)
+                choice.started = True
+                yield f"data: {json.dumps(event)}\n\n"
         else:
             if include_usage:
                 usage = {**self.envelope(self.chunk_kind, []), "usage": self.usage()}
@@ -197,7 +240,8 @@ class _Call:
                     pending.discard(out.request_id)
         finally:
             self.withdraw()
-        choices = [self.choice_body(c, c.text, c.finish_reason, whole=True) for c in self.choices.values()]
+        choices = [self.choice_body(c, *self.shown(c, c.text, c.logprobs, True), c.finish_reason, True)
+                   for c in self.choices.values()]
         return {**self.envelope(self.kind, choices), "usage": self.usage()}
 
 
@@ -232,6 +276,10 @@ class Server:
     created: int = field(default_factory=lambda: int(time.time()))
     pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(TEXT_THREADS, thread_name_prefix="magicdec-text"))
+    texts: TokenTexts = field(init=False)  # single tokens' texts, for log-probabilities
+
+    def __post_init__(self) -> None:
+        self.texts = TokenTexts(self.tokenizer)
 
     @property
     def max_prompt_chars(self) -> int | None:
@@ -299,12 +347,17 @@ class Server:
         texts = iter(await self.encode([p for p in prompt if isinstance(p, str)]))
         return [next(texts) if isinstance(p, str) else p for p in prompt]
 
-    async def generate(self, http: Request, body: GenerationRequest, prompts: list[list[int]], kind: str,
-                       max_tokens: int | None) -> Response:
-        """Queue every choice (n per prompt), on any refusal withdrawing those already queued; then the response: a
-        stream of events, or the whole completion."""
+    def call(self, kind: str, body: GenerationRequest, **shows: bool) -> _Call:
+        """A call of `kind` for a checked `body`, showing log-probabilities where it asks, and `shows` (_Call's
+        echo, hide_output, prompt_logprobs)."""
         body.check_supported()
-        call = _Call(kind, self.check_model(body.model), self.engine, body.n)
+        return _Call(kind, self.check_model(body.model), self.engine, body.n, self.texts,
+                     logprobs=body.output_logprobs is not None, **shows)
+
+    async def generate(self, http: Request, body: GenerationRequest, prompts: list[list[int]], call: _Call,
+                       max_tokens: int | None, prompt_texts: list[str] | None = None) -> Response:
+        """Queue every choice of `call` (n per prompt; `prompt_texts` for an echo), on any refusal withdrawing those
+        already queued; then the response: a stream of events, or the whole completion."""
         try:
             for p, prompt in enumerate(prompts):
                 room = self.engine.max_model_len - len(prompt)
@@ -314,8 +367,9 @@ class Server:
                 call.prompt_tokens.append(len(prompt))
                 for j in range(body.n):
                     index = p * body.n + j
-                    choice = _Choice(index, f"{call.id}-{index}", len(prompt),
-                                     IncrementalDetokenizer(self.tokenizer, body.stop_strings))
+                    choice = _Choice(index, f"{call.id}-{index}", prompt,
+                                     IncrementalDetokenizer(self.tokenizer, body.stop_strings),
+                                     prompt_texts[p] if prompt_texts is not None else "")
                     params = body.sampling_params(room if max_tokens is None else max_tokens, j)
                     call.choices[choice.request_id] = choice  # before adding: a cancelled add is withdrawn too
                     await self.engine.add(choice.request_id, prompt, params, call.queue)
@@ -330,13 +384,16 @@ class Server:
     # --- routes ----------------------------------------------------------------------------------------------
     async def completions(self, body: CompletionRequest, http: Request) -> Response:
         prompts = await self.completion_prompts(body.prompt)
-        return await self.generate(http, body, prompts, "text_completion", body.max_tokens)
+        call = self.call("text_completion", body, echo=body.echo, hide_output=body.echo_only,
+                         prompt_logprobs=body.prompt_logprobs is not None)
+        texts = [await self.off_loop(self.tokenizer.decode, p) for p in prompts] if body.echo else None
+        return await self.generate(http, body, prompts, call, 1 if body.echo_only else body.max_tokens, texts)
 
     async def chat_completions(self, body: ChatCompletionRequest, http: Request) -> Response:
         self.check_model(body.model)
         prompt = await self.render_chat(body.messages, body.add_generation_prompt)
         max_tokens = body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
-        return await self.generate(http, body, [prompt], "chat.completion", max_tokens)
+        return await self.generate(http, body, [prompt], self.call("chat.completion", body), max_tokens)
 
     async def models(self) -> dict:
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,

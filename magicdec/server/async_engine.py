@@ -17,6 +17,7 @@ from typing import Protocol, Sequence
 
 from magicdec.engine import LLMEngine
 from magicdec.errors import DistributedError, MagicDecError
+from magicdec.logprobs import TokenLogprob
 from magicdec.sampling import SamplingParams
 from magicdec.scheduler import Request, Status
 
@@ -37,6 +38,8 @@ class Output:
     text: str | None = None  # the final text (`LLMEngine.text_of`) on the last output
     error: str | None = None  # set when the engine failed the request (the last output too)
     cached_tokens: int = 0  # prompt tokens the request took from the prefix cache
+    logprobs: list[TokenLogprob] | None = None  # of new_ids, where the request asked
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # on the first output, where the request asked
 
     @property
     def last(self) -> bool:
@@ -77,6 +80,7 @@ class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     sent: int = 0  # output tokens already handed over
+    prompt_sent: bool = False  # the prompt's log-probabilities, where asked, went with an output
 
 
 @dataclass
@@ -230,15 +234,19 @@ class AsyncEngine:
             stream = self._streams.get(request.request_id)
             if stream is None:
                 continue  # aborted: nobody is listening
-            new_ids = request.output_ids[stream.sent :]
-            stream.sent = len(request.output_ids)
-            if request.finished:
-                self._push(request.request_id, Output(request.request_id, new_ids, request.finish_reason,
-                                                      self._engine.text_of(request),
-                                                      cached_tokens=request.cached_tokens))
-            elif new_ids:
-                self._push(request.request_id, Output(request.request_id, new_ids,
-                                                      cached_tokens=request.cached_tokens))
+            if request.finished or len(request.output_ids) > stream.sent:
+                self._push(request.request_id, self._output(request, stream))
+
+    def _output(self, request: Request, stream: _Stream) -> Output:
+        """What the request gained since its last output (its prompt's log-probabilities with the first)."""
+        new_ids = request.output_ids[stream.sent :]
+        logprobs = request.logprobs[stream.sent :] if request.logprobs is not None else None
+        prompt_logprobs = None if stream.prompt_sent else request.prompt_logprobs
+        stream.sent, stream.prompt_sent = len(request.output_ids), True
+        finished = request.finished
+        return Output(request.request_id, new_ids, request.finish_reason if finished else None,
+                      self._engine.text_of(request) if finished else None, cached_tokens=request.cached_tokens,
+                      logprobs=logprobs, prompt_logprobs=prompt_logprobs)
 
     def _sent(self, request: Request) -> int:
         stream = self._streams.get(request.request_id)

@@ -1,7 +1,7 @@
 """Request bodies of the OpenAI API as vLLM serves it, and how they become SamplingParams.
 
 Unknown fields are ignored (as vLLM does); fields magicdec does not implement are refused with a 400 when they ask
-for something (`logprobs`, penalties, ...) rather than silently dropped.
+for something (penalties, `best_of`, ...) rather than silently dropped.
 """
 
 from __future__ import annotations
@@ -14,9 +14,8 @@ from magicdec.errors import InvalidRequestError
 from magicdec.sampling import SamplingParams
 
 #: Fields of the OpenAI API magicdec does not implement, with the value that means "not asked for".
-UNSUPPORTED = {"logprobs": None, "top_logprobs": None, "echo": False, "best_of": None, "suffix": None,
-               "presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1, "logit_bias": None,
-               "tools": None, "response_format": None}
+UNSUPPORTED = {"best_of": None, "suffix": None, "presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1,
+               "logit_bias": None, "tools": None, "response_format": None, "prompt_logprobs": None}
 
 
 class StreamOptions(BaseModel):
@@ -50,6 +49,16 @@ class GenerationRequest(BaseModel):
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options is only allowed with stream=true")
 
+    @property
+    def output_logprobs(self) -> int | None:
+        """Alternatives to report with each generated token's log-probability (None: no log-probabilities)."""
+        return None
+
+    @property
+    def input_logprobs(self) -> int | None:
+        """Alternatives to report with each prompt token's log-probability (None: none)."""
+        return None
+
     def sampling_params(self, max_tokens: int, index: int) -> SamplingParams:
         """Parameters of choice `index` (seeded choices take seed + index, so n > 1 gives n different samples)."""
         top_k = self.top_k or 0
@@ -61,6 +70,8 @@ class GenerationRequest(BaseModel):
             seed=None if self.seed is None else self.seed + index,
             stop=self.stop_strings,
             ignore_eos=self.ignore_eos,
+            logprobs=self.output_logprobs,
+            prompt_logprobs=self.input_logprobs,
         )
 
     @property
@@ -73,8 +84,28 @@ class GenerationRequest(BaseModel):
 
 
 class CompletionRequest(GenerationRequest):
+    """`logprobs`: alternatives per token (OpenAI's legacy format); `echo`: the prompt before the output, with its
+    log-probabilities where `logprobs` asks (`max_tokens` 0: the prompt alone, as lm-evaluation-harness scores it);
+    `prompt_logprobs`: vLLM's, the prompt's log-probabilities with that many alternatives."""
+
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16  # the OpenAI default for completions
+    logprobs: int | None = None
+    echo: bool = False
+    prompt_logprobs: int | None = None
+
+    @property
+    def echo_only(self) -> bool:
+        """The prompt alone is asked for: one token is generated (the engine's least) and not shown, as vLLM does."""
+        return self.echo and self.max_tokens == 0
+
+    @property
+    def output_logprobs(self) -> int | None:
+        return self.logprobs
+
+    @property
+    def input_logprobs(self) -> int | None:
+        return self.prompt_logprobs if self.prompt_logprobs is not None or not self.echo else self.logprobs
 
 
 class ChatMessage(BaseModel):
@@ -96,9 +127,22 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(GenerationRequest):
+    """`logprobs`: report each generated token's log-probability, with `top_logprobs` alternatives (default 0)."""
+
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     add_generation_prompt: bool = True
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidRequestError("top_logprobs needs logprobs=true")
+
+    @property
+    def output_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class TokenizeRequest(BaseModel):
