@@ -48,11 +48,26 @@ class Logprobs:
         return [TokenLogprob(t, c, tuple(zip(ids_j, top_j))) for t, c, ids_j, top_j in zip(tokens, chosen, ids, top)]
 
 
+#: Logits per block of `compute_logprobs`: a prefill chunk's every position (512 x a 262k vocabulary: 537 MB of fp32
+#: logits) never has its whole log_softmax allocated beside them.
+LOGPROB_BLOCK_FLOATS = 1 << 24
+
+
 def compute_logprobs(logits: Tensor, tokens: Tensor, k: int) -> Logprobs:
-    """log_softmax of logits [..., V] in fp32 at tokens [...], and the k largest with their token ids."""
-    logprobs = logits.float().log_softmax(dim=-1)
-    top = logprobs.topk(k, dim=-1)
-    return Logprobs(logprobs.gather(-1, tokens[..., None])[..., 0], top.indices, top.values)
+    """log_softmax of logits [..., V] in fp32 at tokens [...], and the k largest with their token ids; a few rows at
+    a time (each row's log_softmax is the one a log_softmax of all rows at once gives it)."""
+    V = logits.shape[-1]
+    rows, ids = logits.reshape(-1, V), tokens.reshape(-1)
+    step = max(1, LOGPROB_BLOCK_FLOATS // V)
+    chosen, top_ids, top = [], [], []
+    for i in range(0, max(len(rows), 1), step):
+        logprobs = rows[i : i + step].float().log_softmax(dim=-1)
+        best = logprobs.topk(k, dim=-1)
+        chosen.append(logprobs.gather(-1, ids[i : i + step, None])[:, 0])
+        top_ids.append(best.indices)
+        top.append(best.values)
+    shape = (*tokens.shape, k)
+    return Logprobs(torch.cat(chosen).view(tokens.shape), torch.cat(top_ids).view(shape), torch.cat(top).view(shape))
 
 
 def to_host(tensors: Sequence[Tensor]) -> list[Tensor]:
