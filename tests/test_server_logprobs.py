@@ -60,6 +60,20 @@ def test_streamed_completion_logprobs_add_up_to_the_whole(lp_server, model_name)
     assert sum((lp.token_logprobs for lp in streamed), []) == pytest.approx(whole.logprobs.token_logprobs, abs=TOL)
 
 
+def test_streamed_echo_sends_the_prompt_first(lp_server, model_name, llm):
+    client = lp_server.client()
+    kw = dict(model=model_name, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=1, echo=True)
+    whole = client.completions.create(**kw).choices[0]
+    chunks = [c.choices[0] for c in client.completions.create(stream=True, **kw) if c.choices]
+    prompt_text = llm.tokenizer.decode(llm.tokenizer.encode(PROMPT))
+    assert chunks[0].text.startswith(prompt_text) and whole.text.startswith(prompt_text)
+    assert "".join(c.text for c in chunks) == whole.text
+    streamed = sum((c.logprobs.token_logprobs for c in chunks if c.logprobs is not None), [])
+    assert streamed[0] is None is whole.logprobs.token_logprobs[0]
+    assert streamed[1:] == pytest.approx(whole.logprobs.token_logprobs[1:], abs=TOL)
+    assert len(streamed) == len(llm.tokenizer.encode(PROMPT)) + 4
+
+
 def test_chat_logprobs_and_top_logprobs_streamed_or_not(lp_server, model_name):
     client = lp_server.client()
     kw = dict(model=model_name, messages=[{"role": "user", "content": "Name a colour."}], max_tokens=6,
