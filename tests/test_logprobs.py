@@ -9,11 +9,16 @@ import pytest
 import torch
 
 from conftest import run_engine
-from magicdec.drafters import SelfSpecDrafter
+from magicdec.config import EngineConfig
+from magicdec.drafters import ModelDrafter, SelfSpecDrafter
+from magicdec.engine import LLMEngine
 from magicdec.errors import InvalidRequestError
 from magicdec.kv.prefix_cache import PrefixCache
+from magicdec.loading import load_model
 from magicdec.model import attention_path, linear_path, weight_dtype
 from magicdec.sampling import SamplingParams
+from magicdec.scheduler import FixedGamma
+from magicdec.speculative import Speculation
 
 TOL = 2e-4  # fp32 against transformers' fp32: the same arithmetic in another order
 
@@ -89,6 +94,20 @@ def test_prompt_logprobs_skip_the_prefix_cache_and_equal_a_cold_run(default_mode
     plain, _ = run_engine(default_model.model, prompts[:1], SamplingParams(max_tokens=2), prefix_cache=cache)
     assert plain[0].cached_tokens > 0  # the blocks are there for requests that do not ask
     assert warm[0].cached_tokens == 0 and warm[0].prompt_logprobs == cold[0].prompt_logprobs
+
+
+def test_prompt_logprobs_beside_a_draft_model_whose_cache_holds_the_prompt(default_model, default_path, prompts):
+    """A standalone draft model keeps its own prefix cache; its hit does not let the target skip a chunk whose logits
+    the request asks for."""
+    draft = load_model(default_path, device="cpu", dtype=torch.float32).model
+    config = EngineConfig(max_num_seqs=1, max_model_len=len(prompts[0]) + 2, enable_prefix_caching=True)
+    engine = LLMEngine(default_model.model, config,
+                       speculation=Speculation(ModelDrafter(draft, "dense", 256, 3, False), FixedGamma(3)))
+    params = SamplingParams(max_tokens=2, prompt_logprobs=1)
+    engine.generate(prompts[:1], SamplingParams(max_tokens=2))  # both models' caches store the prompt
+    [warm] = engine.generate(prompts[:1], params)
+    cold, _ = run_engine(default_model.model, prompts[:1], params)
+    assert warm.cached_tokens == 0 and warm.prompt_logprobs == cold[0].prompt_logprobs
 
 
 def test_a_stop_string_cuts_the_logprobs_with_the_tokens(llm):
