@@ -27,19 +27,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from magicdec import LLM, SamplingParams  # noqa: E402
-from magicdec.autoplan import choose  # noqa: E402
+from magicdec import LLM, SamplingParams, SpeculativeConfig  # noqa: E402
 from magicdec.calibrate.machine import machine_info  # noqa: E402
-from magicdec.profiles import model_key  # noqa: E402
 from magicdec.corpus import cut_prompts, load_texts  # noqa: E402
 from magicdec.loading import model_identity  # noqa: E402
 
 
 def trace(llm: LLM, prompts: list[list[int]], config: str, max_tokens: int, slots: int) -> dict:
     """One run of every prompt through the LLM's engine; its totals and one record per decode round."""
-    spec, policy, _ = (choose(llm.model, slots, llm.max_model_len, kv_dtype=llm.kv_dtype,
-                              model_name=model_key(llm.loaded.source)) if config == "auto" else (None, None, None))
-    engine = llm.engine(spec, policy, max_num_seqs=slots, max_prefill_tokens=512)
+    spec = SpeculativeConfig("auto") if config == "auto" else None  # planned for the engine's slots and context
+    engine = llm.engine(spec, max_num_seqs=slots, max_prefill_tokens=512)
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", p, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
     scheduled, schedule = [], engine.scheduler.schedule

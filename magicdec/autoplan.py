@@ -1,10 +1,12 @@
 """`--draft auto`: pick AR or a self-speculative configuration for a batch shape with the planner.
 
-    from magicdec.autoplan import choose
-    from magicdec.profiles import model_key
-    spec, replanner, why = choose(llm.model, batch=len(prompts), context=max_prompt_len, kv_dtype=llm.kv_dtype,
-                                  model_name=model_key(llm.loaded.source))
-    llm.generate(prompts, params, speculative=spec, gamma_policy=replanner)  # spec None: plain decoding wins
+    from magicdec import LLM, SpeculativeConfig
+    llm = LLM()
+    llm.generate(prompts, params, speculative=SpeculativeConfig("auto"))  # planned for this call's batch and context
+    print(describe(llm.last_auto.plan))                                    # what it chose, and why
+
+`LLM` plans an `auto` setting with `choose` at the shape of the engine it runs (`LLM.plan` for `generate`'s); `choose`
+also plans for any shape, or for a model or machine you do not have (a `ModelShape`, a profile).
 
 The draft length is re-planned every engine step (the `Replanner`, the scheduler's gamma policy): requests arrive and
 finish and contexts grow, and all of it moves the best gamma. The strategy and budget stay as chosen at the start;
@@ -26,7 +28,7 @@ import dataclasses
 import functools
 import os
 import statistics
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, NamedTuple, Sequence
 
 import torch
 
@@ -72,6 +74,14 @@ EXPLORE_MOVED = 0.2
 Dtype = torch.dtype | str | float
 
 
+class Choice(NamedTuple):
+    """What `choose` picked: the drafter's settings and its Replanner (both None: plain decoding), and the plan."""
+
+    speculative: SpeculativeConfig | None
+    replanner: Replanner | None
+    plan: Plan
+
+
 def choose(
     model: Transformer | ModelShape, batch: int, context: int, *, kv_dtype: Dtype | None = None,
     model_name: str | None = None, profile: HardwareProfile | str | os.PathLike[str] | None = None,
@@ -79,12 +89,12 @@ def choose(
     budgets: Iterable[int] = DEFAULT_BUDGETS, gammas: Iterable[int] = DEFAULT_GAMMAS,
     strategies: Iterable[str] = ("ar", *SELF_STRATEGIES), dtype: Dtype | None = None, draft_vocab: int = 0,
     vocab_corpus: str | None = None, tokenizer: Tokenizer | None = None, rows: int | None = None,
-) -> tuple[SpeculativeConfig | None, Replanner | None, Plan]:
+) -> Choice:
     """The predicted-fastest way to decode `batch` sequences of `context` tokens with `model`.
 
-    Returns (SpeculativeConfig, the Replanner that picks each step's draft length, plan), or (None, None, plan) when
-    plain autoregressive decoding is predicted to be at least as fast. `model` is the Transformer that will decode (a
-    planner ModelShape plans for a model or machine you do not have). `profile`: a HardwareProfile, preset name or
+    Returns Choice(SpeculativeConfig, the Replanner that picks each step's draft length, plan), or (None, None, plan)
+    when plain autoregressive decoding is predicted to be at least as fast. `model` is the Transformer that will decode
+    (a planner ModelShape plans for a model or machine you do not have). `profile`: a HardwareProfile, preset name or
     JSON path (default: the calibrated profile of the model's device and dtype, else a preset). `acceptance`: a table
     or its JSON path (default: the one measured for the model named `model_name` (`profiles.model_key`), else the
     built-in table of its architecture). `mode`: "greedy" or "sampling" (temperature > 0). `dtype` defaults to the
@@ -121,11 +131,11 @@ def choose(
     if isinstance(model, Transformer) and model.tp is not None:
         best = model.tp.share(best)  # a rank may plan its own share of the model: rank 0's plan is every rank's
     if best.strategy == "ar":
-        return None, None, best
+        return Choice(None, None, best)
     replan = _replanner(work, table, best, gammas, mode, plain="ar" in strategies, coverage=heads[best.draft_vocab])
     head = {"draft_vocab": best.draft_vocab, "vocab_corpus": vocab_corpus} if best.draft_vocab else {}
     # Built for the longest draft it may re-plan to; the decode loop starts it at the planned length.
-    return SpeculativeConfig(best.strategy, budget=best.budget, gamma=max(gammas), **head), replan, best
+    return Choice(SpeculativeConfig(best.strategy, budget=best.budget, gamma=max(gammas), **head), replan, best)
 
 
 def _draft_heads(draft_vocab: int, vocab_corpus: str | None, tokenizer: Tokenizer | None) -> dict[int, float]:
@@ -182,6 +192,7 @@ def _replanner(work: Workload, table: AcceptanceTable, best: Plan, gammas: list[
                                                 draft_vocab=best.draft_vocab),
         prior=lambda context: table.alpha(best.strategy, best.budget, context, mode) * coverage,
         min_context=best.budget + 1,
+        planned=(work.batch, work.context),
         plain=plain,
     )
 
@@ -212,16 +223,18 @@ class Replanner(GammaPolicy):
       drafting off, risks a fraction of one step."""
 
     def __init__(self, plan_at: Callable[[int, int, float, float], Plan], predict: Callable[[int, int, int], float],
-                 prior: Callable[[int], float], min_context: int, plain: bool = True):
+                 prior: Callable[[int], float], min_context: int, planned: tuple[int, int], plain: bool = True):
         """`plan_at(live, context, alpha, spec_time_scale)`: the plan of the chosen drafter there (gamma 0: plain
         decoding); `predict(live, context, gamma)`: the cost model's seconds of that round; `prior(context)`: the
-        acceptance table's rate; `min_context`: the shortest context planned at (beyond the draft budget); `plain`:
-        whether plain steps may run (else every round drafts and only the acceptance is learned)."""
+        acceptance table's rate; `min_context`: the shortest context planned at (beyond the draft budget); `planned`:
+        the (batch, context) `choose` planned at, where `describe_learned` predicts again; `plain`: whether plain
+        steps may run (else every round drafts and only the acceptance is learned)."""
         self._plan_at = functools.lru_cache(maxsize=4096)(plan_at)
         self._predict = functools.lru_cache(maxsize=4096)(predict)
         self._prior = prior
         self._min_context = min_context
         self._plain = plain
+        self.planned = planned
         self.accepted = 0.0
         self.rejected = 0.0
         # measured / predicted seconds of recent rounds: [plain steps, speculative rounds]; the first round of each
@@ -305,8 +318,10 @@ class Replanner(GammaPolicy):
             self._since, self._interval = 0, EXPLORE_EVERY if moved else min(2 * self._interval, EXPLORE_MOST)
 
 
-def describe_learned(replanner: Replanner, live: int, context: int) -> str:
-    """One line, after a run: the prediction again at the acceptance the run learned (`Replanner.plan_at`)."""
+def describe_learned(replanner: Replanner) -> str:
+    """One line, after a run: the prediction again, at the shape `choose` planned for, with the acceptance the run
+    learned (`Replanner.plan_at`)."""
+    live, context = replanner.planned
     learned = replanner.plan_at(live, context)
     what = f"gamma {learned.gamma}" if learned.strategy != "ar" else "plain decoding"
     return (f"auto at the acceptance this run learned (alpha {replanner.alpha(context):.2f}): {what}, "
@@ -324,4 +339,4 @@ def describe(plan_: Plan) -> str:
             f"{plan_.hardware}, {plan_.predicted_speedup:.2f}x over AR; verify dominated by {plan_.verify_dominant})")
 
 
-__all__ = ["Replanner", "choose", "describe"]
+__all__ = ["Choice", "Replanner", "choose", "describe"]

@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 from tqdm import tqdm
 
-from magicdec.autoplan import choose
+from magicdec.autoplan import Choice
 from magicdec.calibrate.acceptance import sampling_params
 from magicdec.calibrate.machine import machine_info
 from magicdec.calibrate.quick import planning_profile
@@ -37,12 +37,10 @@ from magicdec.loading import model_identity
 from magicdec.memory import available_bytes, check_fits
 from magicdec.planner import format_table
 from magicdec.planner.report import save_figure
-from magicdec.profiles import model_key
 from magicdec.runner import ModelRunner
 from magicdec.sampling import SamplingParams
-from magicdec.speculative import SpeculativeConfig
+from magicdec.speculative import MODES, SpeculativeConfig
 
-MODES = ("greedy", "sampling")
 DRAFTERS = ("none", "self-streaming", "self-snapkv", "auto")
 POSITIONS = (None, "reindex", "original")  # None: the default per cache kind
 #: Bytes summed after each run for the memory's read rate (`read_bandwidth_gbs`): well past a last-level cache.
@@ -214,31 +212,21 @@ def _run_config(llm: LLM, args, grid: BenchGrid, rows: list[list[int]], ctx: int
     """Decode `rows` (prefilled prompts of `ctx` tokens) with one configuration; the run's record."""
     batch = len(rows)
     params = [sampling_params(cfg["mode"], grid.new_tokens, seed=i) for i in range(batch)]
-    spec, policy, chosen = None, None, {}
+    spec = None
     if cfg["draft"] == "auto":
-        profile = getattr(args, "hardware", None) or planning_profile(llm.model)
-        # sampled rows draw their own tokens; greedy rows of one prompt decode alike
-        distinct = len({tuple(r) for r in rows}) if cfg["mode"] == "greedy" else batch
-        spec, policy, plan = choose(llm.model, batch, ctx + grid.new_tokens // 2, kv_dtype=llm.kv_dtype,
-                                    model_name=model_key(llm.loaded.source), profile=profile, mode=cfg["mode"],
-                                    draft_vocab=cfg.get("draft_vocab", 0), vocab_corpus=cfg.get("vocab_corpus"),
-                                    tokenizer=llm.tokenizer, rows=distinct)
-        head = f" V={plan.draft_vocab}" if plan.draft_vocab else ""
-        chosen = {"chosen": f"{spec.draft} K={spec.budget} g={plan.gamma}{head}" if spec else "ar",
-                  "predicted_speedup": plan.predicted_speedup, "predicted_throughput": plan.predicted_throughput}
+        # planned for these rows: greedy rows of one prompt decode alike and count once (`LLM.plan`)
+        spec = SpeculativeConfig("auto", hardware=getattr(args, "hardware", None) or planning_profile(llm.model),
+                                 mode=cfg["mode"], draft_vocab=cfg.get("draft_vocab", 0),
+                                 vocab_corpus=cfg.get("vocab_corpus"))
     elif cfg["draft"] != "none":
         spec = speculative_config(cfg)
-    llm.generate(prompt_token_ids=rows, params=params, speculative=spec, gamma_policy=policy)
+    llm.generate(prompt_token_ids=rows, params=params, speculative=spec)
     stats = llm.last_stats
     # the memory's read rate right after the run: a VM's moves by up to 2x within an hour, and this places the run
     probe = torch.full((READ_PROBE_BYTES // 4,), 0.5, device=llm.model.device)
     read_gbs = read_rate(probe, 3) / 1e9
     del probe
-    if policy is not None:  # the prediction again with the acceptance the run learned: the cost model's error alone
-        mid = ctx + grid.new_tokens // 2
-        chosen |= {"learned_alpha": policy.alpha(mid),
-                   "predicted_throughput_learned": policy.plan_at(batch, mid).predicted_throughput}
-    return chosen | {
+    return _auto_record(llm.last_auto) | {
         "throughput": stats.decode_tok_s, "tokens_per_step": stats.tokens_per_step,
         "acceptance": stats.acceptance_rate, "accepted_hist": stats.accepted_hist,
         "steps": stats.steps, "gamma_changes": stats.gamma_changes, "decode_s": stats.decode_s,
@@ -246,6 +234,22 @@ def _run_config(llm: LLM, args, grid: BenchGrid, rows: list[list[int]], ctx: int
         "peak_memory_gib": stats.peak_memory_bytes / 1024**3, "read_bandwidth_gbs": read_gbs,
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
+
+
+def _auto_record(auto: Choice | None) -> dict:
+    """What `auto` chose and predicted, and where it drafted the prediction again at the acceptance the run learned
+    (the cost model's error alone); nothing for other drafters."""
+    if auto is None:
+        return {}
+    plan, spec = auto.plan, auto.speculative
+    head = f" V={plan.draft_vocab}" if plan.draft_vocab else ""
+    record = {"chosen": f"{spec.draft} K={spec.budget} g={plan.gamma}{head}" if spec else "ar",
+              "predicted_speedup": plan.predicted_speedup, "predicted_throughput": plan.predicted_throughput}
+    if auto.replanner is not None:
+        live, context = auto.replanner.planned
+        record |= {"learned_alpha": auto.replanner.alpha(context),
+                   "predicted_throughput_learned": auto.replanner.plan_at(live, context).predicted_throughput}
+    return record
 
 
 def _report(doc: dict, out: Path, plots: str | None) -> None:

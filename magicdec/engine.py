@@ -5,6 +5,7 @@ offline API in the spirit of vLLM's.
     llm = LLM()                                   # the embedded SmolLM2-135M-Instruct
     outs = llm.generate(["Once upon a time"], SamplingParams(max_tokens=32))
     outs = llm.generate(prompts, params, speculative=SpeculativeConfig("self-streaming", budget=256, gamma=3))
+    outs = llm.generate(prompts, params, speculative=SpeculativeConfig("auto"))  # planned for this batch and context
 
 A step is schedule -> execute -> update: the scheduler decides (admissions, prefill chunks, the draft length), the
 runner executes on the model and caches, and the results update the requests.
@@ -22,6 +23,7 @@ from typing import Callable, Sequence
 import torch
 
 from magicdec import dtypes, kernels
+from magicdec.autoplan import Choice, choose
 from magicdec.config import EngineConfig
 from magicdec.distributed import init_tp, launched_world_size
 from magicdec.drafters.base import Drafter
@@ -33,6 +35,7 @@ from magicdec.loading.tokenizer import Tokenizer
 from magicdec.logprobs import TokenLogprob
 from magicdec.memory import available_bytes, peak_bytes
 from magicdec.model import Transformer, attention_path, linear_path, weight_dtype
+from magicdec.profiles import model_key
 from magicdec.runner import CACHE_SLACK, ModelRunner, forward_tokens
 from magicdec.sampling import SamplingParams
 from magicdec.scheduler import FixedGamma, GammaPolicy, Request, Scheduler, Status, cuda_row_bucket
@@ -277,6 +280,10 @@ class LLM:
         self.kernels = kernels.path_name()  # the native kernels' instruction-set path, "torch" where none runs
         self.prefix_cache = make_prefix_cache(self.model, self.config)  # shared by the engines built here
         self.last_stats: GenerationStats | None = None
+        #: What `SpeculativeConfig("auto")` resolved to in the last `generate` or `engine` call (None where that call
+        #: asked for another drafter or none): the drafter's settings, its Replanner and the plan.
+        self.last_auto: Choice | None = None
+        # keyed by settings as resolved: `auto` at another shape may pick another drafter
         self._drafters: dict[SpeculativeConfig, Drafter | None] = {}
         self._engine: LLMEngine | None = None
 
@@ -317,25 +324,60 @@ class LLM:
                 raise InvalidRequestError(f"prompt {i} is empty or not a string")
         return self.tokenizer.encode_batch(prompts)
 
-    def speculation(self, speculative: SpeculativeConfig | None,
-                    gamma_policy: GammaPolicy | None = None) -> Speculation | None:
-        """The drafter of `speculative` (built once per setting: a draft model's weights load once) with
-        `gamma_policy` (None: always the config's gamma); None for plain decoding."""
+    def plan(self, speculative: SpeculativeConfig, prompt_token_ids: Sequence[Sequence[int]],
+             params: SamplingParams | Sequence[SamplingParams] | None = None) -> Choice:
+        """What `generate` resolves `speculative` (draft "auto") to for these prompts, before running them: it plans
+        the same way when it does (at as many sequences as run together, at the longest request's prompt and half its
+        new tokens; greedy copies of one prompt count once, as they decode alike)."""
+        if speculative.draft != "auto":
+            raise InvalidRequestError(f"draft {speculative.draft!r} needs no plan: only 'auto' is planned")
+        ids, per_prompt = self._requests(None, prompt_token_ids, params)
+        return self._choose(speculative, *self._generate_shape(ids, per_prompt, speculative.mode))
+
+    def _generate_shape(self, ids: list[list[int]], per_prompt: list[SamplingParams],
+                        mode: str) -> tuple[int, int, int]:
+        """(batch, context, rows that differ) of a `generate` call, as `plan` says."""
+        batch = min(len(ids), self.config.max_num_seqs)
+        context = max(len(p) + sp.max_tokens // 2 for p, sp in zip(ids, per_prompt))
+        rows = len({tuple(p) for p in ids}) if mode == "greedy" else batch
+        return batch, context, min(rows, batch)
+
+    def _choose(self, speculative: SpeculativeConfig, batch: int, context: int, rows: int | None = None) -> Choice:
+        """`auto` planned for `batch` sequences of `context` tokens (`rows` of them differing; default all), with the
+        acceptance measured for this model and its KV dtype."""
+        return choose(self.model, batch, context, kv_dtype=self.kv_dtype, model_name=model_key(self.loaded.source),
+                      profile=speculative.hardware, mode=speculative.mode, draft_vocab=speculative.draft_vocab,
+                      vocab_corpus=speculative.vocab_corpus, tokenizer=self.tokenizer, rows=rows)
+
+    def _speculation(self, speculative: SpeculativeConfig | None, batch: int, context: int,
+                     rows: int | None = None) -> Speculation | None:
+        """The drafter of `speculative` (built once per setting: a draft model's weights load once) and its gamma
+        policy: `auto` planned at (`batch`, `context`, `rows`) and kept in `last_auto`, its Replanner re-planning each
+        step; else the config's fixed gamma. None for plain decoding."""
+        self.last_auto = None
+        policy = None
+        if speculative is not None and speculative.draft == "auto":
+            self.last_auto = self._choose(speculative, batch, context, rows)
+            speculative, policy = self.last_auto.speculative, self.last_auto.replanner
         if speculative is None:
             return None
         if speculative not in self._drafters:
             self._drafters[speculative] = speculative.build(self.model, self.tokenizer)
         drafter = self._drafters[speculative]
-        return Speculation(drafter, gamma_policy or FixedGamma(speculative.gamma)) if drafter is not None else None
+        return Speculation(drafter, policy or FixedGamma(speculative.gamma)) if drafter is not None else None
 
-    def engine(self, speculative: SpeculativeConfig | None = None, gamma_policy: GammaPolicy | None = None, *,
-               fit_memory: bool = False, **overrides) -> LLMEngine:
+    def engine(self, speculative: SpeculativeConfig | None = None, *, fit_memory: bool = False,
+               **overrides) -> LLMEngine:
         """The LLM's engine, drafting as `speculative` says, with `overrides` (EngineConfig fields) over the LLM's
-        configuration. An engine whose slots and request length cover these (and whose other settings match) is
-        reused with its caches; else it is replaced. With `fit_memory`, a new engine takes fewer slots where free
-        memory holds fewer (at least one; it says clearly if even that does not fit)."""
-        speculation = self.speculation(speculative, gamma_policy)
+        configuration; `auto` is planned for its slots at its longest request (`last_auto`). An engine whose slots and
+        request length cover these (and whose other settings match) is reused with its caches; else it is replaced.
+        With `fit_memory`, a new engine takes fewer slots where free memory holds fewer (at least one; it says clearly
+        if even that does not fit)."""
         config = dataclasses.replace(self.config, **overrides)
+        return self._engine_with(self._speculation(speculative, config.max_num_seqs, config.max_model_len), config,
+                                 fit_memory)
+
+    def _engine_with(self, speculation: Speculation | None, config: EngineConfig, fit_memory: bool) -> LLMEngine:
         engine = self._engine
         if engine is not None and _covers(engine.config, config):
             engine.set_speculation(speculation)
@@ -369,14 +411,31 @@ class LLM:
         *,
         prompt_token_ids: Sequence[Sequence[int]] | None = None,
         speculative: SpeculativeConfig | None = None,
-        gamma_policy: GammaPolicy | None = None,
         progress: ProgressFn | None = None,
     ) -> list[RequestOutput]:
         """Generate a completion for each prompt (text, or token ids); `params` is one for all or one per prompt.
-        `speculative` drafts (with `gamma_policy` picking each step's draft length, e.g. autoplan's re-planner).
+        `speculative` drafts; `auto` is planned for these prompts (`plan`; what it chose lands in `last_auto`).
 
         All prompts are queued at once; up to `max_num_seqs` (fewer if memory is short) run together, and a finished
         one's slot goes to the next. Stats land in `self.last_stats`."""
+        ids, per_prompt = self._requests(prompts, prompt_token_ids, params)
+        shape = self._generate_shape(ids, per_prompt, speculative.mode if speculative is not None else "greedy")
+        config = dataclasses.replace(self.config, max_num_seqs=shape[0],
+                                     max_model_len=max(len(p) + sp.max_tokens for p, sp in zip(ids, per_prompt)))
+        engine = self._engine_with(self._speculation(speculative, *shape), config, fit_memory=True)
+        stats = engine.reset_stats()
+        requests = engine.generate(ids, per_prompt, progress)
+        stats.peak_memory_bytes = peak_bytes(self.model.device)
+        self.last_stats = stats
+        return [RequestOutput(i, prompts[i] if prompts is not None else None, r.prompt_ids, engine.text_of(r),
+                              r.output_ids, r.finish_reason, r.accepted_hist, r.logprobs, r.prompt_logprobs)
+                for i, r in enumerate(requests)]
+
+    def _requests(
+        self, prompts: Sequence[str] | None, prompt_token_ids: Sequence[Sequence[int]] | None,
+        params: SamplingParams | Sequence[SamplingParams] | None,
+    ) -> tuple[list[list[int]], list[SamplingParams]]:
+        """The prompts' ids and each one's SamplingParams, checked: each must fit in the context with its tokens."""
         if prompts is not None and prompt_token_ids is not None:
             raise InvalidRequestError("give prompts or prompt_token_ids, not both")
         ids = [check_token_ids(p, self.model.cfg.vocab_size) for p in prompt_token_ids] \
@@ -390,16 +449,7 @@ class LLM:
                     f"prompt {i} has {len(p)} tokens; with max_tokens={sp.max_tokens} it exceeds the "
                     f"model's context of {self.max_model_len} tokens"
                 )
-        engine = self.engine(speculative, gamma_policy, fit_memory=True,
-                             max_num_seqs=min(len(ids), self.config.max_num_seqs),
-                             max_model_len=max(len(p) + sp.max_tokens for p, sp in zip(ids, per_prompt)))
-        stats = engine.reset_stats()
-        requests = engine.generate(ids, per_prompt, progress)
-        stats.peak_memory_bytes = peak_bytes(self.model.device)
-        self.last_stats = stats
-        return [RequestOutput(i, prompts[i] if prompts is not None else None, r.prompt_ids, engine.text_of(r),
-                              r.output_ids, r.finish_reason, r.accepted_hist, r.logprobs, r.prompt_logprobs)
-                for i, r in enumerate(requests)]
+        return ids, per_prompt
 
 
 def _covers(built: EngineConfig, wanted: EngineConfig) -> bool:

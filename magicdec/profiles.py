@@ -14,9 +14,8 @@ from typing import Callable, TypeVar
 
 import torch
 
-from magicdec import cpu
+from magicdec import cpu, dtypes
 from magicdec.config import SLIDING, ModelConfig
-from magicdec.engine import parse_dtype
 from magicdec.loading.cache import cache_root
 from magicdec.model import attention_path, linear_path
 from magicdec.planner import PRESETS, AcceptanceTable, HardwareProfile, ModelShape
@@ -95,7 +94,8 @@ def load_profile(device: str = "cpu", dtype: str | None = None) -> HardwareProfi
 def _measured_with_these_kernels(hw: HardwareProfile, device: str, dtype: str) -> bool:
     """Whether a calibrated profile's rates were measured with the attention and linear layers this run uses (a
     profile from before a native kernel, or from a machine where it did not build, predicts the wrong costs)."""
-    dev, dt = torch.device(device), parse_dtype(dtype)
+    # torch's dtype from the short name here, not engine.parse_dtype: the engine plans with this module
+    dev, dt = torch.device(device), getattr(torch, dtypes.TORCH_NAMES[dtype])
     attention, linear = attention_path(dev, dt), linear_path(dev, dt)
     return ((hw.attention == attention if hw.attention is not None else attention != "native")
             and (hw.linear == linear if hw.linear is not None else linear != "packed"))

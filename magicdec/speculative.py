@@ -15,10 +15,13 @@ from magicdec.errors import InvalidRequestError
 from magicdec.loading import load_model
 from magicdec.loading.tokenizer import Tokenizer
 from magicdec.model import Transformer
+from magicdec.planner import HardwareProfile
 from magicdec.runner import MAX_GAMMA
 from magicdec.scheduler import GammaPolicy
 
-DRAFTERS = ("none", "self-streaming", "self-snapkv", "model")
+DRAFTERS = ("none", "self-streaming", "self-snapkv", "model", "auto")
+#: What `auto` plans for: greedy requests (temperature 0) or sampled ones, whose acceptance is lower.
+MODES = ("greedy", "sampling")
 
 #: Default position scheme per sparse cache kind, chosen by measured acceptance (benchmarks/README.md):
 #: re-indexed positions accept as well greedily and better when sampling, for both kinds.
@@ -27,7 +30,13 @@ DEFAULT_REINDEX = {"streaming": True, "snapkv": True}
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """How to draft. `draft`: none | self-streaming | self-snapkv | model (then `draft_model` is a path).
+    """How to draft. `draft`: none | self-streaming | self-snapkv | model (then `draft_model` is a path) | auto.
+
+    auto: the planner picks a self-speculative drafter, its budget and draft length, or plain decoding, for the shape
+    the engine runs (`LLM` resolves it, `magicdec.autoplan.choose`), and re-plans the draft length every step; it plans
+    with `hardware` (a HardwareProfile, preset name or profile JSON; None: the one `magicdec calibrate` saved, else a
+    preset) for `mode` ("greedy" or "sampling") requests, and with `draft_vocab` prices a draft head too; the
+    planner picks what `budget` and `gamma` set for the others.
 
     budget: KV entries the draft may read per sequence (sparse caches); gamma: tokens drafted per round; draft_cache:
     dense | streaming | snapkv for a standalone draft model; reindex: rotate sparse-cache keys by slot (StreamingLLM
@@ -43,10 +52,16 @@ class SpeculativeConfig:
     reindex: bool | None = None
     draft_vocab: int = 0
     vocab_corpus: str | None = None
+    hardware: HardwareProfile | str | None = None
+    mode: str = "greedy"
 
     def __post_init__(self) -> None:
         if self.draft not in DRAFTERS:
             raise InvalidRequestError(f"unknown drafter {self.draft!r}; choose from {', '.join(DRAFTERS)}")
+        if self.mode not in MODES:
+            raise InvalidRequestError(f"unknown mode {self.mode!r}; choose from {', '.join(MODES)}")
+        if self.hardware is not None and self.draft != "auto":
+            raise InvalidRequestError("a hardware profile is what draft 'auto' plans with: give draft='auto'")
         if not (isinstance(self.gamma, int) and not isinstance(self.gamma, bool) and 1 <= self.gamma <= MAX_GAMMA):
             raise InvalidRequestError(f"gamma must be an integer in [1, {MAX_GAMMA}], got {self.gamma!r}")
         if not (isinstance(self.budget, int) and self.budget >= 8):
@@ -65,7 +80,9 @@ class SpeculativeConfig:
     def build(self, target: Transformer, tokenizer: Tokenizer | None = None) -> Drafter | None:
         """The drafter for `target` (None: plain decoding); a `model` drafter loads its weights here, and with
         `draft_vocab` a draft head is cut from its LM head over the tokens `tokenizer` finds most often in
-        `vocab_corpus`."""
+        `vocab_corpus`. An `auto` setting is planned first, at the engine's shape (`LLM` does it)."""
+        if self.draft == "auto":
+            raise InvalidRequestError("draft 'auto' is planned for an engine's batch and context: let LLM resolve it")
         drafter = self._drafter(target)
         if drafter is not None and self.draft_vocab:
             if tokenizer is None:
@@ -103,7 +120,7 @@ def corpus_token_counts(tokenizer: Tokenizer, corpus: str) -> Counter[int]:
 @dataclass(frozen=True)
 class Speculation:
     """A built drafter and the policy that picks each step's draft length (up to the drafter's gamma; 0: a plain
-    step): `FixedGamma` for a fixed length, `autoplan.Replanner` for `--draft auto`."""
+    step): `FixedGamma` for a fixed length, `autoplan.Replanner` for `auto`."""
 
     drafter: Drafter
     policy: GammaPolicy

@@ -350,3 +350,60 @@ def test_seeded_sampling_alone_equals_in_a_crowd_with_speculation(llm, corpus_pr
     assert crowd[0].token_ids == alone and spec[0].token_ids == alone
     assert [s.token_ids for s in spec] == [c.token_ids for c in crowd]
     assert llm.last_stats.verify_steps > 0
+
+
+# --- SpeculativeConfig("auto"): the LLM plans it at the shape it runs ----------------------------------------------
+def test_auto_settings_are_checked(llm):
+    from magicdec.errors import InvalidRequestError
+    from magicdec.speculative import SpeculativeConfig
+
+    with pytest.raises(InvalidRequestError, match="unknown mode 'beam'"):
+        SpeculativeConfig("auto", mode="beam")
+    with pytest.raises(InvalidRequestError, match="what draft 'auto' plans with"):
+        SpeculativeConfig("self-streaming", hardware="h200")
+    with pytest.raises(InvalidRequestError, match="let LLM resolve it"):
+        SpeculativeConfig("auto").build(llm.model)
+    with pytest.raises(InvalidRequestError, match="only 'auto' is planned"):
+        llm.plan(SpeculativeConfig("self-streaming"), [[5, 6, 7]])
+    with pytest.raises(InvalidRequestError, match="unknown hardware profile 'nosuch'"):
+        llm.generate(prompt_token_ids=[[5, 6, 7]], speculative=SpeculativeConfig("auto", hardware="nosuch"))
+
+
+def test_auto_drafts_where_it_pays_with_plain_decodings_tokens(llm, corpus_prompt, kv_bound_profile):
+    """On a profile where drafting pays, `generate` plans for its prompts (as `plan` says beforehand), drafts with the
+    re-planner and gives plain decoding's tokens; the engine plans for its slots at its longest request. The same
+    setting over prompts too short for any draft budget decodes plainly: what a shape resolved to is not reused for
+    another."""
+    from magicdec.speculative import SpeculativeConfig
+
+    ids = [corpus_prompt(n, book=b, at=0.45) for n, b in ((300, 0), (340, 1), (280, 2))]
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    plain = llm.generate(prompt_token_ids=ids, params=params)
+    auto = SpeculativeConfig("auto", hardware=kv_bound_profile)
+    planned = llm.plan(auto, ids, params)
+    spec = llm.generate(prompt_token_ids=ids, params=params, speculative=auto)
+    assert [s.token_ids for s in spec] == [p.token_ids for p in plain]
+    chosen = llm.last_auto
+    assert chosen.speculative.draft.startswith("self-") and chosen.plan == planned.plan
+    assert chosen.replanner.planned == (3, 340 + MAX_TOKENS // 2) and llm.last_stats.verify_steps > 0
+    llm.engine(auto, max_num_seqs=2, max_model_len=1024)
+    assert llm.last_auto.replanner.planned == (2, 1024)
+    llm.generate(prompt_token_ids=[p[:20] for p in ids], params=params, speculative=auto)
+    assert llm.last_auto.speculative is None and llm.last_stats.verify_steps == 0
+
+
+def test_auto_decodes_plainly_where_drafting_does_not_pay(llm, corpus_prompt):
+    """On a machine whose linear layers are compute-bound and whose attention costs nothing, verifying drafts costs
+    what decoding them would: `auto` plans plain decoding and drafts nothing."""
+    from magicdec.planner import HardwareProfile
+    from magicdec.speculative import SpeculativeConfig
+
+    compute_bound = HardwareProfile(name="compute-bound", flops_per_s=1e12, mem_bandwidth=1e15, mem_bytes=8e9,
+                                    linear_rates=((1, 8e10), (8, 1e10)), attention_rates=((1, 1e15), (8, 1e15)))
+    ids = [corpus_prompt(n, book=b, at=0.45) for n, b in ((300, 0), (340, 1))]
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, seed=3)
+    plain = llm.generate(prompt_token_ids=ids, params=params)
+    spec = llm.generate(prompt_token_ids=ids, params=params,
+                        speculative=SpeculativeConfig("auto", hardware=compute_bound, mode="sampling"))
+    assert llm.last_auto.speculative is None and llm.last_auto.plan.strategy == "ar"
+    assert llm.last_stats.verify_steps == 0 and [s.token_ids for s in spec] == [p.token_ids for p in plain]

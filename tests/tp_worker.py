@@ -78,10 +78,9 @@ def auto(model: str, profile: str, out: str) -> None:
     llm = LLM(model, device="cpu", dtype="fp32")
     g = torch.Generator().manual_seed(1)
     ids = [torch.randint(3, llm.model.cfg.vocab_size, (n,), generator=g).tolist() for n in (650, 700, 600)]
-    spec, policy, _ = autoplan.choose(llm.model, len(ids), max(map(len, ids)), profile=profile)
-    assert spec is not None, "the profile must make drafting pay"
-    outs = llm.generate(prompt_token_ids=ids, params=SamplingParams(max_tokens=12, ignore_eos=True), speculative=spec,
-                        gamma_policy=policy)
+    outs = llm.generate(prompt_token_ids=ids, params=SamplingParams(max_tokens=12, ignore_eos=True),
+                        speculative=SpeculativeConfig("auto", hardware=profile))
+    assert llm.last_auto.speculative is not None, "the profile must make drafting pay"
     results = {"tokens": [o.token_ids for o in outs], "verify_steps": llm.last_stats.verify_steps}
     with open(f"{out}.rank{int(os.environ.get('RANK', 0))}", "w") as f:
         json.dump(results, f)

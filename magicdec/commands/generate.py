@@ -7,33 +7,31 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from magicdec.autoplan import choose, describe, describe_learned
+from magicdec.autoplan import describe, describe_learned
 from magicdec.calibrate.quick import planning_profile
 from magicdec.cli import llm_options
 from magicdec.corpus import cut_prompts, load_texts
 from magicdec.engine import LLM
 from magicdec.errors import InvalidRequestError
-from magicdec.profiles import model_key
 from magicdec.sampling import SamplingParams
 from magicdec.speculative import SpeculativeConfig
 
 
-def speculative_from_args(args, llm, batch: int, context: int):
-    """(SpeculativeConfig or None, the gamma policy or None, the plan of --draft auto or None); `serve` too."""
+def speculative_from_args(args, llm: LLM) -> SpeculativeConfig | None:
+    """The drafter the arguments ask for (None: plain decoding); `serve` too. `--draft auto` plans with --hardware,
+    else the profile `planning_profile` gives (measured now on an uncalibrated CPU)."""
     if args.draft_vocab:
         _check_draft_head(args)
     if args.draft == "none":
-        return None, None, None
+        return None
+    head = {"draft_vocab": args.draft_vocab, "vocab_corpus": args.vocab_corpus}
     if args.draft == "auto":
         # `serve` has no temperature of its own (each request brings one) and plans for greedy requests.
-        profile = args.hardware or planning_profile(llm.model)
-        return choose(llm.model, batch, context, kv_dtype=llm.kv_dtype, model_name=model_key(llm.loaded.source),
-                      profile=profile, mode="greedy" if getattr(args, "temperature", 0) == 0 else "sampling",
-                      draft_vocab=args.draft_vocab, vocab_corpus=args.vocab_corpus, tokenizer=llm.tokenizer)
+        return SpeculativeConfig("auto", hardware=args.hardware or planning_profile(llm.model),
+                                 mode="greedy" if getattr(args, "temperature", 0) == 0 else "sampling", **head)
     return SpeculativeConfig(args.draft, budget=args.budget, gamma=args.gamma, draft_model=args.draft_model,
                              draft_cache=args.draft_cache,
-                             reindex=None if args.positions is None else args.positions == "reindex",
-                             draft_vocab=args.draft_vocab, vocab_corpus=args.vocab_corpus), None, None
+                             reindex=None if args.positions is None else args.positions == "reindex", **head)
 
 
 def _check_draft_head(args) -> None:
@@ -105,27 +103,31 @@ def run(args) -> int:
         texts = texts and [t for t in texts for _ in range(args.n)]
         params = [dataclasses.replace(params, seed=None if args.seed is None else args.seed + i % args.n)
                   for i in range(len(ids))]
-    batch = min(args.batch_size or len(ids), len(ids))
-    context = max(map(len, ids)) + args.max_tokens // 2
-    spec, policy, plan = speculative_from_args(args, llm, batch, context)
-    if plan is not None:
-        print(describe(plan), file=sys.stderr)
-    modes = [("ar", None)] if args.compare_ar and spec is not None else []
-    modes.append(("spec" if spec else "ar", spec))
+    spec = speculative_from_args(args, llm)
+    drafts = spec is not None
+    if drafts and spec.draft == "auto":
+        # planned here to say what it chose and whether there is a plain run to compare with; `generate` plans the
+        # same prompts alike
+        choice = llm.plan(spec, ids, params)
+        print(describe(choice.plan), file=sys.stderr)
+        drafts = choice.speculative is not None
+    modes = [("ar", None)] if args.compare_ar and drafts else []
+    modes.append(("spec" if drafts else "ar", spec))
     results, runs = {}, []
     for label, cfg in modes:
         update, close = progress_bar(label, sys.stderr.isatty() and not args.json)
         try:
-            results[label] = llm.generate(prompt_token_ids=ids, params=params, speculative=cfg,
-                                          gamma_policy=policy, progress=update)
+            results[label] = llm.generate(prompt_token_ids=ids, params=params, speculative=cfg, progress=update)
         finally:
             close()
+        auto = llm.last_auto
         if not args.json:
             print(f"{format_stats(llm.last_stats, label)}\n[{label}] {dtype_line(llm)}", file=sys.stderr)
-            if cfg is not None and policy is not None:
-                print(f"[{label}] {describe_learned(policy, batch, context)}", file=sys.stderr)
-        runs.append({"mode": label, "stats": llm.last_stats.as_dict(), "speculative": cfg and dataclasses.asdict(cfg)
-                     | {"replanned": policy is not None}})
+            if auto is not None and auto.replanner is not None:
+                print(f"[{label}] {describe_learned(auto.replanner)}", file=sys.stderr)
+        ran = auto.speculative if auto is not None else cfg
+        runs.append({"mode": label, "stats": llm.last_stats.as_dict(), "speculative": ran and dataclasses.asdict(ran)
+                     | {"replanned": auto is not None and auto.replanner is not None}})
     if len(runs) == 2:
         runs.append(_compare(results["ar"], results["spec"], runs, quiet=args.json))
     outputs = results[modes[-1][0]]

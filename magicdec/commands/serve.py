@@ -18,22 +18,25 @@ from magicdec.server.metrics import ServerMetrics
 def run(args) -> int:
     llm = LLM(args.model, **llm_options(args), max_num_seqs=args.max_running, max_model_len=args.max_model_len)
     max_len = llm.max_model_len
-    # Planned where the KV cache weighs most (every slot full at the longest context): if drafting pays anywhere
-    # within the server's limits it pays there; each step then re-plans for its live batch and context (plain decoding
-    # where drafting does not pay).
-    spec, policy, plan = speculative_from_args(args, llm, args.max_running, max_len)
-    draft = describe(plan) if plan is not None else spec.draft if spec is not None else "none"
+    # The engine plans --draft auto for its shape, where the KV cache weighs most (every slot full at the longest
+    # context): if drafting pays anywhere within the server's limits it pays there; each step then re-plans for its
+    # live batch and context (plain decoding where drafting does not pay).
+    spec = speculative_from_args(args, llm)
     try:
-        engine = llm.engine(spec, policy, max_prefill_tokens=args.prefill_chunk, max_queued=args.max_queued)
+        engine = llm.engine(spec, max_prefill_tokens=args.prefill_chunk, max_queued=args.max_queued)
     except OutOfMemoryError as e:
         raise OutOfMemoryError(f"{e} (or lower --max-running / --max-model-len)") from None
+    auto = llm.last_auto
+    running = auto.speculative if auto is not None else spec  # what auto chose, or the drafter asked for
+    draft = describe(auto.plan) if auto is not None else spec.draft if spec is not None else "none"
     tp = llm.model.tp
     if tp is not None and not tp.is_main:  # rank 0 serves; the others follow its engine turn by turn
         follow(engine, tp)
         return 0
     source = llm.loaded.source
     name = args.served_model_name or args.model or Path(source).name.split(".")[0]
-    metrics = ServerMetrics(name, spec.draft if spec is not None else "none", spec.budget if spec is not None else None)
+    metrics = ServerMetrics(name, running.draft if running is not None else "none",
+                            running.budget if running is not None else None)
 
     def ready() -> None:
         print(f"magicdec serve: ready on http://{args.host}:{args.port}/v1 (model {name}; {args.max_running} slots "
