@@ -113,10 +113,16 @@ def serve(model: str, port: str, *args: str) -> int:
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "run":
-        run(*sys.argv[2:6], int(sys.argv[6]))
-    elif sys.argv[1] == "auto":
-        auto(*sys.argv[2:5])
+    if sys.argv[1] in ("run", "auto"):
+        if sys.argv[1] == "run":
+            run(*sys.argv[2:6], int(sys.argv[6]))
+        else:
+            auto(*sys.argv[2:5])
+        # The results are written. Leave without the interpreter's teardown, in which torch's gloo group now and then
+        # aborts the process (std::terminate: a thread still joinable) after a run that succeeded.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     elif sys.argv[1] == "serve":
         sys.exit(serve(*sys.argv[2:]))
     else:
