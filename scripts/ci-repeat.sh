@@ -11,6 +11,8 @@ n=${1:-3}
 [[ "$n" =~ ^[1-9][0-9]*$ ]] || { echo "usage: $0 [N >= 1]" >&2; exit 2; }
 repo=$(git -C "$(dirname "$0")/.." rev-parse --show-toplevel)
 logs=$(mktemp -d /tmp/ci-repeat.XXXXXX)
+# CI's clone has the shared data beside it, as this checkout does (../shared)
+[ -d "$repo/../shared" ] && ln -s "$(cd "$repo/../shared" && pwd)" "$logs/shared"
 echo "ci-repeat: $n runs of $(git -C "$repo" rev-parse --short HEAD) on $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs), $(nproc) cores; logs in $logs"
 failed=0
 for i in $(seq 1 "$n"); do
