@@ -278,6 +278,19 @@ def print_warning(message, category, filename, lineno, file=None, line=None) -> 
     print(f"magicdec: warning: {message}", file=sys.stderr)
 
 
+class StderrHandler(logging.StreamHandler):
+    """Writes to sys.stderr as it is when a record is emitted, not as it was when the handler was made: `main` may run
+    again in the same process with another stderr (a test's capture, a rank's devnull)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _) -> None:
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # Under torchrun every rank runs the same command; only rank 0 prints results and writes files, the others keep
@@ -290,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     # the library's notices (a native kernel being compiled, server errors) on stderr
     logger = logging.getLogger("magicdec")
     if not logger.handlers:
-        handler = logging.StreamHandler()
+        handler = StderrHandler()
         handler.setFormatter(logging.Formatter("magicdec: %(message)s"))
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)

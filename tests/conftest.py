@@ -49,6 +49,15 @@ def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
     return ((ours - ref).abs().max() / ref.abs().max()).item()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def native_kernels_built() -> None:
+    """This CPU's native kernels, compiled (once per checkout and torch version) before any test runs: the compile's
+    notice on stderr is then no test's output, whichever test would have needed the kernels first."""
+    from magicdec import kernels
+
+    kernels.supported(torch.device("cpu"), torch.bfloat16)
+
+
 # --- corpus ---------------------------------------------------------------------------------------------
 @pytest.fixture(scope="session")
 def books() -> list[dict]:

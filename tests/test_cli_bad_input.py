@@ -3,7 +3,10 @@ traceback, and no work done first (bench and calibrate check their inputs before
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -153,3 +156,13 @@ def test_bad_input_is_one_line_and_exit_2(argv, message, files, tiny_gguf, capsy
     assert len(lines) == 1 and lines[0].startswith("magicdec: error: "), err
     assert message in lines[0]
     assert "Traceback" not in err
+
+
+def test_library_notices_go_to_stderr_as_it_is_when_they_are_logged(capsys):
+    """`main` sets up the library's notices (a kernel being compiled) on stderr; a later notice goes to the stderr of
+    its moment, not to the one `main` saw (here a test's capture, closed since: a notice there printed a logging error
+    into whichever test compiled the kernels next)."""
+    assert run_cli(["plan", "--hardware", "h100", "--batch", "1", "--context", "1k"], capsys)[0] == 0
+    with contextlib.redirect_stderr(io.StringIO()) as stderr:
+        logging.getLogger("magicdec.kernels").info("a notice")
+    assert stderr.getvalue() == "magicdec: a notice\n"
