@@ -1,14 +1,17 @@
 """Attention over a bf16 KV cache on CPU: formulations side by side, in GB/s of K/V read.
 
     PYTHONPATH=. python benchmarks/bench_attention.py [--batches 1,8,32,64] [--contexts 1024,4096,8192]
-                                                     [--q 1,4,9] [--threads 1] [--shape NAME] [--out PATH]
+                                                     [--q 1,4,9] [--threads 1] [--shape NAME] [--native-only]
+                                                     [--out PATH]
 
 The shapes are a planner preset's (`--shape`; default the default model's, SmolLM2-135M: 9 query heads over 3 KV heads
 of 64, 30 layers; `gemma3-270m`: 4 query heads over 1 KV head of 256, and its 3 global layers). A cache of all those
 layers is allocated as magicdec's KVCache stores it ([layers, B, KV, capacity, hd], so no layer's K/V sits in cache
 when it is read), and one "step" runs attention once per layer, as a forward does. Where the CPU has AMX tiles the
 native kernel runs on them and on vector instructions, side by side. Every row has its own length (the last row is 64
-tokens short), so masks are real.
+tokens short), so masks are real. The native kernel also runs paged: the same K/V copied into per-layer pools of
+blocks of 32 positions in a shuffled order, read through a block table (`paged / contiguous` is its time's ratio;
+`--native-only` times just the kernel, contiguous and paged, beside the read baseline).
 Each variant is timed interleaved with the others (median of --repeats) and reported as K/V bytes per
 second, beside a `.sum()` over the same bytes (the read-bandwidth baseline). Results go to
 benchmarks/results/attention.json with the machine info.
@@ -70,28 +73,50 @@ def additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, float("-inf"))
 
 
+def paged(k: torch.Tensor, bs: int, table: torch.Tensor) -> torch.Tensor:
+    """The cache's K or V [layers, B, KV, L, hd] as per-layer pools [layers, B * nblk, KV, bs, hd], row b's j-th
+    block of bs positions at block table[b, j] (the last one padded)."""
+    layers, B, KV, L, hd = k.shape
+    nblk = table.shape[1]
+    pool = torch.empty(layers, B * nblk, KV, bs, hd, dtype=k.dtype)
+    for i in range(layers):  # a layer at a time: no second whole copy in between
+        rows = F.pad(k[i], (0, 0, 0, nblk * bs - L)).view(B, KV, nblk, bs, hd)
+        pool[i, table.flatten().long()] = rows.transpose(1, 2).flatten(0, 1)
+    return pool
+
+
 def matmul_attention(xq, k, v, bias):
     """Scores, softmax and the weighted sum as three ops; scores and softmax in fp32."""
     s = torch.matmul(xq, k.transpose(-1, -2)).float().mul_(1 / math.sqrt(xq.shape[-1])).add_(bias)
     return torch.matmul(s.softmax(-1).to(v.dtype), v)
 
 
+PAGED_BLOCK = 32
+NATIVE, NATIVE_TILES, PAGED = "native kernel (magicdec)", "native kernel on AMX tiles", ", paged"
+
+
 def variants(xq, k, v, mask, dtype, skip: tuple[str, ...] = ()):
     bias = additive(mask, dtype)
     bias32 = additive(mask, torch.float32)
-    out = {
+    out = {} if "torch" in skip else {
         "sdpa additive bias": lambda i: F.scaled_dot_product_attention(xq, k[i], v[i], attn_mask=bias),
         "sdpa bool mask": lambda i: F.scaled_dot_product_attention(xq, k[i], v[i], attn_mask=mask),
         "sdpa no mask (not ragged-correct)": lambda i: F.scaled_dot_product_attention(xq, k[i], v[i]),
         "matmul, fp32 softmax": lambda i: matmul_attention(xq, k[i], v[i], bias32),
     }
     if dtype == torch.bfloat16:
-        out["matmul, bf16 softmax"] = lambda i: matmul_attend(xq, k[i], v[i], bias)
+        if "torch" not in skip:
+            out["matmul, bf16 softmax"] = lambda i: matmul_attend(xq, k[i], v[i], bias)
         if kernels.takes(xq, k[0], v[0], bias):
-            out["native kernel (magicdec)"] = lambda i: kernels.decode_attention(xq, k[i], v[i], bias, on_tiles=False)
-            if kernels.tiles():
-                out["native kernel on AMX tiles"] = lambda i: kernels.decode_attention(xq, k[i], v[i], bias,
-                                                                                     on_tiles=True)
+            B, L = k.shape[1], k.shape[3]
+            table = torch.randperm(B * -(-L // PAGED_BLOCK)).int().view(B, -1)  # blocks in a shuffled order
+            pk, pv = paged(k, PAGED_BLOCK, table), paged(v, PAGED_BLOCK, table)
+            for name, on_tiles in ((NATIVE, False), (NATIVE_TILES, True))[: 1 + kernels.tiles()]:
+                out[name] = lambda i, t=on_tiles: kernels.decode_attention(xq, k[i], v[i], bias, on_tiles=t)
+                out[name + PAGED] = lambda i, t=on_tiles: kernels.decode_attention(xq, pk[i], pv[i], bias, table,
+                                                                                     on_tiles=t)
+    if "torch" in skip:
+        return out
     if "compile" not in skip:
         compiled = torch.compile(matmul_attention, dynamic=False)
         out["torch.compile(matmul)"] = lambda i: compiled(xq, k[i], v[i], bias32)
@@ -124,11 +149,17 @@ def bench_point(shape: Shape, batch: int, context: int, q: int, dtype: torch.dty
     # bf16 .sum() converts as it reads and runs far below bandwidth: sum the same bytes seen as fp32
     kf, vf = (k, v) if dtype == torch.float32 else (k.view(torch.float32), v.view(torch.float32))
     fns["read baseline: .sum() of K and V"] = lambda i: (kf[i].sum(), vf[i].sum())
-    wrong = check({n: f for n, f in fns.items() if not n.startswith("read")}, "matmul, fp32 softmax", 0.05)
+    wrong = [] if "torch" in skip else check({n: f for n, f in fns.items() if not n.startswith("read")},
+                                             "matmul, fp32 softmax", 0.05)
+    wrong += [n for n in fns if n.endswith(PAGED)  # the paged kernel gives the contiguous one's bits
+              and not torch.equal(fns[n](0), fns[n.removesuffix(PAGED)](0))]
     with torch.inference_mode():  # one step: every layer once (the first call also compiles)
         times = interleaved({n: (lambda f=f: [f(i) for i in range(shape.layers)]) for n, f in fns.items()}, repeats)
     kv_bytes = 2 * k[0].numel() * k.element_size() * shape.layers
     res = {n: {"seconds": t, "gb_per_s": kv_bytes / t / 1e9} for n, t in times.items()}
+    for n in res:
+        if n.endswith(PAGED):
+            res[n]["paged_over_contiguous"] = times[n] / times[n.removesuffix(PAGED)]
     return {"batch": batch, "context": context, "q": q, "dtype": str(dtype).removeprefix("torch."),
             "kv_bytes": kv_bytes, "variants": res, "mismatched": wrong, "loadavg": list(os.getloadavg())}
 
@@ -143,7 +174,10 @@ def main(argv=None) -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--no-flex", action="store_true", help="skip flex_attention (slow to compile and to run)")
     p.add_argument("--no-compile", action="store_true", help="skip torch.compile of the matmuls")
-    p.add_argument("--max-gib", type=float, default=4.0, help="skip points whose cache exceeds this")
+    p.add_argument("--native-only", action="store_true",
+                   help="only the native kernel, contiguous and paged, beside the read baseline")
+    p.add_argument("--max-gib", type=float, default=4.0,
+                   help="skip points whose cache exceeds this (its paged copy takes as much again)")
     p.add_argument("--shape", default="smollm2-135m", choices=sorted(MODEL_PRESETS),
                    help="the model whose attention shapes to use (its global layers)")
     p.add_argument("--out", default=str(Path(__file__).parent / "results/attention.json"))
@@ -158,14 +192,16 @@ def main(argv=None) -> None:
             if 2 * shape.layers * batch * shape.kv * context * shape.hd * dtype.itemsize > args.max_gib * 2**30:
                 continue
             for q in map(int, args.q.split(",")):
-                skip = ("flex",) * args.no_flex + ("compile",) * args.no_compile
+                skip = ("flex",) * args.no_flex + ("compile",) * args.no_compile + ("torch",) * args.native_only
                 pt = bench_point(shape, batch, context, q, dtype, args.repeats, skip)
                 results["points"].append(pt)
                 base = pt["variants"]["read baseline: .sum() of K and V"]["gb_per_s"]
                 print(f"B={batch} L={context} q={q} (load {pt['loadavg'][0]:.1f}, read {base:.1f} GB/s)"
                       + (f" mismatched: {pt['mismatched']}" if pt["mismatched"] else ""), flush=True)
                 for n, r in pt["variants"].items():
-                    print(f"  {n:36s} {r['seconds'] * 1e3:8.1f} ms {r['gb_per_s']:6.1f} GB/s", flush=True)
+                    ratio = r.get("paged_over_contiguous")
+                    ratio = f"  paged / contiguous {ratio:.3f}" if ratio else ""
+                    print(f"  {n:36s} {r['seconds'] * 1e3:8.1f} ms {r['gb_per_s']:6.1f} GB/s{ratio}", flush=True)
                 Path(args.out).parent.mkdir(parents=True, exist_ok=True)
                 Path(args.out).write_text(json.dumps(results, indent=1) + "\n")  # after every point
 

@@ -146,6 +146,72 @@ def test_fully_hidden_chunks_are_skipped_not_averaged(isa, tiles):
     assert rel_err(out, reference(xq, k[:, :, :101], v[:, :, :101], mask[..., :101], 1)) < tolerance(isa)
 
 
+def paged(k: torch.Tensor, v: torch.Tensor, bs: int, *, nhd: bool = False, spare: int = 5, seed: int = 0):
+    """K/V [B, KV, L, hd] copied into pools [NB, KV, bs, hd] as a paged cache holds them: each row's blocks of bs
+    positions (the last one partial, filled with noise) in a shuffled order among `spare` blocks of unrelated random
+    data, the block table [B, nblk + 1] (int32; its last column names a spare block). `nhd`: pools stored
+    [NB, bs, KV, hd] and viewed transposed (strides other than a contiguous pool's)."""
+    g = torch.Generator().manual_seed(seed)
+    B, KV, L, hd = k.shape
+    nblk = -(-L // bs)
+    NB = B * nblk + spare
+    ids = torch.randperm(NB, generator=g).int()
+    table = torch.cat([ids[: B * nblk].view(B, nblk), ids[-1:].expand(B, 1)], 1)  # a spare block past L
+    pools = []
+    for x in (k, v):
+        shape = (NB, bs, KV, hd) if nhd else (NB, KV, bs, hd)
+        pool = torch.randn(shape, generator=g).to(x.dtype)
+        pool = pool.transpose(1, 2) if nhd else pool
+        rows = torch.cat([x, torch.randn(B, KV, nblk * bs - L, hd, generator=g).to(x.dtype)], 2)
+        pool[table[:, :nblk].flatten().long()] = rows.view(B, KV, nblk, bs, hd).transpose(1, 2).flatten(0, 1)
+        pools.append(pool)
+    return *pools, table
+
+
+@pytest.mark.parametrize("bs", [16, 32, 64])
+@pytest.mark.parametrize("hd", [64, 128, 256])
+@pytest.mark.parametrize("q", [1, 4, 9, 40])
+def test_a_paged_cache_gives_the_bits_of_the_contiguous_one(isa, tiles, q, hd, bs):
+    """Attention over K/V in blocks of a pool, read through a block table, equals attention over the same positions
+    stored contiguously exactly: ragged rows, contexts over several chunks (1024) and blocks, a partial last block,
+    and a context shorter than one block; pools of either stride order."""
+    B, KV, G = 3, 2, 3
+    for storage in isa.storage:
+        for L, nhd in ((2100, False), (q + 7, True)):
+            lens = [L - q, min(1500, L - q), min(37, L - q)]
+            xq, k, v, mask = ragged(B, KV, G, q, L, hd, lens, L + 37, isa.compute, storage, seed=q + hd + bs)
+            bias = attention_bias(mask, 1, storage)
+            pk, pv, table = paged(k, v, bs, nhd=nhd, seed=L)
+            assert kernels.takes(xq, pk, pv, bias, table)
+            want = kernels.decode_attention(xq, k, v, bias)
+            assert torch.equal(kernels.decode_attention(xq, pk, pv, bias, table), want), (storage, L)
+            pk[table[:, -1].long()] = float("nan")  # the table's blocks past L are never read
+            assert torch.equal(kernels.decode_attention(xq, pk, pv, bias, table), want), (storage, L)
+
+
+def test_a_paged_cache_is_checked(isa):
+    """Block tables the kernel cannot read are refused by `takes` and by the operator, not read past a pool."""
+    storage = isa.storage[0]
+    xq, k, v, mask = ragged(2, 2, 3, 1, 100, 64, [99, 50], 100, isa.compute, storage)
+    bias = attention_bias(mask, 1, storage)
+    pk, pv, table = paged(k, v, 32)
+    run = lambda *a: kernels.decode_attention(xq, *a)  # noqa: E731
+    assert not kernels.takes(xq, pk, pv, bias, table.long())
+    with pytest.raises(RuntimeError, match="int32"):
+        run(pk, pv, bias, table.long())
+    assert not kernels.takes(xq, pk, pv, bias, table[:, :3])  # 3 blocks of 32 for 100 positions
+    with pytest.raises(RuntimeError, match="blocks of 32"):
+        run(pk, pv, bias, table[:, :3])
+    odd = torch.zeros(8, 2, 48, 64, dtype=storage)  # blocks of 48 positions
+    assert not kernels.takes(xq, odd, odd, bias, table)
+    with pytest.raises(RuntimeError, match="power of two"):
+        run(odd, odd, bias, table)
+    bad = table.clone()
+    bad[1, 2] = pk.shape[0]
+    with pytest.raises(RuntimeError, match="not in"):
+        run(pk, pv, bias, bad)
+
+
 class threads:
     """`with threads(n):` torch's intra-op threads set to n for the block."""
 

@@ -280,18 +280,33 @@ def attends(device: torch.device, kv_dtype: torch.dtype, head_dim: int) -> bool:
     return head_dim in HEAD_DIMS and supported(device, kv_dtype)
 
 
-def takes(xq: Tensor, keys: Tensor, values: Tensor, bias: Tensor) -> bool:
-    """Whether `decode_attention` takes these operands (see `attends`; contiguous last dimensions)."""
+def takes(xq: Tensor, keys: Tensor, values: Tensor, bias: Tensor, table: Tensor | None = None) -> bool:
+    """Whether `decode_attention` takes these operands (see `attends`; contiguous last dimensions; with a block
+    `table`, int32 [B, nblk] over pools of blocks of a power of two positions, at least 16, enough for the bias's
+    L)."""
+    if table is not None:
+        bs = keys.shape[2]
+        if not (table.dtype == torch.int32 and table.dim() == 2 and table.shape[0] == xq.shape[0]
+                and bs >= 16 and bs & (bs - 1) == 0 and values.shape[2] == bs
+                and table.shape[1] * bs >= bias.shape[-1]):
+            return False
     return (keys.stride(-1) == 1 and values.stride(-1) == 1 and bias.stride(-1) == 1
             and xq.shape[2] % bias.shape[2] == 0 and values.dtype == bias.dtype == keys.dtype
             and attends(keys.device, keys.dtype, keys.shape[-1]))
 
 
-def decode_attention(xq: Tensor, keys: Tensor, values: Tensor, bias: Tensor, *,
+def decode_attention(xq: Tensor, keys: Tensor, values: Tensor, bias: Tensor, table: Tensor | None = None, *,
                      on_tiles: bool | None = None) -> Tensor:
     """Softmax attention of queries [B, KV, M, hd] (any float dtype) over K/V [B, KV, L, hd] (16-bit) with an
     additive bias [B, 1, R, L] (K's dtype, 0 or -inf; R divides M, and query row m takes bias row m % R: one row per
     new token serves the grouped query heads, rows ordered head then token); returns [B, KV, M, hd] fp32. Call only
-    where `takes` is True. `on_tiles`: AMX tiles or vector instructions (None: this process's choice, `tiles()`)."""
+    where `takes` is True. `on_tiles`: AMX tiles or vector instructions (None: this process's choice, `tiles()`).
+
+    Paged (vLLM's "HND" layout): with a block `table` [B, nblk] (int32), K/V are pools [NB, KV, BS, hd] of NB blocks
+    of BS positions (a power of two, at least 16; any strides but a contiguous last dim), row b's j-th block of BS
+    positions being pool[table[b, j]]: position l of row b, KV head h is pool[table[b, l // BS], h, l % BS]. L is the
+    bias's last dimension (nblk * BS >= L); every id in the table must name a block of the pool, but the blocks of
+    positions the bias hides from all of a row's queries are not read. A row's output has the bits it has over the
+    same positions stored contiguously."""
     op = _ops().decode_attention_tiles if (tiles() if on_tiles is None else on_tiles) else _ops().decode_attention
-    return op(xq, keys, values, bias, CHUNK)
+    return op(xq, keys, values, bias, CHUNK, table)

@@ -14,7 +14,9 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <optional>
 #include <type_traits>
+#include <vector>
 
 namespace magicdec {
 
@@ -29,14 +31,64 @@ constexpr float kLog2e = 1.44269504088896341f, kLn2Hi = 0.693359375f, kLn2Lo = -
 constexpr float kExpPoly[] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
                               4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
 
-struct Strided {  // a [B, H, L, D] tensor with a contiguous last dim, as raw 16-bit words
+// Rows of a [B, H, L, D] tensor of 16-bit words with a contiguous last dim, each row's positions in blocks of
+// 2^shift: position l of (b, h) lies at data + blocks[b * nblk + l / 2^shift] + h * sh + (l % 2^shift) * sl. A
+// contiguous tensor is one block per row; a paged pool [NB, H, BS, D] read through a block table, blocks of BS.
+// Blocks hold a multiple of 16 positions, so a kernel's tile of 16 (or 8) positions starting at a multiple of its
+// size lies in one block: its rows are at(b, h, l) + i * sl.
+struct Strided {
   const uint16_t* data;
-  int64_t sb, sh, sl;
-  const uint16_t* at(int64_t b, int64_t h, int64_t l) const { return data + b * sb + h * sh + l * sl; }
+  const int64_t* blocks;  // [B, nblk] element offsets of each row's blocks
+  int64_t nblk, shift, sh, sl;
+  const uint16_t* at(int64_t b, int64_t h, int64_t l) const {
+    const int64_t j = std::min(l >> shift, nblk - 1);  // clamped: prefetches run past the end
+    return data + blocks[b * nblk + j] + h * sh + (l - (j << shift)) * sl;
+  }
 };
 
-inline Strided strided(const at::Tensor& t) {
-  return {reinterpret_cast<const uint16_t*>(t.data_ptr()), t.stride(0), t.stride(1), t.stride(2)};
+// K or V of an attention kernel as a Strided whose block offsets `offsets` holds (the caller keeps it alive): without
+// a table, t [B, H, L, D] itself, one block per row; with a block table [B, nblk] (int32), the pool t [NB, H, BS, D]
+// it indexes, position l of row b at t[table[b, l / BS], :, l % BS].
+inline Strided strided(const at::Tensor& t, const std::optional<at::Tensor>& table, std::vector<int64_t>& offsets) {
+  const auto data = reinterpret_cast<const uint16_t*>(t.data_ptr());
+  if (!table) {
+    offsets.resize(t.size(0));
+    for (int64_t b = 0; b < t.size(0); ++b) offsets[b] = b * t.stride(0);
+    return {data, offsets.data(), 1, 62, t.stride(1), t.stride(2)};
+  }
+  const auto ids = table->accessor<int32_t, 2>();
+  const int64_t B = table->size(0), nblk = table->size(1), NB = t.size(0);
+  offsets.resize(B * nblk);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t j = 0; j < nblk; ++j) {
+      TORCH_CHECK(ids[b][j] >= 0 && ids[b][j] < NB, "decode_attention: block id ", ids[b][j], " at [", b, ", ", j,
+                  "] of the block table is not in [0, ", NB, ")");
+      offsets[b * nblk + j] = ids[b][j] * t.stride(0);
+    }
+  return {data, offsets.data(), nblk, __builtin_ctzll(t.size(2)), t.stride(1), t.stride(2)};
+}
+
+// The positions attended, L, after the checks of the operands' shapes: q [B, KV, M, D]; k, v [B, KV, L, D] or, with
+// a block table [B, nblk] (int32), pools [NB, KV, BS, D] (BS a power of two, at least 16; nblk * BS >= L), where L is
+// the bias's [B, 1, R, L].
+inline int64_t attended(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& bias,
+                        const std::optional<at::Tensor>& table) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && bias.dim() == 4, "decode_attention: 4-d tensors");
+  TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1 && bias.stride(3) == 1,
+              "decode_attention: last dims must be contiguous");
+  if (!table) return k.size(2);
+  const int64_t BS = k.size(2), L = bias.size(3);
+  TORCH_CHECK(table->scalar_type() == at::kInt && table->dim() == 2 && table->size(0) == q.size(0),
+              "decode_attention: block table [B, nblk] int32 expected, got ", table->sizes(), " ",
+              table->scalar_type(), " for ", q.size(0), " rows");
+  TORCH_CHECK(BS >= 16 && (BS & (BS - 1)) == 0 && v.size(2) == BS,
+              "decode_attention: K/V blocks of a power of two positions, at least 16, expected, got ", k.sizes(),
+              " and ", v.sizes());
+  TORCH_CHECK(k.size(1) == q.size(1) && v.size(1) == q.size(1), "decode_attention: ", q.size(1),
+              " KV heads expected in the pools, got ", k.sizes(), " and ", v.sizes());
+  TORCH_CHECK(table->size(1) * BS >= L, "decode_attention: a block table of ", table->size(1), " blocks of ", BS,
+              " positions for ", L, " attended");
+  return L;
 }
 
 // The additive bias (0 / -inf) [B, 1, R, L] of a head's M query rows, M a multiple of R: query row m takes bias row
@@ -44,9 +96,9 @@ inline Strided strided(const at::Tensor& t) {
 // query head, then token), so a forward builds and reads the bias once per token rather than once per query head.
 // `first` is the bias row of a task's first query row.
 struct Bias {
-  Strided rows;
-  int64_t R, first;
-  const uint16_t* at(int64_t b, int64_t r, int64_t l) const { return rows.at(b, 0, r) + l; }  // bias row r
+  const uint16_t* data;
+  int64_t sb, sr, R, first;
+  const uint16_t* at(int64_t b, int64_t r, int64_t l) const { return data + b * sb + r * sr + l; }  // bias row r
   int64_t row(int64_t m) const { return (first + m) % R; }  // bias row of the task's query row m
   int64_t distinct(int64_t M) const { return std::min(M, R); }  // bias rows that M consecutive query rows take
 };
@@ -56,7 +108,7 @@ inline Bias bias_of(const at::Tensor& bias, int64_t M, int64_t L) {
   TORCH_CHECK(bias.size(2) > 0 && M % bias.size(2) == 0 && bias.size(3) >= L,
               "decode_attention: bias [B, 1, R, L] with R dividing the query rows (", M, ") expected, got ",
               bias.sizes());
-  return {strided(bias), bias.size(2), 0};
+  return {reinterpret_cast<const uint16_t*>(bias.data_ptr()), bias.stride(0), bias.stride(2), bias.size(2), 0};
 }
 
 // out[i] = the chunks' partial results of query row i merged by their maxima: sum_c w_c out_c / sum_c w_c sum_c,

@@ -2,7 +2,8 @@
 // rows per KV head, memory-bound) and prefill chunks (hundreds of rows, compute-bound).
 //
 // Queries q [B, KV, M, D] (M = query heads per KV head x new tokens per row; bf16) attend over K/V
-// [B, KV, L, D] (bf16; any strides but a contiguous last dim) with an additive bias [B, 1, R, L]
+// [B, KV, L, D] (bf16; any strides but a contiguous last dim), or paged pools [NB, KV, BS, D] read through a block
+// table [B, nblk] (magicdec::strided), with an additive bias [B, 1, R, L]
 // (bf16, 0 / -inf; query row m takes bias row m % R, see magicdec::Bias). The context is split into
 // chunks of a fixed size (flash-decoding). A task takes one chunk of one (row, KV head), 16 cached
 // positions at a time: `vdpbf16ps` forms the scores, either along the head dims with the K rows as the cache
@@ -157,9 +158,10 @@ struct Task {
   void score_tile_along_dims(int64_t b, int64_t h, int64_t l, int64_t n, float* s) const {
     static const uint16_t zeros[D] = {};
     const uint16_t *k[kTile], *ahead[kTile];  // the rows, and those prefetched while the first block reads them
+    const uint16_t *k0 = K.at(b, h, l), *ahead0 = K.at(b, h, l + kPrefetch);  // each tile in one block (Strided)
     for (int i = 0; i < kTile; ++i) {
-      k[i] = i < n ? K.at(b, h, l + i) : zeros;
-      ahead[i] = K.at(b, h, l + i + kPrefetch);
+      k[i] = i < n ? k0 + i * K.sl : zeros;
+      ahead[i] = ahead0 + i * K.sl;
     }
     magicdec::for_each_row_block<4>(M, [&](int64_t m0, auto block) {
       constexpr int R = decltype(block)::value;
@@ -195,10 +197,11 @@ struct Task {
     // The tile's rows are copied position after position, a sequential read, then transposed 16 pairs at a
     // time: gathering 16 rows 2 D bytes apart for each 64-byte slice read the cache at 3/4 of the rate on a Zen 4.
     alignas(64) __m512i rows[kTile][P / 16];
+    const uint16_t *k0 = K.at(b, h, l), *ahead0 = K.at(b, h, l + kPrefetch);  // each tile in one block (Strided)
     for (int i = 0; i < kTile; ++i)
       for (int c = 0; c < P / 16; ++c) {
-        prefetch(K.at(b, h, l + i + kPrefetch) + 32 * c);
-        rows[i][c] = i < n ? _mm512_loadu_si512(K.at(b, h, l + i) + 32 * c) : _mm512_setzero_si512();
+        prefetch(ahead0 + i * K.sl + 32 * c);
+        rows[i][c] = i < n ? _mm512_loadu_si512(k0 + i * K.sl + 32 * c) : _mm512_setzero_si512();
       }
     alignas(64) __m512i kt[P];  // kt[p] lane i: pair p of position l + i
     for (int c = 0; c < P / 16; ++c) {
@@ -229,7 +232,7 @@ struct Task {
   // score_tile on tiles: S^T [16 positions, 16 queries] = K tile @ queries, per group of 16 queries.
   void score_tile_on_tiles(int64_t b, int64_t h, int64_t l, int64_t n, const uint32_t* qt, float* s) const {
     alignas(64) uint16_t kpad[16 * D];  // a partial tile's positions, zero past n (the cache may end there)
-    const uint16_t* kt = K.at(b, h, l);
+    const uint16_t* kt = K.at(b, h, l);  // the tile's rows K.sl apart: it lies in one block (Strided)
     int64_t stride = K.sl * 2;
     if (n < 16) {
       std::fill(kpad, kpad + 16 * D, uint16_t(0));
@@ -268,12 +271,13 @@ struct Task {
     const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
                                         39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
     const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+    const uint16_t *v0 = V.at(b, h, l), *ahead0 = V.at(b, h, l + kPrefetch);  // each tile in one block (Strided)
     for (int64_t j = 0; j < kTile / 2; ++j) {
-      const uint16_t* va = V.at(b, h, l + 2 * j);
-      const uint16_t* vz = V.at(b, h, l + 2 * j + 1);
+      const uint16_t* va = v0 + 2 * j * V.sl;
+      const uint16_t* vz = va + V.sl;
       for (int c = 0; c < D / 32; ++c) {
-        prefetch(va + kPrefetch * V.sl + 32 * c);
-        prefetch(vz + kPrefetch * V.sl + 32 * c);
+        prefetch(ahead0 + 2 * j * V.sl + 32 * c);
+        prefetch(ahead0 + (2 * j + 1) * V.sl + 32 * c);
         const __m512i a = 2 * j < n ? _mm512_loadu_si512(va + 32 * c) : _mm512_setzero_si512();
         const __m512i z = 2 * j + 1 < n ? _mm512_loadu_si512(vz + 32 * c) : _mm512_setzero_si512();
         out[j * sj + 2 * c * sk] = _mm512_permutex2var_epi16(a, lo, z);
@@ -401,15 +405,16 @@ struct Task {
 };
 
 template <int D, bool kTiles>
-at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                     const at::Tensor& bias, int64_t chunk) {
+at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& bias,
+                  int64_t chunk, const std::optional<at::Tensor>& table, int64_t L) {
   const int64_t M = q.size(2);
   auto qb = q.to(at::kBFloat16).contiguous();
   const uint32_t* qp = reinterpret_cast<const uint32_t*>(qb.data_ptr<at::BFloat16>());
-  const Strided K = magicdec::strided(k), V = magicdec::strided(v);
+  std::vector<int64_t> k_blocks, v_blocks;
+  const Strided K = magicdec::strided(k, table, k_blocks), V = magicdec::strided(v, table, v_blocks);
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   return magicdec::attend_in_chunks<D>(
-      q.size(0), q.size(1), M, k.size(2), chunk, magicdec::bias_of(bias, M, k.size(2)),
+      q.size(0), q.size(1), M, L, chunk, magicdec::bias_of(bias, M, L),
       q.options().dtype(at::kFloat), [&](int64_t bh, int64_t m0, int64_t rows, Bias block_bias) {
         return Task<D, kTiles>{qp + (bh * M + m0) * (D / 2), rows, K, V, block_bias, scale};
       });
@@ -417,37 +422,38 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 
 template <bool kTiles>
 at::Tensor attend_any(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& bias,
-                      int64_t chunk) {
+                      int64_t chunk, const std::optional<at::Tensor>& table) {
   TORCH_CHECK(k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16 &&
                   bias.scalar_type() == at::kBFloat16, "decode_attention: K, V and bias must be bf16");
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && bias.dim() == 4, "decode_attention: 4-d tensors");
-  TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1 && bias.stride(3) == 1, "decode_attention: last dims must be contiguous");
+  const int64_t L = magicdec::attended(q, k, v, bias, table);
+  // Tiles start at multiples of 16: one never crosses a block (Strided).
   TORCH_CHECK(chunk > 0 && chunk % kTile == 0, "decode_attention: chunk must be a positive multiple of 16");
   if constexpr (kTiles) magicdec::require_tiles("decode_attention");
   switch (q.size(3)) {
-    case 64: return attend<64, kTiles>(q, k, v, bias, chunk);
-    case 128: return attend<128, kTiles>(q, k, v, bias, chunk);
-    case 256: return attend<256, kTiles>(q, k, v, bias, chunk);  // Gemma 3
+    case 64: return attend<64, kTiles>(q, k, v, bias, chunk, table, L);
+    case 128: return attend<128, kTiles>(q, k, v, bias, chunk, table, L);
+    case 256: return attend<256, kTiles>(q, k, v, bias, chunk, table, L);  // Gemma 3
     default: TORCH_CHECK(false, "decode_attention: head dim ", q.size(3), " is not 64, 128 or 256");
   }
 }
 
 }  // namespace
 
-at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                               const at::Tensor& bias, int64_t chunk) {
-  return attend_any<false>(q, k, v, bias, chunk);
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& bias,
+                            int64_t chunk, const std::optional<at::Tensor>& block_table) {
+  return attend_any<false>(q, k, v, bias, chunk, block_table);
 }
 
 at::Tensor decode_attention_tiles(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                     const at::Tensor& bias, int64_t chunk) {
-  return attend_any<true>(q, k, v, bias, chunk);
+                                  const at::Tensor& bias, int64_t chunk, const std::optional<at::Tensor>& block_table) {
+  return attend_any<true>(q, k, v, bias, chunk, block_table);
 }
 
 // Decode/verification attention over a bf16 KV cache (AVX512-BF16; decode_attention_tiles: products on AMX tiles,
-// call it only where tiles_ready())
+// call it only where tiles_ready()), contiguous or paged (a block table: magicdec::strided)
 TORCH_LIBRARY_FRAGMENT(magicdec_avx512bf16, m) {
-  m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor bias, int chunk) -> Tensor", &decode_attention);
-  m.def("decode_attention_tiles(Tensor q, Tensor k, Tensor v, Tensor bias, int chunk) -> Tensor",
-        &decode_attention_tiles);
+  m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor bias, int chunk, Tensor? block_table=None) -> Tensor",
+        &decode_attention);
+  m.def("decode_attention_tiles(Tensor q, Tensor k, Tensor v, Tensor bias, int chunk, Tensor? block_table=None) "
+        "-> Tensor", &decode_attention_tiles);
 }

@@ -2,14 +2,15 @@
 // verification steps (a few query rows per KV head, memory-bound) and prefill chunks (hundreds of rows).
 // The arithmetic is fp32 throughout; the cache is only stored in 16 bits.
 //
-// Queries q [B, KV, M, D] (fp32) attend over K/V [B, KV, L, D] (any strides but a contiguous last dim)
-// with an additive bias [B, 1, R, L] (the cache's dtype, 0 / -inf; query row m takes bias row m % R, see
-// magicdec::Bias), split into chunks of a fixed size as in decode_attention.cpp. A task takes one chunk
-// of one (row, KV head), 8 cached positions at a time: for every block of three query rows it widens each K
-// vector to fp32 in a register (a shift for bf16, vcvtph2ps for fp16) and multiplies it into the three rows
-// there, forms the 8 scores (8 dot products, summed across lanes together), takes a chunk-local softmax and
-// accumulates P @ V the same way. A one-token step (three rows per KV head in SmolLM2) thus reads each K and V
-// element from memory once and widens it once; widening into a buffer instead cost as much as the arithmetic.
+// Queries q [B, KV, M, D] (fp32) attend over K/V [B, KV, L, D] (any strides but a contiguous last dim), or
+// paged pools [NB, KV, BS, D] read through a block table [B, nblk] (magicdec::strided), with an additive bias
+// [B, 1, R, L] (the cache's dtype, 0 / -inf; query row m takes bias row m % R, see magicdec::Bias), split
+// into chunks of a fixed size as in decode_attention.cpp. A task takes one chunk of one (row, KV head), 8
+// cached positions at a time: for every block of three query rows it widens each K vector to fp32 in a
+// register (a shift for bf16, vcvtph2ps for fp16) and multiplies it into the three rows there, forms the 8
+// scores (8 dot products, summed across lanes together), takes a chunk-local softmax and accumulates P @ V the
+// same way. A one-token step (three rows per KV head in SmolLM2) thus reads each K and V element from memory
+// once and widens it once; widening into a buffer instead cost as much as the arithmetic.
 // Each query row is computed with the same arithmetic whatever M and L are (the order of its sums does not
 // depend on the block it falls in), so a verification forward attends exactly as the one-token steps do.
 // Tiles the bias hides from all of a task's rows are skipped.
@@ -99,9 +100,10 @@ struct Task {
   // products between the loads leave the hardware prefetcher behind.
   void tile_rows(const Strided& X, int64_t b, int64_t h, int64_t l, int64_t n, const uint16_t* rows[kTile]) const {
     static const uint16_t zeros[D] = {};
+    const uint16_t *x0 = X.at(b, h, l), *ahead0 = X.at(b, h, l + kPrefetch);  // each tile in one block (Strided)
     for (int64_t i = 0; i < kTile; ++i) {
-      rows[i] = i < n ? X.at(b, h, l + i) : zeros;
-      for (int c = 0; c < D; c += 32) _mm_prefetch(reinterpret_cast<const char*>(X.at(b, h, l + i + kPrefetch) + c), _MM_HINT_T0);
+      rows[i] = i < n ? x0 + i * X.sl : zeros;
+      for (int c = 0; c < D; c += 32) _mm_prefetch(reinterpret_cast<const char*>(ahead0 + i * X.sl + c), _MM_HINT_T0);
     }
   }
 
@@ -220,47 +222,49 @@ struct Task {
 };
 
 template <int D, class S>
-at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                     const at::Tensor& bias, int64_t chunk) {
+at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& bias,
+                  int64_t chunk, const std::optional<at::Tensor>& table, int64_t L) {
   const int64_t M = q.size(2);
   auto qf = q.to(at::kFloat).contiguous();
   const float* qp = qf.data_ptr<float>();
-  const Strided K = magicdec::strided(k), V = magicdec::strided(v);
+  std::vector<int64_t> k_blocks, v_blocks;
+  const Strided K = magicdec::strided(k, table, k_blocks), V = magicdec::strided(v, table, v_blocks);
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   return magicdec::attend_in_chunks<D>(
-      q.size(0), q.size(1), M, k.size(2), chunk, magicdec::bias_of(bias, M, k.size(2)), qf.options(),
+      q.size(0), q.size(1), M, L, chunk, magicdec::bias_of(bias, M, L), qf.options(),
       [&](int64_t bh, int64_t m0, int64_t rows, magicdec::Bias block_bias) {
         return Task<D, S>{qp + (bh * M + m0) * D, rows, K, V, block_bias, scale};
       });
 }
 
 template <class S>
-at::Tensor attend_head_dim(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                              const at::Tensor& bias, int64_t chunk) {
+at::Tensor attend_head_dim(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& bias,
+                           int64_t chunk, const std::optional<at::Tensor>& table, int64_t L) {
   switch (q.size(3)) {
-    case 64: return attend<64, S>(q, k, v, bias, chunk);
-    case 128: return attend<128, S>(q, k, v, bias, chunk);
-    case 256: return attend<256, S>(q, k, v, bias, chunk);  // Gemma 3
+    case 64: return attend<64, S>(q, k, v, bias, chunk, table, L);
+    case 128: return attend<128, S>(q, k, v, bias, chunk, table, L);
+    case 256: return attend<256, S>(q, k, v, bias, chunk, table, L);  // Gemma 3
     default: TORCH_CHECK(false, "decode_attention: head dim ", q.size(3), " is not 64, 128 or 256");
   }
 }
 
 }  // namespace
 
-at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                               const at::Tensor& bias, int64_t chunk) {
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& bias,
+                            int64_t chunk, const std::optional<at::Tensor>& block_table) {
   const auto type = k.scalar_type();
   TORCH_CHECK((type == at::kHalf || type == at::kBFloat16) && v.scalar_type() == type &&
                   bias.scalar_type() == type, "decode_attention: K, V and bias must be all fp16 or all bf16");
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && bias.dim() == 4, "decode_attention: 4-d tensors");
-  TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1 && bias.stride(3) == 1,
-              "decode_attention: last dims must be contiguous");
+  const int64_t L = magicdec::attended(q, k, v, bias, block_table);
+  // Tiles start at multiples of 8: one never crosses a block (Strided).
   TORCH_CHECK(chunk > 0 && chunk % kTile == 0, "decode_attention: chunk must be a positive multiple of 8");
-  return type == at::kHalf ? attend_head_dim<Fp16>(q, k, v, bias, chunk)
-                              : attend_head_dim<Bf16>(q, k, v, bias, chunk);
+  return type == at::kHalf ? attend_head_dim<Fp16>(q, k, v, bias, chunk, block_table, L)
+                           : attend_head_dim<Bf16>(q, k, v, bias, chunk, block_table, L);
 }
 
-// Attention over an fp16 or bf16 KV cache in fp32 (AVX2, FMA, F16C)
+// Attention over an fp16 or bf16 KV cache in fp32 (AVX2, FMA, F16C), contiguous or paged (a block table:
+// magicdec::strided)
 TORCH_LIBRARY_FRAGMENT(magicdec_avx2, m) {
-  m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor bias, int chunk) -> Tensor", &decode_attention);
+  m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor bias, int chunk, Tensor? block_table=None) -> Tensor",
+        &decode_attention);
 }
