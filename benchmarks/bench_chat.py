@@ -425,7 +425,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--llama-model", help="GGUF for llama-server (default: magicdec's model, e.g. a BF16 copy)")
     p.add_argument("--llama-args", default="", help="extra llama-server flags, e.g. '-ctk bf16 -ctv bf16 -fa off'")
     p.add_argument("--model", help="--model for the magicdec servers (default: the embedded SmolLM2)")
-    p.add_argument("--server-args", default="", help="extra flags for `magicdec serve`, e.g. '--prefix-cache-gb 2'")
+    p.add_argument("--server-args", default="", help="extra flags for `magicdec serve`, e.g. '--kv-cache-gb 2'")
     p.add_argument("--max-running", type=int, default=4, help="slots of every server (magicdec --max-running, -np)")
     p.add_argument("--max-model-len", type=int, default=8192, help="context per slot (SmolLM2's is 8192)")
     p.add_argument("--threads", type=int, default=2, help="CPU threads of every server")

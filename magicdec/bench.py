@@ -33,6 +33,7 @@ from magicdec.corpus import cut_prompts, load_texts
 from magicdec.engine import LLM
 from magicdec.errors import InvalidRequestError, OutOfMemoryError
 from magicdec.jsonfile import read_json_object
+from magicdec.kv.blocks import BLOCK_SIZE
 from magicdec.loading import model_identity
 from magicdec.memory import available_bytes, check_fits
 from magicdec.planner import format_table
@@ -186,22 +187,25 @@ def _open_results(doc: dict, llm: LLM, grid: BenchGrid) -> tuple[dict, Callable[
 
 
 def _check_fits(llm: LLM, batch: int, max_model_len: int, ctx: int, distinct: int) -> None:
-    """Raise OutOfMemoryError unless `batch` slots of `max_model_len` tokens and the prefix cache holding the
-    `distinct` prefilled prompts of `ctx` tokens fit, on every rank under tensor parallelism."""
+    """Raise OutOfMemoryError unless `batch` slots of `max_model_len` tokens fit, on every rank under tensor
+    parallelism: their state beside the KV blocks, and in the blocks the `distinct` prefilled prompts of `ctx` tokens
+    (shared by the rows that decode them) with every row's new tokens."""
     llm.free_engine()  # the previous point's caches do not stay beside this one's
     config = dataclasses.replace(llm.config, max_num_seqs=batch, max_model_len=max_model_len)
-    needed = (ModelRunner.memory_bytes(llm.model, config, None)
-              + llm.prefix_cache_bytes(ctx * distinct, distinct))
+    needed = ModelRunner.memory_bytes(llm.model, config, None)
+    tokens = distinct * ctx + batch * (max_model_len - ctx + BLOCK_SIZE)
     tp = llm.model.tp
     if tp is not None and not tp.min_int(needed <= available_bytes(llm.model.device)):
         raise OutOfMemoryError(f"batch {batch} x {max_model_len} tokens does not fit on every rank")  # skip on all
+    if tokens > llm.kv.capacity_tokens:
+        raise OutOfMemoryError(f"batch {batch} x {max_model_len} tokens needs {tokens} tokens of KV blocks; the KV "
+                               f"cache holds {llm.kv.capacity_tokens} (--kv-cache-gb)")
     check_fits(needed, llm.model.device, f"batch {batch} x {max_model_len} tokens")
 
 
 def _prefill(llm: LLM, texts: list[str], distinct: int, ctx: int) -> tuple[list[list[int]], float]:
     """`distinct` prompts of `ctx` tokens, prefilled cold into the LLM's prefix cache; and the seconds it took."""
     prompts = cut_prompts(llm.tokenizer, texts, distinct, ctx)
-    llm.reserve_prefix_cache(distinct * ctx, distinct)
     llm.clear_prefix_cache()  # a shorter context's prompts are prefixes of these
     t0 = time.perf_counter()
     llm.generate(prompt_token_ids=prompts, params=SamplingParams(max_tokens=1))

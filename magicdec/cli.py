@@ -76,9 +76,9 @@ def _unit_size(text: str, unit: str, unit_bytes: int, least: int) -> int:
     return int(value * unit_bytes)
 
 
-def gib_size(text: str) -> int:
-    """'1.5' (GiB) -> bytes; 0 and up."""
-    return _unit_size(text, "GiB", 2**30, 0)
+def kv_size(text: str) -> float:
+    """'1.5' (GiB) -> 1.5; a MiB at least."""
+    return _unit_size(text, "GiB", 2**30, 2**20) / 2**30
 
 
 def megabytes(text: str) -> int:
@@ -113,15 +113,16 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="prefill every prompt in full instead of reusing the K/V of an earlier request's shared prefix "
                         "(prefix caching is on by default)")
-    g.add_argument("--prefix-cache-gb", dest="prefix_cache_bytes", type=gib_size,
-                   help="most memory the prefix cache holds, in GiB (default: a quarter of the memory available "
-                        "after the model loads)")
+    g.add_argument("--kv-cache-gb", type=kv_size,
+                   help="memory of the KV cache's blocks in GiB, shared by the running requests as they grow and by "
+                        "the cached prefixes; it sets how many requests fit at once (default: half the memory "
+                        "available after the model loads)")
 
 
 def llm_options(args: argparse.Namespace) -> dict:
     """The `LLM` keyword arguments of the model options (add_model_args)."""
     return {"device": args.device, "dtype": args.dtype, "kv_dtype": args.kv_dtype, "prefill_chunk": args.prefill_chunk,
-            "enable_prefix_caching": args.prefix_caching, "prefix_cache_bytes": args.prefix_cache_bytes}
+            "enable_prefix_caching": args.prefix_caching, "kv_cache_gb": args.kv_cache_gb}
 
 
 def add_draft_args(p: argparse.ArgumentParser) -> None:
@@ -260,7 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(draft="auto")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     s.add_argument("--port", type=port_number, default=8000, help="port (default 8000)")
-    s.add_argument("--max-running", type=positive_int, default=8, help="requests decoded together: KV slots (default 8)")
+    s.add_argument("--max-running", type=positive_int, default=8, help="most requests running at once; each holds KV blocks only for its tokens (default 8)")
     s.add_argument("--max-queued", type=positive_int, default=256,
                    help="requests waiting for a slot before new ones get 429 (default 256)")
     s.add_argument("--max-model-len", type=positive_size, help="prompt + output tokens per request (default: the model's context)")

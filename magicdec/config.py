@@ -307,9 +307,9 @@ class EngineConfig:
     (None: the model's context); prefill_chunk: prompt tokens per prefill forward; max_prefill_tokens: prompt tokens
     prefilled per step across requests (None: every admitted prompt at once, as an offline batch wants; a server
     bounds it so that arrivals do not stall running streams); kv_dtype: the KV cache's dtype (None: the model's);
-    max_queued: most waiting requests (None: unbounded); enable_prefix_caching: keep the K/V of requests' token
-    blocks for later requests with the same prefix (`magicdec.kv.prefix_cache`); prefix_cache_bytes: the most that
-    cache holds (None: a quarter of the memory available when it is made)."""
+    max_queued: most waiting requests (None: unbounded); enable_prefix_caching: keep the K/V blocks of requests' tokens
+    for later requests with the same prefix (`magicdec.kv.blocks`); kv_cache_bytes: the memory of the KV blocks
+    (None: half the memory available when they are allocated)."""
 
     max_num_seqs: int = 256
     max_model_len: int | None = None
@@ -318,7 +318,7 @@ class EngineConfig:
     kv_dtype: torch.dtype | None = None
     max_queued: int | None = None
     enable_prefix_caching: bool = True
-    prefix_cache_bytes: int | None = None
+    kv_cache_bytes: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "prefill_chunk", "max_model_len", "max_prefill_tokens", "max_queued"):
@@ -327,5 +327,5 @@ class EngineConfig:
                 raise InvalidRequestError(f"{name} must be an integer >= 1, got {value!r}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise InvalidRequestError(f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
-        if not (self.prefix_cache_bytes is None or (_is_int(self.prefix_cache_bytes) and self.prefix_cache_bytes >= 0)):
-            raise InvalidRequestError(f"prefix_cache_bytes must be an integer >= 0, got {self.prefix_cache_bytes!r}")
+        if not (self.kv_cache_bytes is None or (_is_int(self.kv_cache_bytes) and self.kv_cache_bytes >= 1)):
+            raise InvalidRequestError(f"kv_cache_bytes must be an integer >= 1, got {self.kv_cache_bytes!r}")

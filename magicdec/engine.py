@@ -28,7 +28,7 @@ from magicdec.config import EngineConfig
 from magicdec.distributed import init_tp, launched_world_size
 from magicdec.drafters.base import Drafter
 from magicdec.errors import InvalidRequestError
-from magicdec.kv.hybrid import ring_size
+from magicdec.kv.blocks import BLOCK_SIZE, KVManager, blocks_for
 from magicdec.kv.prefix_cache import PrefixCache
 from magicdec.loading import LoadedModel, load_model
 from magicdec.loading.tokenizer import Tokenizer
@@ -76,21 +76,21 @@ class LLMEngine:
 
     `speculation` turns drafting on (its policy picks each step's draft length from the live batch and context; 0
     means plain decoding for that step); `set_speculation` changes it between runs. `eos_ids` end requests that do
-    not ignore EOS; `tokenizer` decodes output text (and stop strings). `prefix_cache` is one shared with other
-    engines (`LLM` keeps one across the engines it builds); without one, the engine makes its own where `config`
-    enables prefix caching."""
+    not ignore EOS; `tokenizer` decodes output text (and stop strings). `kv` is the target's KV manager, shared with
+    other engines (`LLM` keeps one across the engines it builds, with its cached prefixes); without one, the engine
+    makes its own as `config` sizes it."""
 
     def __init__(self, model: Transformer, config: EngineConfig, *, eos_ids: Sequence[int] = (),
                  tokenizer: Tokenizer | None = None, speculation: Speculation | None = None,
-                 prefix_cache: PrefixCache | None = None):
+                 kv: KVManager | None = None):
         config = resolve_config(config, model)
         self.model, self.tokenizer, self.config = model, tokenizer, config
-        self.prefix_cache = prefix_cache if prefix_cache is not None else make_prefix_cache(model, config)
-        if self.prefix_cache is not None and self.prefix_cache.dtype != config.kv_dtype:
-            raise ValueError(f"a prefix cache of {self.prefix_cache.dtype} serves no {config.kv_dtype} KV cache")
-        self.runner = ModelRunner(model, config, eos_ids, drafter=speculation.drafter if speculation else None,
-                                  prefix_cache=self.prefix_cache)
-        self.scheduler = Scheduler(config, FixedGamma(0), prefix_cache=self.prefix_cache,
+        self.kv = kv if kv is not None else make_kv_manager(model, config)
+        if self.kv.dtype != config.kv_dtype:
+            raise ValueError(f"a KV pool of {self.kv.dtype} serves no {config.kv_dtype} KV cache")
+        self.runner = ModelRunner(model, config, eos_ids, kv=self.kv,
+                                  drafter=speculation.drafter if speculation else None)
+        self.scheduler = Scheduler(config, FixedGamma(0), kv=self.kv,
                                    decode=tokenizer.decode if tokenizer is not None else None,
                                    row_bucket=cuda_row_bucket if model.device.type == "cuda" else lambda n: n)
         self.scheduler.set_speculation(*self._policy(speculation))
@@ -135,6 +135,11 @@ class LLMEngine:
                 f"the prompt has {len(prompt_ids)} tokens; with max_tokens={params.max_tokens} it exceeds "
                 f"the context of {self.max_model_len} tokens"
             )
+        need = len(prompt_ids) + params.max_tokens + CACHE_SLACK
+        if blocks_for(need) > self.kv.num_blocks - 1:
+            raise InvalidRequestError(
+                f"the prompt has {len(prompt_ids)} tokens; with max_tokens={params.max_tokens} it needs more KV "
+                f"blocks than the whole KV cache holds ({self.kv.capacity_tokens} tokens; see --kv-cache-gb)")
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         request = Request(request_id, prompt_ids, params, seed)
         self.scheduler.add(request)
@@ -203,17 +208,19 @@ def resolve_config(config: EngineConfig, model: Transformer) -> EngineConfig:
     return dataclasses.replace(config, max_model_len=config.max_model_len or model.cfg.max_seq_len, kv_dtype=kv_dtype)
 
 
-def make_prefix_cache(model: Transformer, config: EngineConfig) -> PrefixCache | None:
-    """The prefix cache `config` (resolved) asks for; None where caching is off. Its default size is a quarter of the
-    memory available now, the same on every tensor-parallel rank (they must make the same hit decisions)."""
-    if not config.enable_prefix_caching:
-        return None
-    size = config.prefix_cache_bytes
+def make_kv_manager(model: Transformer, config: EngineConfig) -> KVManager:
+    """The KV manager `config` (resolved) asks for: a pool of `kv_cache_bytes` (None: half the memory available now,
+    the same on every tensor-parallel rank, which must make the same block decisions), a hybrid model's window store
+    taking a quarter of it."""
+    size = config.kv_cache_bytes
     if size is None:
-        size = available_bytes(model.device) // 4
+        size = available_bytes(model.device) // 2
         if model.tp is not None:
             size = model.tp.min_int(size)
-    return PrefixCache(model.cfg, size, config.kv_dtype)
+    window = size // 4 if model.cfg.hybrid and config.enable_prefix_caching else 0
+    num_blocks = max(2, (size - window) // KVManager.block_bytes(model.cfg, config.kv_dtype))
+    return KVManager(model.cfg, num_blocks, config.kv_dtype, model.device, caching=config.enable_prefix_caching,
+                     window_bytes=window)
 
 
 def per_prompt_params(params: SamplingParams | Sequence[SamplingParams], n: int) -> list[SamplingParams]:
@@ -253,19 +260,23 @@ class LLM:
         max_num_seqs: int = 256,
         max_model_len: int | None = None,
         enable_prefix_caching: bool = True,
-        prefix_cache_bytes: int | None = None,
+        kv_cache_gb: float | None = None,
         tp: bool | None = None,
     ):
-        """`max_model_len`: most prompt + output tokens of a request (None: the model's context).
-        `enable_prefix_caching`: reuse the K/V of earlier requests' token blocks (kept across generate calls, at most
-        `prefix_cache_bytes`; None: a quarter of the memory available after the model loads). `tp`: run this
-        process as one rank of a tensor-parallel group that torchrun launched (see magicdec.distributed); None: when
-        the launcher started more than one process. Every rank must then make the same calls with the same arguments;
-        each returns the same outputs."""
+        """`max_model_len`: most prompt + output tokens of a request (None: the model's context); `max_num_seqs`: most
+        requests running at once. `kv_cache_gb`: the KV blocks' memory, shared by the running requests as they grow
+        and by the cached prefixes (None: half the memory available after the model loads).
+        `enable_prefix_caching`: reuse the K/V blocks of earlier requests' prompts and outputs (kept across generate
+        calls while the pool has room). `tp`: run this process as one rank of a tensor-parallel group that torchrun
+        launched (see magicdec.distributed); None: when the launcher started more than one process. Every rank must
+        then make the same calls with the same arguments; each returns the same outputs."""
         # the settings are checked before the model loads
+        if kv_cache_gb is not None and not (isinstance(kv_cache_gb, (int, float)) and 0 < kv_cache_gb < 1 << 20):
+            raise InvalidRequestError(f"kv_cache_gb must be a positive number of GiB, got {kv_cache_gb!r}")
+        kv_bytes = None if kv_cache_gb is None else int(kv_cache_gb * 2**30)
         config = EngineConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len, prefill_chunk=prefill_chunk,
                               kv_dtype=parse_dtype(kv_dtype), enable_prefix_caching=enable_prefix_caching,
-                              prefix_cache_bytes=prefix_cache_bytes)
+                              kv_cache_bytes=kv_bytes)
         tp = launched_world_size() > 1 if tp is None else tp
         group = init_tp(device) if tp else None
         self.loaded: LoadedModel = load_model(model, device=device, dtype=parse_dtype(dtype), tp=group)
@@ -278,7 +289,7 @@ class LLM:
         self.attention = attention_path(self.model.device, self.kv_dtype)  # builds a native kernel now, not mid-run
         self.linear = linear_path(self.model.device, weight_dtype(self.model))  # "packed" where load_model packed them
         self.kernels = kernels.path_name()  # the native kernels' instruction-set path, "torch" where none runs
-        self.prefix_cache = make_prefix_cache(self.model, self.config)  # shared by the engines built here
+        self.kv = make_kv_manager(self.model, self.config)  # shared by the engines built here
         self.last_stats: GenerationStats | None = None
         #: What `SpeculativeConfig("auto")` resolved to in the last `generate` or `engine` call (None where that call
         #: asked for another drafter or none): the drafter's settings, its Replanner and the plan.
@@ -296,25 +307,9 @@ class LLM:
         """Most prompt + output tokens of one request."""
         return self.config.max_model_len
 
-    def prefix_cache_bytes(self, tokens: int, prompts: int = 1) -> int:
-        """Bytes the prefix cache takes for `prompts` prompts of `tokens` tokens in all, as their prefill stores them:
-        every block, and for a hybrid model the sliding K/V of the blocks a slot's ring holds at each prompt's end."""
-        cfg = self.model.cfg
-        ring = ring_size(cfg, self.max_model_len + CACHE_SLACK, forward_tokens(self.config)) if cfg.hybrid else 0
-        return PrefixCache.bytes_for(cfg, tokens, self.kv_dtype, prompts * min(ring, -(-tokens // prompts)))
-
-    def reserve_prefix_cache(self, tokens: int, prompts: int = 1) -> None:
-        """Let the prefix cache hold `prompts` prompts of `tokens` tokens in all at least (runs that decode the same
-        prompts several times: bench, calibrate); nothing where prefix caching is off."""
-        if self.prefix_cache is not None:
-            need = self.prefix_cache_bytes(tokens, prompts)
-            self.prefix_cache.resize(max(self.prefix_cache.max_bytes, need))
-
     def clear_prefix_cache(self) -> None:
-        """Drop the prefix cache's blocks, so that the next prompts are prefilled cold; nothing where caching is
-        off."""
-        if self.prefix_cache is not None:
-            self.prefix_cache.clear()
+        """Forget the cached prefixes, so that the next prompts are prefilled cold."""
+        self.kv.drop_cached()
 
     def encode(self, prompts: Sequence[str]) -> list[list[int]]:
         if isinstance(prompts, str):
@@ -386,7 +381,7 @@ class LLM:
         if fit_memory:
             config = dataclasses.replace(config, max_num_seqs=self._slots_that_fit(config, speculation))
         self._engine = LLMEngine(self.model, config, eos_ids=self.tokenizer.eos_ids, tokenizer=self.tokenizer,
-                                 speculation=speculation, prefix_cache=self.prefix_cache)
+                                 speculation=speculation, kv=self.kv)
         return self._engine
 
     def free_engine(self) -> None:
@@ -398,8 +393,7 @@ class LLM:
     def _slots_that_fit(self, config: EngineConfig, speculation: Speculation | None) -> int:
         drafter = speculation.drafter if speculation is not None else None
         per_slot = ModelRunner.memory_bytes(self.model, dataclasses.replace(config, max_num_seqs=1), drafter)
-        pool = self.prefix_cache.growth_bytes if self.prefix_cache is not None else 0
-        slots = max(1, min(config.max_num_seqs, int(0.9 * available_bytes(self.model.device) - pool) // per_slot))
+        slots = max(1, min(config.max_num_seqs, int(0.9 * available_bytes(self.model.device)) // per_slot))
         if self.model.tp is not None:  # the ranks must run the same batch: the fewest that fit on every one
             slots = self.model.tp.min_int(slots)
         return slots

@@ -19,6 +19,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from magicdec import kernels
 from magicdec.config import GLOBAL, SLIDING, ModelConfig
+from magicdec.kv.paged import gather
 
 # Called with (layer index, rotated queries [B, H, q, hd], keys [B, KV, L, hd], mask [B, 1, q, L]).
 AttentionObserver = Callable[[int, Tensor, Tensor, Tensor], None]
@@ -32,7 +33,9 @@ class Cache(Protocol):
     # [B, 1, q, L] True where a key is visible; a cache of a hybrid model gives one mask per layer kind
     def attn_mask(self, q: int) -> Tensor | dict[str, Tensor]: ...
 
-    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]: ...
+    # K, V to attend: [B, KV, L, hd] and None, or a layer's block pool [blocks, KV, BLOCK_SIZE, hd] and the block
+    # table [B, n] to read it through (magicdec.kv.paged)
+    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor | None]: ...
 
     @property
     def dtype(self) -> torch.dtype: ...  # storage dtype of K/V; attention runs in it
@@ -116,11 +119,15 @@ def attention_bias(mask: Tensor, groups: int, kv_dtype: torch.dtype) -> Tensor:
     return bias.repeat(1, 1, groups, 1) if groups > 1 else bias
 
 
-def attend(xq: Tensor, keys: Tensor, values: Tensor, bias: Tensor) -> Tensor:
-    """Attention of queries [B, KV, G*q, hd] (the model's dtype) over K/V [B, KV, L, hd] with an additive bias from
-    `attention_bias`; returns [B, KV, G*q, hd], fp32 from the native kernel, else the cache's dtype."""
-    if kernels.takes(xq, keys, values, bias):
-        return kernels.decode_attention(xq, keys, values, bias)  # queries as they are: fp32 on the AVX2 path
+def attend(xq: Tensor, keys: Tensor, values: Tensor, bias: Tensor, table: Tensor | None = None) -> Tensor:
+    """Attention of queries [B, KV, G*q, hd] (the model's dtype) over K/V [B, KV, L, hd], or over a block pool read
+    through `table` (see `Cache.update`), with an additive bias [B, 1, *, L] from `attention_bias`; returns [B, KV,
+    G*q, hd], fp32 from the native kernel, else the cache's dtype. The native kernel reads the blocks in place;
+    torch's operators attend over a gathered copy."""
+    if kernels.takes(xq, keys, values, bias, table):
+        return kernels.decode_attention(xq, keys, values, bias, table)  # queries as they are: fp32 on the AVX2 path
+    if table is not None:
+        keys, values = gather(keys, table, bias.shape[-1]), gather(values, table, bias.shape[-1])
     if bias.shape[2] != xq.shape[2]:  # one row per token (built for the native kernel, which did not take these)
         bias = bias.repeat(1, 1, xq.shape[2] // bias.shape[2], 1)
     xq = xq.to(keys.dtype)
@@ -204,13 +211,13 @@ class Attention(nn.Module):
         xq, xk = apply_rope(xq, cos, sin), apply_rope(xk, cos, sin)
         if self.q_scale is not None:
             xq = xq * self.q_scale
-        keys, values = cache.update(self.layer, xk, xv)  # [B, KV, L, hd]
+        keys, values, table = cache.update(self.layer, xk, xv)
         if observer is not None:
-            observer(self.layer, xq, keys, mask)
+            observer(self.layer, xq, keys if table is None else gather(keys, table, mask.shape[-1]), mask)
         # Grouped-query attention without repeating K/V: the G query heads of a KV head become G*q rows of one
         # attention over that head, so each cached K/V element is read once.
         xq = xq.reshape(B, KV, (H // KV) * q, hd)
-        out = attend(xq, keys, values, bias)  # [B, KV, G*q, hd]
+        out = attend(xq, keys, values, bias, table)  # [B, KV, G*q, hd]
         out = out.to(x.dtype).reshape(B, H, q, hd).transpose(1, 2).reshape(B, q, H * hd)
         return self.wo(out)
 

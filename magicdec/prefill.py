@@ -13,7 +13,6 @@ import torch
 from torch import Tensor
 
 from magicdec.kv import KVCache
-from magicdec.kv.prefix_cache import BLOCK_SIZE, PrefixCache, block_keys
 from magicdec.model import AttentionObserver, Transformer
 
 #: Tokens of the final prefill forward (SnapKV's observation window).
@@ -65,18 +64,10 @@ def prefill_upto(model: Transformer, row: KVCache, prompt: Tensor, end: int,
 
 
 def prefill_row(model: Transformer, row: KVCache, prompt: Tensor, chunk: int,
-                observer: AttentionObserver | None = None, prefix_cache: PrefixCache | None = None) -> Tensor:
-    """Prefill a whole prompt into `row`; `observer` sees the final forward. With a `prefix_cache`, the prompt's
-    longest cached prefix is copied instead of computed, and its blocks are stored after. Returns the last logits
-    [1, V]."""
+                observer: AttentionObserver | None = None) -> Tensor:
+    """Prefill a whole prompt into the empty `row` in the chunks an engine runs; `observer` sees the final forward.
+    Returns the last logits [1, V]."""
     row.clear()
-    start, ids = 0, prompt.tolist() if prefix_cache is not None else []
-    if prefix_cache is not None:
-        keys = prefix_cache.match(block_keys(ids[: cacheable_prefix(len(ids))]), len(ids))
-        prefix_cache.load(keys, row)
-        start = len(keys) * BLOCK_SIZE
-    for s, end in prefill_chunks(len(prompt), chunk, start):
-        logits = prefill_chunk(model, row, prompt, s, end, observer if end == len(prompt) else None)
-    if prefix_cache is not None:
-        prefix_cache.store(ids, row)
+    for start, end in prefill_chunks(len(prompt), chunk):
+        logits = prefill_chunk(model, row, prompt, start, end, observer if end == len(prompt) else None)
     return logits

@@ -5,8 +5,10 @@ the scheduler decided for a step: prefill chunks of arriving requests, then one 
 tokens, verify them in one target forward and commit) for the first n slots. Everything per slot lives in tensors;
 the step ends with one host transfer of its results.
 
-Slots that are inside the decoded range but not decoding (free, or still prefilling) ride along: their forwards
-compute garbage that is never committed, and a slot's state is rebuilt when it is handed out.
+The target's K/V live in the KV manager's blocks, which each slot reads through its block table. Slots that are
+inside the decoded range but not decoding (free, or still prefilling) ride along: their forwards compute garbage
+that is never committed, written past their length into their own blocks or into the null block, and a slot's state
+is rebuilt when it is handed out.
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ from torch import Tensor
 
 from magicdec.config import EngineConfig
 from magicdec.drafters.base import Drafter
-from magicdec.kv.hybrid import cache_bytes, make_cache
-from magicdec.kv.prefix_cache import PrefixCache
+from magicdec.kv.blocks import BLOCK_SIZE, KVManager, block_keys
+from magicdec.kv.hybrid import HybridCache, paged_cache, ring_bytes
+from magicdec.kv.paged import PagedKVCache
 from magicdec.kv.sparse import SnapKVObserver
 from magicdec.logprobs import Logprobs, TokenLogprob, compute_logprobs, to_host
 from magicdec.memory import check_fits
@@ -59,22 +62,23 @@ def forward_tokens(config: EngineConfig) -> int:
 
 
 class ModelRunner:
-    """Caches and buffers for `config.max_num_seqs` request slots of up to `config.max_model_len` tokens each (the
-    engine resolves both, and the KV dtype, before building its runner). With a `prefix_cache`, a slot starts from
-    the blocks the scheduler matched, and a request's blocks are stored when its prompt is prefilled and when it is
-    released."""
+    """Per-slot state for `config.max_num_seqs` request slots of up to `config.max_model_len` tokens each (the engine
+    resolves both, and the KV dtype, before building its runner) over the target's KV blocks in `kv`: each slot's
+    block table (the scheduler decides which blocks, the runner writes them), a hybrid model's sliding-layer rings, the
+    drafter's caches, token buffers and sampling parameters. A slot starts from the blocks of its prefix hit; a
+    hybrid model's rings also take the window before the hit from `kv.windows`, which keeps the windows of prompts
+    prefilled and requests released."""
 
-    def __init__(self, model: Transformer, config: EngineConfig, eos_ids: Sequence[int], *,
-                 drafter: Drafter | None = None, prefix_cache: PrefixCache | None = None):
-        self.model, self.prefix_cache = model, prefix_cache
+    def __init__(self, model: Transformer, config: EngineConfig, eos_ids: Sequence[int], *, kv: KVManager,
+                 drafter: Drafter | None = None):
+        self.model, self.kv = model, kv
         self.slots, self.kv_dtype, self.prefill_chunk = config.max_num_seqs, config.kv_dtype, config.prefill_chunk
-        self.capacity = config.max_model_len + CACHE_SLACK  # cache entries per slot
+        self.capacity = config.max_model_len + CACHE_SLACK  # positions per slot
         device = self.device = model.device
-        pool = prefix_cache.growth_bytes if prefix_cache is not None else 0
-        check_fits(self.memory_bytes(model, config, drafter) + pool, device,
-                   f"{self.slots} slots x {config.max_model_len} tokens (KV caches, draft cache, workspace and the "
-                   f"prefix cache's {pool / 2**30:.2f} GiB)")
-        self.cache = make_cache(model.cfg, self.slots, self.capacity, self.kv_dtype, device, forward_tokens(config))
+        check_fits(self.memory_bytes(model, config, drafter), device,
+                   f"{self.slots} slots of up to {config.max_model_len} tokens (their state, draft cache and "
+                   f"workspace; the KV blocks are allocated already)")
+        self.cache = paged_cache(model.cfg, kv, self.slots, self.capacity, forward_tokens(config))
         self.drafter: Drafter | None = None
         self.use_drafter(drafter, checked=True)
         self.seq = torch.zeros(self.slots, self.capacity, dtype=torch.long, device=device)  # prompt + output tokens
@@ -88,11 +92,12 @@ class ModelRunner:
 
     @staticmethod
     def memory_bytes(model: Transformer, config: EngineConfig, drafter: Drafter | None) -> int:
-        """Bytes a runner for `config` (max_model_len and kv_dtype resolved) allocates, planned before allocating."""
+        """Bytes a runner for `config` (max_model_len and kv_dtype resolved) allocates besides the KV blocks,
+        planned before allocating."""
         slots, capacity = config.max_num_seqs, config.max_model_len + CACHE_SLACK
         draft = drafter.cache_bytes(slots, capacity, config.kv_dtype) if drafter is not None else 0
-        return (cache_bytes(model.cfg, slots, capacity, config.kv_dtype, forward_tokens(config)) + draft
-                + workspace_bytes(model, slots, config.prefill_chunk))
+        return (ring_bytes(model.cfg, slots, capacity, config.kv_dtype, forward_tokens(config)) + draft
+                + 8 * slots * capacity + workspace_bytes(model, slots, config.prefill_chunk))
 
     def use_drafter(self, drafter: Drafter | None, checked: bool = False) -> None:
         """Draft with `drafter` from now on (None: plain decoding), between runs (no slot in use): the previous
@@ -106,35 +111,52 @@ class ModelRunner:
             if not checked:
                 check_fits(drafter.cache_bytes(self.slots, self.capacity, self.kv_dtype), self.device,
                            f"the draft cache of {self.slots} slots x {self.capacity} tokens")
-            drafter.allocate(self.slots, self.capacity, self.kv_dtype, self.device, self.cache,
-                             self.prefix_cache is not None)
+            drafter.allocate(self.slots, self.capacity, self.kv_dtype, self.device, self.cache, self.kv.caching)
         self.drafter = drafter
 
     # --- slot lifecycle ---------------------------------------------------------------------------------
+    def _paged(self) -> PagedKVCache:
+        """The cache whose rows read the KV blocks (a hybrid model's global layers)."""
+        return self.cache.full if isinstance(self.cache, HybridCache) else self.cache
+
     def _assign(self, a: SlotAssignment) -> None:
-        """Hand a slot to a request and copy its cached prefix in; the rest of its prompt is prefilled by the chunks
-        that follow."""
+        """Hand a slot to a request and map its prefix hit's blocks into its table (a hybrid model's ring takes the
+        window before the hit); the rest of its prompt is prefilled by the chunks that follow."""
         n, slot = len(a.prompt), a.slot
         row = self.cache.row(slot)
         row.clear()
-        if a.cached:
-            self.prefix_cache.load(a.cached, row)
+        self._paged().unmap(slot)
+        if a.blocks:
+            self._paged().set_blocks(slot, 0, a.blocks)
+            if isinstance(row, HybridCache):
+                self.kv.windows.load(a.cached, row.window)
+            row.commit(len(a.blocks) * BLOCK_SIZE)
         if self.drafter is not None:
             self.drafter.assign(slot, a.draft_cached)
         self.seq[slot, :n] = torch.tensor(a.prompt, dtype=torch.long)
         self.n_tokens[slot] = n
-        self.limit[slot] = n + a.params.max_tokens
+        self.limit[slot] = n - a.generated + a.params.max_tokens
         self.use_eos[slot] = not a.params.ignore_eos
         self.live[slot] = False
         self.rows.set(slot, a.params, a.seed)
         self.prompts[slot] = a.prompt
 
-    def release(self, slot: int) -> None:
-        """The slot's request is done (or aborted): its blocks (prompt and output tokens whose K/V the row holds) go
-        to the prefix cache, and the slot is emptied."""
-        if self.prefix_cache is not None:
+    def _grow(self, slot: int, first: int, blocks: list[int]) -> None:
+        """The slot's table entries from `first` on name new blocks, zeroed before the request writes them."""
+        paged = self._paged()
+        paged.zero_blocks(blocks)
+        paged.set_blocks(slot, first, blocks)
+
+    def _save_window(self, slot: int, tokens: list[int]) -> None:
+        """A hybrid model keeps the sliding-layer K/V of the blocks of `tokens` that the slot's ring holds."""
+        if isinstance(self.cache, HybridCache) and self.kv.caching:
             row = self.cache.row(slot)
-            self.prefix_cache.store(self.seq[slot, : int(row.lens[0])].tolist(), row)
+            self.kv.windows.save(block_keys(tokens), row.window, int(row.lens[0]))
+
+    def release(self, slot: int) -> None:
+        """The slot's request is done, aborted or preempted (its blocks went back to the pool with the scheduler; a
+        hybrid model keeps the window its ring holds), and the slot is emptied."""
+        self._save_window(slot, self.seq[slot, : int(self.cache.row(slot).lens[0])].tolist())
         self._clear(slot)
 
     def _clear(self, slot: int) -> None:
@@ -143,12 +165,13 @@ class ModelRunner:
         self.live[slot] = False
         self.rows.set(slot, GREEDY, 0)  # an idle row rides along: keep it off the sampler's work
         self.cache.row(slot).clear()
+        self._paged().unmap(slot)
         if self.drafter is not None:
             self.drafter.release(slot)
 
     def _move(self, src: int, dst: int) -> None:
         """Move a running request from slot src to the free slot dst: its tokens, limits, sampling and caches (the
-        filled part of its target row: one copy, against a row riding along in every round)."""
+        block table, a hybrid model's ring, and its draft cache row)."""
         n = int(self.n_tokens[src])
         self.seq[dst, :n] = self.seq[src, :n]
         for per_slot in (self.n_tokens, self.limit, self.use_eos, self.live):
@@ -166,10 +189,14 @@ class ModelRunner:
         """Run the step's moves, assignments and prefill chunks, then its decode round; return the results on the
         host (one transfer)."""
         t0 = time.perf_counter()
+        for slot in step.release:
+            self.release(slot)
         for src, dst in step.moves:
             self._move(src, dst)
         for a in step.assign:
             self._assign(a)
+        for grow in step.grow:
+            self._grow(*grow)
         prefilled = [(work, *self._prefill(work)) for work in step.prefills]
         synchronize(self.device)
         t1 = time.perf_counter()
@@ -237,8 +264,8 @@ class ModelRunner:
             prompt_lp = compute_logprobs(logits[None, :m], prompt[None, work.start + 1 : work.start + 1 + m],
                                          params.prompt_logprobs)
             logits = logits[-1:]
-        if work.final and self.prefix_cache is not None:
-            self.prefix_cache.store(ids, row)
+        if work.final:
+            self._save_window(slot, ids)
         if self.drafter is not None:
             self.drafter.prefill(slot, prompt, work.end, row, observer)
         if not work.final:

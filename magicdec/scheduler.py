@@ -1,30 +1,37 @@
 """The scheduler: which requests run each step, and how (policy; the runner is the mechanism).
 
-Requests wait in arrival order until a slot is free (slots are preallocated, so a free slot is memory for the
-request's whole cache). An admitted request's prompt is prefilled in chunks, at most `max_prefill_tokens` per step
-across requests, interleaved with the decode rounds of the running ones, so a long arrival does not stall the streams
-already running (a standalone draft model prefills the same chunks in the same steps). With prefix caching, an
-admitted request starts from the longest prefix of its prompt that the cache holds, and a request whose prompt shares
-more leading blocks with a prompt being prefilled than the cache holds waits for that prefill to store them (n samples
-of one prompt, or many questions about one document, prefill the shared part once). Each step decodes the slots below
-the highest running one, with the draft length the speculation policy picks for the live batch; when no request waits
-for a slot, running requests move down into free slots so that the decoded rows stay few. Every finish (EOS or the
-token limit, as the runner reports them, a stop string, an abort) is decided here, and frees the request's slot at
-once.
+Requests wait in arrival order for a free slot (a cap on concurrent requests: slots hold small per-request state) and
+for KV blocks (`magicdec.kv.blocks.KVManager`): a request is admitted when the pool has the blocks of its first
+prefill chunk beyond its prefix hit, plus a watermark. An admitted request's prompt is prefilled in chunks, at most
+`max_prefill_tokens` per step across requests, interleaved with the decode rounds of the running ones, so a long
+arrival does not stall the streams already running (a standalone draft model prefills the same chunks in the same
+steps). Blocks are taken as requests grow: each prefill chunk's, and each decode round's lookahead (the longest draft
+plus the target's token). Where the pool runs dry, the most recently admitted request is preempted: its blocks go back
+(its full blocks stay cached, so its resume is mostly a prefix hit), and it waits at the head of the queue to be
+prefilled again, prompt and output so far, and to go on exactly where it stopped.
+
+With prefix caching, an admitted request starts from the longest prefix of its prompt that the pool holds, and a
+request whose prompt shares more leading blocks with a prompt being prefilled than the pool holds waits for that
+prefill to fill them (n samples of one prompt, or many questions about one document, prefill the shared part once).
+Each step decodes the slots below the highest running one, with the draft length the speculation policy picks for the
+live batch; when no request waits for a slot, running requests move down into free slots so that the decoded rows
+stay few. Every finish (EOS or the token limit, as the runner reports them, a stop string, an abort) is decided here,
+and frees the request's slot and blocks at once.
 """
 
 from __future__ import annotations
 
 import enum
-import functools
 import time
+import dataclasses
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from magicdec.config import EngineConfig
 from magicdec.errors import InvalidRequestError
-from magicdec.kv.prefix_cache import BLOCK_SIZE, PrefixCache, block_keys
+from magicdec.kv.blocks import BLOCK_SIZE, KVManager, block_keys, blocks_for
+from magicdec.kv.prefix_cache import PrefixCache
 from magicdec.logprobs import TokenLogprob
 from magicdec.prefill import cacheable_prefix, prefill_chunks
 from magicdec.sampling import SamplingParams
@@ -74,7 +81,9 @@ class Request:
     status: Status = Status.WAITING
     slot: int = -1
     chunks: deque[tuple[int, int]] = field(default_factory=deque)  # prompt tokens [start, end) left to prefill
-    cached_tokens: int = 0  # leading prompt tokens copied from the prefix cache
+    computed: int = 0  # leading tokens whose K/V the target's cache holds (or will, after this step's chunks)
+    cached_tokens: int = 0  # leading prompt tokens found in the prefix cache
+    preemptions: int = 0  # times the request gave its blocks back and was prefilled again
     output_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "stop", "length" or "abort"
     accepted_hist: list[int] = field(default_factory=list)  # verify rounds by number of drafts accepted
@@ -82,6 +91,7 @@ class Request:
     finish_time: float | None = None
     logprobs: list[TokenLogprob] | None = None  # one per output token, where params.logprobs asks
     prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt token (None for the first), if asked
+    _keys: tuple[int, list[bytes]] | None = field(default=None, repr=False)  # prompt_keys of so many prefill_ids
 
     def __post_init__(self) -> None:
         if self.params.logprobs is not None:
@@ -103,30 +113,41 @@ class Request:
     def context(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
 
-    @functools.cached_property
+    @property
+    def prefill_ids(self) -> list[int]:
+        """The tokens an admission prefills: the prompt, and a preempted request's output so far."""
+        return self.prompt_ids + self.output_ids
+
+    @property
     def prompt_keys(self) -> list[bytes]:
-        """The prefix cache's keys of the prompt's blocks that a hit may cover."""
-        return block_keys(self.prompt_ids[: cacheable_prefix(len(self.prompt_ids))])
+        """The prefix cache's keys of the blocks of `prefill_ids` that a hit may cover."""
+        ids = self.prefill_ids
+        if self._keys is None or self._keys[0] != len(ids):
+            self._keys = (len(ids), block_keys(ids[: cacheable_prefix(len(ids))]))
+        return self._keys[1]
 
 
 class Scheduler:
-    """Admission, chunked prefill, the per-step draft length, and retirement of finished requests."""
+    """Admission, chunked prefill, KV blocks and preemption, the per-step draft length, and retirement of finished
+    requests. `kv` is the target's KV manager; `watermark`: the fraction of its blocks an admission leaves free (so
+    that the running requests' next rounds do not at once preempt the request just admitted)."""
 
-    def __init__(self, config: EngineConfig, gamma_policy: GammaPolicy, max_gamma: int = 0, *,
-                 prefix_cache: PrefixCache | None = None, decode: Callable[[list[int]], str] | None = None,
-                 row_bucket: Callable[[int], int] = lambda n: n):
+    def __init__(self, config: EngineConfig, gamma_policy: GammaPolicy, max_gamma: int = 0, *, kv: KVManager,
+                 decode: Callable[[list[int]], str] | None = None, row_bucket: Callable[[int], int] = lambda n: n,
+                 watermark: float = 0.01):
         self.slots = [None] * config.max_num_seqs  # type: list[Request | None]
         self.prefill_chunk = config.prefill_chunk
         self.max_prefill_tokens = config.max_prefill_tokens or 1 << 62
         self.max_queued = config.max_queued
         self.gamma_policy = gamma_policy
         self.max_gamma = max_gamma  # the drafter's longest draft (0: no drafter)
-        self.prefix_cache = prefix_cache
+        self.kv = kv
+        self.watermark = int(watermark * kv.num_blocks)
         self.draft_prefix_cache: PrefixCache | None = None  # a draft model's own (it prefills prompts too)
         self.decode = decode  # token ids -> text, for stop strings
         self.row_bucket = row_bucket  # decoded rows, rounded up to a shape a captured graph can replay
         self.waiting: deque[Request] = deque()
-        self.prefilling: list[Request] = []
+        self.active: list[Request] = []  # requests holding a slot, in the order they were admitted
 
     def set_speculation(self, gamma_policy: GammaPolicy, max_gamma: int,
                         draft_prefix_cache: PrefixCache | None = None) -> None:
@@ -134,6 +155,11 @@ class Scheduler:
         model that prefills prompts itself matches them in `draft_prefix_cache` (its `Drafter.prefix_cache`)."""
         self.gamma_policy, self.max_gamma = gamma_policy, max_gamma
         self.draft_prefix_cache = draft_prefix_cache
+
+    @property
+    def lookahead(self) -> int:
+        """Positions a decode round writes past a request's computed tokens: the longest draft and the target's."""
+        return self.max_gamma + 1
 
     # --- requests in and out --------------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -150,10 +176,15 @@ class Scheduler:
         return self._finish(request, "abort")
 
     def _finish(self, request: Request, reason: str) -> int:
-        """Retire a request that holds a slot; returns the slot, free from now on."""
-        if request.status is Status.PREFILLING:
-            self.prefilling.remove(request)
+        """Retire a request that holds a slot; returns the slot, free from now on (its blocks too)."""
         self._retire(request, reason)
+        self._store(request)
+        return self._vacate(request)
+
+    def _vacate(self, request: Request) -> int:
+        """Take the request's slot and blocks back; returns the slot."""
+        self.active.remove(request)
+        self.kv.free(request.request_id)
         self.slots[request.slot] = None
         return request.slot
 
@@ -166,76 +197,137 @@ class Scheduler:
     def running(self) -> list[Request]:
         return [r for r in self.slots if r is not None and r.status is Status.RUNNING]
 
+    @property
+    def prefilling(self) -> list[Request]:
+        return [r for r in self.active if r.status is Status.PREFILLING]
+
     def has_work(self) -> bool:
-        return bool(self.waiting) or any(r is not None for r in self.slots)
+        return bool(self.waiting) or bool(self.active)
 
     # --- one step -------------------------------------------------------------------------------------------
     def _next_admissible(self, in_flight: set[bytes]) -> Request | None:
         """The first waiting request that would not find more of its prompt cached by waiting: one that shares more
         leading blocks with the prompts being prefilled (`in_flight`: their keys) than the cache holds waits for
         those prefills to store them."""
-        for i, request in enumerate(self.waiting):
+        for request in self.waiting:
             keys = request.prompt_keys if in_flight and request.uses_prefix_cache else []
             shared = next((n for n, key in enumerate(keys) if key not in in_flight), len(keys))
-            if not shared or shared <= self.prefix_cache.cached_prefix(keys[:shared]):
-                del self.waiting[i]
+            if not shared or shared <= self.kv.cached_prefix(keys[:shared]):
                 return request
         return None
 
     def schedule(self) -> ScheduledStep:
         step = ScheduledStep()
-        caching = self.prefix_cache is not None and self.prefix_cache.enabled
+        caching = self.kv.caching
         in_flight = {key for r in self.prefilling for key in r.prompt_keys} if caching else set()
         for slot, holder in enumerate(self.slots):
             if holder is None and self.waiting:
                 request = self._next_admissible(in_flight)
-                if request is None:
+                if request is None or not self._fits(request):
                     break
-                step.assign.append(self._admit(request, slot, caching))
+                self.waiting.remove(request)
+                step.assign.append(self._admit(request, slot))
                 in_flight.update(request.prompt_keys if caching else ())
+        grown = self._grow(step)
         if not self.waiting:
             self._compact(step)
-        budget = self.max_prefill_tokens
-        joining = []
-        for request in self.prefilling:
-            while request.chunks and (budget > 0 or not step.prefills):
-                start, end = request.chunks.popleft()
-                budget -= end - start
-                step.prefills.append(PrefillWork(request.slot, start, end, final=not request.chunks))
-            if not request.chunks and request.params.max_tokens > 1:  # else its first token ends it
-                joining.append(request)
-            if budget <= 0:
-                break
-        decoding = self.running + joining
+        step.grow = [(r.slot, first, blocks) for r, first, blocks in grown if r.slot >= 0]
+        decoding = self.running + [r for r in self.prefilling if not r.chunks and r.params.max_tokens > 1]
         if decoding:
             step.n_rows = min(len(self.slots), self.row_bucket(1 + max(r.slot for r in decoding)))
             context = sum(r.context for r in decoding) // len(decoding)
             step.gamma = min(self.max_gamma, self.gamma_policy(len(decoding), context))
         return step
 
-    def _admit(self, request: Request, slot: int, caching: bool) -> SlotAssignment:
-        """Give `slot` to `request`: its longest cached prefix is copied, the rest of its prompt prefilled.
+    def _fits(self, request: Request) -> bool:
+        """Whether the pool has the blocks of the request's first prefill chunk beyond its prefix hit (and of its
+        cached blocks that nobody holds now), with the watermark left over."""
+        keys = request.prompt_keys if request.uses_prefix_cache else []
+        hit = self.kv.pool.cached_run(keys[: self.kv.cached_prefix(keys)])
+        start = len(hit) * BLOCK_SIZE
+        first_end = prefill_chunks(len(request.prefill_ids), self.prefill_chunk, start)[0][1]
+        unheld = sum(self.kv.pool.refs[b] == 0 for b in hit)
+        return blocks_for(first_end) - len(hit) + unheld + self.watermark <= self.kv.num_free
+
+    def _grow(self, step: ScheduledStep) -> list[tuple[Request, int, list[int]]]:
+        """Give each request holding a slot, oldest first, the blocks of its work in this step: its prefill chunks
+        (within the step's budget), or its decode round's lookahead; where the pool runs dry, preempt the newest
+        until the work fits. Returns (request, first table index, new blocks) of each that grew."""
+        budget, grown = self.max_prefill_tokens, []
+        for request in list(self.active):
+            if request not in self.active:  # preempted for an older request's blocks in this pass
+                continue
+            chunks = []
+            if request.status is Status.PREFILLING:
+                while len(chunks) < len(request.chunks) and (budget > 0 or not (step.prefills or chunks)):
+                    chunks.append(request.chunks[len(chunks)])
+                    budget -= chunks[-1][1] - chunks[-1][0]
+                if not chunks:
+                    continue
+                joins = len(chunks) == len(request.chunks) and request.params.max_tokens > 1
+                need = chunks[-1][1] + (self.lookahead if joins else 0)
+            else:
+                need = request.context - 1 + self.lookahead
+            first = len(self.kv.blocks_of(request.request_id))
+            while (new := self.kv.grow(request.request_id, need)) is None:
+                victim = self.active[-1]
+                self._preempt(victim, step)
+                if victim is request:
+                    break
+            if new is None:
+                break
+            if new:
+                grown.append((request, first, new))
+            for start, end in chunks:
+                request.chunks.popleft()
+                request.computed = end
+                step.prefills.append(PrefillWork(request.slot, start, end, final=not request.chunks))
+        return grown
+
+    def _preempt(self, request: Request, step: ScheduledStep) -> None:
+        """Send a request back to the head of the queue, its blocks to the pool (the keyed ones stay cached): it is
+        prefilled again, prompt and output so far, when it is next admitted."""
+        assigned = next((a for a in step.assign if a.slot == request.slot), None)
+        if assigned is not None:
+            step.assign.remove(assigned)
+        else:
+            step.release.append(request.slot)
+        self._store(request)
+        self._vacate(request)
+        self.kv.preemptions += 1
+        request.preemptions += 1
+        request.status, request.slot, request.chunks = Status.WAITING, -1, deque()
+        self.waiting.appendleft(request)
+
+    def _admit(self, request: Request, slot: int) -> SlotAssignment:
+        """Give `slot` to `request`: its longest cached prefix is mapped into its blocks, the rest of its prompt (and
+        a preempted request's output so far) prefilled.
 
         A draft model prefills the same chunks in the same steps, from its own prefix cache's hit. The chunks start
         where the shorter of the two hits ends, so the model with the longer one skips what it holds, and no step
         runs more than its budget of either model's prefill (a chat's next turn finds its history in the target's
         cache, whose blocks include past outputs, and only the prompt's blocks in the draft model's)."""
-        keys, n = request.prompt_keys, len(request.prompt_ids)
-        cached = self.prefix_cache.match(keys, n) if caching and request.uses_prefix_cache else []
+        ids = request.prefill_ids
+        keys, n = request.prompt_keys, len(ids)
+        cached = self.kv.match(request.request_id, keys if request.uses_prefix_cache else [], n)
         draft = self.draft_prefix_cache
-        draft_cached = draft.match(keys, n) if caching and draft is not None else []
+        draft_cached = draft.match(keys, n) if self.kv.caching and draft is not None else []
         request.slot, request.status = slot, Status.PREFILLING
-        request.cached_tokens = len(cached) * BLOCK_SIZE
+        request.cached_tokens = request.computed = len(cached) * BLOCK_SIZE
         start = min(len(cached), len(draft_cached)) if draft is not None else len(cached)
         request.chunks = deque(prefill_chunks(n, self.prefill_chunk, start * BLOCK_SIZE))
         self.slots[slot] = request
-        self.prefilling.append(request)
-        return SlotAssignment(slot, request.prompt_ids, request.params, request.seed, cached, draft_cached)
+        self.active.append(request)
+        params = request.params
+        if request.output_ids:  # a resumed request: its tokens so far are its prompt now
+            params = dataclasses.replace(params, prompt_logprobs=None)
+        return SlotAssignment(slot, ids, params, request.seed, keys[: len(cached)], cached, draft_cached,
+                              generated=len(request.output_ids))
 
     def _compact(self, step: ScheduledStep) -> None:
         """Move running requests from the highest slots into free lower ones. A round decodes every slot below the
-        highest running one, and an empty slot still rides through the linear layers at a row's cost; a move is one
-        copy of the request's cache row. Called when no request waits for a slot."""
+        highest running one, and an empty slot still rides through the linear layers at a row's cost; a move copies
+        the request's block table, not its K/V. Called when no request waits for a slot."""
         while True:
             free = next((i for i, r in enumerate(self.slots) if r is None), None)
             top = max((r.slot for r in self.running), default=-1)
@@ -244,6 +336,11 @@ class Scheduler:
             request = self.slots[top]
             self.slots[free], self.slots[top], request.slot = request, None, free
             step.moves.append((top, free))
+
+    def _store(self, request: Request) -> None:
+        """Key the request's blocks that filled (its computed tokens: prefilled, or all but the newest sampled)."""
+        if self.kv.caching and request.computed // BLOCK_SIZE > len(self.kv.keys_of(request.request_id)):
+            self.kv.store(request.request_id, request.prefill_ids, request.computed)
 
     def update(self, step: ScheduledStep, result: StepResult) -> tuple[list[Request], list[int]]:
         """Apply a step's results and decide which requests finish; returns the requests that gained tokens or
@@ -255,8 +352,9 @@ class Scheduler:
             self.slots[slot].prompt_logprobs.extend(entries)
         for out in result.first:
             request = self.slots[out.slot]
-            self.prefilling.remove(request)
-            request.status, request.first_token_time = Status.RUNNING, now
+            request.status = Status.RUNNING
+            if request.first_token_time is None:
+                request.first_token_time = now
             changed[out.slot] = request
             freed.extend(self._append(request, out))
         for out in result.decoded:
@@ -271,12 +369,15 @@ class Scheduler:
             freed.extend(self._append(request, out))
         if result.decoded:  # (a round can find every row gone: first tokens that were EOS)
             self.gamma_policy.observe(step.gamma, [out.accepted for out in result.decoded], result.decode_s)
+        for request in self.active:
+            self._store(request)
         return list(changed.values()), freed
 
     def _append(self, request: Request, out: SlotOutput) -> list[int]:
         """Add a slot's new tokens to its request and finish it at EOS, its token limit or a stop string; returns the
         slot when that freed it."""
         request.output_ids.extend(out.tokens)
+        request.computed = request.context - 1  # the newest token's K/V are written by the next round
         if out.logprobs is not None:
             request.logprobs.extend(out.logprobs)
         if out.finish != RUNNING:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from magicdec.kv.prefix_cache import BLOCK_SIZE
+from magicdec.kv.blocks import BLOCK_SIZE
 from magicdec.step import ScheduledStep, StepResult
 
 

@@ -18,16 +18,20 @@ RUNNING, STOPPED, LENGTH = 0, 1, 2
 
 @dataclass
 class SlotAssignment:
-    """A request taking a slot: what the runner needs to prefill and decode it. `cached`: the prefix cache's keys of
-    the prompt's leading blocks, copied into the slot before its prefill chunks (which start after them, or after
-    the draft model's hit where that is shorter); `draft_cached`: those a draft model copies from its own."""
+    """A request taking a slot: what the runner needs to prefill and decode it. `prompt`: the tokens to prefill (a
+    preempted request's output so far included: `generated` of them, which count towards its max_tokens); `cached`:
+    the keys of its leading blocks found in the prefix cache and `blocks` the pool blocks holding them, mapped into the
+    slot's table before its prefill chunks (which start after them, or after the draft model's hit where that is
+    shorter); `draft_cached`: the keys a draft model copies from its own prefix cache."""
 
     slot: int
     prompt: list[int]
     params: SamplingParams
     seed: int
     cached: list[bytes] = field(default_factory=list)
+    blocks: list[int] = field(default_factory=list)
     draft_cached: list[bytes] = field(default_factory=list)
+    generated: int = 0
 
 
 @dataclass
@@ -43,12 +47,15 @@ class PrefillWork:
 
 @dataclass
 class ScheduledStep:
-    """What one step runs, in order: move running requests (from, to) into free lower slots, hand slots to new
-    requests, run prefill chunks, then a decode round (draft length gamma, 0 for plain decoding) over slots [0,
+    """What one step runs, in order: release the slots of preempted requests, move running requests (from, to) into
+    free lower slots, hand slots to new requests, give slots new KV blocks (`grow`: slot, first table index, block
+    ids), run prefill chunks, then a decode round (draft length gamma, 0 for plain decoding) over slots [0,
     n_rows)."""
 
+    release: list[int] = field(default_factory=list)
     moves: list[tuple[int, int]] = field(default_factory=list)
     assign: list[SlotAssignment] = field(default_factory=list)
+    grow: list[tuple[int, int, list[int]]] = field(default_factory=list)
     prefills: list[PrefillWork] = field(default_factory=list)
     n_rows: int = 0
     gamma: int = 0

@@ -280,13 +280,25 @@ def set_gguf_metadata(path: Path, key: str, value: str) -> None:
 
 
 # --- running the engine directly ---------------------------------------------------------------------------
-def run_engine(model, prompts, params, *, eos=(), drafter=None, gamma=0, policy=None, slots=None, prefix_cache=None,
+def kv_pool(model, nbytes, dtype=None, caching=True):
+    """A KVManager of about `nbytes` of blocks for `model` (shared by engines, as an LLM shares its own), in `dtype`
+    (default the model's); a hybrid model's window store takes a quarter."""
+    from magicdec.kv.blocks import KVManager
+
+    dtype = dtype or model.dtype
+    window = nbytes // 4 if model.cfg.hybrid else 0
+    blocks = max(2, (nbytes - window) // KVManager.block_bytes(model.cfg, dtype))
+    return KVManager(model.cfg, blocks, dtype, model.device, caching=caching, window_bytes=window)
+
+
+def run_engine(model, prompts, params, *, eos=(), drafter=None, gamma=0, policy=None, slots=None, kv=None,
                caching=False, tokenizer=None, prefill_chunk=512, max_prefill_tokens=None, arrivals=None, kv_dtype=None):
     """Every prompt through an LLMEngine over `model`; returns (requests, stats).
 
     params: one SamplingParams or one per prompt. gamma: a fixed draft length (or `policy`). arrivals:
-    the step before which each prompt is added (default: all at once). prefix_cache: a PrefixCache to share
-    (kept across calls); else `caching` gives the engine one of its own (default: every prompt computed)."""
+    the step before which each prompt is added (default: all at once). kv: a KVManager to share (its cached
+    prefixes kept across calls); else the engine makes its own, with prefix caching where `caching` (default: every
+    prompt computed)."""
     from magicdec.config import EngineConfig
     from magicdec.engine import LLMEngine
     from magicdec.sampling import SamplingParams
@@ -297,9 +309,9 @@ def run_engine(model, prompts, params, *, eos=(), drafter=None, gamma=0, policy=
     config = EngineConfig(max_num_seqs=slots or len(prompts), prefill_chunk=prefill_chunk, kv_dtype=kv_dtype,
                           max_model_len=max(len(p) + sp.max_tokens for p, sp in zip(prompts, params)),
                           max_prefill_tokens=max_prefill_tokens,
-                          enable_prefix_caching=caching or prefix_cache is not None)
+                          enable_prefix_caching=caching or kv is not None)
     speculation = Speculation(drafter, policy or FixedGamma(gamma)) if drafter is not None else None
-    engine = LLMEngine(model, config, eos_ids=eos, speculation=speculation, prefix_cache=prefix_cache,
+    engine = LLMEngine(model, config, eos_ids=eos, speculation=speculation, kv=kv,
                        tokenizer=tokenizer)
     if arrivals is None:
         return engine.generate(prompts, params), engine.stats

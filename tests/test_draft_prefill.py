@@ -17,10 +17,12 @@ import copy
 import pytest
 import torch
 
+from conftest import kv_pool
+
 from magicdec.config import EngineConfig, ModelConfig
 from magicdec.drafters import ModelDrafter
 from magicdec.engine import LLMEngine
-from magicdec.kv.prefix_cache import BLOCK_SIZE, PrefixCache
+from magicdec.kv.blocks import BLOCK_SIZE, KVManager
 from magicdec.model import Transformer
 from magicdec.sampling import SamplingParams
 from magicdec.scheduler import FixedGamma, Status
@@ -48,10 +50,10 @@ def ids(n: int, seed: int) -> list[int]:
     return torch.randint(0, V, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def engine_for(model: Transformer, speculation: Speculation | None = None, prefix_cache: PrefixCache | None = None):
+def engine_for(model: Transformer, speculation: Speculation | None = None, kv: KVManager | None = None):
     config = EngineConfig(max_num_seqs=3, max_model_len=MAX_MODEL_LEN, prefill_chunk=CHUNK, max_prefill_tokens=CHUNK,
-                          enable_prefix_caching=prefix_cache is not None)
-    return LLMEngine(model, config, speculation=speculation, prefix_cache=prefix_cache)
+                          enable_prefix_caching=kv is not None)
+    return LLMEngine(model, config, speculation=speculation, kv=kv)
 
 
 def plain(model: Transformer, prompt: list[int], params: SamplingParams) -> list[int]:
@@ -97,7 +99,7 @@ def run_until_done(engine: LLMEngine, requests) -> None:
 def test_draft_model_prefill_is_chunked_within_the_budget(target, kind):
     draft = copy.deepcopy(target)  # a distinct draft model with the target's weights
     drafter = ModelDrafter(draft, kind, 64, GAMMA, reindex=True)
-    cache = PrefixCache(target.cfg, 1 << 26, target.dtype)
+    cache = kv_pool(target, 1 << 26, target.dtype)
     engine = engine_for(target, Speculation(drafter, FixedGamma(GAMMA)), cache)
     meter = DraftPrefillMeter(engine, draft)
     shorts = [ids(40, 1), ids(70, 2)]

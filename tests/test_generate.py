@@ -246,16 +246,16 @@ def test_engine_text_roundtrip_and_stop_string(llm, short_prompts, free_run):
 
 @pytest.mark.parametrize("memory_for", [0.3, 3.5, 1000])
 def test_a_run_takes_the_slots_that_fit_in_memory(tiny_llama, monkeypatch, memory_for):
-    """`LLM.generate` runs as many slots as 90% of the free memory holds beside the prefix cache's growth (at least
-    one, at most the prompts), and every prompt still gets plain decoding's tokens, in fewer rounds of slots."""
-    llm = LLM(tiny_llama[0].source, device="cpu", dtype="fp32", max_num_seqs=8, prefix_cache_bytes=1 << 20)
+    """`LLM.generate` runs as many slots as 90% of the free memory holds beside the KV blocks, allocated already (at
+    least one, at most the prompts), and every prompt still gets plain decoding's tokens, in fewer rounds of slots."""
+    llm = LLM(tiny_llama[0].source, device="cpu", dtype="fp32", max_num_seqs=8, kv_cache_gb=0.01)
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (30, 7, 19, 40, 12, 25)]
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     want = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, params=params)]
     config = dataclasses.replace(llm.config, max_num_seqs=1, max_model_len=48)
     per_slot = ModelRunner.memory_bytes(llm.model, config, None)
-    free = llm.prefix_cache.growth_bytes + memory_for * per_slot
+    free = memory_for * per_slot
     monkeypatch.setattr(engine_module, "available_bytes", lambda device: int(free / 0.9))
     llm.free_engine()
     outs = llm.generate(prompt_token_ids=prompts, params=params)

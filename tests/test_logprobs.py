@@ -8,12 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import run_engine
+from conftest import kv_pool, run_engine
 from magicdec.config import EngineConfig
 from magicdec.drafters import ModelDrafter, SelfSpecDrafter
 from magicdec.engine import LLMEngine
 from magicdec.errors import InvalidRequestError
-from magicdec.kv.prefix_cache import PrefixCache
 from magicdec.loading import load_model
 from magicdec.model import attention_path, linear_path, weight_dtype
 from magicdec.sampling import SamplingParams
@@ -86,12 +85,12 @@ def test_speculative_logprobs_equal_plain_decodings_bit_for_bit(kernel_model, pr
 
 
 def test_prompt_logprobs_skip_the_prefix_cache_and_equal_a_cold_run(default_model, prompts):
-    cache = PrefixCache(default_model.model.cfg, 1 << 28, torch.float32)
+    cache = kv_pool(default_model.model, 1 << 28, torch.float32)
     params = SamplingParams(max_tokens=2, prompt_logprobs=2)
     cold, _ = run_engine(default_model.model, prompts[:1], params)
-    run_engine(default_model.model, prompts[:1], SamplingParams(max_tokens=2), prefix_cache=cache)  # stores blocks
-    warm, _ = run_engine(default_model.model, prompts[:1], params, prefix_cache=cache)
-    plain, _ = run_engine(default_model.model, prompts[:1], SamplingParams(max_tokens=2), prefix_cache=cache)
+    run_engine(default_model.model, prompts[:1], SamplingParams(max_tokens=2), kv=cache)  # stores blocks
+    warm, _ = run_engine(default_model.model, prompts[:1], params, kv=cache)
+    plain, _ = run_engine(default_model.model, prompts[:1], SamplingParams(max_tokens=2), kv=cache)
     assert plain[0].cached_tokens > 0  # the blocks are there for requests that do not ask
     assert warm[0].cached_tokens == 0 and warm[0].prompt_logprobs == cold[0].prompt_logprobs
 

@@ -18,12 +18,11 @@ import pytest
 import torch
 
 import magicdec.runner as runner_mod
-from conftest import run_engine
+from conftest import kv_pool, run_engine
 from magicdec.config import ModelConfig
 from magicdec.drafters import ModelDrafter, SelfSpecDrafter
 from magicdec.kv import KVCache
 from magicdec.model import Transformer
-from magicdec.kv.prefix_cache import PrefixCache
 from magicdec.sampling import (ARGMAX_BLOCK, RowParams, SamplingParams, argmax, probs_from_logits, sample_probs,
                                sample_tokens)
 from magicdec.verify import accept_drafts
@@ -153,10 +152,10 @@ def spec_sample(target, bad_draft, prompt, drafter: str, setting: str, n: int = 
     """n requests of `prompt`, seeds 0..n-1, through an engine speculating with `drafter`: tokens [n, NEW]."""
     gamma = DRAFTERS[drafter]
     params = [SamplingParams(max_tokens=NEW, seed=i, **SETTINGS[setting]) for i in range(n)]
-    cache = PrefixCache(target.cfg, 1 << 24, target.dtype)
-    run_engine(target, [prompt], params[:1], prefix_cache=cache)  # prefill the prompt once; the N requests copy it
+    cache = kv_pool(target, 1 << 24, target.dtype)
+    run_engine(target, [prompt], params[:1], kv=cache)  # prefill the prompt once; the N requests copy it
     requests, stats = run_engine(target, [prompt] * n, params, drafter=make_drafter(drafter, target, bad_draft, gamma),
-                                 gamma=gamma, prefix_cache=cache)
+                                 gamma=gamma, kv=cache)
     assert all(len(r.output_ids) == NEW and r.finish_reason == "length" for r in requests)
     return torch.tensor([r.output_ids for r in requests]), stats
 

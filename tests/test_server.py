@@ -101,7 +101,7 @@ class Server:
                              timeout=120, **kw)
 
 
-PREFIX_CACHE_GB = 0.125
+KV_CACHE_GB = 0.25
 
 
 @contextmanager
@@ -134,11 +134,11 @@ def serve(log: Path, *args: str) -> Iterator[Server]:
 
 @pytest.fixture(scope="module")
 def shared_server(tmp_path_factory) -> Iterator[Server]:
-    """The module's server: 4 slots x MAX_LEN tokens, self-speculation, an API key, a small prefix cache."""
+    """The module's server: 4 slots x MAX_LEN tokens, self-speculation, an API key, a small KV cache."""
     with serve(tmp_path_factory.mktemp("serve") / "server.log", "--max-running", "4", "--max-model-len",
                str(MAX_LEN), "--draft", "self-streaming", "--budget", "64", "--gamma", "3", "--api-key", KEY,
                "--dtype", "fp32",  # fp32: the offline reference's dtype
-               "--prefix-cache-gb", str(PREFIX_CACHE_GB)) as srv:
+               "--kv-cache-gb", str(KV_CACHE_GB)) as srv:
         yield srv
 
 
@@ -415,8 +415,8 @@ def test_load_every_request_answered_once_and_the_server_returns_to_idle(server,
     assert all(reason in ("stop", "length") and tokens > 0 for i, reason, tokens in results if i not in cancel)
     wait_until(lambda: _idle(server), WAIT_S, "running and waiting to return to 0")
     assert metric(server.base, "magicdec:kv_cache_usage_perc") == 0
-    # caches are preallocated: no growth but the prefix cache's, bounded by --prefix-cache-gb
-    assert _rss_bytes(server.proc.pid) < rss_idle + 64 * 2**20 + PREFIX_CACHE_GB * 2**30
+    # the KV blocks are touched as requests use them: no growth but theirs, bounded by --kv-cache-gb
+    assert _rss_bytes(server.proc.pid) < rss_idle + 64 * 2**20 + KV_CACHE_GB * 2**30
 
 
 def test_sigterm_shuts_down_cleanly(tmp_path):
@@ -461,7 +461,7 @@ def test_serve_refuses_what_does_not_fit_in_one_line():
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=STARTUP_S, env=env, cwd=REPO)
     assert done.returncode == 2 and done.stdout == ""
-    assert done.stderr.startswith("magicdec: error: 100000 slots x") and done.stderr.count("\n") == 1
+    assert done.stderr.startswith("magicdec: error: 100000 slots of up to") and done.stderr.count("\n") == 1
     assert "--max-running" in done.stderr
 
 

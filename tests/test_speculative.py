@@ -15,10 +15,12 @@ import pytest
 import torch
 
 import magicdec.runner as runner_mod
-from conftest import run_engine
+from conftest import kv_pool, run_engine
 from magicdec.drafters import ModelDrafter, SelfSpecDrafter
-from magicdec.kv.prefix_cache import BLOCK_SIZE, PrefixCache, block_keys
-from magicdec.prefill import cacheable_prefix
+from magicdec.kv import KVCache
+from magicdec.kv.blocks import BLOCK_SIZE, KVManager, block_keys
+from magicdec.kv.prefix_cache import PrefixCache
+from magicdec.prefill import cacheable_prefix, prefill_row
 from magicdec.sampling import SamplingParams
 from magicdec.scheduler import FixedGamma, GammaPolicy
 
@@ -42,21 +44,21 @@ def prompts(corpus_prompt) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def cache(model) -> PrefixCache:
-    return PrefixCache(model.cfg, 1 << 31, model.dtype)
+def cache(model) -> KVManager:
+    return kv_pool(model, 1 << 31, model.dtype)
 
 
 @pytest.fixture(scope="module")
 def ar(model, prompts, eos, cache):
     """The autoregressive reference: greedy, max_tokens 23, the model's EOS (its prefill fills the cache)."""
-    requests, stats = run_engine(model, prompts, SamplingParams(max_tokens=MAX_TOKENS), eos=eos, prefix_cache=cache)
+    requests, stats = run_engine(model, prompts, SamplingParams(max_tokens=MAX_TOKENS), eos=eos, kv=cache)
     assert stats.gamma == 0 and stats.steps >= MAX_TOKENS - 1
     assert all(cache.cached_prefix(block_keys(p)) == len(p) // 32 for p in prompts)
     return requests
 
 
 def run(model, prompts, params, eos, cache, drafter=None, gamma=0, **kw):
-    return run_engine(model, prompts, params, eos=eos, drafter=drafter, gamma=gamma, prefix_cache=cache, **kw)
+    return run_engine(model, prompts, params, eos=eos, drafter=drafter, gamma=gamma, kv=cache, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -67,18 +69,29 @@ def draft_model(default_path):
     return load_model(default_path, device="cpu", dtype=torch.float32).model
 
 
+@pytest.fixture(scope="module")
+def draft_cache(draft_model, prompts) -> PrefixCache:
+    """The draft model's prefix cache, holding the prompts' blocks (prefilled once here)."""
+    cache = PrefixCache(draft_model.cfg, 1 << 31, draft_model.dtype)
+    for p in prompts:
+        row = KVCache(draft_model.cfg, 1, len(p), draft_model.dtype, "cpu")
+        prefill_row(draft_model, row, torch.tensor(p), 512)
+        cache.store(p, row)
+    return cache
+
+
 @pytest.fixture
-def draft_prefill_from_cache(monkeypatch, draft_model, cache):
-    """The draft model has the target's weights, so its prefill of a prompt is the target's (bit for bit): give it
-    the target's prefix cache as its own, so that each prompt's prefill is not recomputed per test. Returns the
-    blocks each admitted request's draft took from it. The LLM test below runs the real draft prefill."""
+def draft_prefill_from_cache(monkeypatch, draft_model, draft_cache):
+    """Every draft model of this module shares one prefix cache, so that each prompt's draft prefill is not
+    recomputed per test. Returns the blocks each admitted request's draft took from it. The LLM test below runs the
+    real draft prefill."""
     allocate, assign = ModelDrafter.allocate, ModelDrafter.assign
     served = []
 
     def allocate_sharing(self, *args, **kw):
         allocate(self, *args, **kw)
         if self.model is draft_model:
-            self.prefix_cache = cache
+            self.prefix_cache = draft_cache
 
     def assign_counting(self, slot, cached):
         served.append(len(cached))
@@ -262,7 +275,7 @@ def test_requests_move_down_into_free_slots(model, prompts, ar, eos, cache):
     params = [SamplingParams(max_tokens=3), SamplingParams(max_tokens=MAX_TOKENS), sampled,
               SamplingParams(max_tokens=MAX_TOKENS)]
     engine = LLMEngine(model, EngineConfig(max_num_seqs=4, max_model_len=900 + MAX_TOKENS), eos_ids=eos,
-                       prefix_cache=cache,
+                       kv=cache,
                        speculation=Speculation(SelfSpecDrafter(model, "streaming", 64, 3, True), FixedGamma(3)))
     steps, schedule = [], engine.scheduler.schedule
     engine.scheduler.schedule = lambda: steps.append(schedule()) or steps[-1]

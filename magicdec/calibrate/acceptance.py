@@ -79,7 +79,6 @@ def calibrate_acceptance(
             continue
         report(done, len(jobs), f"prefill {n_prompts} x {ctx}")
         prompts = cut_prompts(llm.tokenizer, texts, n_prompts, ctx)
-        llm.reserve_prefix_cache(ctx * n_prompts, n_prompts)
         llm.generate(prompt_token_ids=prompts, params=sampling_params("greedy", 1))
         for drafter_name, budget, mode in todo:
             report(done, len(jobs), f"{drafter_name} budget {budget} {mode} at {ctx}")

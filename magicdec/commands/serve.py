@@ -25,7 +25,7 @@ def run(args) -> int:
     try:
         engine = llm.engine(spec, max_prefill_tokens=args.prefill_chunk, max_queued=args.max_queued)
     except OutOfMemoryError as e:
-        raise OutOfMemoryError(f"{e} (or lower --max-running / --max-model-len)") from None
+        raise OutOfMemoryError(f"{e} (or lower --kv-cache-gb / --max-running / --max-model-len)") from None
     auto = llm.last_auto
     running = auto.speculative if auto is not None else spec  # what auto chose, or the drafter asked for
     draft = describe(auto.plan) if auto is not None else spec.draft if spec is not None else "none"
@@ -39,8 +39,8 @@ def run(args) -> int:
                             running.budget if running is not None else None)
 
     def ready() -> None:
-        print(f"magicdec serve: ready on http://{args.host}:{args.port}/v1 (model {name}; {args.max_running} slots "
-              f"x {max_len} tokens; draft {draft})", file=sys.stderr, flush=True)
+        print(f"magicdec serve: ready on http://{args.host}:{args.port}/v1 (model {name}; up to {args.max_running} "
+              f"requests of {max_len} tokens, KV blocks for {llm.kv.capacity_tokens} tokens; draft {draft})", file=sys.stderr, flush=True)
 
     def stopped() -> None:
         print("magicdec serve: stopped", file=sys.stderr, flush=True)

@@ -29,6 +29,8 @@ class KVCache:
 
     #: per-row state tensors ([B, ...]): what a row view slices and a moved row takes along
     PER_ROW: tuple[str, ...] = ("lens", "next_pos")
+    #: whether storage is [layers, rows, ...] (a row view slices it); False where rows read shared blocks
+    ROWS_IN_STORAGE = True
 
     def __init__(self, cfg: ModelConfig, batch: int, capacity: int, dtype: torch.dtype, device: torch.device | str):
         self.cfg = cfg
@@ -79,8 +81,9 @@ class KVCache:
         L = self.attended_slots(q)
         return self._arange(L)[None, None, None, :] <= self._slots[:, None, :, None]
 
-    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Write new k, v [B, KV, q, hd] at each row's next slots; return K, V [B, KV, L, hd] to attend."""
+    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, None]:
+        """Write new k, v [B, KV, q, hd] at each row's next slots; return K, V [B, KV, L, hd] to attend (and no block
+        table: see `magicdec.kv.paged`)."""
         q = k.shape[2]
         kc, vc = self.k[layer], self.v[layer]
         # index_put_ on the [B, slot, KV, hd] view: scatter_ into fp16/bf16 copies the whole tensor on CPU
@@ -88,7 +91,11 @@ class KVCache:
         kc.transpose(1, 2).index_put_(index, k.transpose(1, 2).to(kc.dtype))
         vc.transpose(1, 2).index_put_(index, v.transpose(1, 2).to(vc.dtype))
         L = self.attended_slots(q)
-        return kc[:, :, :L], vc[:, :, :L]
+        return kc[:, :, :L], vc[:, :, :L], None
+
+    def locate(self, rows: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """Where positions of rows (broadcast together) live: the indices of dims 1 and 3 of `k`."""
+        return rows, positions
 
     def attended_slots(self, q: int) -> int:
         """How many leading slots a forward of q new tokens attends over (the rest are never filled).
@@ -128,8 +135,9 @@ class KVCache:
     def copy_row(self, src: int, dst: int) -> None:
         """Make row dst a copy of row src (a request moving to another slot)."""
         n = self._filled_slots(src)
-        self.k[:, dst, :, :n] = self.k[:, src, :, :n]
-        self.v[:, dst, :, :n] = self.v[:, src, :, :n]
+        if n:
+            self.k[:, dst, :, :n] = self.k[:, src, :, :n]
+            self.v[:, dst, :, :n] = self.v[:, src, :, :n]
         for name in self.PER_ROW:
             per_row = getattr(self, name)
             per_row[dst] = per_row[src]
@@ -148,7 +156,8 @@ class KVCache:
 
     def _view(self, rows: slice) -> "KVCache":
         view = copy.copy(self)
-        view.k, view.v = self.k[:, rows], self.v[:, rows]
+        if self.ROWS_IN_STORAGE:
+            view.k, view.v = self.k[:, rows], self.v[:, rows]
         for name in self.PER_ROW:
             setattr(view, name, getattr(self, name)[rows])
         view._rows = torch.arange(view.lens.shape[0], device=self.device)[:, None]

@@ -24,6 +24,8 @@ from torch import Tensor
 
 from magicdec.config import GLOBAL, SLIDING, ModelConfig
 from magicdec.kv.base import KVCache
+from magicdec.kv.blocks import KVManager, blocks_for
+from magicdec.kv.paged import PagedKVCache
 from magicdec.kv.sparse import SnapKVObserver
 
 
@@ -96,7 +98,7 @@ class HybridCache:
     def attn_mask(self, q: int) -> dict[str, Tensor]:
         return {GLOBAL: self.full.attn_mask(q), SLIDING: self.window.attn_mask(q)}
 
-    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
         cache, i = self._where[layer]
         return cache.update(i, k, v)
 
@@ -181,6 +183,26 @@ def cache_bytes(cfg: ModelConfig, batch: int, capacity: int, dtype: torch.dtype,
     ring = ring_size(cfg, capacity, max_q)
     return (KVCache.nbytes(kind_config(cfg, GLOBAL), batch, capacity, dtype)
             + KVCache.nbytes(kind_config(cfg, SLIDING), batch, ring, dtype) + 8 * batch * ring)
+
+
+def paged_cache(cfg: ModelConfig, kv: KVManager, rows: int, capacity: int,
+                max_q: int) -> PagedKVCache | HybridCache:
+    """The engine's target cache: `rows` slots of up to `capacity` positions over `kv`'s block pool, for forwards of up
+    to max_q tokens; for a hybrid model a `HybridCache` whose sliding layers keep a ring per slot."""
+    full = PagedKVCache(global_config(cfg), kv.k, kv.v, rows, blocks_for(capacity))
+    if not cfg.hybrid:
+        return full
+    window = WindowKVCache(kind_config(cfg, SLIDING), rows, ring_size(cfg, capacity, max_q), cfg.sliding_window,
+                           kv.dtype, kv.k.device)
+    return HybridCache(cfg, full, window)
+
+
+def ring_bytes(cfg: ModelConfig, rows: int, capacity: int, dtype: torch.dtype, max_q: int) -> int:
+    """Bytes the sliding layers' rings of `paged_cache` allocate (0 for a model without them)."""
+    if not cfg.hybrid:
+        return 0
+    ring = ring_size(cfg, capacity, max_q)
+    return KVCache.nbytes(kind_config(cfg, SLIDING), rows, ring, dtype) + 8 * rows * ring
 
 
 def global_config(cfg: ModelConfig) -> ModelConfig:

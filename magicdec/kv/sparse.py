@@ -80,17 +80,20 @@ class SparseKVCache(KVCache):
         Entries [0, keep) form the prefix, the rest the window; n [B] is the number of valid entries per row. src
         must hold keys rotated by absolute position (slot == position); the window part of `index` must be the row's
         last positions, in order."""
-        L, B, KV, _, hd = src.k.shape
-        K = index.shape[-1]
+        L, KV, hd = src.k.shape[0], src.k.shape[2], src.k.shape[-1]
+        B, K = src.lens.shape[0], index.shape[-1]
         valid = torch.arange(K, device=index.device)[None, :] < n[:, None]  # [B, K]
         # entries past a short row's end stand at its next position, whose ring slot no held entry uses
         idx = torch.where(valid[None, :, None, :], index, src.next_pos[None, :, None, None]).expand(L, B, KV, -1)
         window_pos = idx[0, :, 0, self.keep :]  # [B, K - keep], the same for all layers and heads
         dest = torch.cat((torch.arange(self.keep, device=idx.device).expand(B, -1), self._slots_of(window_pos)), 1)
-        gidx = idx.clamp_max(src.capacity - 1)[..., None].expand(L, B, KV, K, hd)
+        dev = idx.device
+        rows = torch.arange(B, device=dev)[None, :, None, None]
+        block, offset = src.locate(rows, idx.clamp_max(src.capacity - 1))  # [L, B, KV, K] each
+        layer, head = torch.arange(L, device=dev)[:, None, None, None], torch.arange(KV, device=dev)[None, None, :, None]
         didx = dest[None, :, None, :, None].expand(L, B, KV, K, hd)
-        self.k.scatter_(3, didx, src.k.gather(3, gidx).to(self.k.dtype))
-        self.v.scatter_(3, didx, src.v.gather(3, gidx).to(self.v.dtype))
+        self.k.scatter_(3, didx, src.k[layer, block, head, offset].to(self.k.dtype))
+        self.v.scatter_(3, didx, src.v[layer, block, head, offset].to(self.v.dtype))
         self.slot_pos.fill_(-1).scatter_(1, dest, torch.where(valid, idx[0, :, 0], -1))
         self.win_start.copy_(torch.minimum(window_pos[:, 0], src.next_pos))  # a prompt shorter than keep: its end
         self.lens.copy_(n)
@@ -114,8 +117,9 @@ class SparseKVCache(KVCache):
         b, j = (rows[:, None] & (pos >= self.next_pos[:, None])).nonzero(as_tuple=True)
         p = pos[b, j]
         slots = self._slots_of(p)
-        self.k[:, b, :, slots] = src.k[:, b, :, p].to(self.k.dtype)
-        self.v[:, b, :, slots] = src.v[:, b, :, p].to(self.v.dtype)
+        block, offset = src.locate(b, p)
+        self.k[:, b, :, slots] = src.k[:, block, :, offset].to(self.k.dtype)
+        self.v[:, b, :, slots] = src.v[:, block, :, offset].to(self.v.dtype)
         self.slot_pos[b, slots] = p
         self.commit(count)
         self.evict()

@@ -41,7 +41,9 @@ class ServerMetrics:
 
         self.running = metric(Gauge, "num_requests_running", "Requests holding a slot (prefilling or decoding).")
         self.waiting = metric(Gauge, "num_requests_waiting", "Requests queued for a slot.")
-        self.kv_usage = metric(Gauge, "kv_cache_usage_perc", "Fraction of the preallocated KV slots in use (1 = all).")
+        self.kv_usage = metric(Gauge, "kv_cache_usage_perc", "Fraction of the KV blocks held by requests (1 = all).")
+        self.preemptions = metric(Counter, "num_preemptions", "Requests sent back to the queue for lack of KV blocks "
+                                  "(prefilled again when readmitted).")
         self.gamma = metric(Gauge, "spec_decode_gamma", "Draft length of the latest decode round (0: plain decoding).")
         self.prompt_tokens = metric(Counter, "prompt_tokens", "Prompt tokens of requests that started.")
         self.prefix_queries = metric(Counter, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
@@ -72,14 +74,15 @@ class ServerMetrics:
         self._hist_seen: list[int] = []  # the engine's accepted-length histogram at the last step
         self._drafted_seen = 0
         self._seconds_seen = (0.0, 0.0)  # the engine's prefill and decode seconds at the last step
+        self._preemptions_seen = 0
 
     def observe_idle(self, engine: LLMEngine) -> None:
         """Queue and slot gauges (after commands and steps alike, so aborts show at once)."""
-        slots = engine.scheduler.slots
-        used = sum(r is not None for r in slots)
-        self.running.set(used)
+        self.running.set(sum(r is not None for r in engine.scheduler.slots))
         self.waiting.set(len(engine.scheduler.waiting))
-        self.kv_usage.set(used / len(slots))
+        self.kv_usage.set(engine.kv.usage)
+        self.preemptions.inc(engine.kv.preemptions - self._preemptions_seen)
+        self._preemptions_seen = engine.kv.preemptions
 
     def observe_step(self, engine: LLMEngine, gained: Sequence[tuple[Request, int]]) -> None:
         """Queue and slot gauges, token counters, latencies and speculation counters of one step."""
