@@ -33,7 +33,7 @@ from magicdec.kv.prefix_cache import PrefixCache
 from magicdec.loading import LoadedModel, load_model
 from magicdec.loading.tokenizer import Tokenizer
 from magicdec.logprobs import TokenLogprob
-from magicdec.memory import available_bytes, peak_bytes
+from magicdec.memory import available_bytes, check_fits, peak_bytes
 from magicdec.model import Transformer, attention_path, linear_path, weight_dtype
 from magicdec.profiles import model_key
 from magicdec.runner import CACHE_SLACK, ModelRunner, forward_tokens
@@ -217,6 +217,7 @@ def make_kv_manager(model: Transformer, config: EngineConfig) -> KVManager:
         size = available_bytes(model.device) // 2
         if model.tp is not None:
             size = model.tp.min_int(size)
+    check_fits(size, model.device, f"a KV cache of {size / 2**30:.2f} GiB (--kv-cache-gb)")
     window = size // 4 if model.cfg.hybrid and config.enable_prefix_caching else 0
     num_blocks = max(2, (size - window) // KVManager.block_bytes(model.cfg, config.kv_dtype))
     return KVManager(model.cfg, num_blocks, config.kv_dtype, model.device, caching=config.enable_prefix_caching,

@@ -17,7 +17,8 @@ class GenerationStats:
 
     requests: int = 0
     prompt_tokens: int = 0
-    cached_tokens: int = 0  # prompt tokens copied from the prefix cache instead of prefilled
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache instead of prefilled
+    preemptions: int = 0  # requests sent back to the queue for lack of KV blocks
     generated_tokens: int = 0  # every output token, the first ones (from prefill) included
     decode_tokens: int = 0  # output tokens produced by decode rounds
     prefill_s: float = 0.0
@@ -38,7 +39,7 @@ class GenerationStats:
 
     @property
     def prefill_tok_s(self) -> float:
-        """Prompt tokens prefilled (not copied from the prefix cache) per second of prefill."""
+        """Prompt tokens prefilled (not found in the prefix cache) per second of prefill."""
         return (self.prompt_tokens - self.cached_tokens) / self.prefill_s if self.prefill_s else 0.0
 
     @property
@@ -70,6 +71,7 @@ class GenerationStats:
         """Count one engine step from its results."""
         self.prefill_s += result.prefill_s
         self.cached_tokens += BLOCK_SIZE * sum(len(a.cached) for a in step.assign)
+        self.preemptions += len(step.release)
         decoded = sum(len(out.tokens) for out in result.decoded)
         self.generated_tokens += len(result.first) + decoded
         if result.decoded:  # (a round can find every row gone: first tokens that were EOS)

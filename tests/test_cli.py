@@ -206,4 +206,4 @@ def test_out_of_memory_is_caught_up_front():
 
     model = load_model().model
     with pytest.raises(OutOfMemoryError, match=r"needs [\d.]+ GiB but only [\d.]+ GiB is available"):
-        LLMEngine(model, EngineConfig(max_num_seqs=400, max_model_len=7100))
+        LLMEngine(model, EngineConfig(kv_cache_bytes=1 << 50))

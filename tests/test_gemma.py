@@ -13,12 +13,12 @@ import json
 import pytest
 import torch
 
-from conftest import data_path, randomize_, run_engine
+from conftest import data_path, kv_pool, randomize_, run_engine
 from test_prefix_cache import GREEDY, SAMPLED, random_ids
 from magicdec.config import GLOBAL, SLIDING, ModelConfig
 from magicdec.errors import ModelLoadError, UnsupportedModelError
 from magicdec.kv.hybrid import HybridCache, WindowKVCache, cache_bytes, make_cache
-from magicdec.kv.prefix_cache import BLOCK_SIZE, PrefixCache, block_keys
+from magicdec.kv.blocks import BLOCK_SIZE, block_keys
 from magicdec.model import Transformer
 from magicdec.prefill import cacheable_prefix, prefill_row
 from magicdec.sampling import SamplingParams
@@ -323,27 +323,32 @@ def test_draft_auto_prices_a_draft_head_on_gemma(gemma, two_prompts, plain_greed
 
 # --- prefix caching on a hybrid model ----------------------------------------------------------------------------
 def test_a_hybrid_hit_ends_where_the_blocks_carry_the_window(tiny_gemma):
-    """Blocks keep the sliding layers' K/V only where the ring held them at store time; a hit ends after blocks that
-    carry the window before it, and a later store that holds a bare block in its ring completes it."""
+    """The window store keeps the sliding layers' K/V only of blocks the ring held when a prefill ended (or its request
+    was released); a hit ends after blocks that carry the window before it, and a later prefill whose ring holds a
+    bare block completes it."""
     model = tiny_gemma[0]
     ids, other = random_ids(200, 1), random_ids(200, 2)
-    cache = PrefixCache(model.cfg, 1 << 24, model.dtype)
-    assert cache.window_blocks == 1  # a 16-token window lies within the block before a hit's end
+    kv = kv_pool(model, 1 << 24, model.dtype)
+    windows = kv.windows
+    assert windows is not None and windows.blocks_needed == 1  # a 16-token window: within the block before a hit
+    one = SamplingParams(max_tokens=1, ignore_eos=True)  # released at its prefill's end: the ring holds the same
 
-    def prefill(tokens):  # a slot's cache, whose ring holds the last 15 + 64 positions after a prefill
-        row = make_cache(model.cfg, 1, 256, model.dtype, "cpu", max_q=64)
-        prefill_row(model, row, torch.tensor(tokens), 64, prefix_cache=cache)
-        return row
-
-    prefill(ids)  # the ring held positions 121-199 at store time: blocks 4 and 5 carry the window
-    assert len(cache.blocks) == 6 and cache.cached_prefix(block_keys(ids)) == 6
-    assert [cache.blocks[k].window is not None for k in block_keys(ids)] == [False] * 4 + [True] * 2
-    assert cache.nbytes == 6 * cache.block_bytes + 2 * cache.window_bytes
+    # a slot's ring holds the last 15 + 64 positions after a prefill in chunks of 64
+    run_engine(model, [ids], one, kv=kv, prefill_chunk=64)  # the ring held positions 121-199: blocks 4 and 5
+    keys = block_keys(ids)
+    assert len(kv.pool.by_key) == 6 and kv.cached_prefix(keys) == 6 and kv.usage == 0
+    assert [k in windows.entries for k in keys] == [False] * 4 + [True] * 2
+    n_sliding = len(model.cfg.layers_of(SLIDING))
+    for k, v in windows.entries.values():  # [sliding layers, KV, BLOCK_SIZE, hd]
+        assert k.shape == v.shape == (n_sliding, model.cfg.n_kv_heads, BLOCK_SIZE, model.cfg.head_dim)
     shared = ids[:128] + other[:72]  # the first four blocks of `ids`, none carrying the window
-    assert cache.cached_prefix(block_keys(shared)) == 0
-    prefill(ids[:140])  # its ring holds positions 61-139: blocks 2 and 3 take the window on
-    assert cache.cached_prefix(block_keys(shared)) == 4
-    assert cache.nbytes == 6 * cache.block_bytes + 4 * cache.window_bytes
+    assert kv.cached_prefix(block_keys(shared)) == 0
+    run_engine(model, [ids[:140]], one, kv=kv, prefill_chunk=64)  # its ring holds positions 61-139: blocks 2 and 3
+    assert [k in windows.entries for k in keys] == [False] * 2 + [True] * 4
+    assert kv.cached_prefix(block_keys(shared)) == 4
+    cold, _ = run_engine(model, [shared], GREEDY, prefill_chunk=64)
+    warm, _ = run_engine(model, [shared], GREEDY, kv=kv, prefill_chunk=64)
+    assert warm[0].cached_tokens == 4 * BLOCK_SIZE and warm[0].output_ids == cold[0].output_ids
 
 
 @pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
@@ -357,15 +362,15 @@ def test_hybrid_hits_decode_like_cold_prefills(tiny_gemma, params):
     turn1 = [doc + random_ids(n, 10 + n) for n in (9, 50, 77)]
     for drafter in (None, SelfSpecDrafter(model, "streaming", 48, 3, reindex=True)):
         gamma = 3 if drafter else 0
-        cache = PrefixCache(model.cfg, 1 << 24, model.dtype)
+        cache = kv_pool(model, 1 << 24, model.dtype)
         cold, _ = run_engine(model, turn1, params, drafter=drafter, gamma=gamma, prefill_chunk=64)
         warm, stats = run_engine(model, turn1, params, drafter=drafter, gamma=gamma, prefill_chunk=64,
-                                 prefix_cache=cache)
+                                 kv=cache)
         assert [r.output_ids for r in warm] == [r.output_ids for r in cold]
         assert stats.cached_tokens == 2 * (300 // BLOCK_SIZE) * BLOCK_SIZE  # the document, for the two that waited
         turn2 = [p + r.output_ids + random_ids(40, 30 + i) for i, (p, r) in enumerate(zip(turn1, cold))]
         cold2, _ = run_engine(model, turn2, params, drafter=drafter, gamma=gamma, prefill_chunk=64)
-        warm2, _ = run_engine(model, turn2, params, drafter=drafter, gamma=gamma, prefill_chunk=64, prefix_cache=cache)
+        warm2, _ = run_engine(model, turn2, params, drafter=drafter, gamma=gamma, prefill_chunk=64, kv=cache)
         assert [r.output_ids for r in warm2] == [r.output_ids for r in cold2]
         # the history, generated tokens included, came from the cache
         assert all(w.cached_tokens >= len(p) + len(r.output_ids) - BLOCK_SIZE for w, p, r in zip(warm2, turn1, cold))
@@ -379,14 +384,14 @@ def test_a_chat_turn_from_the_prefix_cache_is_exact_on_gemma(gemma, two_prompts)
 
     params = [SamplingParams(max_tokens=10, ignore_eos=True),
               SamplingParams(max_tokens=10, ignore_eos=True, temperature=0.8, seed=5)]
-    cache = PrefixCache(gemma.model.cfg, 1 << 28, gemma.model.dtype)
-    first, _ = run_engine(gemma.model, two_prompts, params, prefill_chunk=256, prefix_cache=cache)
+    cache = kv_pool(gemma.model, 1 << 28, gemma.model.dtype)
+    first, _ = run_engine(gemma.model, two_prompts, params, prefill_chunk=256, kv=cache)
     question = gemma.tokenizer.encode(" Who wrote this, and when?")[1:]
     turn2 = [p + r.output_ids + question for p, r in zip(two_prompts, first)]
     drafter = SelfSpecDrafter(gemma.model, "streaming", budget=64, gamma=3, reindex=True)
     cold, _ = run_engine(gemma.model, turn2, params, drafter=drafter, gamma=3, prefill_chunk=256)
     warm, stats = run_engine(gemma.model, turn2, params, drafter=drafter, gamma=3, prefill_chunk=256,
-                             prefix_cache=cache)
+                             kv=cache)
     assert [r.output_ids for r in warm] == [r.output_ids for r in cold]
     # all of the history that a hit may cover (the observation window is always computed) came from the cache
     assert [w.cached_tokens for w in warm] == [cacheable_prefix(len(t)) // BLOCK_SIZE * BLOCK_SIZE for t in turn2]
@@ -394,11 +399,21 @@ def test_a_chat_turn_from_the_prefix_cache_is_exact_on_gemma(gemma, two_prompts)
 
 def test_engines_make_a_prefix_cache_for_hybrid_models(tiny_gemma):
     from magicdec.config import EngineConfig
-    from magicdec.engine import make_prefix_cache, resolve_config
+    from magicdec.engine import make_kv_manager, resolve_config
+    from magicdec.kv.blocks import KVManager
 
     model = tiny_gemma[0]
-    cache = make_prefix_cache(model, resolve_config(EngineConfig(enable_prefix_caching=True), model))
-    assert cache is not None and cache.window_bytes == 3 * cache.block_bytes  # three sliding layers to one global
+    config = resolve_config(EngineConfig(enable_prefix_caching=True, kv_cache_bytes=1 << 22), model)
+    kv = make_kv_manager(model, config)
+    assert kv.caching and kv.windows is not None
+    block = KVManager.block_bytes(model.cfg, kv.dtype)
+    assert kv.windows.entry_bytes == 3 * block  # three sliding layers to one global
+    assert kv.windows.max_entries == (1 << 20) // kv.windows.entry_bytes  # a quarter of the memory
+    assert kv.num_blocks == (3 << 20) // block
+    off = make_kv_manager(model, resolve_config(EngineConfig(enable_prefix_caching=False, kv_cache_bytes=1 << 22),
+                                                model))
+    assert not off.caching and off.windows is not None and off.windows.max_entries == 0
+    assert off.num_blocks == (1 << 22) // block
 
 
 @needs_gemma

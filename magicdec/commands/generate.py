@@ -85,6 +85,8 @@ def format_stats(stats, label: str) -> str:
             f"{stats.prefill_s:.2f}s ({stats.prefill_tok_s:.0f} tok/s computed); "
             f"decode {stats.decode_tokens} tok in {stats.decode_s:.2f}s ({stats.decode_tok_s:.1f} tok/s); "
             f"peak memory {gib:.2f} GiB")
+    if stats.preemptions:
+        line += f"; {stats.preemptions} preemptions (the KV blocks ran out; see --kv-cache-gb)"
     if stats.gamma:
         changes = ", ".join(f"{g or 'plain'} from round {r}" for r, g in stats.gamma_changes)
         line += (f"\n[{label}] draft length {changes}: acceptance {stats.acceptance_rate:.3f}, "

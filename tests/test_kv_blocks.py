@@ -1,0 +1,254 @@
+"""The KV manager's blocks: pool accounting under random admit / grow / preempt / free / store sequences (hypothesis),
+preemption that never changes a token on the real model (greedy, seeded sampled, speculative), prefix hits that map
+the cached blocks without copying them, and requests that can never fit the pool refused up front."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import kv_pool, run_engine
+from magicdec.config import EngineConfig, ModelConfig
+from magicdec.engine import LLMEngine, resolve_config
+from magicdec.errors import InvalidRequestError
+from magicdec.kv.blocks import BLOCK_SIZE, NULL_BLOCK, KVManager, block_keys, blocks_for
+from magicdec.sampling import SamplingParams
+
+# --- pool accounting ------------------------------------------------------------------------------------------
+TINY_CFG = ModelConfig(vocab_size=16, dim=8, n_layers=1, n_heads=1, n_kv_heads=1, ffn_dim=8)
+N_REQUESTS = 4
+
+
+def check_pool(kv: KVManager) -> None:
+    """The pool's bookkeeping is consistent with the requests' block lists."""
+    pool = kv.pool
+    assert all(r >= 0 for r in pool.refs) and pool.refs[NULL_BLOCK] == 0
+    held = Counter(b for blocks in kv.held.values() for b in blocks)
+    for blocks in kv.held.values():
+        assert len(set(blocks)) == len(blocks)  # a request holds a block once
+    assert NULL_BLOCK not in held
+    assert all(pool.refs[b] == held[b] for b in range(pool.num_blocks))  # refs == the lists naming it
+    free_ids, evictable = list(pool.free_ids), list(pool.evictable)
+    assert len(set(free_ids)) == len(free_ids) and not set(free_ids) & set(evictable)
+    free = set(free_ids) | set(evictable)
+    assert NULL_BLOCK not in free and not free & set(held)  # no block both free and held
+    assert free | set(held) == set(range(1, pool.num_blocks))  # every block is somewhere
+    assert pool.num_free + len(held) == pool.num_blocks - 1 and pool.num_used == len(held)
+    assert all(pool.refs[b] == 0 for b in free)
+    # cached blocks: by_key <-> key_of one to one; a free block has no key, an evictable one has
+    assert len(pool.by_key) == len(pool.key_of)
+    assert all(pool.key_of[b] == k for k, b in pool.by_key.items())
+    assert not set(free_ids) & set(pool.key_of) and set(evictable) <= set(pool.key_of)
+    for request_id, keys in kv.keyed.items():  # a request's keys name its leading blocks' prefixes
+        assert len(keys) <= len(kv.held.get(request_id, []))
+
+
+#: (op, request, tokens): "step" admits a waiting request (its hit, then a first chunk) or grows a running one
+OPS = st.lists(st.tuples(st.sampled_from(["step"] * 6 + ["free"] * 2 + ["drop"]),
+                         st.integers(0, N_REQUESTS - 1), st.integers(1, 3 * BLOCK_SIZE)), min_size=10, max_size=60)
+# each request: (leading blocks it shares with a common document, its length, a seed for the rest)
+SEQS = st.lists(st.tuples(st.integers(0, 4), st.integers(1, 6 * BLOCK_SIZE), st.integers(0, 3)),
+                min_size=N_REQUESTS, max_size=N_REQUESTS)
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(num_blocks=st.integers(2, 14), seqs=SEQS, ops=OPS, caching=st.booleans())
+def test_pool_accounting_under_random_sequences(num_blocks, seqs, ops, caching):
+    """Admissions (a prefix hit, then the blocks of a first chunk), growth that preempts the newest request where the
+    pool runs dry (as the scheduler does), stores of filled blocks, frees and cold starts, in any order: the pool's
+    bookkeeping stays consistent, the null block is never handed out, a block is written only by its one holder, and
+    a hit's blocks hold exactly the tokens of the prefix it covers."""
+    kv = KVManager(TINY_CFG, num_blocks, torch.float32, "cpu", caching=caching)
+    doc = torch.randint(0, 1000, (4 * BLOCK_SIZE,), generator=torch.Generator().manual_seed(0)).tolist()
+    tokens = []
+    for shared, n, seed in seqs:
+        rest = torch.randint(0, 1000, (n,), generator=torch.Generator().manual_seed(seed + 10 * len(tokens)))
+        tokens.append((doc[: shared * BLOCK_SIZE] + rest.tolist())[: max(n, 1)])
+    content: dict[int, list[int | None]] = {}  # block -> the token each position was written with
+    computed: dict[str, int] = {}  # active request -> positions written
+    order: list[str] = []  # active requests, oldest first
+
+    def write(rid: str, ids: list[int], start: int, end: int) -> None:
+        blocks = kv.blocks_of(rid)
+        for pos in range(start, end):
+            block = blocks[pos // BLOCK_SIZE]
+            assert block != NULL_BLOCK and kv.pool.refs[block] == 1 and block not in kv.pool.key_of
+            content.setdefault(block, [None] * BLOCK_SIZE)[pos % BLOCK_SIZE] = ids[pos]
+
+    def release(rid: str) -> None:
+        kv.store(rid, tokens[int(rid)], computed[rid])
+        kv.free(rid)
+        del computed[rid]
+        order.remove(rid)
+
+    for op, i, amount in ops:
+        rid, ids = str(i), tokens[i]
+        if op == "step" and rid not in computed:
+            keys = block_keys(ids[: max(0, len(ids) - 1)])
+            hit = kv.match(rid, keys, len(ids))
+            assert hit == kv.blocks_of(rid) and len(hit) == kv.cached_prefix(keys) or not caching
+            for b, block in enumerate(hit):  # a hit's blocks hold what a prefill of its prefix writes
+                assert content[block] == ids[b * BLOCK_SIZE : (b + 1) * BLOCK_SIZE]
+            computed[rid] = len(hit) * BLOCK_SIZE
+            order.append(rid)
+            first_end = min(len(ids), computed[rid] + amount)
+            if kv.grow(rid, first_end) is None:  # does not fit: not admitted
+                release(rid)
+        elif op == "step":
+            end = min(len(ids), computed[rid] + amount)
+            while (new := kv.grow(rid, end)) is None:  # preempt the newest until it fits
+                victim = order[-1]
+                release(victim)
+                if victim == rid:
+                    break
+            if new is not None:
+                assert NULL_BLOCK not in new and all(kv.pool.refs[b] == 1 for b in new)
+                for block in new:
+                    content.pop(block, None)  # the runner zeroes a new block
+                write(rid, ids, computed[rid], end)
+                computed[rid] = end
+                kv.store(rid, ids, end)
+        elif op == "free" and rid in computed:
+            release(rid)
+        elif op == "drop":
+            kv.drop_cached()
+        check_pool(kv)
+    for rid in list(order):
+        release(rid)
+    check_pool(kv)
+    assert kv.num_free == num_blocks - 1 and kv.usage == 0 and not kv.held
+
+
+# --- preemption on the real model ------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def model(default_model):
+    return default_model.model
+
+
+@pytest.fixture(scope="module")
+def kv_dtype(model) -> torch.dtype:
+    return resolve_config(EngineConfig(), model).kv_dtype
+
+
+@pytest.fixture(scope="module")
+def prompts(corpus_prompt) -> list[list[int]]:
+    """Four prompts of 70 to 110 tokens (2 to 4 blocks each with their outputs)."""
+    return [corpus_prompt(n, book=b, at=0.3) for n, b in ((90, 1), (70, 2), (110, 3), (80, 4))]
+
+
+PARAMS = [SamplingParams(max_tokens=24, ignore_eos=True),
+          SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.7, top_p=0.9, seed=11),
+          SamplingParams(max_tokens=20, ignore_eos=True),
+          SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.7, top_p=0.9, seed=12)]
+
+
+def tiny_pool(model, dtype, blocks: int, caching: bool = True) -> KVManager:
+    return kv_pool(model, blocks * KVManager.block_bytes(model.cfg, dtype), dtype, caching=caching)
+
+
+@pytest.fixture(scope="module")
+def unpreempted(model, kv_dtype, prompts):
+    kv = tiny_pool(model, kv_dtype, 64, caching=False)
+    requests, _ = run_engine(model, prompts, PARAMS, kv=kv)
+    assert kv.preemptions == 0 and all(r.preemptions == 0 for r in requests)
+    return [r.output_ids for r in requests]
+
+
+@pytest.mark.parametrize("caching", [True, False], ids=["caching", "no-caching"])
+def test_preempted_requests_give_the_tokens_of_an_unpreempted_run(model, kv_dtype, prompts, unpreempted, caching):
+    """A pool of 7 blocks (a request with its output takes 4 or 5): the newest requests are preempted while the older
+    ones grow, and prefilled again later, prompt and output so far; greedy and seeded sampled requests give the tokens
+    of a run in a pool large enough that nothing is preempted."""
+    kv = tiny_pool(model, kv_dtype, 7, caching=caching)
+    requests, _ = run_engine(model, prompts, PARAMS, kv=kv)
+    assert [r.output_ids for r in requests] == unpreempted
+    assert kv.preemptions > 0 and kv.preemptions == sum(r.preemptions for r in requests)
+    assert any(r.preemptions for r, p in zip(requests, PARAMS) if p.temperature)  # a sampled request resumed too
+    assert all(r.finish_reason == "length" for r in requests)
+    assert kv.usage == 0 and not kv.held
+
+
+def test_preemption_under_speculation_is_exact(model, kv_dtype, prompts, unpreempted):
+    """Self-speculative decoding (its lookahead takes blocks too) in a pool that preempts: greedy and seeded sampled
+    requests give the tokens of the unpreempted plain run."""
+    from magicdec.drafters import SelfSpecDrafter
+
+    kv = tiny_pool(model, kv_dtype, 7)
+    drafter = SelfSpecDrafter(model, "streaming", 64, 3, reindex=True)
+    requests, stats = run_engine(model, prompts, PARAMS, kv=kv, drafter=drafter, gamma=3)
+    assert [r.output_ids for r in requests] == unpreempted
+    assert kv.preemptions > 0 and stats.gamma == 3
+
+
+# --- zero-copy hits -------------------------------------------------------------------------------------------
+def test_a_hit_maps_the_first_requests_blocks_without_copying(tiny_llama, monkeypatch):
+    """A second request whose prompt starts with the first one's maps the first one's blocks into its table: its
+    block list starts with them, its table rows name them, nothing is zeroed or written in them, only the blocks past
+    the hit are new, and it decodes as a cold prefill does."""
+    from magicdec.kv.paged import PagedKVCache
+    from test_prefix_cache import GREEDY, random_ids
+
+    model = tiny_llama[0].model
+    doc = random_ids(200, 21)
+    second = doc + random_ids(60, 22)
+    cold, _ = run_engine(model, [second], GREEDY)
+
+    kv = kv_pool(model, 1 << 22)
+    engine = LLMEngine(model, EngineConfig(max_num_seqs=2, max_model_len=512, enable_prefix_caching=True), kv=kv)
+    first = engine.add_request("first", doc, GREEDY)
+    blocks_a = []
+    while engine.has_unfinished():
+        blocks_a = kv.blocks_of("first") or blocks_a
+        engine.step()
+    assert first.finished and len(blocks_a) == blocks_for(len(doc) + len(first.output_ids))
+    n_hit = (len(doc) + len(first.output_ids) - 1) // BLOCK_SIZE  # its computed blocks: prompt and output
+    assert n_hit >= len(doc) // BLOCK_SIZE
+    k0, v0 = kv.k[:, blocks_a[:n_hit]].clone(), kv.v[:, blocks_a[:n_hit]].clone()
+
+    zeroed, grown = [], []
+    zero_blocks, grow = PagedKVCache.zero_blocks, kv.grow
+
+    def zero_recorded(self, blocks):
+        zeroed.extend(blocks)
+        zero_blocks(self, blocks)
+
+    def grow_recorded(request_id, tokens):
+        new = grow(request_id, tokens)
+        grown.extend(new or [])
+        return new
+
+    monkeypatch.setattr(PagedKVCache, "zero_blocks", zero_recorded)
+    monkeypatch.setattr(kv, "grow", grow_recorded)
+    assert kv.cached_prefix(block_keys(second[: len(second) - 32])) == n_hit
+    request = engine.add_request("second", second, GREEDY)
+    engine.step()  # admitted with its hit, prefilled
+    n_cached = request.cached_tokens // BLOCK_SIZE
+    assert n_cached == n_hit and kv.blocks_of("second")[:n_cached] == blocks_a[:n_cached]
+    assert engine.runner._paged().tables[request.slot, :n_cached].tolist() == blocks_a[:n_cached]
+    while engine.has_unfinished():
+        engine.step()
+    assert request.output_ids == cold[0].output_ids
+    # only the blocks past the hit were taken and zeroed; the hit's blocks kept their K/V, bit for bit
+    assert len(grown) == blocks_for(len(second) + len(request.output_ids)) - n_cached
+    assert not set(grown) & set(blocks_a[:n_cached]) and not set(zeroed) & set(blocks_a[:n_cached])
+    assert torch.equal(kv.k[:, blocks_a[:n_hit]], k0) and torch.equal(kv.v[:, blocks_a[:n_hit]], v0)
+
+
+# --- requests that can never fit -------------------------------------------------------------------------------
+def test_a_request_larger_than_the_pool_is_refused_up_front(tiny_llama):
+    from test_prefix_cache import GREEDY, random_ids
+
+    model = tiny_llama[0].model
+    kv = kv_pool(model, 4 * KVManager.block_bytes(model.cfg, model.dtype))  # 3 blocks: 96 positions
+    engine = LLMEngine(model, EngineConfig(max_num_seqs=2, max_model_len=512), kv=kv)
+    with pytest.raises(InvalidRequestError, match="KV"):
+        engine.add_request("big", random_ids(80, 1), GREEDY)  # 80 + 12 + the draft slack > 96
+    assert not engine.has_unfinished() and "big" not in engine.requests
+    ok = engine.add_request("ok", random_ids(40, 2), GREEDY)  # fits: it runs
+    while engine.has_unfinished():
+        engine.step()
+    assert len(ok.output_ids) == GREEDY.max_tokens and kv.usage == 0
