@@ -191,16 +191,19 @@ def test_stop_strings_are_kept_as_a_tuple(stop, kept):
 
 # --- requests --------------------------------------------------------------------------------------------------
 def test_kv_cache_too_big_is_refused_before_allocating(default_model):
-    """Slots whose caches cannot fit raise OutOfMemoryError up front (here: ~44 TiB of fp32 KV), and so does a
-    draft cache that cannot fit beside the target's."""
+    """A KV cache that cannot fit raises OutOfMemoryError up front (here: 1 PiB of blocks), and so do slots whose
+    state cannot (a token buffer of 10**9 positions per slot), and a draft cache that cannot fit beside them."""
     from magicdec.config import EngineConfig
     from magicdec.drafters import SelfSpecDrafter
     from magicdec.engine import LLMEngine
     from magicdec.scheduler import FixedGamma
     from magicdec.speculative import Speculation
 
-    with pytest.raises(OutOfMemoryError, match="KV caches"):
-        LLMEngine(default_model.model, EngineConfig(max_num_seqs=1, max_model_len=10**9), eos_ids=(2,))
+    with pytest.raises(OutOfMemoryError, match="a KV cache of"):
+        LLMEngine(default_model.model, EngineConfig(kv_cache_bytes=1 << 50), eos_ids=(2,))
+    with pytest.raises(OutOfMemoryError, match="slots of up to"):
+        LLMEngine(default_model.model, EngineConfig(max_num_seqs=64, max_model_len=10**9, kv_cache_bytes=1 << 20),
+                  eos_ids=(2,))
     drafter = SelfSpecDrafter(default_model.model, "streaming", 10**11, 3, True)
     with pytest.raises(OutOfMemoryError, match="draft cache"):
         LLMEngine(default_model.model, EngineConfig(max_num_seqs=1, max_model_len=64), eos_ids=(2,),

@@ -31,6 +31,7 @@ from magicdec.config import EngineConfig, ModelConfig
 from magicdec.drafters import ModelDrafter, SelfSpecDrafter
 from magicdec.engine import LLMEngine
 from magicdec.kv import KVCache
+from magicdec.kv.paged import gather
 from magicdec.kv.sparse import (
     SNAPKV_KERNEL, SnapKVObserver, SparseKVCache, compress_into, prefix_size, rotate_keys, snapkv_index,
     snapkv_window,
@@ -82,6 +83,12 @@ def kv_of(model: Transformer, tokens: list[int]) -> tuple[torch.Tensor, torch.Te
     cache = KVCache(model.cfg, 1, len(tokens), torch.float32, "cpu")
     model(torch.tensor([tokens]), cache)
     return cache.k[:, 0], cache.v[:, 0]
+
+
+def row_kv(pool: torch.Tensor, cache, slot: int, n: int) -> torch.Tensor:
+    """[L, KV, n, hd]: the first n positions of a slot of the engine's paged target cache, read through its table."""
+    table = cache.tables[slot : slot + 1]
+    return torch.stack([gather(pool[layer], table, n)[0] for layer in range(pool.shape[0])])
 
 
 def make_drafter(name: str, target, draft_model, gamma: int, reindex: bool):
@@ -215,8 +222,8 @@ class Monitor:
         tc, c = self.runner.cache, self.d.cache
         assert int(tc.lens[slot]) == int(tc.next_pos[slot]) == n_target
         Kt, Vt = kv_of(self.target, tokens[:n_target])
-        torch.testing.assert_close(tc.k[:, slot, :, :n_target], Kt, **TOL)
-        torch.testing.assert_close(tc.v[:, slot, :, :n_target], Vt, **TOL)
+        torch.testing.assert_close(row_kv(tc.k, tc, slot, n_target), Kt, **TOL)
+        torch.testing.assert_close(row_kv(tc.v, tc, slot, n_target), Vt, **TOL)
         N = int(c.next_pos[slot])
         assert N <= n_target
         self.max_context = max(self.max_context, N)
@@ -405,8 +412,9 @@ def test_target_cache_equals_autoregressive_run(target, draft_model, prompts, na
     for b, n in enumerate(spec.runner.n_tokens.tolist()):
         assert torch.equal(spec.runner.seq[b, :n], ar.runner.seq[b, :n])
         assert int(spec.runner.cache.lens[b]) == n - 1
-        torch.testing.assert_close(spec.runner.cache.k[:, b, :, : n - 1], ar.runner.cache.k[:, b, :, : n - 1], **TOL)
-        torch.testing.assert_close(spec.runner.cache.v[:, b, :, : n - 1], ar.runner.cache.v[:, b, :, : n - 1], **TOL)
+        for spec_pool, ar_pool in ((spec.runner.cache.k, ar.runner.cache.k), (spec.runner.cache.v, ar.runner.cache.v)):
+            torch.testing.assert_close(row_kv(spec_pool, spec.runner.cache, b, n - 1),
+                                       row_kv(ar_pool, ar.runner.cache, b, n - 1), **TOL)
 
 
 # --- RoPE rotations compose --------------------------------------------------------------------------------------
@@ -662,7 +670,7 @@ def test_update_writes_each_row_at_its_own_slots(target, dtype, head_dim):
     cache.attn_mask(q)
     k = torch.randn(3, cfg.n_kv_heads, q, head_dim)
     v = torch.randn(3, cfg.n_kv_heads, q, head_dim)
-    keys, values = cache.update(1, k, v)
+    keys, values, _ = cache.update(1, k, v)
     # 10 of 12 filled: torch's operators attend over the contiguous whole buffer, the native kernel over the prefix
     native = kernels.attends(torch.device("cpu"), dtype, head_dim)
     assert keys.shape == values.shape == (3, cfg.n_kv_heads, 10 if native else 12, head_dim)
