@@ -244,6 +244,18 @@ def gpu_check(*runs: tuple[str, str]) -> str:
     return text(rows) + "\n\n" + text(engine)
 
 
+def capacity() -> str:
+    """bench_capacity.py: the paged KV pool against the slot layout it replaced, at the same KV memory."""
+    from bench_capacity import table
+
+    doc = load("capacity")
+    load_avg = doc["machine"]["loadavg_before"][0], doc["machine"]["loadavg_after"][0]
+    return (f"```\n{table(doc)}\n```\n\nModel: {model(doc)}; {doc['kv_mem_gib']} GiB of {doc['kv_dtype']} K/V "
+            f"({doc['kv_bytes_per_token']} bytes a token): {doc['old_slots']} slots of {doc['old_slot_tokens']} "
+            f"tokens, or a pool of {doc['new_pool_tokens']} tokens; load average {load_avg[0]:.1f} before, "
+            f"{load_avg[1]:.1f} after, on {doc['machine']['cpu_count']} CPUs.")
+
+
 def server_limits() -> str:
     """bench_server_limits.py: a 40 MB prompt against `magicdec serve`, per server configuration."""
     doc = load("server_limits")
@@ -298,7 +310,7 @@ TABLES = {"attention": lambda: attention(False), "attention_prefill": lambda: at
           "gemma_auto_grid": lambda: gemma_auto("auto_grid"),
           "positions": positions, "validate_planner": validate_planner, "paper_comparison": paper_comparison,
           "serving_8k": serving_8k, "chat": lambda: chat("chat"), "chat_shared": lambda: chat("chat_shared"),
-          "prefix_hit": prefix_hit, "server_limits": server_limits, "tp": tp,
+          "prefix_hit": prefix_hit, "server_limits": server_limits, "capacity": capacity, "tp": tp,
           "gpu_check_h200": lambda: gpu_check(("gpu_check_h200", "run 1"), ("gpu_check_h200_graphs", "run 2, graphs"))}
 MODELS = {"cpu_grid": "cpu_grid", "positions": "acceptance"}
 
