@@ -33,13 +33,17 @@ LINEARS = {"wqkv": (576, 960), "wo": (576, 576), "w13": (576, 3072), "w2": (1536
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def interleaved(fns: dict[str, Callable[[], object]], repeats: int, inner: int = 1) -> dict[str, float]:
-    """Median seconds per call of each function, timed in turns after one warm-up call each."""
+def interleaved(fns: dict[str, Callable[[], object]], repeats: int, inner: int = 1,
+                before: Callable[[], object] | None = None) -> dict[str, float]:
+    """Median seconds per call of each function, timed in turns after one warm-up call each; `before` runs (untimed)
+    before each timing."""
     for f in fns.values():
         f()
     times: dict[str, list[float]] = {n: [] for n in fns}
     for _ in range(repeats):
         for n, f in fns.items():
+            if before is not None:
+                before()
             t0 = time.perf_counter()
             for _ in range(inner):
                 f()
