@@ -154,11 +154,11 @@ def serving_8k() -> str:
     return "```\n" + table(load("serving_8k")["results"]) + "\n```"
 
 
-def prefix_hit() -> str:
-    """bench_prefix_hit.py: a prefix-cache hit against the cold prefill it replaces."""
+def prefix_hit(name: str) -> str:
+    """bench_prefix_hit.py: prefix-cache hits against the cold prefill they replace."""
     from bench_prefix_hit import table
 
-    return "```\n" + table(load("prefix_hit")["results"]) + "\n```"
+    return "```\n" + table(load(name)["results"]) + "\n```"
 
 
 def chat(name: str) -> str:
@@ -310,7 +310,8 @@ TABLES = {"attention": lambda: attention(False), "attention_prefill": lambda: at
           "gemma_auto_grid": lambda: gemma_auto("auto_grid"),
           "positions": positions, "validate_planner": validate_planner, "paper_comparison": paper_comparison,
           "serving_8k": serving_8k, "chat": lambda: chat("chat"), "chat_shared": lambda: chat("chat_shared"),
-          "prefix_hit": prefix_hit, "server_limits": server_limits, "capacity": capacity, "tp": tp,
+          "prefix_hit": lambda: prefix_hit("prefix_hit"),
+          "prefix_hit_readers": lambda: prefix_hit("prefix_hit_readers"), "server_limits": server_limits, "capacity": capacity, "tp": tp,
           "gpu_check_h200": lambda: gpu_check(("gpu_check_h200", "run 1"), ("gpu_check_h200_graphs", "run 2, graphs"))}
 MODELS = {"cpu_grid": "cpu_grid", "positions": "acceptance"}
 
