@@ -240,14 +240,22 @@ class Scheduler:
         return step
 
     def _fits(self, request: Request) -> bool:
-        """Whether the pool has the blocks of the request's first prefill chunk beyond its prefix hit (and of its
-        cached blocks that nobody holds now), with the watermark left over."""
+        """Whether the pool has the blocks of the request's whole prompt and first decode round beyond its prefix hit
+        (and its cached blocks that nobody holds now), beside those the prompts being prefilled still need, with the
+        watermark left over. Admitting on a first chunk's blocks alone filled the pool with half-prefilled prompts that
+        then preempted each other, each preemption throwing away prefill work (benchmarks/README.md, "Capacity at the
+        same KV memory")."""
         keys = request.prompt_keys if request.uses_prefix_cache else []
         hit = self.kv.pool.cached_run(keys[: self.kv.cached_prefix(keys)])
-        start = len(hit) * BLOCK_SIZE
-        first_end = prefill_chunks(len(request.prefill_ids), self.prefill_chunk, start)[0][1]
         unheld = sum(self.kv.pool.refs[b] == 0 for b in hit)
-        return blocks_for(first_end) - len(hit) + unheld + self.watermark <= self.kv.num_free
+        need = self._missing(request, len(request.prefill_ids)) - len(hit) + unheld
+        promised = sum(self._missing(r, len(r.prefill_ids)) for r in self.active if r.status is Status.PREFILLING)
+        watermark = self.watermark if self.active else 0  # alone, a request may take the whole pool
+        return need + promised + watermark <= self.kv.num_free
+
+    def _missing(self, request: Request, tokens: int) -> int:
+        """Blocks the request lacks for `tokens` prompt tokens and a decode round after them."""
+        return self.kv.missing(request.request_id, tokens + self.lookahead)
 
     def _grow(self, step: ScheduledStep) -> list[tuple[Request, int, list[int]]]:
         """Give each request holding a slot, oldest first, the blocks of its work in this step: its prefill chunks

@@ -104,14 +104,16 @@ class BlockPool:
 
     def release(self, blocks: Sequence[int]) -> None:
         """A request lets its blocks go, last first: a keyed block stays cached (the chain's tail evicted first), any
-        other is free."""
+        other is free, queued in ascending order (runs stay runs for the next request)."""
+        free = []
         for block in reversed(blocks):
             self.refs[block] -= 1
             if self.refs[block] == 0:
                 if block in self.key_of:
                     self.evictable[block] = None
                 else:
-                    self.free_ids.append(block)
+                    free.append(block)
+        self.free_ids.extend(sorted(free))
 
     def register(self, block: int, key: bytes) -> None:
         """`block` is full and holds the prefix that `key` names (kept only where no other block holds it)."""
@@ -204,11 +206,16 @@ class KVManager:
         if num_blocks < 2:
             raise ValueError(f"a KV pool needs at least 2 blocks (one is the null block), got {num_blocks}")
         self.cfg, self.dtype, self.caching = cfg, dtype, caching
-        shape = storage_shape(cfg, num_blocks)
+        layers, blocks, heads, size, head_dim = storage_shape(cfg, num_blocks)
         # Uninitialized: memory is touched as blocks are used. The runner zeroes a block before a request writes it
         # (a masked position's value meets a probability of 0, which must not meet a NaN), and the null block here.
-        self.k = torch.empty(shape, dtype=dtype, device=device)
-        self.v = torch.empty(shape, dtype=dtype, device=device)
+        # Head-major in memory, seen as [layers, blocks, KV, ...]: a KV head's consecutive blocks lie side by side, so
+        # a request's blocks taken in a run are one run per head to the attention kernel (blocks holding every head
+        # read 16-20% slower than contiguous rows, head-major ones in order 2-5%; benchmarks/README.md, "Paged K/V:
+        # block size, allocation order, pool layout").
+        memory = (layers, heads, blocks, size, head_dim)
+        self.k = torch.empty(memory, dtype=dtype, device=device).transpose(1, 2)
+        self.v = torch.empty(memory, dtype=dtype, device=device).transpose(1, 2)
         self.k[:, NULL_BLOCK].zero_()
         self.v[:, NULL_BLOCK].zero_()
         self.pool = BlockPool(num_blocks)
