@@ -386,9 +386,12 @@ class LLM:
         return self._engine
 
     def free_engine(self) -> None:
-        """Drop the engine and its caches (the next call builds one)."""
+        """Drop the engine and its caches (the next call builds one); the blocks of requests it still held (a run
+        interrupted midway) go back to the pool, their full blocks cached."""
         if self._engine is not None:
             self._engine.runner.use_drafter(None)
+            for request_id in list(self.kv.held):
+                self.kv.free(request_id)
             self._engine = None
 
     def _slots_that_fit(self, config: EngineConfig, speculation: Speculation | None) -> int:

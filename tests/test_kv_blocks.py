@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from conftest import kv_pool, run_engine
 from magicdec.config import EngineConfig, ModelConfig
-from magicdec.engine import LLMEngine, resolve_config
+from magicdec.engine import LLM, LLMEngine, resolve_config
 from magicdec.errors import InvalidRequestError
 from magicdec.kv.blocks import BLOCK_SIZE, NULL_BLOCK, KVManager, block_keys, blocks_for
 from magicdec.sampling import SamplingParams
@@ -252,3 +252,15 @@ def test_a_request_larger_than_the_pool_is_refused_up_front(tiny_llama):
     while engine.has_unfinished():
         engine.step()
     assert len(ok.output_ids) == GREEDY.max_tokens and kv.usage == 0
+
+
+def test_dropping_an_engine_midway_gives_its_blocks_back(tiny_llama):
+    """An engine dropped with a request still running (an interrupted run) leaves no block held in the LLM's pool,
+    which outlives it."""
+    llm = LLM(tiny_llama[0].source, device="cpu", dtype="fp32", kv_cache_gb=0.01)
+    engine = llm.engine(max_num_seqs=2, max_model_len=128)
+    engine.add_request("a", list(range(3, 70)), SamplingParams(max_tokens=8, ignore_eos=True))
+    engine.step()
+    assert llm.kv.usage > 0
+    llm.free_engine()
+    assert llm.kv.num_free == llm.kv.num_blocks - 1 and not llm.kv.held
