@@ -87,20 +87,27 @@ def old_checkout(commit: str) -> Iterator[Path]:
         subprocess.run([*git, "worktree", "remove", "--force", str(path)], check=False)
 
 
+def magicdec_command(root: Path | None) -> tuple[list[str], dict]:
+    """`python -m magicdec` of the checkout `root` (None: this tree) and its environment."""
+    if root is None:
+        return [sys.executable, "-m", "magicdec"], {"PYTHONPATH": os.pathsep.join([str(ROOT),
+                                                                                   os.environ.get("PYTHONPATH", "")])}
+    # sys.path[0] is the working directory (this tree) under -m: the old checkout goes before it
+    boot = f"import runpy, sys; sys.path.insert(0, {str(root)!r}); runpy.run_module('magicdec', " \
+           "run_name='__main__', alter_sys=True)"
+    return [sys.executable, "-c", boot], {"PYTHONPATH": str(root)}
+
+
 def server_command(layout: str, draft: str, port: int, args, old_root: Path | None) -> tuple[list[str], dict]:
     """The `magicdec serve` command line of a layout and its environment."""
     common = ["serve", "--port", str(port), "--draft", draft, "--max-model-len", str(args.max_model_len),
               "--max-queued", str(2 * args.num_prompts + 8), "--log-level", "warning"]
     if layout == "old":
-        # sys.path[0] is the working directory (this tree) under -m: the old checkout goes before it
-        boot = f"import runpy, sys; sys.path.insert(0, {str(old_root)!r}); runpy.run_module('magicdec', " \
-               "run_name='__main__', alter_sys=True)"
-        cmd = [sys.executable, "-c", boot, *common, "--max-running", str(args.old_slots),
-               "--prefix-cache-gb", str(args.old_prefix_cache_gb)]
-        return cmd, {"PYTHONPATH": str(old_root)}
-    cmd = [sys.executable, "-m", "magicdec", *common, "--max-running", str(args.new_max_running),
-           "--kv-cache-gb", str(args.kv_mem_gb)]
-    return cmd, {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+        cmd, env = magicdec_command(old_root)
+        return [*cmd, *common, "--max-running", str(args.old_slots), "--prefix-cache-gb",
+                str(args.old_prefix_cache_gb)], env
+    cmd, env = magicdec_command(None)
+    return [*cmd, *common, "--max-running", str(args.new_max_running), "--kv-cache-gb", str(args.kv_mem_gb)], env
 
 
 def pool_tokens(rows: list[dict]) -> int | None:

@@ -244,6 +244,13 @@ def gpu_check(*runs: tuple[str, str]) -> str:
     return text(rows) + "\n\n" + text(engine)
 
 
+def layouts(name: str) -> str:
+    """bench_layouts.py: decode throughput of the paged layout against the per-slot one, alternated."""
+    from bench_layouts import table
+
+    return "```\n" + table(load(name)) + "\n```"
+
+
 def capacity() -> str:
     """bench_capacity.py: the paged KV pool against the slot layout it replaced, at the same KV memory."""
     from bench_capacity import table
@@ -311,7 +318,9 @@ TABLES = {"attention": lambda: attention(False), "attention_prefill": lambda: at
           "positions": positions, "validate_planner": validate_planner, "paper_comparison": paper_comparison,
           "serving_8k": serving_8k, "chat": lambda: chat("chat"), "chat_shared": lambda: chat("chat_shared"),
           "prefix_hit": lambda: prefix_hit("prefix_hit"),
-          "prefix_hit_readers": lambda: prefix_hit("prefix_hit_readers"), "server_limits": server_limits, "capacity": capacity, "tp": tp,
+          "prefix_hit_readers": lambda: prefix_hit("prefix_hit_readers"), "server_limits": server_limits,
+          "capacity": capacity, "layouts": lambda: layouts("layouts"),
+          "layouts_gemma": lambda: layouts("layouts_gemma"), "tp": tp,
           "gpu_check_h200": lambda: gpu_check(("gpu_check_h200", "run 1"), ("gpu_check_h200_graphs", "run 2, graphs"))}
 MODELS = {"cpu_grid": "cpu_grid", "positions": "acceptance"}
 
