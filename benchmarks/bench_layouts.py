@@ -56,7 +56,8 @@ def table(doc: dict) -> str:
         old, new = (statistics.median(runs[layout]) for layout in LAYOUTS)
         rows.append({"run": key, "old tok/s": f"{old:.1f}", "new tok/s": f"{new:.1f}", "new / old": f"{new / old:.3f}",
                      "rounds": len(runs["new"])})
-    return format_table(rows) + f"\n\n{doc['settings']}"
+    settings = ", ".join(f"{k} {v}" for k, v in doc["settings"].items() if v is not None)
+    return format_table(rows) + f"\n\n{settings}"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
