@@ -1,8 +1,8 @@
 """The scheduler: which requests run each step, and how (policy; the runner is the mechanism).
 
 Requests wait in arrival order for a free slot (a cap on concurrent requests: slots hold small per-request state) and
-for KV blocks (`magicdec.kv.blocks.KVManager`): a request is admitted when the pool has the blocks of its first
-prefill chunk beyond its prefix hit, plus a watermark. An admitted request's prompt is prefilled in chunks, at most
+for KV blocks (`magicdec.kv.blocks.KVManager`): a request is admitted when the pool has the blocks of its whole prompt
+and first decode round beyond its prefix hit, beside those the prompts being prefilled still need, plus a watermark. An admitted request's prompt is prefilled in chunks, at most
 `max_prefill_tokens` per step across requests, interleaved with the decode rounds of the running ones, so a long
 arrival does not stall the streams already running (a standalone draft model prefills the same chunks in the same
 steps). Blocks are taken as requests grow: each prefill chunk's, and each decode round's lookahead (the longest draft
@@ -246,7 +246,7 @@ class Scheduler:
         then preempted each other, each preemption throwing away prefill work (benchmarks/README.md, "Capacity at the
         same KV memory")."""
         keys = request.prompt_keys if request.uses_prefix_cache else []
-        hit = self.kv.pool.cached_run(keys[: self.kv.cached_prefix(keys)])
+        hit = self.kv.hit_blocks(keys)
         unheld = sum(self.kv.pool.refs[b] == 0 for b in hit)
         need = self._missing(request, len(request.prefill_ids)) - len(hit) + unheld
         promised = sum(self._missing(r, len(r.prefill_ids)) for r in self.active if r.status is Status.PREFILLING)

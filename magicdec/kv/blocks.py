@@ -256,10 +256,14 @@ class KVManager:
         n = len(self.pool.cached_run(keys))
         return n if self.windows is None else self.windows.usable_prefix(keys, n)
 
+    def hit_blocks(self, keys: Sequence[bytes]) -> list[int]:
+        """The blocks a hit on `keys` (a prompt's chain) would map now; nothing is held or counted."""
+        return self.pool.cached_run(keys[: self.cached_prefix(keys)])
+
     def match(self, request_id: str, keys: Sequence[bytes], n_tokens: int) -> list[int]:
         """Start `request_id`'s blocks with the longest cached prefix of `keys` (its prompt of n_tokens tokens),
         held from now on; counts the query and the hit. Returns the hit's blocks."""
-        blocks = self.pool.cached_run(keys[: self.cached_prefix(keys)])
+        blocks = self.hit_blocks(keys)
         self.pool.hold(blocks)
         self.held[request_id] = list(blocks)
         self.keyed[request_id] = list(keys[: len(blocks)])
@@ -316,5 +320,4 @@ class KVManager:
 
 def storage_shape(cfg: ModelConfig, num_blocks: int) -> tuple[int, ...]:
     """[layers, blocks, KV heads, BLOCK_SIZE, head_dim] of the layers whose K/V grow with the context."""
-    n_layers = len(cfg.layers_of(GLOBAL)) if cfg.hybrid else cfg.n_layers
-    return n_layers, num_blocks, cfg.n_kv_heads, BLOCK_SIZE, cfg.head_dim
+    return len(cfg.layers_of(GLOBAL)), num_blocks, cfg.n_kv_heads, BLOCK_SIZE, cfg.head_dim

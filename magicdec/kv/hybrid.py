@@ -171,18 +171,19 @@ def make_cache(cfg: ModelConfig, batch: int, capacity: int, dtype: torch.dtype, 
     if not cfg.hybrid:
         return KVCache(cfg, batch, capacity, dtype, device)
     full = KVCache(kind_config(cfg, GLOBAL), batch, capacity, dtype, device)
-    window = WindowKVCache(kind_config(cfg, SLIDING), batch, ring_size(cfg, capacity, max_q), cfg.sliding_window,
-                           dtype, device)
-    return HybridCache(cfg, full, window)
+    return HybridCache(cfg, full, window_ring(cfg, batch, capacity, max_q, dtype, device))
+
+
+def window_ring(cfg: ModelConfig, rows: int, capacity: int, max_q: int, dtype: torch.dtype,
+                device: torch.device | str) -> WindowKVCache:
+    """The sliding layers' ring of `rows` rows of up to `capacity` positions, for forwards of up to max_q tokens."""
+    return WindowKVCache(kind_config(cfg, SLIDING), rows, ring_size(cfg, capacity, max_q), cfg.sliding_window, dtype,
+                         device)
 
 
 def cache_bytes(cfg: ModelConfig, batch: int, capacity: int, dtype: torch.dtype, max_q: int) -> int:
     """Bytes `make_cache` allocates (memory is planned before it is allocated)."""
-    if not cfg.hybrid:
-        return KVCache.nbytes(cfg, batch, capacity, dtype)
-    ring = ring_size(cfg, capacity, max_q)
-    return (KVCache.nbytes(kind_config(cfg, GLOBAL), batch, capacity, dtype)
-            + KVCache.nbytes(kind_config(cfg, SLIDING), batch, ring, dtype) + 8 * batch * ring)
+    return KVCache.nbytes(global_config(cfg), batch, capacity, dtype) + ring_bytes(cfg, batch, capacity, dtype, max_q)
 
 
 def paged_cache(cfg: ModelConfig, kv: KVManager, rows: int, capacity: int,
@@ -192,9 +193,7 @@ def paged_cache(cfg: ModelConfig, kv: KVManager, rows: int, capacity: int,
     full = PagedKVCache(global_config(cfg), kv.k, kv.v, rows, blocks_for(capacity))
     if not cfg.hybrid:
         return full
-    window = WindowKVCache(kind_config(cfg, SLIDING), rows, ring_size(cfg, capacity, max_q), cfg.sliding_window,
-                           kv.dtype, kv.k.device)
-    return HybridCache(cfg, full, window)
+    return HybridCache(cfg, full, window_ring(cfg, rows, capacity, max_q, kv.dtype, kv.k.device))
 
 
 def ring_bytes(cfg: ModelConfig, rows: int, capacity: int, dtype: torch.dtype, max_q: int) -> int:
