@@ -8,8 +8,8 @@ the commit before the paged cache (`--old-commit`, 8e2acd4: every slot a contigu
 this tree (K/V in 32-token blocks read through block tables), alternately, `--rounds` times each, and compares their
 decode throughput: the median over rounds of each layout, and new / old. The rows of a batch tile `--distinct-prompts`
 prefilled prompts, as `magicdec bench` does; the old layout copies them into each slot, the new one maps the same
-blocks into every row that shares them. Writes JSON with machine info and load (benchmarks/results/layouts.json by
-default); prints a table. Run it alone on the machine.
+blocks into every row that shares them. Writes the run, with its load, into benchmarks/results/layouts.json (one run
+per model and shape, the others kept) with the machine info; prints the file's table. Run it alone on the machine.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import torch  # noqa: E402
 from bench_capacity import magicdec_command, old_checkout  # noqa: E402
 from magicdec.calibrate.machine import machine_info  # noqa: E402
 from magicdec.planner.report import format_table  # noqa: E402
+from tables import save_run  # noqa: E402
 
 LAYOUTS = ("old", "new")
 
@@ -51,13 +52,14 @@ def bench_once(layout: str, root: Path | None, args, out: Path) -> dict[str, flo
 
 
 def table(doc: dict) -> str:
+    """Every run of the results file: a row per drafter and mode."""
     rows = []
-    for key, runs in doc["results"].items():
-        old, new = (statistics.median(runs[layout]) for layout in LAYOUTS)
-        rows.append({"run": key, "old tok/s": f"{old:.1f}", "new tok/s": f"{new:.1f}", "new / old": f"{new / old:.3f}",
-                     "rounds": len(runs["new"])})
-    settings = ", ".join(f"{k} {v}" for k, v in doc["settings"].items() if v is not None)
-    return format_table(rows) + f"\n\n{settings}"
+    for label, run in doc["runs"].items():
+        for key, tok_s in run["results"].items():
+            old, new = (statistics.median(tok_s[layout]) for layout in LAYOUTS)
+            rows.append({"run": label, "decode": key, "old tok/s": f"{old:.1f}", "new tok/s": f"{new:.1f}",
+                         "new / old": f"{new / old:.3f}", "rounds": len(tok_s["new"])})
+    return format_table(rows)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -72,7 +74,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=2, help="runs of each layout, alternated")
     p.add_argument("--old-commit", default="8e2acd4", help="the per-slot layout's commit")
     p.add_argument("--corpus", default=str(HERE.parents[1] / "shared/data/pg19_dev.jsonl"))
-    p.add_argument("--out", default=str(HERE / "results/layouts.json"))
+    p.add_argument("--out", default=str(HERE / "results/layouts.json"),
+                   help="results JSON (this model and shape's run replaces its last, other runs stay)")
     return p.parse_args(argv)
 
 
@@ -90,8 +93,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"round {round_} {layout}: {got}", flush=True)
     load.append(os.getloadavg())
     settings = {k: v for k, v in vars(args).items() if k not in ("out", "corpus")}
-    doc = {"machine": machine_info(torch.device("cpu")), "settings": settings, "load_avg": load, "results": results}
-    Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
+    label = f"{args.model or 'smollm2-135m'} B={args.batch} x {args.context} ({args.distinct_prompts} prompts)"
+    doc = save_run(Path(args.out), label, {"settings": settings, "load_avg": load, "results": results},
+                   machine_info(torch.device("cpu")))
     print(table(doc))
     print(f"wrote {args.out}")
     return 0

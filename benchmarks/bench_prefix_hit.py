@@ -1,8 +1,7 @@
 """What a prefix-cache hit costs against the cold prefill it replaces.
 
     PYTHONPATH=. python benchmarks/bench_prefix_hit.py [--contexts 2048,4096,8160] [--repeats 3] [--threads N]
-    PYTHONPATH=. python benchmarks/bench_prefix_hit.py --model gemma3-270m --contexts 30000 --readers 16 --repeats 1 \
-        --out benchmarks/results/prefix_hit_readers.json
+    PYTHONPATH=. python benchmarks/bench_prefix_hit.py --model gemma3-270m --contexts 30000 --readers 16 --repeats 1
 
 For each context length, one PG-19 document of that many tokens is sent through `LLM.generate` for one token, cold
 (prefix cache cleared first); then `--readers` requests for one token each, all at once, the document followed by a
@@ -11,14 +10,13 @@ document's cached blocks into its block table (whole blocks, short of the observ
 prefills the rest. Cold and hit runs alternate `--repeats` times.
 Reported: the median cold prefill, the readers' median and largest time to first token, and the hit's share of the
 cold prefill (targets: at most 2% at 8k for one reader; at most 1/20 for 16 readers of a 30k document).
-Writes JSON with the machine info, dtype and kernel path (benchmarks/results/prefix_hit.json by default); prints a
-table.
+Writes the run, with the dtype and kernel path, into benchmarks/results/prefix_hit.json (one run per model and
+reader count, the others kept) with the machine info; prints the file's table.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -36,6 +34,7 @@ from magicdec.engine import LLM  # noqa: E402
 from magicdec.loading import model_identity  # noqa: E402
 from magicdec.planner.report import format_table  # noqa: E402
 from magicdec.sampling import SamplingParams  # noqa: E402
+from tables import save_run  # noqa: E402
 
 ONE_TOKEN = SamplingParams(max_tokens=1, ignore_eos=True)
 
@@ -68,10 +67,13 @@ def measure(llm: LLM, doc: list[int], questions: list[list[int]], repeats: int) 
     return out
 
 
-def table(rows: list[dict]) -> str:
-    return format_table([{"tokens": r["tokens"], "readers": r["readers"], "cached": r["cached_tokens"],
-                          "cold prefill s": f"{r['cold_s']:.2f}", "hit TTFT s": f"{r['hit_s']:.3f}",
-                          "max": f"{r['hit_max_s']:.3f}", "hit / cold": f"{r['hit_share']:.2%}"} for r in rows])
+def table(doc: dict) -> str:
+    """Every run of the results file: a row per document length."""
+    return format_table([{"model": run["model"]["name"], "tokens": r["tokens"], "readers": r["readers"],
+                          "cached": r["cached_tokens"], "cold prefill s": f"{r['cold_s']:.2f}",
+                          "hit TTFT s": f"{r['hit_s']:.3f}", "max": f"{r['hit_max_s']:.3f}",
+                          "hit / cold": f"{r['hit_share']:.2%}"}
+                         for run in doc["runs"].values() for r in run["results"]])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -82,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", help="model (default: the embedded SmolLM2-135M)")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     p.add_argument("--corpus", default=str(ROOT.parent / "shared/data/pg19_dev.jsonl"), help="PG-19 JSON lines")
-    p.add_argument("--out", default=str(ROOT / "benchmarks/results/prefix_hit.json"), help="results JSON")
+    p.add_argument("--out", default=str(ROOT / "benchmarks/results/prefix_hit.json"),
+                   help="results JSON (this model and reader count's run replaces theirs, other runs stay)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -92,12 +95,12 @@ def main(argv: list[str] | None = None) -> int:
     questions = [q[1:] for q in cut_prompts(llm.tokenizer, texts[1:], args.readers, 49)] if args.readers > 1 else [[]]
     rows = [measure(llm, cut_prompts(llm.tokenizer, texts, 1, int(n))[0], questions, args.repeats)
             for n in args.contexts.split(",")]
-    doc = {"machine": machine_info(llm.model.device), "threads": torch.get_num_threads(),
-           "dtype": str(llm.model.dtype), "kv_dtype": str(llm.kv_dtype), "attention": llm.attention,
-           "kernels": llm.kernels, "model": model_identity(llm.loaded.source), "repeats": args.repeats,
+    model = model_identity(llm.loaded.source)
+    run = {"threads": torch.get_num_threads(), "dtype": str(llm.model.dtype), "kv_dtype": str(llm.kv_dtype),
+           "attention": llm.attention, "kernels": llm.kernels, "model": model, "repeats": args.repeats,
            "load_avg": os.getloadavg(), "results": rows}
-    Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
-    print(table(rows))
+    doc = save_run(Path(args.out), f"{model['name']} x{args.readers}", run, machine_info(llm.model.device))
+    print(table(doc))
     print(f"wrote {args.out}")
     return 0
 

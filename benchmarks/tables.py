@@ -41,6 +41,16 @@ def load(name: str) -> dict:
     return json.loads(path.read_text())
 
 
+def save_run(path: Path, label: str, run: dict, machine: dict) -> dict:
+    """Put `run` under `label` in the result file `path` (its other runs kept: one file per benchmark, a run per
+    model or shape) with this machine's info; returns the file's document."""
+    doc = json.loads(path.read_text()) if path.exists() else {}
+    doc["machine"] = machine
+    doc.setdefault("runs", {})[label] = run
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+    return doc
+
+
 def text(rows: list[dict]) -> str:
     """Rows as a fenced table, a column for every key of any row (in the order first met)."""
     return "```\n" + format_table(rows, list(dict.fromkeys(k for row in rows for k in row))) + "\n```"
@@ -154,11 +164,11 @@ def serving_8k() -> str:
     return "```\n" + table(load("serving_8k")["results"]) + "\n```"
 
 
-def prefix_hit(name: str) -> str:
+def prefix_hit() -> str:
     """bench_prefix_hit.py: prefix-cache hits against the cold prefill they replace."""
     from bench_prefix_hit import table
 
-    return "```\n" + table(load(name)["results"]) + "\n```"
+    return "```\n" + table(load("prefix_hit")) + "\n```"
 
 
 def chat(name: str) -> str:
@@ -244,11 +254,11 @@ def gpu_check(*runs: tuple[str, str]) -> str:
     return text(rows) + "\n\n" + text(engine)
 
 
-def layouts(name: str) -> str:
+def layouts() -> str:
     """bench_layouts.py: decode throughput of the paged layout against the per-slot one, alternated."""
     from bench_layouts import table
 
-    return "```\n" + table(load(name)) + "\n```"
+    return "```\n" + table(load("layouts")) + "\n```"
 
 
 def capacity() -> str:
@@ -317,10 +327,8 @@ TABLES = {"attention": lambda: attention(False), "attention_prefill": lambda: at
           "gemma_auto_grid": lambda: gemma_auto("auto_grid"),
           "positions": positions, "validate_planner": validate_planner, "paper_comparison": paper_comparison,
           "serving_8k": serving_8k, "chat": lambda: chat("chat"), "chat_shared": lambda: chat("chat_shared"),
-          "prefix_hit": lambda: prefix_hit("prefix_hit"),
-          "prefix_hit_readers": lambda: prefix_hit("prefix_hit_readers"), "server_limits": server_limits,
-          "capacity": capacity, "layouts": lambda: layouts("layouts"),
-          "layouts_gemma": lambda: layouts("layouts_gemma"), "tp": tp,
+          "prefix_hit": prefix_hit, "server_limits": server_limits,
+          "capacity": capacity, "layouts": layouts, "tp": tp,
           "gpu_check_h200": lambda: gpu_check(("gpu_check_h200", "run 1"), ("gpu_check_h200_graphs", "run 2, graphs"))}
 MODELS = {"cpu_grid": "cpu_grid", "positions": "acceptance"}
 
