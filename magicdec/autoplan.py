@@ -172,7 +172,8 @@ def _workload(model: Transformer | ModelShape, hw: HardwareProfile, batch: int, 
                 shape, tp = target_shape(model.full_cfg), group.world_size
     if dtype is None:  # planning from a shape: the profile's dtype, else the device's usual one
         dtype = hw.dtype or (4 if hw.name.startswith(("cpu", "calibrated-cpu")) else 2)
-    return Workload(shape, hw, batch, context, dtypes.nbytes(dtype), dtypes.nbytes(kv_dtype or dtype), tp)
+    return Workload(shape, hw, batch, context, dtypes.nbytes(dtype), dtypes.kv_nbytes(kv_dtype or dtype, shape.head_dim),
+                    tp)
 
 
 def _replanner(work: Workload, table: AcceptanceTable, best: Plan, gammas: list[int], mode: str,

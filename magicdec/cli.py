@@ -108,7 +108,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", choices=["auto", "fp32", "bf16", "fp16"], default="auto",
                    help="weights, activations and KV dtype (default auto: bf16 on CUDA and on CPUs with AMX-BF16 "
                         "or AVX512-BF16, fp32 on other CPUs)")
-    g.add_argument("--kv-dtype", choices=["fp32", "bf16", "fp16"], help="KV cache storage dtype (default: the compute dtype)")
+    g.add_argument("--kv-cache-dtype", choices=["auto", "fp32", "bf16", "fp16", "int8", "fp8"], default="auto",
+                   help="KV cache storage (default auto: the compute dtype, or the 16-bit storage of the AVX2 "
+                        "kernels); int8 (a scale per cached row, read by the native CPU kernel) and fp8 (e4m3) "
+                        "halve the bytes of bf16 at the cost of their rounding")
     g.add_argument("--prefill-chunk", type=positive_int, default=512, help="prompt tokens per prefill forward (default 512)")
     g.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="prefill every prompt in full instead of reusing the K/V of an earlier request's shared prefix "
@@ -121,7 +124,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 def llm_options(args: argparse.Namespace) -> dict:
     """The `LLM` keyword arguments of the model options (add_model_args)."""
-    return {"device": args.device, "dtype": args.dtype, "kv_dtype": args.kv_dtype, "prefill_chunk": args.prefill_chunk,
+    return {"device": args.device, "dtype": args.dtype, "kv_cache_dtype": args.kv_cache_dtype, "prefill_chunk": args.prefill_chunk,
             "enable_prefix_caching": args.prefix_caching, "kv_cache_gb": args.kv_cache_gb}
 
 

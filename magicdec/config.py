@@ -192,10 +192,11 @@ class ModelConfig:
             raise ConfigFieldError("rope_scaling", f"needs 'original_max_position_embeddings', a positive integer "
                                                    f"(got {old_ctx!r})")
 
-    def kv_bytes_per_token(self, element_size: int, kind: str | None = None) -> int:
-        """Bytes of K and V that one token occupies in a cache, over all layers (or the layers of one kind)."""
+    def kv_bytes_per_token(self, element_size: float, kind: str | None = None) -> int:
+        """Bytes of K and V that one token occupies in a cache, over all layers (or the layers of one kind), at
+        `element_size` bytes per value (`magicdec.kv.quant.element_bytes`: an int8 row's scale included)."""
         layers = self.n_layers if kind is None else len(self.layers_of(kind))
-        return 2 * layers * self.n_kv_heads * self.head_dim * element_size
+        return round(2 * layers * self.n_kv_heads * self.head_dim * element_size)
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":

@@ -13,6 +13,10 @@ BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 #: Short name -> attribute of the torch module.
 TORCH_NAMES = {short: long for long, short in ALIASES.items()}
+#: KV-cache-only dtypes (magicdec.kv.quant), short name -> attribute of the torch module.
+KV_ONLY = {"int8": "int8", "fp8": "float8_e4m3fn"}
+#: Bytes of an int8 cache row's scale, after its head_dim values.
+INT8_SCALE_BYTES = 4
 
 
 def short_name(dtype: Any) -> str | None:
@@ -20,6 +24,22 @@ def short_name(dtype: Any) -> str | None:
     key = str(dtype).lower().removeprefix("torch.")
     key = ALIASES.get(key, key)
     return key if key in BYTES else None
+
+
+def kv_short_name(dtype: Any) -> str | None:
+    """`short_name`, or int8 / fp8 for the 8-bit KV cache dtypes; None for anything else."""
+    key = str(dtype).lower().removeprefix("torch.")
+    by_torch = {long: short for short, long in KV_ONLY.items()}
+    return by_torch.get(key, key if key in KV_ONLY else short_name(dtype))
+
+
+def kv_nbytes(dtype: Any, head_dim: int) -> float:
+    """Bytes per K or V value of a cache of this dtype (a name, a torch dtype or a number of bytes), an int8 row's
+    scale included."""
+    name = kv_short_name(dtype)
+    if name == "int8":
+        return 1 + INT8_SCALE_BYTES / head_dim
+    return 1.0 if name == "fp8" else nbytes(dtype)
 
 
 def nbytes(dtype: Any) -> float:

@@ -56,6 +56,20 @@ def parse_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
     return getattr(torch, dtypes.TORCH_NAMES[short])
 
 
+def parse_kv_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
+    """A KV cache dtype name (`parse_dtype`'s, or int8 / fp8: magicdec.kv.quant) -> torch dtype; None and "auto" ->
+    None (the engine decides: `resolve_config`)."""
+    if isinstance(name, str) and name.lower() in dtypes.KV_ONLY:
+        return getattr(torch, dtypes.KV_ONLY[name.lower()])
+    if isinstance(name, torch.dtype) and dtypes.kv_short_name(name) in dtypes.KV_ONLY:
+        return name
+    try:
+        return parse_dtype(name)
+    except InvalidRequestError:
+        raise InvalidRequestError(f"unknown KV cache dtype {name!r}; choose from auto, "
+                                  f"{', '.join([*dtypes.BYTES, *dtypes.KV_ONLY])}") from None
+
+
 @dataclass
 class RequestOutput:
     """The result for one prompt."""
@@ -256,7 +270,7 @@ class LLM:
         *,
         device: str | None = None,
         dtype: str | torch.dtype | None = None,
-        kv_dtype: str | torch.dtype | None = None,
+        kv_cache_dtype: str | torch.dtype | None = None,
         prefill_chunk: int = 512,
         max_num_seqs: int = 256,
         max_model_len: int | None = None,
@@ -266,7 +280,10 @@ class LLM:
     ):
         """`max_model_len`: most prompt + output tokens of a request (None: the model's context); `max_num_seqs`: most
         requests running at once. `kv_cache_gb`: the KV blocks' memory, shared by the running requests as they grow
-        and by the cached prefixes (None: half the memory available after the model loads).
+        and by the cached prefixes (None: half the memory available after the model loads). `kv_cache_dtype`: the KV
+        cache's storage, "auto" (None: the model's dtype, or the native kernels' 16-bit storage), fp32, bf16, fp16, or
+        8-bit: int8 (a scale per cached row; the native CPU kernel reads it where it runs) or fp8 (e4m3, unscaled), at
+        half the bytes of bf16 and their rounding (magicdec.kv.quant).
         `enable_prefix_caching`: reuse the K/V blocks of earlier requests' prompts and outputs (kept across generate
         calls while the pool has room). `tp`: run this process as one rank of a tensor-parallel group that torchrun
         launched (see magicdec.distributed); None: when the launcher started more than one process. Every rank must
@@ -276,7 +293,7 @@ class LLM:
             raise InvalidRequestError(f"kv_cache_gb must be a positive number of GiB, got {kv_cache_gb!r}")
         kv_bytes = None if kv_cache_gb is None else int(kv_cache_gb * 2**30)
         config = EngineConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len, prefill_chunk=prefill_chunk,
-                              kv_dtype=parse_dtype(kv_dtype), enable_prefix_caching=enable_prefix_caching,
+                              kv_dtype=parse_kv_dtype(kv_cache_dtype), enable_prefix_caching=enable_prefix_caching,
                               kv_cache_bytes=kv_bytes)
         tp = launched_world_size() > 1 if tp is None else tp
         group = init_tp(device) if tp else None

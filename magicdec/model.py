@@ -19,6 +19,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from magicdec import kernels
 from magicdec.config import GLOBAL, SLIDING, ModelConfig
+from magicdec.kv import quant
 from magicdec.kv.paged import gather
 
 # Called with (layer index, rotated queries [B, H, q, hd], keys [B, KV, L, hd], mask [B, 1, q, L]).
@@ -110,24 +111,27 @@ def weight_dtype(model: Transformer) -> torch.dtype:
 CUDA_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
-def attention_bias(mask: Tensor, groups: int, kv_dtype: torch.dtype) -> Tensor:
-    """Bool mask [B, 1, q, L] -> additive bias [B, 1, groups*q, L] (0 or -inf) for grouped queries, in the cache's
-    dtype (on CPU an additive bias is markedly faster than a bool mask for SDPA). Built once per forward; groups 1
+def attention_bias(mask: Tensor, groups: int, dtype: torch.dtype) -> Tensor:
+    """Bool mask [B, 1, q, L] -> additive bias [B, 1, groups*q, L] (0 or -inf) for grouped queries, in the dtype
+    attention computes in (`quant.attention_dtype`; on CPU an additive bias is markedly faster than a bool mask for SDPA). Built once per forward; groups 1
     for the native kernel, which maps a KV head's G*q query rows to the q rows itself (at B=32 x 32k the repeat
     alone cost a Gemma 3 verification forward 18 ms)."""
-    bias = torch.zeros(mask.shape, dtype=kv_dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+    bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
     return bias.repeat(1, 1, groups, 1) if groups > 1 else bias
 
 
 def attend(xq: Tensor, keys: Tensor, values: Tensor, bias: Tensor, table: Tensor | None = None) -> Tensor:
-    """Attention of queries [B, KV, G*q, hd] (the model's dtype) over K/V [B, KV, L, hd], or over a block pool read
-    through `table` (see `Cache.update`), with an additive bias [B, 1, *, L] from `attention_bias`; returns [B, KV,
-    G*q, hd], fp32 from the native kernel, else the cache's dtype. The native kernel reads the blocks in place;
-    torch's operators attend over a gathered copy."""
+    """Attention of queries [B, KV, G*q, hd] (the model's dtype) over cached K/V [B, KV, L, row], or over a block
+    pool read through `table` (see `Cache.update`), with an additive bias [B, 1, *, L] from `attention_bias`; returns
+    [B, KV, G*q, hd], fp32 from the native kernel, else the bias's dtype. The native kernel reads the blocks (and
+    8-bit rows) in place; torch's operators attend over a gathered copy, converted back from 8 bits
+    (`magicdec.kv.quant`)."""
     if kernels.takes(xq, keys, values, bias, table):
         return kernels.decode_attention(xq, keys, values, bias, table)  # queries as they are: fp32 on the AVX2 path
     if table is not None:
         keys, values = gather(keys, table, bias.shape[-1]), gather(values, table, bias.shape[-1])
+    if quant.quantized(keys.dtype):
+        keys, values = quant.load(keys, bias.dtype), quant.load(values, bias.dtype)
     if bias.shape[2] != xq.shape[2]:  # one row per token (built for the native kernel, which did not take these)
         bias = bias.repeat(1, 1, xq.shape[2] // bias.shape[2], 1)
     xq = xq.to(keys.dtype)
@@ -213,7 +217,8 @@ class Attention(nn.Module):
             xq = xq * self.q_scale
         keys, values, table = cache.update(self.layer, xk, xv)
         if observer is not None:
-            observer(self.layer, xq, keys if table is None else gather(keys, table, mask.shape[-1]), mask)
+            seen = keys if table is None else gather(keys, table, mask.shape[-1])
+            observer(self.layer, xq, quant.load(seen, x.dtype) if quant.quantized(seen.dtype) else seen, mask)
         # Grouped-query attention without repeating K/V: the G query heads of a KV head become G*q rows of one
         # attention over that head, so each cached K/V element is read once.
         xq = xq.reshape(B, KV, (H // KV) * q, hd)
@@ -323,11 +328,12 @@ class Transformer(nn.Module):
         positions = cache.rope_positions(q)[:, None]
         native = attention_path(cache.device, cache.dtype) == "native"
         groups = 1 if native else self.cfg.n_heads // self.cfg.n_kv_heads
+        bias_dtype = quant.attention_dtype(cache.dtype, dtype)
         contexts = {}
         for kind, mask in masks.items():
             inv_freq = self.inv_freq_local if kind == SLIDING else self.inv_freq
             cos, sin = rope_cos_sin(inv_freq, positions, dtype)
-            contexts[kind] = (cos, sin, mask, attention_bias(mask, groups, cache.dtype))
+            contexts[kind] = (cos, sin, mask, attention_bias(mask, groups, bias_dtype))
         return contexts
 
 

@@ -306,6 +306,7 @@ def run_engine(model, prompts, params, *, eos=(), drafter=None, gamma=0, policy=
     from magicdec.speculative import Speculation
 
     params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+    kv_dtype = kv_dtype or (kv.dtype if kv is not None else None)  # a shared pool's dtype
     config = EngineConfig(max_num_seqs=slots or len(prompts), prefill_chunk=prefill_chunk, kv_dtype=kv_dtype,
                           max_model_len=max(len(p) + sp.max_tokens for p, sp in zip(prompts, params)),
                           max_prefill_tokens=max_prefill_tokens,

@@ -7,6 +7,7 @@ its first load dequantizes the GGUF once into the converted-weights cache, about
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 
@@ -351,26 +352,30 @@ def test_a_hybrid_hit_ends_where_the_blocks_carry_the_window(tiny_gemma):
     assert warm[0].cached_tokens == 4 * BLOCK_SIZE and warm[0].output_ids == cold[0].output_ids
 
 
+@pytest.mark.parametrize("kv_dtype", [None, torch.int8], ids=["model-dtype-kv", "int8-kv"])
 @pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
-def test_hybrid_hits_decode_like_cold_prefills(tiny_gemma, params):
+def test_hybrid_hits_decode_like_cold_prefills(tiny_gemma, params, kv_dtype):
     """On a hybrid model, requests served from the prefix cache (a shared 300-token document, then a chat's next turn
-    with the first turn's output) give the same tokens as the same requests cold, plain and self-speculative."""
+    with the first turn's output) give the same tokens as the same requests cold, plain and self-speculative, over a
+    cache in the model's dtype and an int8 one (its blocks and the saved sliding windows hold quantized rows)."""
     from magicdec.drafters import SelfSpecDrafter
 
     model = tiny_gemma[0]
+    kv_dtype = kv_dtype or model.dtype
     doc = random_ids(300, 7)
     turn1 = [doc + random_ids(n, 10 + n) for n in (9, 50, 77)]
     for drafter in (None, SelfSpecDrafter(model, "streaming", 48, 3, reindex=True)):
         gamma = 3 if drafter else 0
-        cache = kv_pool(model, 1 << 24, model.dtype)
-        cold, _ = run_engine(model, turn1, params, drafter=drafter, gamma=gamma, prefill_chunk=64)
-        warm, stats = run_engine(model, turn1, params, drafter=drafter, gamma=gamma, prefill_chunk=64,
-                                 kv=cache)
+        cache = kv_pool(model, 1 << 24, kv_dtype)
+        run = functools.partial(run_engine, model, params=params, drafter=drafter, gamma=gamma, prefill_chunk=64,
+                                kv_dtype=kv_dtype)
+        cold, _ = run(turn1)
+        warm, stats = run(turn1, kv=cache)
         assert [r.output_ids for r in warm] == [r.output_ids for r in cold]
         assert stats.cached_tokens == 2 * (300 // BLOCK_SIZE) * BLOCK_SIZE  # the document, for the two that waited
         turn2 = [p + r.output_ids + random_ids(40, 30 + i) for i, (p, r) in enumerate(zip(turn1, cold))]
-        cold2, _ = run_engine(model, turn2, params, drafter=drafter, gamma=gamma, prefill_chunk=64)
-        warm2, _ = run_engine(model, turn2, params, drafter=drafter, gamma=gamma, prefill_chunk=64, kv=cache)
+        cold2, _ = run(turn2)
+        warm2, _ = run(turn2, kv=cache)
         assert [r.output_ids for r in warm2] == [r.output_ids for r in cold2]
         # the history, generated tokens included, came from the cache
         assert all(w.cached_tokens >= len(p) + len(r.output_ids) - BLOCK_SIZE for w, p, r in zip(warm2, turn1, cold))

@@ -182,17 +182,17 @@ def test_top_k_1_sampling_is_greedy(default_model, short_prompts, free_run):
 
 
 # --- bf16 KV cache -----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("dtype", ["bf16", "fp32-bf16-kv"])
-def test_16_bit_speculation_equals_plain_decoding_token_for_token(dtype, default_model, default_model_bf16,
-                                                                  short_prompts):
-    """The README's claim for 16-bit caches: a verification forward computes the one-token steps' logits bit for bit,
-    so greedy and seeded sampled speculation give plain decoding's tokens exactly. "bf16": the model as `dtype="auto"`
-    loads it on an AVX512-BF16 CPU (bf16 weights, cache and kernels); "fp32-bf16-kv": fp32 arithmetic over a bf16
-    cache. torch's own bf16 operators promise no such thing (the README says so): that case is skipped."""
-    if dtype == "bf16" and not kernels.supported(torch.device("cpu"), torch.bfloat16):
-        pytest.skip("bf16 arithmetic runs on torch's operators on this CPU (no AVX512-BF16 kernels)")
-    model = (default_model_bf16 if dtype == "bf16" else default_model).model
-    kv = torch.bfloat16
+@pytest.mark.parametrize("dtype", ["bf16", "fp32-bf16-kv", "bf16-int8-kv"])
+def test_speculation_equals_plain_decoding_token_for_token(dtype, default_model, default_model_bf16, short_prompts):
+    """The README's claim for 16-bit and int8 caches: a verification forward computes the one-token steps' logits bit
+    for bit, so greedy and seeded sampled speculation give plain decoding's tokens exactly. "bf16": the model as
+    `dtype="auto"` loads it on an AVX512-BF16 CPU (bf16 weights, cache and kernels); "fp32-bf16-kv": fp32 arithmetic
+    over a bf16 cache; "bf16-int8-kv": the bf16 model over an int8 cache (its kernel quantizes each query row alike in
+    any forward). torch's own bf16 operators promise no such thing (the README says so): those cases are skipped."""
+    kv = torch.int8 if dtype == "bf16-int8-kv" else torch.bfloat16
+    if dtype != "fp32-bf16-kv" and not kernels.supported(torch.device("cpu"), kv):
+        pytest.skip(f"no native kernel reads a {kv} cache on this CPU: torch's operators attend")
+    model = (default_model if dtype == "fp32-bf16-kv" else default_model_bf16).model
     greedy = SamplingParams(max_tokens=24, ignore_eos=True)
     sampled = [SamplingParams(max_tokens=24, temperature=0.8, top_p=0.95, seed=s, ignore_eos=True) for s in (1, 2, 3)]
     for params in (greedy, sampled):

@@ -2,7 +2,8 @@
 AVX512-BF16, and AVX2 + FMA + F16C, which any x86 CPU with AVX2 runs, including one with AVX-512): decode attention
 against fp32 SDPA and the packed linear layer against an fp32 matmul; that every row is computed alike whatever the
 batch and the number of queries; dispatch by CPU flags; and the real model on them, whose verification forward then
-gives the one-token steps' logits bit for bit."""
+gives the one-token steps' logits bit for bit. The attention tests run over every KV dtype a path's kernel reads: its
+16-bit storage and, where it reads them, int8 rows (magicdec.kv.quant)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import torch.nn.functional as F
 from conftest import rel_err
 
 from magicdec import kernels
-from magicdec.kv import KVCache
+from magicdec.kv import KVCache, quant
 from magicdec.model import PackedLinear, Transformer, attention_bias, attention_path, pack_linears, weight_dtype
 
 CPU = torch.device("cpu")
@@ -64,25 +65,43 @@ def isa(request) -> kernels.IsaPath:
         force(before)
 
 
+def storages(path: kernels.IsaPath) -> list[torch.dtype]:
+    """The KV dtypes `path`'s attention kernel reads: its 16-bit ones, and int8 where it reads them."""
+    return [*path.storage, *([torch.int8] if path.int8 else [])]
+
+
+def bias_dtype(storage: torch.dtype, path: kernels.IsaPath) -> torch.dtype:
+    return quant.attention_dtype(storage, path.compute)
+
+
+def poison(t: torch.Tensor) -> None:
+    """NaN into cached rows: their values, or an int8 row's scale (bytes 0xFF)."""
+    t.fill_(-1 if t.dtype == torch.int8 else float("nan"))
+
+
 def ragged(B: int, KV: int, G: int, q: int, L: int, hd: int, lens: list[int], capacity: int, dtype: torch.dtype,
            storage: torch.dtype, seed: int = 0):
-    """Queries [B, KV, G*q, hd] in `dtype` and K/V views [B, KV, L, hd] in `storage` of a larger buffer (as a cache
-    hands them out), and a causal mask [B, 1, q, L] over per-row lengths."""
+    """Queries [B, KV, G*q, hd] in `dtype` and K/V views [B, KV, L, row] stored in `storage` (`quant.store`) of a
+    larger buffer (as a cache hands them out), and a causal mask [B, 1, q, L] over per-row lengths."""
     g = torch.Generator().manual_seed(seed)
     xq = torch.randn(B, KV, G * q, hd, generator=g).to(dtype)
-    k, v = (torch.randn(B, KV, capacity, hd, generator=g).to(storage)[:, :, :L] for _ in range(2))
+    k, v = (quant.store(torch.randn(B, KV, capacity, hd, generator=g), storage)[:, :, :L] for _ in range(2))
     slots = torch.tensor(lens)[:, None] + torch.arange(q)  # where each row's q new tokens sit
     mask = torch.arange(L)[None, None, None, :] <= slots[:, None, :, None]
     return xq, k, v, mask
 
 
 def reference(xq, k, v, mask, G):
-    return F.scaled_dot_product_attention(xq.float(), k.float(), v.float(), attn_mask=mask.repeat(1, 1, G, 1))
+    k, v = quant.load(k, torch.float32), quant.load(v, torch.float32)
+    return F.scaled_dot_product_attention(xq.float(), k, v, attn_mask=mask.repeat(1, 1, G, 1))
 
 
-def tolerance(path: kernels.IsaPath) -> float:
+def tolerance(path: kernels.IsaPath, storage: torch.dtype | None = None) -> float:
     """Of the kernels against fp32 over the same stored values. bf16 queries, products and probabilities
-    (AVX512-BF16): measured 0.002-0.004; fp32 arithmetic (AVX2): ~1e-6. A lost mask, scale, tile or column gives ~1."""
+    (AVX512-BF16): measured 0.002-0.004; over int8 rows, the queries quantized to int8 too: 0.006-0.009; fp32
+    arithmetic (AVX2): ~1e-6. A lost mask, scale, tile or column gives ~1."""
+    if storage == torch.int8:
+        return 0.02
     return 0.01 if path.compute == torch.bfloat16 else 1e-4
 
 
@@ -98,12 +117,12 @@ def tolerance(path: kernels.IsaPath) -> float:
     (2, 3, 100, 300, 64, [200, 0]),            # and a prompt's first chunk
 ])
 def test_matches_fp32_sdpa(isa, tiles, B, G, q, L, hd, lens):
-    for storage in isa.storage:
+    for storage in storages(isa):
         xq, k, v, mask = ragged(B, 2, G, q, L, hd, lens, L + 37, isa.compute, storage)
-        assert k.stride(2) == hd and not k.is_contiguous()  # strided views, as caches give
-        out = kernels.decode_attention(xq, k, v, attention_bias(mask, G, storage))
+        assert k.stride(2) == k.shape[-1] and not k.is_contiguous()  # strided views, as caches give
+        out = kernels.decode_attention(xq, k, v, attention_bias(mask, G, bias_dtype(storage, isa)))
         assert out.dtype == torch.float32 and out.shape == xq.shape
-        assert rel_err(out, reference(xq, k, v, mask, G)) < tolerance(isa), storage
+        assert rel_err(out, reference(xq, k, v, mask, G)) < tolerance(isa, storage), storage
 
 
 @pytest.mark.parametrize("hd", [64, 256])  # the K tile transposed; products along the dims, rows in blocks of 4
@@ -111,15 +130,15 @@ def test_every_query_row_is_computed_alike_whatever_the_number_of_queries(isa, t
     """A verification forward (q new tokens) attends for its first token exactly as a one-token step does, with
     one thread as with two (3 rows a step, 15 a verification: blocks of rows end in different places)."""
     B, KV, G, q, L = 3, 3, 3, 5, 1500
-    storage = isa.storage[0]
-    xq, k, v, mask = ragged(B, KV, G, q, L, hd, [1400, 900, 20], L, isa.compute, storage)
-    bias = attention_bias(mask, G, storage)  # rows ordered (head in group, token)
-    full = kernels.decode_attention(xq, k, v, bias).view(B, KV, G, q, hd)
-    first = xq.view(B, KV, G, q, hd)[:, :, :, :1].reshape(B, KV, G, hd)
-    one = kernels.decode_attention(first, k, v, attention_bias(mask[:, :, :1], G, storage))
-    assert torch.equal(one.view(B, KV, G, hd), full[:, :, :, 0])
-    with threads(1):
-        assert torch.equal(kernels.decode_attention(xq, k, v, bias).view(B, KV, G, q, hd), full)
+    for storage in storages(isa):
+        xq, k, v, mask = ragged(B, KV, G, q, L, hd, [1400, 900, 20], L, isa.compute, storage)
+        bias = attention_bias(mask, G, bias_dtype(storage, isa))  # rows ordered (head in group, token)
+        full = kernels.decode_attention(xq, k, v, bias).view(B, KV, G, q, hd)
+        first = xq.view(B, KV, G, q, hd)[:, :, :, :1].reshape(B, KV, G, hd)
+        one = kernels.decode_attention(first, k, v, attention_bias(mask[:, :, :1], G, bias_dtype(storage, isa)))
+        assert torch.equal(one.view(B, KV, G, hd), full[:, :, :, 0]), storage
+        with threads(1):
+            assert torch.equal(kernels.decode_attention(xq, k, v, bias).view(B, KV, G, q, hd), full), storage
 
 
 @pytest.mark.parametrize("q, lens", [(1, [1400, 900, 20]), (5, [1400, 900, 20]), (300, [1000, 0, 600])])
@@ -127,23 +146,26 @@ def test_a_bias_row_per_token_serves_every_query_head(isa, tiles, q, lens):
     """The bias of one row per new token [B, 1, q, L] (what the model passes the kernel) gives the bits of the bias
     repeated for each grouped query head, also where a prefill chunk's rows are split into blocks."""
     B, KV, G, L, hd = 3, 2, 3, 1500, 64
-    storage = isa.storage[0]
-    xq, k, v, mask = ragged(B, KV, G, q, L, hd, lens, L, isa.compute, storage)
-    short = kernels.decode_attention(xq, k, v, attention_bias(mask, 1, storage))
-    assert torch.equal(short, kernels.decode_attention(xq, k, v, attention_bias(mask, G, storage)))
-    with pytest.raises(RuntimeError, match="R dividing"):
-        kernels.decode_attention(xq, k, v, attention_bias(mask, G + 1, storage))
+    for storage in storages(isa):
+        xq, k, v, mask = ragged(B, KV, G, q, L, hd, lens, L, isa.compute, storage)
+        dtype = bias_dtype(storage, isa)
+        short = kernels.decode_attention(xq, k, v, attention_bias(mask, 1, dtype))
+        assert torch.equal(short, kernels.decode_attention(xq, k, v, attention_bias(mask, G, dtype)))
+        with pytest.raises(RuntimeError, match="R dividing"):
+            kernels.decode_attention(xq, k, v, attention_bias(mask, G + 1, dtype))
 
 
 def test_fully_hidden_chunks_are_skipped_not_averaged(isa, tiles):
     """A row whose visible positions all fall in one chunk: other chunks contribute nothing (NaN in the
     hidden slots, which a kernel that read them would spread)."""
-    storage = isa.storage[0]
-    xq, k, v, mask = ragged(1, 1, 1, 1, 4096, 64, [100], 4096, isa.compute, storage)
-    k[:, :, 512:], v[:, :, 512:] = float("nan"), float("nan")
-    out = kernels.decode_attention(xq, k, v, attention_bias(mask, 1, storage))
-    assert torch.isfinite(out).all()
-    assert rel_err(out, reference(xq, k[:, :, :101], v[:, :, :101], mask[..., :101], 1)) < tolerance(isa)
+    for storage in storages(isa):
+        xq, k, v, mask = ragged(1, 1, 1, 1, 4096, 64, [100], 4096, isa.compute, storage)
+        poison(k[:, :, 512:])
+        poison(v[:, :, 512:])
+        out = kernels.decode_attention(xq, k, v, attention_bias(mask, 1, bias_dtype(storage, isa)))
+        assert torch.isfinite(out).all()
+        want = reference(xq, k[:, :, :101], v[:, :, :101], mask[..., :101], 1)
+        assert rel_err(out, want) < tolerance(isa, storage), storage
 
 
 def paged(k: torch.Tensor, v: torch.Tensor, bs: int, *, nhd: bool = False, spare: int = 5, seed: int = 0):
@@ -176,16 +198,16 @@ def test_a_paged_cache_gives_the_bits_of_the_contiguous_one(isa, tiles, q, hd, b
     stored contiguously exactly: ragged rows, contexts over several chunks (1024) and blocks, a partial last block,
     and a context shorter than one block; pools of either stride order."""
     B, KV, G = 3, 2, 3
-    for storage in isa.storage:
+    for storage in storages(isa):
         for L, nhd in ((2100, False), (q + 7, True)):
             lens = [L - q, min(1500, L - q), min(37, L - q)]
             xq, k, v, mask = ragged(B, KV, G, q, L, hd, lens, L + 37, isa.compute, storage, seed=q + hd + bs)
-            bias = attention_bias(mask, 1, storage)
+            bias = attention_bias(mask, 1, bias_dtype(storage, isa))
             pk, pv, table = paged(k, v, bs, nhd=nhd, seed=L)
             assert kernels.takes(xq, pk, pv, bias, table)
             want = kernels.decode_attention(xq, k, v, bias)
             assert torch.equal(kernels.decode_attention(xq, pk, pv, bias, table), want), (storage, L)
-            pk[table[:, -1].long()] = float("nan")  # the table's blocks past L are never read
+            poison(pk[table[:, -1].long()])  # the table's blocks past L are never read
             assert torch.equal(kernels.decode_attention(xq, pk, pv, bias, table), want), (storage, L)
 
 
@@ -317,10 +339,17 @@ def test_real_model_verification_equals_one_token_steps_bit_for_bit(isa, default
     grows with each step (a cache far from full): greedy speculation then emits plain decoding's tokens whatever the
     numerics round."""
     model = model_on(isa, default_model, default_model_bf16)
+    for storage in storages(isa):
+        verify, steps = verification_and_steps(model, corpus_prompt, lens, storage)
+        assert torch.equal(verify, steps), storage
+
+
+def verification_and_steps(model, corpus_prompt, lens: list[int], storage: torch.dtype):
+    """The logits of a verification forward of 9 tokens after real prompts of `lens` tokens, and those of the 9
+    one-token steps over the same tokens, over a cache stored in `storage`."""
     q = 9
     texts = [corpus_prompt(n + q, book=i, at=0.5) for i, n in enumerate(lens)]
-
-    cache = KVCache(model.cfg, len(lens), 4096, isa.storage[0], "cpu")
+    cache = KVCache(model.cfg, len(lens), 4096, storage, "cpu")
     new = torch.tensor([t[-q:] for t in texts])
     with torch.inference_mode():
         for i, n in enumerate(lens):  # each row alone, as the engine's prefill does
@@ -333,7 +362,7 @@ def test_real_model_verification_equals_one_token_steps_bit_for_bit(isa, default
         for j in range(q):
             steps.append(model(new[:, j : j + 1], cache)[:, 0])
             cache.commit(1)
-    assert torch.equal(verify, torch.stack(steps, 1))
+    return verify, torch.stack(steps, 1)
 
 
 # --- the packed linear layer ------------------------------------------------------------------------------

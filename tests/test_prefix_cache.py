@@ -216,25 +216,28 @@ def real_prompts(corpus_prompt):
     return [doc + corpus_prompt(n, book=b, at=0.2) for n, b in ((40, 4), (90, 5), (7, 6))]
 
 
-# every drafter in fp32 (which every CPU runs), and one of each kind on the native bf16 kernels: the hit's mapped
-# blocks and the drafters' start from it are the same code in both dtypes
-@pytest.mark.parametrize(("dtype", "drafter"), [*(("fp32", d) for d in DRAFTERS), ("native-bf16", "self-snapkv"),
-                                                ("native-bf16", "model-dense")])
+# every drafter in fp32 (which every CPU runs), and one of each kind on the native bf16 kernels over bf16 and int8
+# caches: the hit's mapped blocks and the drafters' start from it are the same code in every dtype
+@pytest.mark.parametrize(("dtype", "drafter"), [*(("fp32", d) for d in DRAFTERS),
+                                                *((n, d) for n in ("native-bf16", "native-int8")
+                                                  for d in ("self-snapkv", "model-dense"))])
 def test_every_drafter_is_exact_from_a_hit_on_the_real_model(default_model, real_prompts, drafter, dtype, request):
     """On SmolLM2: speculative decoding from prefix-cache hits (the document, then whole prompts) gives the tokens
-    of the same requests prefilled cold, greedy and seeded-sampled, in fp32 and with the native bf16 kernels."""
+    of the same requests prefilled cold, greedy and seeded-sampled, in fp32 and with the native bf16 kernels over a
+    bf16 or an int8 cache (whose blocks hold the quantized rows)."""
+    kv_dtype = torch.int8 if dtype == "native-int8" else None
     if dtype == "fp32":
         model = default_model.model
     else:
         from magicdec import kernels
 
-        if not (kernels.supported(torch.device("cpu"), torch.bfloat16)):
-            pytest.skip("no native bf16 kernels on this CPU")
+        if not (kernels.supported(torch.device("cpu"), kv_dtype or torch.bfloat16)):
+            pytest.skip(f"no native kernels for a {dtype} cache on this CPU")
         model = request.getfixturevalue("default_model_bf16").model
     make = DRAFTERS[drafter]
     params = [SamplingParams(max_tokens=8, ignore_eos=True), SAMPLED, SamplingParams(max_tokens=8, ignore_eos=True)]
-    cold, _ = run_engine(model, real_prompts, params, drafter=make(model), gamma=3)
-    kv = kv_pool(model, 1 << 28)
+    cold, _ = run_engine(model, real_prompts, params, drafter=make(model), gamma=3, kv_dtype=kv_dtype)
+    kv = kv_pool(model, 1 << 28, kv_dtype)
     warm, stats = run_engine(model, real_prompts, params, drafter=make(model), gamma=3, kv=kv)
     again, stats2 = run_engine(model, real_prompts, params, drafter=make(model), gamma=3, kv=kv)
     assert outputs(warm) == outputs(cold) and outputs(again) == outputs(cold)

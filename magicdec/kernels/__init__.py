@@ -1,7 +1,7 @@
 """Native CPU kernels, compiled on first use for the CPU at hand, one set per instruction-set path.
 
-`decode_attention` is attention over a 16-bit KV cache, for decode and verification (a few new tokens per row) and
-for prefill chunks. torch's two 16-bit matmuls read the cache well below the memory bandwidth at one new token and are
+`decode_attention` is attention over a 16-bit KV cache, or an int8 one (magicdec.kv.quant; the avx512bf16 path, with
+VNNI), for decode and verification (a few new tokens per row) and for prefill chunks. torch's two 16-bit matmuls read the cache well below the memory bandwidth at one new token and are
 compute-bound at verification shapes; the kernel reads each cached K/V element once, whatever the number of queries
 (benchmarks/README.md, "Decode and verification attention over a bf16 cache"), and with no scores tensor between two
 matmuls it also runs prefill chunks faster than they do ("Prefill chunks").
@@ -68,14 +68,16 @@ class IsaPath:
     storage: tuple[torch.dtype, ...]  # weight and KV cache dtypes its kernels read; the first is the default
     group: int  # output columns per packed weight group (kGroup in its linear source)
     pairs: bool  # whether a group's weights are packed by input pairs (bf16 dot products)
+    int8: bool  # whether its attention kernel reads int8 KV caches (magicdec.kv.quant)
 
 
-AVX512_BF16 = IsaPath("avx512bf16", ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"),
-                      ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mamx-tile",
-                       "-mamx-bf16"), "",
-                      torch.bfloat16, (torch.bfloat16,), 64, True)
+# Every CPU with AVX512-BF16 (Cooper Lake, Sapphire Rapids and later, Zen 4 and later) has AVX512-VNNI too.
+AVX512_BF16 = IsaPath("avx512bf16", ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vnni"),
+                      ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx512vnni",
+                       "-mamx-tile", "-mamx-bf16"), "",
+                      torch.bfloat16, (torch.bfloat16,), 64, True, True)
 AVX2 = IsaPath("avx2", ("avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c"), "_avx2",
-               torch.float32, (torch.float16, torch.bfloat16), 16, False)
+               torch.float32, (torch.float16, torch.bfloat16), 16, False, False)
 #: In order of preference.
 PATHS = (AVX512_BF16, AVX2)
 HEAD_DIMS = (64, 128, 256)
@@ -202,8 +204,8 @@ def supported(device: torch.device, kv_dtype: torch.dtype) -> bool:
     """Whether attention over a cache of this dtype on this device runs the native kernel (building it on the first
     call)."""
     path = isa_path()
-    return (device.type == "cpu" and path is not None and kv_dtype in path.storage
-            and _ops() is not None)
+    return (device.type == "cpu" and path is not None
+            and (kv_dtype in path.storage or (kv_dtype == torch.int8 and path.int8)) and _ops() is not None)
 
 
 def linear_supported(device: torch.device, dtype: torch.dtype, storage: torch.dtype | None = None) -> bool:
@@ -281,24 +283,26 @@ def attends(device: torch.device, kv_dtype: torch.dtype, head_dim: int) -> bool:
 
 
 def takes(xq: Tensor, keys: Tensor, values: Tensor, bias: Tensor, table: Tensor | None = None) -> bool:
-    """Whether `decode_attention` takes these operands (see `attends`; contiguous last dimensions; with a block
-    `table`, int32 [B, nblk] over pools of blocks of a power of two positions, at least 16, enough for the bias's
-    L)."""
+    """Whether `decode_attention` takes these operands (see `attends`; contiguous last dimensions; a bias in K's
+    dtype, or in bf16 over int8 K/V; with a block `table`, int32 [B, nblk] over pools of blocks of a power of two
+    positions, at least 16, enough for the bias's L)."""
     if table is not None:
         bs = keys.shape[2]
         if not (table.dtype == torch.int32 and table.dim() == 2 and table.shape[0] == xq.shape[0]
                 and bs >= 16 and bs & (bs - 1) == 0 and values.shape[2] == bs
                 and table.shape[1] * bs >= bias.shape[-1]):
             return False
+    bias_dtype = torch.bfloat16 if keys.dtype == torch.int8 else keys.dtype
     return (keys.stride(-1) == 1 and values.stride(-1) == 1 and bias.stride(-1) == 1
-            and xq.shape[2] % bias.shape[2] == 0 and values.dtype == bias.dtype == keys.dtype
-            and attends(keys.device, keys.dtype, keys.shape[-1]))
+            and xq.shape[2] % bias.shape[2] == 0 and values.dtype == keys.dtype and bias.dtype == bias_dtype
+            and attends(keys.device, keys.dtype, xq.shape[-1]))
 
 
 def decode_attention(xq: Tensor, keys: Tensor, values: Tensor, bias: Tensor, table: Tensor | None = None, *,
                      on_tiles: bool | None = None) -> Tensor:
-    """Softmax attention of queries [B, KV, M, hd] (any float dtype) over K/V [B, KV, L, hd] (16-bit) with an
-    additive bias [B, 1, R, L] (K's dtype, 0 or -inf; R divides M, and query row m takes bias row m % R: one row per
+    """Softmax attention of queries [B, KV, M, hd] (any float dtype) over K/V [B, KV, L, hd] (16-bit), or over int8
+    rows [B, KV, L, hd + 4] (`magicdec.kv.quant`: the queries are quantized per row, and the products run on VNNI
+    instructions, never on tiles), with an additive bias [B, 1, R, L] (K's dtype, bf16 over int8; 0 or -inf; R divides M, and query row m takes bias row m % R: one row per
     new token serves the grouped query heads, rows ordered head then token); returns [B, KV, M, hd] fp32. Call only
     where `takes` is True. `on_tiles`: AMX tiles or vector instructions (None: this process's choice, `tiles()`).
 
@@ -308,5 +312,7 @@ def decode_attention(xq: Tensor, keys: Tensor, values: Tensor, bias: Tensor, tab
     bias's last dimension (nblk * BS >= L); every id in the table must name a block of the pool, but the blocks of
     positions the bias hides from all of a row's queries are not read. A row's output has the bits it has over the
     same positions stored contiguously."""
+    if keys.dtype == torch.int8:
+        return _ops().decode_attention_int8(xq, keys, values, bias, CHUNK, table)
     op = _ops().decode_attention_tiles if (tiles() if on_tiles is None else on_tiles) else _ops().decode_attention
     return op(xq, keys, values, bias, CHUNK, table)

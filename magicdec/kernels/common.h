@@ -31,26 +31,30 @@ constexpr float kLog2e = 1.44269504088896341f, kLn2Hi = 0.693359375f, kLn2Lo = -
 constexpr float kExpPoly[] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
                               4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
 
-// Rows of a [B, H, L, D] tensor of 16-bit words with a contiguous last dim, each row's positions in blocks of
-// 2^shift: position l of (b, h) lies at data + blocks[b * nblk + l / 2^shift] + h * sh + (l % 2^shift) * sl. A
-// contiguous tensor is one block per row; a paged pool [NB, H, BS, D] read through a block table, blocks of BS.
-// Blocks hold a multiple of 16 positions, so a kernel's tile of 16 (or 8) positions starting at a multiple of its
-// size lies in one block: its rows are at(b, h, l) + i * sl.
-struct Strided {
-  const uint16_t* data;
+// Rows of a [B, H, L, W] tensor of elements T (16-bit words, or the int8 rows of magicdec.kv.quant: D values and
+// their scale) with a contiguous last dim, each row's positions in blocks of 2^shift: position l of (b, h) lies at
+// data + blocks[b * nblk + l / 2^shift] + h * sh + (l % 2^shift) * sl. A contiguous tensor is one block per row; a
+// paged pool [NB, H, BS, W] read through a block table, blocks of BS. Blocks hold a multiple of 16 positions, so a
+// kernel's tile of 16 (or 8) positions starting at a multiple of its size lies in one block: its rows are
+// at(b, h, l) + i * sl.
+template <class T>
+struct StridedOf {
+  const T* data;
   const int64_t* blocks;  // [B, nblk] element offsets of each row's blocks
   int64_t nblk, shift, sh, sl;
-  const uint16_t* at(int64_t b, int64_t h, int64_t l) const {
+  const T* at(int64_t b, int64_t h, int64_t l) const {
     const int64_t j = std::min(l >> shift, nblk - 1);  // clamped: prefetches run past the end
     return data + blocks[b * nblk + j] + h * sh + (l - (j << shift)) * sl;
   }
 };
+using Strided = StridedOf<uint16_t>;
 
-// K or V of an attention kernel as a Strided whose block offsets `offsets` holds (the caller keeps it alive): without
-// a table, t [B, H, L, D] itself, one block per row; with a block table [B, nblk] (int32), the pool t [NB, H, BS, D]
-// it indexes, position l of row b at t[table[b, l / BS], :, l % BS].
-inline Strided strided(const at::Tensor& t, const std::optional<at::Tensor>& table, std::vector<int64_t>& offsets) {
-  const auto data = reinterpret_cast<const uint16_t*>(t.data_ptr());
+// K or V of an attention kernel as a StridedOf<T> whose block offsets `offsets` holds (the caller keeps it alive):
+// without a table, t [B, H, L, W] itself, one block per row; with a block table [B, nblk] (int32), the pool
+// t [NB, H, BS, W] it indexes, position l of row b at t[table[b, l / BS], :, l % BS].
+template <class T = uint16_t>
+StridedOf<T> strided(const at::Tensor& t, const std::optional<at::Tensor>& table, std::vector<int64_t>& offsets) {
+  const auto data = reinterpret_cast<const T*>(t.data_ptr());
   if (!table) {
     offsets.resize(t.size(0));
     for (int64_t b = 0; b < t.size(0); ++b) offsets[b] = b * t.stride(0);

@@ -26,6 +26,7 @@
 // walking the cache itself 32 dims at a time read V from memory at half the rate K is read.
 #include <immintrin.h>
 
+#include <cstring>
 #include <vector>
 
 #include "amx.h"
@@ -36,9 +37,13 @@ namespace {
 using magicdec::Bias;
 using magicdec::kNegInf;
 using magicdec::Strided;
+using magicdec::StridedOf;
 
 constexpr int64_t kTile = 16;  // cached positions per tile: one zmm of fp32 scores
 constexpr uint16_t kBf16NegInf = 0xFF80;
+// With int8 V, a probability of 1 times the chunk's largest V scale, as an int16: 2^14, so that a chunk's int32 sums
+// of probabilities times V's int8 values (|v| <= 127) cannot overflow (1024 x 2^14 x 127 < 2^31).
+constexpr float kProbOne = 16384.0f;
 // Cached positions ahead whose K and V rows are prefetched into L2 (16-64 KB ahead at head dims 64-256): the hardware prefetcher alone,
 // with the arithmetic between the loads, kept Gemma 3's global layers at half the rate a plain sum reads (Zen 4).
 constexpr int64_t kPrefetch = 128;
@@ -46,7 +51,7 @@ constexpr int64_t kPrefetch = 128;
 // Prefetches the 64 bytes at p into L2. Each load of a cached row is preceded by the prefetch of the line it will
 // load kPrefetch positions on: a tile's prefetches issued together, ahead of its arithmetic, held the loads behind
 // them and read a Zen 4's memory at 0.6x the rate of the spread ones.
-inline void prefetch(const uint16_t* p) { _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T2); }
+inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T2); }
 
 // exp(x) for x <= 0 (Cephes expf: range reduction by ln 2, degree-6 polynomial); 0 where x is -inf.
 inline __m512 exp16(__m512 x) {
@@ -122,14 +127,30 @@ inline void configure_tiles(int rows) {
   magicdec::load_tiles(cfg);
 }
 
-template <int D, bool kTiles>
+// An int8 row's scale: the fp32 after its D values (magicdec.kv.quant).
+template <int D>
+inline float row_scale(const int8_t* row) {
+  float s;
+  std::memcpy(&s, row + D, sizeof s);
+  return s;
+}
+
+// kInt8: K/V rows of D int8 values and their fp32 scale (magicdec.kv.quant), queries quantized per row to int8
+// (`quantize_queries`); the scores are integer dot products (`vpdpbusd`, AVX512-VNNI: 64 byte products an instruction
+// where `vdpbf16ps` takes 32 bf16 ones), and P @ V takes V widened to bf16 (exact: an int8 is a bf16) with each
+// position's scale folded into its probability.
+template <int D, bool kTiles, bool kInt8 = false>
 struct Task {
+  static_assert(!(kTiles && kInt8), "int8 K/V are read on vector instructions");
+  using Elem = std::conditional_t<kInt8, int8_t, uint16_t>;
   static constexpr int P = D / 2;  // bf16 pairs per row: the dot-product unit of vdpbf16ps
-  const uint32_t* q;               // [M, P] this head's queries as bf16 pairs
+  const uint32_t* q;               // [M, P] this head's queries as bf16 pairs; int8: [M, D / 4] as quads of int8
   int64_t M;
-  Strided K, V;
+  StridedOf<Elem> K, V;
   Bias bias;
   float scale;
+  const float* q_scale = nullptr;  // int8: [M, D / 32] the scale of each query row's groups of 32 dims
+  const int32_t* q_sum = nullptr;  // int8: [M, D / 32] the sums of their int8 values
   struct Buffers {  // a thread's, reused across its tasks
     std::vector<float> scores;
     std::vector<uint16_t> probs;
@@ -137,6 +158,8 @@ struct Task {
     std::vector<uint32_t> qt;  // tiles: the queries as B operands, [M / 16][D / 32][16 pairs][16 queries]
     std::vector<__m512i> vt;   // tiles: the chunk's V interleaved by position pairs
     std::vector<__m512> lanes;  // [M]: each row's maxima, then sums, lane by lane
+    std::vector<float> v_scale;  // int8: [tiles * 16] each position's V scale (0 past the chunk's end)
+    std::vector<float> v_max;    // int8: [M] the largest V scale each row sees in the chunk
   };
 
   // Scores of queries [M] against tile positions [l, l + 16) (n of them real), into s[m * 16 + i]. With 128 or 256
@@ -144,7 +167,9 @@ struct Task {
   // are only two 32-dim slices a position, the sum across lanes would cost more than the products, and the K tile is
   // transposed instead (once for all rows: a prefill chunk's hundreds of rows ran 1.4x slower along the dims).
   void score_tile(int64_t b, int64_t h, int64_t l, int64_t n, float* s) const {
-    if constexpr (D >= 128) {
+    if constexpr (kInt8) {
+      score_tile_int8(b, h, l, n, s);
+    } else if constexpr (D >= 128) {
       score_tile_along_dims(b, h, l, n, s);
     } else {
       score_tile_transposed(b, h, l, n, s);
@@ -221,6 +246,45 @@ struct Task {
     }
   }
 
+  // score_tile over int8 rows: the tile's rows are read position after position, made unsigned (k + 128) and
+  // transposed 16 dwords at a time, so that each `vpdpbusd` multiplies four dims of 16 positions by a query's four
+  // bytes; sum (k + 128) q - 128 sum q is the exact integer dot product, scaled by the key's and the query's scales.
+  void score_tile_int8(int64_t b, int64_t h, int64_t l, int64_t n, float* s) const {
+    alignas(64) __m512i kt[D / 4];  // kt[p] lane i: dims [4p, 4p + 4) of position l + i, as k + 128
+    alignas(64) float k_scale[kTile];
+    const int8_t *k0 = K.at(b, h, l), *ahead0 = K.at(b, h, l + kPrefetch);  // each tile in one block (Strided)
+    const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+    for (int i = 0; i < kTile; ++i) {
+      prefetch(ahead0 + i * K.sl + D);  // the row's last line: its scale
+      k_scale[i] = i < n ? row_scale<D>(k0 + i * K.sl) : 0.0f;
+    }
+    for (int c = 0; c < D / 64; ++c) {
+      __m512i r[16];
+      for (int i = 0; i < kTile; ++i) {
+        prefetch(ahead0 + i * K.sl + 64 * c);
+        r[i] = i < n ? _mm512_xor_si512(_mm512_loadu_si512(k0 + i * K.sl + 64 * c), flip) : _mm512_setzero_si512();
+      }
+      transpose16(r);
+      for (int p = 0; p < 16; ++p) kt[16 * c + p] = r[p];
+    }
+    const __m512 ks = _mm512_load_ps(k_scale);
+    constexpr int kGroups = D / 32;  // each query row's groups of 32 dims (8 dwords of kt), scaled apart
+    for (int64_t m = 0; m < M; ++m) {
+      const uint32_t* qm = q + m * (D / 4);
+      __m512 dots = _mm512_setzero_ps();
+      for (int g = 0; g < kGroups; ++g) {
+        __m512i acc2[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+        for (int p = 8 * g; p < 8 * g + 8; p += 2)
+          for (int u = 0; u < 2; ++u)
+            acc2[u] = _mm512_dpbusd_epi32(acc2[u], kt[p + u], _mm512_set1_epi32(static_cast<int>(qm[p + u])));
+        const __m512i group = _mm512_sub_epi32(_mm512_add_epi32(acc2[0], acc2[1]),
+                                               _mm512_set1_epi32(128 * q_sum[m * kGroups + g]));
+        dots = _mm512_fmadd_ps(_mm512_cvtepi32_ps(group), _mm512_set1_ps(q_scale[m * kGroups + g]), dots);
+      }
+      store_scores(b, m, l, n, _mm512_mul_ps(dots, ks), s);
+    }
+  }
+
   // The queries as tile B operands: for each group of 16 queries and 32 dims, pair p of query j at [p][j] (0 past M).
   void tile_queries(std::vector<uint32_t>& qt) const {
     const int64_t groups = (M + 15) / 16;
@@ -268,6 +332,14 @@ struct Task {
   // The tile's positions [l, l + 16) (n real) interleaved by position pairs, read row after row: for dims
   // [16k, 16k + 16), out[j * sj + k * sk] lane i = (V[2j][16k + i], V[2j + 1][16k + i]).
   void interleave_tile(int64_t b, int64_t h, int64_t l, int64_t n, __m512i* out, int64_t sj, int64_t sk) const {
+    if constexpr (kInt8) {
+      widen_tile(b, h, l, n, out, sj, sk);
+    } else {
+      interleave_bf16_tile(b, h, l, n, out, sj, sk);
+    }
+  }
+
+  void interleave_bf16_tile(int64_t b, int64_t h, int64_t l, int64_t n, __m512i* out, int64_t sj, int64_t sk) const {
     const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
                                         39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
     const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
@@ -282,6 +354,29 @@ struct Task {
         const __m512i z = 2 * j + 1 < n ? _mm512_loadu_si512(vz + 32 * c) : _mm512_setzero_si512();
         out[j * sj + 2 * c * sk] = _mm512_permutex2var_epi16(a, lo, z);
         out[j * sj + (2 * c + 1) * sk] = _mm512_permutex2var_epi16(a, hi, z);
+      }
+    }
+  }
+
+  // interleave_tile over int8 rows: the pairs as int16, for `vpdpwssd` against the probabilities in int16
+  // (`softmax`); the rows' bytes interleaved, then sign-extended.
+  void widen_tile(int64_t b, int64_t h, int64_t l, int64_t n, __m512i* out, int64_t sj, int64_t sk) const {
+    const int8_t *v0 = V.at(b, h, l), *ahead0 = V.at(b, h, l + kPrefetch);  // each tile in one block (Strided)
+    for (int64_t j = 0; j < kTile / 2; ++j) {
+      const int8_t* va = v0 + 2 * j * V.sl;
+      const int8_t* vz = va + V.sl;
+      for (int c = 0; c < D / 32; ++c) {
+        if (c % 2 == 0) {
+          prefetch(ahead0 + 2 * j * V.sl + 32 * c);
+          prefetch(ahead0 + (2 * j + 1) * V.sl + 32 * c);
+        }
+        const __m256i a = 2 * j < n ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(va + 32 * c))
+                                    : _mm256_setzero_si256();
+        const __m256i z = 2 * j + 1 < n ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vz + 32 * c))
+                                        : _mm256_setzero_si256();
+        const __m256i lo = _mm256_unpacklo_epi8(a, z), hi = _mm256_unpackhi_epi8(a, z);  // per 128-bit lane
+        out[j * sj + 2 * c * sk] = _mm512_cvtepi8_epi16(_mm256_permute2x128_si256(lo, hi, 0x20));
+        out[j * sj + (2 * c + 1) * sk] = _mm512_cvtepi8_epi16(_mm256_permute2x128_si256(lo, hi, 0x31));
       }
     }
   }
@@ -323,21 +418,41 @@ struct Task {
   // them; each row's maximum and the sum of its rounded numerators. Tile by tile, each row's maxima and sums kept lane
   // by lane: a prefill chunk's scores reach past L2, and walking one row across the tiles waited on each of them (an
   // eighth of a 512-token chunk's attention). A row's sums run over the tiles in order either way.
+  // With int8 V, `v_scale` [tiles * 16]: P @ V takes each numerator e times its position's V scale as an int16,
+  // round(e * scale / v_max[m] * kProbOne), v_max[m] the largest V scale row m sees in the chunk (so that a row's
+  // bits depend on the positions it sees alone); the sums are of e unrounded.
   void softmax(int64_t tiles, const float* scores, const char* visible, std::vector<__m512>& lanes, uint16_t* probs,
-               float* row_max, float* row_sum) const {
+               float* row_max, float* row_sum, const float* v_scale = nullptr, float* v_max = nullptr) const {
     lanes.assign(M, _mm512_set1_ps(kNegInf));
     for (int64_t t = 0; t < tiles; ++t)
       if (visible[t])
         for (int64_t m = 0; m < M; ++m) lanes[m] = _mm512_max_ps(lanes[m], _mm512_loadu_ps(scores + (t * M + m) * kTile));
     for (int64_t m = 0; m < M; ++m) row_max[m] = _mm512_reduce_max_ps(lanes[m]);
+    if (v_scale) {
+      lanes.assign(M, _mm512_setzero_ps());
+      for (int64_t t = 0; t < tiles; ++t)
+        for (int64_t m = 0; visible[t] && m < M; ++m) {
+          const __mmask16 seen = _mm512_cmp_ps_mask(_mm512_loadu_ps(scores + (t * M + m) * kTile),
+                                                    _mm512_set1_ps(kNegInf), _CMP_NEQ_OQ);
+          lanes[m] = _mm512_mask_max_ps(lanes[m], seen, lanes[m], _mm512_loadu_ps(v_scale + t * kTile));
+        }
+      for (int64_t m = 0; m < M; ++m) v_max[m] = _mm512_reduce_max_ps(lanes[m]);
+    }
     lanes.assign(M, _mm512_setzero_ps());
     for (int64_t t = 0; t < tiles; ++t)
       for (int64_t m = 0; m < M; ++m) {
         __m256i pb = _mm256_setzero_si256();
         if (visible[t] && row_max[m] != kNegInf) {
           const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(scores + (t * M + m) * kTile), _mm512_set1_ps(row_max[m])));
-          pb = (__m256i)_mm512_cvtneps_pbh(e);
-          lanes[m] = _mm512_add_ps(lanes[m], bf16_to_fp32(pb));
+          if (v_scale) {
+            const float unit = v_max[m] > 0.0f ? kProbOne / v_max[m] : 0.0f;
+            const __m512 w = _mm512_mul_ps(e, _mm512_mul_ps(_mm512_loadu_ps(v_scale + t * kTile), _mm512_set1_ps(unit)));
+            pb = _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(w));
+            lanes[m] = _mm512_add_ps(lanes[m], e);
+          } else {
+            pb = (__m256i)_mm512_cvtneps_pbh(e);
+            lanes[m] = _mm512_add_ps(lanes[m], bf16_to_fp32(pb));
+          }
         }
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs + (t * M + m) * kTile), pb);
       }
@@ -347,7 +462,7 @@ struct Task {
   // Positions [l0, l1) of (b, h): the chunk's maxima [M], softmax sums [M] and unnormalized out [M, D].
   void run(int64_t b, int64_t h, int64_t l0, int64_t l1, Buffers& buffers, float* row_max, float* row_sum,
            float* out) const {
-    auto& [scores, probs, visible, qt, vt, lanes] = buffers;
+    auto& [scores, probs, visible, qt, vt, lanes, v_scale, v_max] = buffers;
     const int64_t tiles = (l1 - l0 + kTile - 1) / kTile;
     scores.resize(tiles * M * kTile);
     probs.resize(M * tiles * kTile);
@@ -366,7 +481,16 @@ struct Task {
         score_tile(b, h, l, n, scores.data() + t * M * kTile);
       }
     }
-    softmax(tiles, scores.data(), visible.data(), lanes, probs.data(), row_max, row_sum);
+    if constexpr (kInt8) {
+      v_scale.assign(tiles * kTile, 0.0f);
+      v_max.resize(M);
+      for (int64_t t = 0; t < tiles; ++t) {
+        const int64_t l = l0 + t * kTile, n = std::min<int64_t>(kTile, l1 - l);
+        for (int64_t i = 0; visible[t] && i < n; ++i) v_scale[t * kTile + i] = row_scale<D>(V.at(b, h, l) + i * V.sl);
+      }
+    }
+    softmax(tiles, scores.data(), visible.data(), lanes, probs.data(), row_max, row_sum,
+            kInt8 ? v_scale.data() : nullptr, kInt8 ? v_max.data() : nullptr);
     // out[m] += sum_i p[m, i] V[i], two positions per product: V rows interleaved element-wise.
     if constexpr (kTiles) {
       values_on_tiles(b, h, l0, l1, probs.data(), visible.data(), vt, out);
@@ -385,54 +509,120 @@ struct Task {
         for (int r = 0; r < R; ++r)
           pairs[r] = reinterpret_cast<const uint32_t*>(probs.data() + (t * M + m0 + r) * kTile);
         for (int k0 = 0; k0 < D / 16; k0 += 4) {
-          __m512 acc[R][4];
+          using Acc = std::conditional_t<kInt8, __m512i, __m512>;  // int8: int32 sums, in `out`'s memory
+          Acc acc[R][4];
           for (int r = 0; r < R; ++r)
-            for (int k = 0; k < 4; ++k) acc[r][k] = _mm512_loadu_ps(out + (m0 + r) * D + 16 * (k0 + k));
+            for (int k = 0; k < 4; ++k) acc[r][k] = (Acc)_mm512_loadu_ps(out + (m0 + r) * D + 16 * (k0 + k));
           for (int64_t j = 0; j < kTile / 2; ++j) {
-            __m512bh pj[R];
-            for (int r = 0; r < R; ++r) pj[r] = (__m512bh)_mm512_set1_epi32(pairs[r][j]);
+            __m512i pj[R];
+            for (int r = 0; r < R; ++r) pj[r] = _mm512_set1_epi32(pairs[r][j]);
             for (int k = 0; k < 4; ++k) {
-              const __m512bh vk = (__m512bh)vp[j][k0 + k];
-              for (int r = 0; r < R; ++r) acc[r][k] = _mm512_dpbf16_ps(acc[r][k], pj[r], vk);
+              const __m512i vk = vp[j][k0 + k];
+              for (int r = 0; r < R; ++r) {
+                if constexpr (kInt8) {
+                  acc[r][k] = _mm512_dpwssd_epi32(acc[r][k], pj[r], vk);
+                } else {
+                  acc[r][k] = _mm512_dpbf16_ps(acc[r][k], (__m512bh)pj[r], (__m512bh)vk);
+                }
+              }
             }
           }
           for (int r = 0; r < R; ++r)
-            for (int k = 0; k < 4; ++k) _mm512_storeu_ps(out + (m0 + r) * D + 16 * (k0 + k), acc[r][k]);
+            for (int k = 0; k < 4; ++k) _mm512_storeu_ps(out + (m0 + r) * D + 16 * (k0 + k), (__m512)acc[r][k]);
         }
       });
+    }
+    if constexpr (kInt8) {  // row m's int32 sums, in units of v_max[m] / kProbOne
+      for (int64_t m = 0; m < M; ++m) {
+        const __m512 unit = _mm512_set1_ps(v_max[m] / kProbOne);
+        for (int64_t d = 0; d < D; d += 16) {
+          float* o = out + m * D + d;
+          _mm512_storeu_ps(o, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_castps_si512(_mm512_loadu_ps(o))), unit));
+        }
+      }
     }
   }
 };
 
-template <int D, bool kTiles>
+// Queries for the int8 kernel: each group of 32 dims of q [rows, D] (as fp32) quantized to int8 with its own scale
+// max|q| / 127, as llama.cpp's q8_0 does (one scale per row lets a row's large dims drown its small ones: over 1500
+// tokens of a book, SmolLM2's next-token argmax differed from fp32's at 3.0% of positions, with groups 2.2%, with a
+// bf16 cache 1.3%), and the sum of its int8 values. A row's bytes depend on that row
+// alone, as its outputs must.
+struct Int8Queries {
+  std::vector<int8_t> values;
+  std::vector<float> scales;
+  std::vector<int32_t> sums;
+
+  Int8Queries(const float* q, int64_t rows, int64_t D) : values(rows * D), scales(rows * D / 32), sums(rows * D / 32) {
+    at::parallel_for(0, rows * D / 32, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const float* x = q + r * 32;
+        float amax = 0.0f;
+        for (int64_t d = 0; d < 32; ++d) amax = std::max(amax, std::fabs(x[d]));
+        const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        int32_t sum = 0;
+        for (int64_t d = 0; d < 32; ++d) {
+          const int32_t v = static_cast<int32_t>(std::nearbyint(x[d] * inv));
+          values[r * 32 + d] = static_cast<int8_t>(v);
+          sum += v;
+        }
+        scales[r] = amax / 127.0f;
+        sums[r] = sum;
+      }
+    });
+  }
+};
+
+template <int D, bool kTiles, bool kInt8>
 at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& bias,
                   int64_t chunk, const std::optional<at::Tensor>& table, int64_t L) {
+  using Elem = typename Task<D, kTiles, kInt8>::Elem;
   const int64_t M = q.size(2);
-  auto qb = q.to(at::kBFloat16).contiguous();
-  const uint32_t* qp = reinterpret_cast<const uint32_t*>(qb.data_ptr<at::BFloat16>());
   std::vector<int64_t> k_blocks, v_blocks;
-  const Strided K = magicdec::strided(k, table, k_blocks), V = magicdec::strided(v, table, v_blocks);
+  const auto K = magicdec::strided<Elem>(k, table, k_blocks), V = magicdec::strided<Elem>(v, table, v_blocks);
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-  return magicdec::attend_in_chunks<D>(
-      q.size(0), q.size(1), M, L, chunk, magicdec::bias_of(bias, M, L),
-      q.options().dtype(at::kFloat), [&](int64_t bh, int64_t m0, int64_t rows, Bias block_bias) {
-        return Task<D, kTiles>{qp + (bh * M + m0) * (D / 2), rows, K, V, block_bias, scale};
-      });
+  const auto bias_rows = magicdec::bias_of(bias, M, L);
+  const auto opts = q.options().dtype(at::kFloat);
+  if constexpr (kInt8) {
+    const auto qf = q.to(at::kFloat).contiguous();
+    const Int8Queries qi(qf.data_ptr<float>(), qf.numel() / D, D);
+    const uint32_t* quads = reinterpret_cast<const uint32_t*>(qi.values.data());
+    return magicdec::attend_in_chunks<D>(
+        q.size(0), q.size(1), M, L, chunk, bias_rows, opts, [&](int64_t bh, int64_t m0, int64_t rows, Bias block_bias) {
+          const int64_t first = bh * M + m0;
+          return Task<D, kTiles, kInt8>{quads + first * (D / 4), rows, K, V, block_bias, scale,
+                                        qi.scales.data() + first * (D / 32), qi.sums.data() + first * (D / 32)};
+        });
+  } else {
+    const auto qb = q.to(at::kBFloat16).contiguous();
+    const uint32_t* pairs = reinterpret_cast<const uint32_t*>(qb.data_ptr<at::BFloat16>());
+    return magicdec::attend_in_chunks<D>(
+        q.size(0), q.size(1), M, L, chunk, bias_rows, opts, [&](int64_t bh, int64_t m0, int64_t rows, Bias block_bias) {
+          return Task<D, kTiles, kInt8>{pairs + (bh * M + m0) * (D / 2), rows, K, V, block_bias, scale};
+        });
+  }
 }
 
-template <bool kTiles>
+// kInt8: K/V rows of D int8 values and their fp32 scale ([..., D + 4] int8); else bf16 [..., D].
+template <bool kTiles, bool kInt8>
 at::Tensor attend_any(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& bias,
                       int64_t chunk, const std::optional<at::Tensor>& table) {
-  TORCH_CHECK(k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16 &&
-                  bias.scalar_type() == at::kBFloat16, "decode_attention: K, V and bias must be bf16");
+  const auto kv_type = kInt8 ? at::kChar : at::kBFloat16;
+  TORCH_CHECK(k.scalar_type() == kv_type && v.scalar_type() == kv_type && bias.scalar_type() == at::kBFloat16,
+              "decode_attention: K and V must be ", kInt8 ? "int8" : "bf16", ", the bias bf16");
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && k.size(3) == q.size(3) + (kInt8 ? 4 : 0) && v.size(3) == k.size(3),
+              "decode_attention: K/V rows of ", kInt8 ? "head dim + 4 int8" : "head dim bf16", " expected, got q ",
+              q.sizes(), ", K ", k.sizes(), ", V ", v.sizes());
   const int64_t L = magicdec::attended(q, k, v, bias, table);
   // Tiles start at multiples of 16: one never crosses a block (Strided).
   TORCH_CHECK(chunk > 0 && chunk % kTile == 0, "decode_attention: chunk must be a positive multiple of 16");
+  TORCH_CHECK(!kInt8 || chunk <= 1024, "decode_attention: int8 K/V take chunks of at most 1024 (kProbOne)");
   if constexpr (kTiles) magicdec::require_tiles("decode_attention");
   switch (q.size(3)) {
-    case 64: return attend<64, kTiles>(q, k, v, bias, chunk, table, L);
-    case 128: return attend<128, kTiles>(q, k, v, bias, chunk, table, L);
-    case 256: return attend<256, kTiles>(q, k, v, bias, chunk, table, L);  // Gemma 3
+    case 64: return attend<64, kTiles, kInt8>(q, k, v, bias, chunk, table, L);
+    case 128: return attend<128, kTiles, kInt8>(q, k, v, bias, chunk, table, L);
+    case 256: return attend<256, kTiles, kInt8>(q, k, v, bias, chunk, table, L);  // Gemma 3
     default: TORCH_CHECK(false, "decode_attention: head dim ", q.size(3), " is not 64, 128 or 256");
   }
 }
@@ -441,19 +631,27 @@ at::Tensor attend_any(const at::Tensor& q, const at::Tensor& k, const at::Tensor
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& bias,
                             int64_t chunk, const std::optional<at::Tensor>& block_table) {
-  return attend_any<false>(q, k, v, bias, chunk, block_table);
+  return attend_any<false, false>(q, k, v, bias, chunk, block_table);
 }
 
 at::Tensor decode_attention_tiles(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                   const at::Tensor& bias, int64_t chunk, const std::optional<at::Tensor>& block_table) {
-  return attend_any<true>(q, k, v, bias, chunk, block_table);
+  return attend_any<true, false>(q, k, v, bias, chunk, block_table);
+}
+
+at::Tensor decode_attention_int8(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& bias,
+                                 int64_t chunk, const std::optional<at::Tensor>& block_table) {
+  return attend_any<false, true>(q, k, v, bias, chunk, block_table);
 }
 
 // Decode/verification attention over a bf16 KV cache (AVX512-BF16; decode_attention_tiles: products on AMX tiles,
-// call it only where tiles_ready()), contiguous or paged (a block table: magicdec::strided)
+// call it only where tiles_ready()) or an int8 one (decode_attention_int8, AVX512-VNNI), contiguous or paged (a block
+// table: magicdec::strided)
 TORCH_LIBRARY_FRAGMENT(magicdec_avx512bf16, m) {
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor bias, int chunk, Tensor? block_table=None) -> Tensor",
         &decode_attention);
   m.def("decode_attention_tiles(Tensor q, Tensor k, Tensor v, Tensor bias, int chunk, Tensor? block_table=None) "
         "-> Tensor", &decode_attention_tiles);
+  m.def("decode_attention_int8(Tensor q, Tensor k, Tensor v, Tensor bias, int chunk, Tensor? block_table=None) "
+        "-> Tensor", &decode_attention_int8);
 }

@@ -22,6 +22,7 @@ from torch import Tensor
 
 from magicdec import kernels
 from magicdec.config import ModelConfig
+from magicdec.kv import quant
 
 
 class KVCache:
@@ -34,7 +35,7 @@ class KVCache:
 
     def __init__(self, cfg: ModelConfig, batch: int, capacity: int, dtype: torch.dtype, device: torch.device | str):
         self.cfg = cfg
-        shape = (cfg.n_layers, batch, cfg.n_kv_heads, capacity, cfg.head_dim)
+        shape = (cfg.n_layers, batch, cfg.n_kv_heads, capacity, quant.row_width(dtype, cfg.head_dim))
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.capacity = capacity
@@ -50,7 +51,7 @@ class KVCache:
     @staticmethod
     def nbytes(cfg: ModelConfig, batch: int, capacity: int, dtype: torch.dtype) -> int:
         """Bytes a cache of this shape allocates (used to plan memory before allocating)."""
-        element = torch.empty((), dtype=dtype).element_size()
+        element = quant.element_bytes(dtype, cfg.head_dim)
         return batch * capacity * cfg.kv_bytes_per_token(element)
 
     @property
@@ -82,14 +83,14 @@ class KVCache:
         return self._arange(L)[None, None, None, :] <= self._slots[:, None, :, None]
 
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, None]:
-        """Write new k, v [B, KV, q, hd] at each row's next slots; return K, V [B, KV, L, hd] to attend (and no block
-        table: see `magicdec.kv.paged`)."""
+        """Write new k, v [B, KV, q, hd] at each row's next slots (`quant.store`); return K, V [B, KV, L, row] to
+        attend (and no block table: see `magicdec.kv.paged`)."""
         q = k.shape[2]
         kc, vc = self.k[layer], self.v[layer]
         # index_put_ on the [B, slot, KV, hd] view: scatter_ into fp16/bf16 copies the whole tensor on CPU
         index = (self._rows, self._slots)
-        kc.transpose(1, 2).index_put_(index, k.transpose(1, 2).to(kc.dtype))
-        vc.transpose(1, 2).index_put_(index, v.transpose(1, 2).to(vc.dtype))
+        kc.transpose(1, 2).index_put_(index, quant.store(k.transpose(1, 2), kc.dtype))
+        vc.transpose(1, 2).index_put_(index, quant.store(v.transpose(1, 2), vc.dtype))
         L = self.attended_slots(q)
         return kc[:, :, :L], vc[:, :, :L], None
 

@@ -35,6 +35,7 @@ import torch
 from torch import Tensor
 
 from magicdec.config import GLOBAL, SLIDING, ModelConfig
+from magicdec.kv import quant
 
 #: Positions per block: a prefix hit is a whole number of blocks. Small enough that a chat's next turn reuses all but
 #: a few tokens of its history and a request wastes less than a block, a multiple of the native kernels' 16-position
@@ -145,7 +146,7 @@ class WindowStore:
 
     def __init__(self, cfg: ModelConfig, max_bytes: int, dtype: torch.dtype):
         self.cfg = cfg
-        element = torch.empty((), dtype=dtype).element_size()
+        element = quant.element_bytes(dtype, cfg.head_dim)
         self.entry_bytes = BLOCK_SIZE * cfg.kv_bytes_per_token(element, SLIDING)
         self.max_entries = max_bytes // self.entry_bytes
         #: blocks before a hit's end whose sliding K/V it needs: those holding the window of the first query after it
@@ -206,14 +207,14 @@ class KVManager:
         if num_blocks < 2:
             raise ValueError(f"a KV pool needs at least 2 blocks (one is the null block), got {num_blocks}")
         self.cfg, self.dtype, self.caching = cfg, dtype, caching
-        layers, blocks, heads, size, head_dim = storage_shape(cfg, num_blocks)
+        layers, blocks, heads, size, width = storage_shape(cfg, num_blocks, dtype)
         # Uninitialized: memory is touched as blocks are used. The runner zeroes a block before a request writes it
         # (a masked position's value meets a probability of 0, which must not meet a NaN), and the null block here.
         # Head-major in memory, seen as [layers, blocks, KV, ...]: a KV head's consecutive blocks lie side by side, so
         # a request's blocks taken in a run are one run per head to the attention kernel (blocks holding every head
         # read 16-20% slower than contiguous rows, head-major ones in order 2-5%; benchmarks/README.md, "Paged K/V:
         # block size, allocation order, pool layout").
-        memory = (layers, heads, blocks, size, head_dim)
+        memory = (layers, heads, blocks, size, width)
         self.k = torch.empty(memory, dtype=dtype, device=device).transpose(1, 2)
         self.v = torch.empty(memory, dtype=dtype, device=device).transpose(1, 2)
         self.k[:, NULL_BLOCK].zero_()
@@ -227,7 +228,7 @@ class KVManager:
     @staticmethod
     def block_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
         """Bytes of one block (K and V of the layers that grow with the context)."""
-        element = torch.empty((), dtype=dtype).element_size()
+        element = quant.element_bytes(dtype, cfg.head_dim)
         return BLOCK_SIZE * cfg.kv_bytes_per_token(element, GLOBAL)
 
     @property
@@ -318,6 +319,7 @@ class KVManager:
         self.keyed.pop(request_id, None)
 
 
-def storage_shape(cfg: ModelConfig, num_blocks: int) -> tuple[int, ...]:
-    """[layers, blocks, KV heads, BLOCK_SIZE, head_dim] of the layers whose K/V grow with the context."""
-    return len(cfg.layers_of(GLOBAL)), num_blocks, cfg.n_kv_heads, BLOCK_SIZE, cfg.head_dim
+def storage_shape(cfg: ModelConfig, num_blocks: int, dtype: torch.dtype) -> tuple[int, ...]:
+    """[layers, blocks, KV heads, BLOCK_SIZE, row] of the layers whose K/V grow with the context: rows of head_dim
+    values (and an int8 row's scale, `quant.row_width`)."""
+    return len(cfg.layers_of(GLOBAL)), num_blocks, cfg.n_kv_heads, BLOCK_SIZE, quant.row_width(dtype, cfg.head_dim)

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from magicdec.config import ModelConfig
+from magicdec.kv import quant
 from magicdec.kv.base import KVCache
 from magicdec.kv.blocks import BLOCK_SIZE, NULL_BLOCK
 
@@ -65,8 +66,8 @@ class PagedKVCache(KVCache):
         BLOCK_SIZE, hd] and the table [B, n] to read them through."""
         kc, vc = self.k[layer], self.v[layer]
         # index_put_ on the [blocks, BLOCK_SIZE, KV, hd] view with [B, q] indices, values [B, q, KV, hd]
-        kc.transpose(1, 2).index_put_(self._write, k.transpose(1, 2).to(kc.dtype))
-        vc.transpose(1, 2).index_put_(self._write, v.transpose(1, 2).to(vc.dtype))
+        kc.transpose(1, 2).index_put_(self._write, quant.store(k.transpose(1, 2), kc.dtype))
+        vc.transpose(1, 2).index_put_(self._write, quant.store(v.transpose(1, 2), vc.dtype))
         return kc, vc, self._table
 
     def locate(self, rows: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from magicdec.config import ModelConfig
+from magicdec.kv import quant
 from magicdec.kv.base import KVCache
 from magicdec.kv.blocks import BLOCK_SIZE, block_keys
 
@@ -41,7 +42,7 @@ class PrefixCache:
 
     def __init__(self, cfg: ModelConfig, max_bytes: int, dtype: torch.dtype):
         self.cfg, self.dtype = cfg, dtype
-        element = torch.empty((), dtype=dtype).element_size()
+        element = quant.element_bytes(dtype, cfg.head_dim)
         self.block_bytes = BLOCK_SIZE * cfg.kv_bytes_per_token(element)
         self.max_bytes = max_bytes
         self.blocks: OrderedDict[bytes, Block] = OrderedDict()

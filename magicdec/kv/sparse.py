@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from magicdec.config import ModelConfig
+from magicdec.kv import quant
 from magicdec.kv.base import KVCache
 from magicdec.model import apply_rope, rope_cos_sin
 
@@ -29,9 +30,9 @@ SNAPKV_KERNEL = 7
 
 
 def rotate_keys(k: Tensor, delta: Tensor, inv_freq: Tensor) -> Tensor:
-    """Move RoPE-rotated keys k [..., hd] by delta positions (delta broadcasts to k.shape[:-1])."""
+    """Move RoPE-rotated cached keys k [..., row] by delta positions (delta broadcasts to k.shape[:-1])."""
     cos, sin = rope_cos_sin(inv_freq, delta, torch.float32)
-    return apply_rope(k.float(), cos, sin).to(k.dtype)
+    return quant.store(apply_rope(quant.load(k, torch.float32), cos, sin), k.dtype)
 
 
 class SparseKVCache(KVCache):

@@ -1,0 +1,67 @@
+"""8-bit KV caches: int8 rows that carry their own scale, and fp8 (e4m3).
+
+int8 stores each cached K or V row (one position of one KV head, head_dim values x) as head_dim signed bytes
+round(x / s), followed by the row's scale s = max|x| / 127 as the four bytes of an fp32: a row is head_dim + 4 int8.
+Keeping the scale inside the row means every copy of K/V (a block of the pool, a gather, a row moved to another
+slot, a sparse draft cache loaded from the target's) moves values and scales together, and a row's bytes depend on
+that row alone, so a verification forward stores what the one-token steps store and speculation stays exact against
+the int8-cache target. llama.cpp's q8_0 cache keeps a scale per 32 values; one per row (64-256 values) is what lets
+the native kernel take a row's dot product in integers (`magicdec.kernels`, VNNI).
+
+fp8 stores x as float8_e4m3fn with scale 1 (vLLM's default for `--kv-cache-dtype fp8`), saturated at +-448; torch's
+operators attend over it converted back (no native CPU kernel).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from magicdec.dtypes import INT8_SCALE_BYTES as SCALE_BYTES
+
+INT8 = torch.int8
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+
+
+def quantized(dtype: torch.dtype) -> bool:
+    """Whether a cache of this dtype stores 8-bit values that `load` converts back."""
+    return dtype in (INT8, FP8)
+
+
+def row_width(dtype: torch.dtype, head_dim: int) -> int:
+    """Elements of one cached row (the last dim of a cache of this dtype)."""
+    return head_dim + SCALE_BYTES if dtype == INT8 else head_dim
+
+
+def element_bytes(dtype: torch.dtype, head_dim: int) -> float:
+    """Bytes a cache of this dtype takes per K or V value, scales included."""
+    return row_width(dtype, head_dim) * torch.empty((), dtype=dtype).element_size() / head_dim
+
+
+def store(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """Rows x [..., head_dim] as a cache of `dtype` stores them ([..., row_width])."""
+    if dtype == INT8:
+        amax = x.abs().amax(-1, keepdim=True).float()
+        scale = amax / 127
+        values = (x.float() * (127 / amax.clamp_min(torch.finfo(torch.float32).tiny))).round_().to(INT8)
+        return torch.cat((values, scale.view(INT8)), -1)
+    if dtype == FP8:
+        return x.float().clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return x.to(dtype)
+
+
+def load(rows: Tensor, dtype: torch.dtype) -> Tensor:
+    """Cached rows [..., row_width] as values [..., head_dim] of `dtype` (`store` undone, up to its rounding)."""
+    if rows.dtype == INT8:
+        values, scale = rows[..., :-SCALE_BYTES], rows[..., -SCALE_BYTES:]
+        if scale.stride(-2) % SCALE_BYTES or scale.storage_offset() % SCALE_BYTES:
+            scale = scale.contiguous()
+        return (values.float() * scale.view(torch.float32)).to(dtype)
+    return rows.to(dtype)
+
+
+def attention_dtype(kv_dtype: torch.dtype, model_dtype: torch.dtype) -> torch.dtype:
+    """The dtype attention over a cache of `kv_dtype` computes in (its additive bias's): the cache's own, or the
+    model's where the cache holds 8-bit values."""
+    return model_dtype if quantized(kv_dtype) else kv_dtype
