@@ -19,6 +19,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from magicdec import kernels
 from magicdec.config import GLOBAL, SLIDING, ModelConfig
+from magicdec.kernels import triton_attention
 from magicdec.kv import quant
 from magicdec.kv.paged import gather
 
@@ -85,7 +86,10 @@ def matmul_attention(device: torch.device, kv_dtype: torch.dtype) -> bool:
 
 def attention_path(device: torch.device, kv_dtype: torch.dtype) -> str:
     """How decode and verification attention run over a cache of this dtype: "native" (the kernel of
-    magicdec.kernels for this CPU's path, built here on the first call), "matmul" or "sdpa"."""
+    magicdec.kernels for this CPU's path, built here on the first call), "triton" (CUDA: magicdec.kernels.
+    triton_attention; prefill chunks run SDPA), "matmul" or "sdpa"."""
+    if triton_attention.supported(device, kv_dtype):
+        return "triton"
     if kernels.supported(device, kv_dtype):
         return "native"
     return "matmul" if matmul_attention(device, kv_dtype) else "sdpa"
@@ -128,6 +132,8 @@ def attend(xq: Tensor, keys: Tensor, values: Tensor, bias: Tensor, table: Tensor
     (`magicdec.kv.quant`)."""
     if kernels.takes(xq, keys, values, bias, table):
         return kernels.decode_attention(xq, keys, values, bias, table)  # queries as they are: fp32 on the AVX2 path
+    if triton_attention.takes(xq, keys, values, bias, table):
+        return triton_attention.attend(xq, keys, values, bias, table)
     if table is not None:
         keys, values = gather(keys, table, bias.shape[-1]), gather(values, table, bias.shape[-1])
     if quant.quantized(keys.dtype):

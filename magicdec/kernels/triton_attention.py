@@ -1,0 +1,266 @@
+"""Attention over the KV cache in Triton, for CUDA: split-KV ("flash-decoding") for decode and verification.
+
+Queries come GQA-packed as `magicdec.model.attend` passes them: [B, KV, M, hd] with M = G*q, the G query heads of a
+KV head times q new tokens, rows ordered head then token. One program of `_split_kernel` takes one row b, one KV head
+h and one split of `SPLIT` consecutive positions, and reads each K/V element of its split once for all M query rows
+(a verification of q = gamma + 1 tokens reads the cache as a decode step does). It writes the split's running
+maximum, sum and unnormalised output; `_merge_kernel` combines a (row, head)'s splits in split order.
+
+K/V are read in place, either
+
+- paged: pools [NB, KV, BS, hd] (vLLM's "HND" layout, any strides but a contiguous last dim) through a block table
+  [B, nblk] int32, position l of row b being pool[table[b, l // BS], :, l % BS] (`magicdec.kv.paged`), or
+- dense: [B, KV, L, hd] per row (the window rings of sliding layers, the sparse draft caches).
+
+Which positions a query row sees comes from the device, never the host, so a CUDA graph can capture a call:
+
+- `bias` [B, 1, R, L] (0 / -inf, R divides M, query row m takes bias row m % R): the mask every cache builds today
+  (`magicdec.model.attention_bias`), and the only form that serves caches whose slots are not positions (rings,
+  sparse caches). `magicdec.model.attend` passes it. It costs one bias element per position and bias row.
+- `lens` [B] int32, the positions row b held before this forward's q tokens: token t = m % q sits at position
+  lens[b] + t and sees positions (lens[b] + t - window, lens[b] + t] (causal; `window` 0 for none). This is the
+  paged cache's mask (`PagedKVCache.attn_mask`) without a [B, q, L] tensor to build and read: the form for a
+  runner with static length buffers.
+
+Exactness. The split size and the tile sizes are constants (`SPLIT`, `TILE`, and `ROWS` query rows per program for
+up to `ROWS` rows), so a query row's arithmetic depends only on its own positions: not on the batch, the other rows,
+their lengths, the padding of L, nor (for M <= ROWS) on how many query rows share its program. Splits that see none
+of a row's positions are skipped exactly in the merge. Hence a row's output is bit-identical whatever the batch, and a
+verification row equals the one-token step's over the same cache where the dot products of a row do not depend on
+the other rows of the tile (true of Triton's interpreter; on a GPU, the same compiled kernel and tile shapes).
+
+Without a GPU the kernels run under Triton's interpreter (TRITON_INTERPRET=1 when this module is imported) on CPU
+tensors; `tests/test_triton_attention.py` checks them there against a torch reference. The interpreter multiplies
+bf16 operands of `tl.dot` as their raw 16-bit patterns, so under it bf16 operands are widened to fp32 first (exact;
+the products then sum in fp32 as a GPU's do). MAGICDEC_TRITON=0 turns the kernels off (torch's SDPA runs instead).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+from torch import Tensor
+
+triton = None
+# Only where a kernel can run (a CUDA or ROCm build of torch, or Triton's interpreter): a CPU-only process would
+# spend 0.2 s importing triton for nothing.
+if torch.version.cuda or torch.version.hip or os.environ.get("TRITON_INTERPRET") == "1":
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:  # no triton: the torch path runs
+        triton = None
+
+#: Query rows (M = G*q) per program, at most: one tile shape for a decode step and a verification of up to
+#: ROWS // G tokens, so their rows take the same arithmetic. More rows (a prefill chunk) are declined (`takes`).
+ROWS = 64
+#: Positions per split: fixed, so a row's splits, and with them its arithmetic, depend on its positions only.
+SPLIT = 512
+#: Positions per tile within a split (two 32-position blocks).
+TILE = 64
+#: K/V dtypes the kernels read.
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+#: "No sliding window" as a window size larger than any position.
+NO_WINDOW = 1 << 30
+LOG2E = 1.4426950408889634
+
+
+@functools.cache
+def switched_on() -> bool:
+    """Whether the Triton kernels may run in this process: triton is importable and MAGICDEC_TRITON is not 0. Decided
+    once, as the native kernels' path is: every forward must take the same kernels."""
+    return triton is not None and os.environ.get("MAGICDEC_TRITON", "1") != "0"
+
+
+def interpreted() -> bool:
+    """Whether this module's kernels run under Triton's interpreter (TRITON_INTERPRET=1 when it was imported)."""
+    return triton is not None and not isinstance(_split_kernel, triton.runtime.JITFunction)
+
+
+def supported(device: torch.device, kv_dtype: torch.dtype) -> bool:
+    """Whether decode and verification attention over a cache of this dtype on this device run these kernels."""
+    return device.type == "cuda" and kv_dtype in DTYPES and switched_on()
+
+
+def takes(xq: Tensor, keys: Tensor, values: Tensor, bias: Tensor, table: Tensor | None = None) -> bool:
+    """Whether `attend` takes these operands (those of `magicdec.model.attend`) on this device: at most `ROWS` query
+    rows per KV head, a power-of-two head size from 16 to 256, contiguous last dimensions, and with a `table` an int32
+    [B, nblk] table covering the bias's L."""
+    hd, M = keys.shape[-1], xq.shape[2]
+    if not (supported(keys.device, keys.dtype) and values.dtype == keys.dtype and values.shape == keys.shape):
+        return False
+    if not (16 <= hd <= 256 and hd & (hd - 1) == 0 and M <= ROWS and bias.dim() == 4 and M % bias.shape[2] == 0):
+        return False
+    if table is not None and not (table.dtype == torch.int32 and table.dim() == 2 and table.shape[0] == xq.shape[0]
+                                  and table.shape[1] * keys.shape[2] >= bias.shape[-1]):
+        return False
+    return all(t.stride(-1) == 1 for t in (xq, keys, values, bias))
+
+
+def attend(xq: Tensor, keys: Tensor, values: Tensor, bias: Tensor, table: Tensor | None = None) -> Tensor:
+    """`magicdec.model.attend` on these kernels (call where `takes` is True): the bias read on the device."""
+    return attention(xq, keys, values, table, bias=bias)
+
+
+def attention(xq: Tensor, keys: Tensor, values: Tensor, table: Tensor | None = None, *, bias: Tensor | None = None,
+              lens: Tensor | None = None, tokens: int = 1, window: int = 0, length: int | None = None) -> Tensor:
+    """Softmax attention (scale hd^-0.5) of queries [B, KV, M, hd] over K/V, dense [B, KV, L, hd] or paged pools
+    [NB, KV, BS, hd] read through `table` [B, nblk] int32; returns [B, KV, M, hd] in K's dtype. Visibility: exactly
+    one of `bias` [B, 1, R, L], or `lens` [B] int32 with the q = `tokens` new tokens per query head (M = G*q) and an
+    optional sliding `window` (see the module's docstring). `length`: the positions L spanned (default: the bias's
+    L; with `lens`, the dense L or the table's nblk * BS), which sizes the grid; programs past a row's own positions
+    do nothing. Under Triton's interpreter the tensors are CPU tensors."""
+    if (bias is None) == (lens is None):
+        raise ValueError("pass exactly one of bias or lens")
+    B, KV, M, hd = xq.shape
+    if length is None:
+        length = bias.shape[-1] if bias is not None else (table.shape[1] * keys.shape[2] if table is not None
+                                                          else keys.shape[2])
+    splits = max(1, -(-length // SPLIT))
+    acc = torch.empty(B * KV, splits, M, hd, dtype=torch.float32, device=xq.device)
+    stats = torch.empty(B * KV, splits, 2, M, dtype=torch.float32, device=xq.device)  # per split: maximum, sum
+    period = bias.shape[2] if bias is not None else tokens  # query row m is bias row / token m % period
+    mask = bias if bias is not None else lens
+    _split(xq.to(keys.dtype), keys, values, table, mask, period, window, length, acc, stats)
+    out = torch.empty(B, KV, M, hd, dtype=keys.dtype, device=xq.device)
+    _merge_kernel[(B * KV,)](acc, stats, out, splits, M, ROWS=ROWS, HD=hd)
+    return out
+
+
+def _split(xq: Tensor, keys: Tensor, values: Tensor, table: Tensor | None, mask: Tensor, period: int, window: int,
+           length: int, acc: Tensor, stats: Tensor) -> None:
+    """Launch `_split_kernel` over (row and KV head, split); `mask`: the bias [B, 1, R, L] or the lengths [B]."""
+    B, KV, M, hd = xq.shape
+    paged, use_bias = table is not None, mask.dim() == 4
+    # K/V addressed as base + outer * s0 + head * s1 + inner * s2: (block, offset) paged, (row, position) dense
+    kv_strides = (*keys.stride()[:3], *values.stride()[:3])
+    mask_strides = (mask.stride(0), mask.stride(2)) if use_bias else (0, 0)
+    _split_kernel[(B * KV, acc.shape[1])](
+        xq, keys, values, table if paged else mask, mask, acc, stats,  # an unused pointer is still a tensor
+        KV, M, length, period, window if window > 0 else NO_WINDOW, hd**-0.5 * LOG2E,
+        *xq.stride()[:3], *kv_strides, table.stride(0) if paged else 0, *mask_strides,
+        PAGE=keys.shape[2] if paged else 1, PAGED=paged, USE_BIAS=use_bias, ROWS=ROWS, TILE=TILE, SPLIT=SPLIT,
+        HD=hd, UPCAST=interpreted() and keys.dtype == torch.bfloat16, IEEE=keys.dtype == torch.float32)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _split_range(mask_ptr, b, split, L, P, window, USE_BIAS: tl.constexpr, TILE: tl.constexpr,
+                     SPLIT: tl.constexpr):
+        """The tiles [lo, hi) of `split` that may hold positions row b sees: with lengths, from the first tile of
+        the window to the last new token; with a bias, the whole split (the bias decides)."""
+        start = split * SPLIT
+        hi = tl.minimum(start + SPLIT, L)
+        lo = start
+        if not USE_BIAS:
+            held = tl.load(mask_ptr + b)
+            lo = start + tl.maximum(held - window + 1 - start, 0) // TILE * TILE  # tiles stay aligned to `start`
+            hi = tl.minimum(hi, held + P)
+        return lo, hi
+
+    @triton.jit
+    def _tile_bias(mask_ptr, b, rows, pos, M, L, P, window, sm_b, sm_r, USE_BIAS: tl.constexpr):
+        """[ROWS, TILE] additive bias in log2 units (0 / -inf) of the query rows over the tile's positions."""
+        inside = (rows < M)[:, None] & (pos < L)[None, :]
+        if USE_BIAS:
+            ptrs = mask_ptr + b * sm_b + (rows % P)[:, None] * sm_r + pos[None, :]
+            bias = tl.load(ptrs, mask=inside, other=float("-inf")).to(tl.float32) * 1.4426950408889634
+        else:
+            at = tl.load(mask_ptr + b) + rows % P  # each query's own position
+            seen = inside & (pos[None, :] <= at[:, None]) & (pos[None, :] > at[:, None] - window)
+            bias = tl.where(seen, 0.0, float("-inf"))
+        return bias
+
+    @triton.jit
+    def _kv_index(table_ptr, b, pos, seen, st_b, PAGE: tl.constexpr, PAGED: tl.constexpr):
+        """(outer, inner) indices [TILE] of the positions' K/V: (block, offset) through the table, else (row,
+        position). Positions no query sees read no table entry."""
+        if PAGED:
+            outer = tl.load(table_ptr + b * st_b + pos // PAGE, mask=seen, other=0).to(tl.int64)
+            inner = pos % PAGE
+        else:
+            outer = tl.zeros_like(pos).to(tl.int64) + b
+            inner = pos
+        return outer, inner
+
+    @triton.jit
+    def _dot(a, b, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+        """a @ b in fp32: fp32 operands in full precision (not TF32); bf16 widened first under the interpreter."""
+        if UPCAST:
+            a, b = a.to(tl.float32), b.to(tl.float32)
+        if IEEE:
+            out = tl.dot(a, b, input_precision="ieee")
+        else:
+            out = tl.dot(a, b)
+        return out
+
+    @triton.jit
+    def _split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, mask_ptr, acc_ptr, stats_ptr,
+                      KV, M, L, P, window, qk_scale,
+                      sq_b, sq_h, sq_m, sk_0, sk_1, sk_2, sv_0, sv_1, sv_2, st_b, sm_b, sm_r,
+                      PAGE: tl.constexpr, PAGED: tl.constexpr, USE_BIAS: tl.constexpr, ROWS: tl.constexpr,
+                      TILE: tl.constexpr, SPLIT: tl.constexpr, HD: tl.constexpr, UPCAST: tl.constexpr,
+                      IEEE: tl.constexpr):
+        """One (row b, KV head h, split): online softmax over its tiles for all M query rows; writes the split's
+        maximum and sum [M] (log2 units) and unnormalised output [M, HD]."""
+        bh, split = tl.program_id(0), tl.program_id(1)
+        b, h = bh // KV, (bh % KV).to(tl.int64)
+        rows, dims = tl.arange(0, ROWS), tl.arange(0, HD)
+        q = tl.load(q_ptr + b * sq_b + h * sq_h + rows[:, None] * sq_m + dims[None, :], mask=(rows < M)[:, None],
+                    other=0.0)
+        m_i = tl.full([ROWS], float("-inf"), tl.float32)
+        l_i = tl.zeros([ROWS], tl.float32)
+        acc = tl.zeros([ROWS, HD], tl.float32)
+        lo, hi = _split_range(mask_ptr, b, split, L, P, window, USE_BIAS, TILE, SPLIT)
+        for start in range(lo, hi, TILE):
+            pos = start + tl.arange(0, TILE)
+            bias = _tile_bias(mask_ptr, b, rows, pos, M, L, P, window, sm_b, sm_r, USE_BIAS)
+            seen = tl.max(bias, 0) > float("-inf")  # positions no row sees are not read (unwritten blocks)
+            outer, inner = _kv_index(table_ptr, b, pos, seen, st_b, PAGE, PAGED)
+            k = tl.load(k_ptr + outer[:, None] * sk_0 + h * sk_1 + inner[:, None] * sk_2 + dims[None, :],
+                        mask=seen[:, None], other=0.0)
+            s = _dot(q, tl.trans(k), UPCAST, IEEE) * qk_scale + bias
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet: no NaN
+            p = tl.exp2(s - m_safe[:, None])
+            alpha = tl.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(v_ptr + outer[:, None] * sv_0 + h * sv_1 + inner[:, None] * sv_2 + dims[None, :],
+                        mask=seen[:, None], other=0.0)
+            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST, IEEE)
+            m_i = m_new
+        base = (bh * tl.num_programs(1) + split).to(tl.int64) * M
+        ok = rows < M
+        tl.store(acc_ptr + (base + rows[:, None]) * HD + dims[None, :], acc, mask=ok[:, None])
+        tl.store(stats_ptr + 2 * base + rows, m_i, mask=ok)
+        tl.store(stats_ptr + 2 * base + M + rows, l_i, mask=ok)
+
+    @triton.jit
+    def _merge_kernel(acc_ptr, stats_ptr, out_ptr, S, M, ROWS: tl.constexpr, HD: tl.constexpr):
+        """One (row, KV head): its S splits combined in split order, splits that saw nothing skipped exactly (a
+        row's result does not change with trailing empty splits, i.e. with the batch's longest row)."""
+        bh = tl.program_id(0)
+        rows, dims = tl.arange(0, ROWS), tl.arange(0, HD)
+        ok = rows < M
+        first = bh.to(tl.int64) * S
+        m_max = tl.full([ROWS], float("-inf"), tl.float32)
+        for s in range(S):
+            m_max = tl.maximum(m_max, tl.load(stats_ptr + (first + s) * 2 * M + rows, mask=ok, other=float("-inf")))
+        m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
+        total = tl.zeros([ROWS], tl.float32)
+        acc = tl.zeros([ROWS, HD], tl.float32)
+        for s in range(S):
+            m_s = tl.load(stats_ptr + (first + s) * 2 * M + rows, mask=ok, other=float("-inf"))
+            l_s = tl.load(stats_ptr + (first + s) * 2 * M + M + rows, mask=ok, other=0.0)
+            part = tl.load(acc_ptr + ((first + s) * M + rows[:, None]) * HD + dims[None, :], mask=ok[:, None],
+                           other=0.0)
+            w = tl.exp2(m_s - m_safe)
+            live = m_s > float("-inf")
+            total = tl.where(live, total + l_s * w, total)
+            acc = tl.where(live[:, None], acc + part * w[:, None], acc)
+        out = acc / tl.where(total > 0, total, 1.0)[:, None]  # a row that sees nothing (padding): zeros
+        tl.store(out_ptr + (bh.to(tl.int64) * M + rows[:, None]) * HD + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=ok[:, None])
