@@ -1,5 +1,9 @@
 """GPU readiness check (run by benchmarks/gpu_check.sh on a CUDA machine; a few minutes).
 
+0. The Triton attention kernels (benchmarks/triton_check.py): compiled, against attention in fp32 over the gathered
+   K/V, and their exactness (a row's bits in any batch; whether a verification's rows equal the one-token steps');
+   then timed against the gathered-SDPA path and a plain sum of the same K/V at Gemma 3 270M and Llama-3.1-8B
+   shapes (`--triton-cells`, q = 1 and 5), into the JSON's "triton_check" and "triton_timings".
 1. Greedy speculative output equals autoregressive output on tiny random models, on the GPU, for the
    self-speculative StreamingLLM and SnapKV drafters: a Llama and a hybrid (sliding-window) Gemma 3.
 2. Forward times at Llama-3.1-8B and Gemma 3 270M shapes with placeholder bf16 weights: a decode step (q=1 over
@@ -34,6 +38,8 @@ from magicdec.planner.hardware import eager
 from magicdec.sampling import SamplingParams
 from magicdec.scheduler import FixedGamma
 from magicdec.speculative import Speculation
+from triton_check import check as check_triton
+from triton_check import timings as time_triton
 
 LLAMA31_8B = ModelConfig(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
                          rope_theta=500000.0, max_seq_len=131072,
@@ -184,6 +190,8 @@ def main() -> None:
     ap.add_argument("--gemma-contexts", default="8192,32768")
     ap.add_argument("--engine", default="32x8192", help="BxS of the engine check on the Gemma 3 shape ('' skips)")
     ap.add_argument("--profile", action="store_true", help="print the operators' table of the engine check's runs")
+    ap.add_argument("--triton-cells", default="gemma3-270m:32x8192,gemma3-270m:256x32768,llama-3.1-8b:32x8192,"
+                    "llama-3.1-8b:64x16384", help="model:BxS cells timing the Triton attention ('' skips)")
     ap.add_argument("--gamma", type=int, default=3)
     ap.add_argument("--budget", type=int, default=512)
     ap.add_argument("--out", default="gpu_check.json")
@@ -197,7 +205,12 @@ def main() -> None:
     print(name, torch.__version__, flush=True)
     result = {"device": name, "torch": torch.__version__, "gamma": args.gamma,
               "budget": args.budget, "rows": [], "errors": []}
-    sections = [("lossless", lambda: check_lossless(device))]
+    sections = []
+    if device.type == "cuda":  # the kernels' own checks first: every forward below runs them
+        sections.append(("triton_check", lambda: check_triton(device)))
+        cells = [(m, *map(int, bs.split("x"))) for m, bs in (c.split(":") for c in args.triton_cells.split(",") if c)]
+        sections.append(("triton_timings", lambda: {"cells": time_triton(device, cells)}))
+    sections.append(("lossless", lambda: check_lossless(device)))
     sections.append(("gemma3-270m", lambda: step_times(device, "gemma3-270m", ints(args.gemma_batches),
                                                         ints(args.gemma_contexts), args.gamma, args.budget)))
     if args.engine:
