@@ -86,17 +86,21 @@ def supported(device: torch.device, kv_dtype: torch.dtype) -> bool:
 
 def takes(xq: Tensor, keys: Tensor, values: Tensor, bias: Tensor, table: Tensor | None = None) -> bool:
     """Whether `attend` takes these operands (those of `magicdec.model.attend`) on this device: at most `ROWS` query
-    rows per KV head, a power-of-two head size from 16 to 256, contiguous last dimensions, and with a `table` an int32
-    [B, nblk] table covering the bias's L."""
+    rows per KV head, a power-of-two head size from 16 to 256, contiguous last dimensions, a bias [B, 1, R, L], and
+    dense K/V of at least L positions or an int32 [B, nblk] `table` covering them."""
     hd, M = keys.shape[-1], xq.shape[2]
     if not (supported(keys.device, keys.dtype) and values.dtype == keys.dtype and values.shape == keys.shape):
         return False
-    if not (16 <= hd <= 256 and hd & (hd - 1) == 0 and M <= ROWS and bias.dim() == 4 and M % bias.shape[2] == 0):
+    if not (16 <= hd <= 256 and hd & (hd - 1) == 0 and M <= ROWS and bias.dim() == 4
+            and bias.shape[:2] == (xq.shape[0], 1) and M % bias.shape[2] == 0):
         return False
-    if table is not None and not (table.dtype == torch.int32 and table.dim() == 2 and table.shape[0] == xq.shape[0]
-                                  and table.shape[1] * keys.shape[2] >= bias.shape[-1]):
-        return False
-    return all(t.stride(-1) == 1 for t in (xq, keys, values, bias))
+    B, L = xq.shape[0], bias.shape[-1]
+    if table is None:
+        covered = keys.shape[0] == B and keys.shape[2] >= L
+    else:
+        covered = (table.dtype == torch.int32 and table.dim() == 2 and table.shape[0] == B
+                   and table.shape[1] * keys.shape[2] >= L)
+    return covered and all(t.stride(-1) == 1 for t in (xq, keys, values, bias))  # rows read element by element
 
 
 def attend(xq: Tensor, keys: Tensor, values: Tensor, bias: Tensor, table: Tensor | None = None) -> Tensor:
@@ -125,7 +129,8 @@ def attention(xq: Tensor, keys: Tensor, values: Tensor, table: Tensor | None = N
     mask = bias if bias is not None else lens
     _split(xq.to(keys.dtype), keys, values, table, mask, period, window, length, acc, stats)
     out = torch.empty(B, KV, M, hd, dtype=keys.dtype, device=xq.device)
-    _merge_kernel[(B * KV,)](acc, stats, out, splits, M, ROWS=ROWS, HD=hd)
+    # the merge is elementwise per row: its tile of rows can fit M without changing a row's bits
+    _merge_kernel[(B * KV,)](acc, stats, out, splits, M, ROWS=triton.next_power_of_2(M), HD=hd)
     return out
 
 
@@ -142,7 +147,8 @@ def _split(xq: Tensor, keys: Tensor, values: Tensor, table: Tensor | None, mask:
         KV, M, length, period, window if window > 0 else NO_WINDOW, hd**-0.5 * LOG2E,
         *xq.stride()[:3], *kv_strides, table.stride(0) if paged else 0, *mask_strides,
         PAGE=keys.shape[2] if paged else 1, PAGED=paged, USE_BIAS=use_bias, ROWS=ROWS, TILE=TILE, SPLIT=SPLIT,
-        HD=hd, UPCAST=interpreted() and keys.dtype == torch.bfloat16, IEEE=keys.dtype == torch.float32)
+        HD=hd, UPCAST=interpreted() and keys.dtype == torch.bfloat16, IEEE=keys.dtype == torch.float32,
+        num_warps=8 if hd > 128 else 4)  # a [ROWS, 256] fp32 accumulator on 4 warps would spill registers
 
 
 if triton is not None:
