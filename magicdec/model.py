@@ -117,9 +117,9 @@ CUDA_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SD
 
 def attention_bias(mask: Tensor, groups: int, dtype: torch.dtype) -> Tensor:
     """Bool mask [B, 1, q, L] -> additive bias [B, 1, groups*q, L] (0 or -inf) for grouped queries, in the dtype
-    attention computes in (`quant.attention_dtype`; on CPU an additive bias is markedly faster than a bool mask for SDPA). Built once per forward; groups 1
-    for the native kernel, which maps a KV head's G*q query rows to the q rows itself (at B=32 x 32k the repeat
-    alone cost a Gemma 3 verification forward 18 ms)."""
+    attention computes in (`quant.attention_dtype`; on CPU an additive bias is markedly faster than a bool mask for
+    SDPA). Built once per forward; groups 1 for the native kernel, which maps a KV head's G*q query rows to the q rows
+    itself (at B=32 x 32k the repeat alone cost a Gemma 3 verification forward 18 ms)."""
     bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
     return bias.repeat(1, 1, groups, 1) if groups > 1 else bias
 
