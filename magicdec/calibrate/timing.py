@@ -10,6 +10,7 @@ from typing import Any, Callable
 import torch
 
 from magicdec.config import ModelConfig
+from magicdec.kv import quant
 from magicdec.kv.hybrid import HybridCache, make_cache
 from magicdec.model import Transformer, pack_linears
 from magicdec.planner import ModelShape
@@ -88,9 +89,10 @@ def filled_cache(cfg: ModelConfig, batch: int, length: int, slack: int, dtype: t
     touched, so pages are real); a hybrid model's sliding layers' ring holds the last positions, as after a prefill."""
     cache = make_cache(cfg, batch, length + slack, dtype, device, max_q=slack)
     hybrid = isinstance(cache, HybridCache)
+    row = quant.store(torch.full((cfg.head_dim,), 0.5, device=device), dtype)  # an int8 row: values and scale
     for part in (cache.full, cache.window) if hybrid else (cache,):
-        part.k.fill_(0.5)  # attention's speed does not depend on the values; the pages must exist
-        part.v.fill_(0.5)
+        part.k.copy_(row.expand_as(part.k))  # attention's speed does not depend on the values; the pages must exist
+        part.v.copy_(row.expand_as(part.v))
     if hybrid:  # the ring holds the last positions before `length`
         cache.window.hold(torch.arange(max(0, length - cache.window.capacity), length, device=device))
     if length:

@@ -1,0 +1,91 @@
+"""Decode and verification forwards over a bf16 and an int8 KV cache, side by side.
+
+    PYTHONPATH=. python benchmarks/bench_kv_dtype.py --batch 32 --context 8192                       # SmolLM2
+    PYTHONPATH=. python benchmarks/bench_kv_dtype.py --model gemma3-270m --batch 32 --context 32768
+
+The real model (bf16, its weights packed for the native kernels) runs whole forwards of `--batch` rows over caches
+holding `--context` tokens each: a decode step (1 new token a row) and a verification of `--verify` tokens a row, in
+each KV dtype of `--kv-dtypes` in turn, `--repeats` times (dtype after dtype, so both see the same machine state);
+each keeps its median. Reported per dtype: the decode step, the verification, the verification's cost in decode
+steps, and the decode step against bf16's (the issue's targets: int8 decode >= 1.5x bf16; a 4-token verification
+<= 1.5 decode steps on a CPU without AMX). Writes the run into benchmarks/results/kv_dtype.json (one run per model
+and shape, the others kept) with the machine info and kernel path; prints the file's table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from tables import save_run  # noqa: E402
+
+from magicdec import kernels  # noqa: E402
+from magicdec.calibrate.machine import machine_info  # noqa: E402
+from magicdec.calibrate.timing import time_forward  # noqa: E402
+from magicdec.engine import parse_kv_dtype  # noqa: E402
+from magicdec.kv import quant  # noqa: E402
+from magicdec.loading import load_model, model_identity  # noqa: E402
+from magicdec.planner.report import format_table  # noqa: E402
+
+RESULT = ROOT / "benchmarks" / "results" / "kv_dtype.json"
+
+
+def measure(model, batch: int, context: int, verify: int, dtypes: list[str], repeats: int) -> dict[str, dict]:
+    """Median decode and verification forward seconds per KV dtype, the dtypes taking turns."""
+    times: dict[str, dict[str, list[float]]] = {d: {"decode": [], "verify": []} for d in dtypes}
+    for _ in range(repeats):
+        for name in dtypes:
+            dtype = parse_kv_dtype(name)
+            times[name]["decode"].append(time_forward(model, batch, 1, context, reps=3, kv_dtype=dtype))
+            times[name]["verify"].append(time_forward(model, batch, verify, context, reps=3, kv_dtype=dtype))
+    return {name: {kind: statistics.median(runs) for kind, runs in t.items()} for name, t in times.items()}
+
+
+def table(doc: dict) -> str:
+    """One row per run and KV dtype."""
+    rows = []
+    for label, run in doc["runs"].items():
+        base = run["times"][run["dtypes"][0]]["decode"]
+        for name in run["dtypes"]:
+            t = run["times"][name]
+            rows.append({"run": label, "KV": name, "KV GiB": f"{run['kv_gib'][name]:.2f}",
+                         "decode": f"{1e3 * t['decode']:.0f} ms", f"verify {run['verify']}": f"{1e3 * t['verify']:.0f} ms",
+                         "verify / decode": f"{t['verify'] / t['decode']:.2f}",
+                         "decode speedup": f"{base / t['decode']:.2f}x", "kernels": run["kernels"]})
+    return format_table(rows, list(rows[0]))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", help="model folder, .gguf or gemma3-270m (default: the embedded SmolLM2)")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--context", type=int, default=8192)
+    p.add_argument("--verify", type=int, default=4, help="tokens a row of the verification forward (default 4)")
+    p.add_argument("--kv-dtypes", default="bf16,int8", help="KV dtypes, the first the baseline (default bf16,int8)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", default=str(RESULT))
+    args = p.parse_args()
+    loaded = load_model(args.model, device="cpu", dtype=torch.bfloat16)
+    model, dtypes = loaded.model, args.kv_dtypes.split(",")
+    times = measure(model, args.batch, args.context, args.verify, dtypes, args.repeats)
+    cfg = model.cfg
+    identity = model_identity(loaded.source)
+    run = {"model": identity, "batch": args.batch, "context": args.context, "verify": args.verify, "dtypes": dtypes,
+           "repeats": args.repeats, "threads": torch.get_num_threads(), "kernels": kernels.path_name(),
+           "times": times,
+           "kv_gib": {d: args.batch * args.context * cfg.kv_bytes_per_token(
+               quant.element_bytes(parse_kv_dtype(d), cfg.head_dim)) / 2**30 for d in dtypes}}
+    label = f"{identity['name']} B={args.batch} x {args.context}"
+    doc = save_run(Path(args.out), label, run, machine_info(model.device))
+    print(table(doc))
+
+
+if __name__ == "__main__":
+    main()
