@@ -301,6 +301,14 @@ def llamacpp_32k(result: str, llama: str) -> str:
     return text(rows)
 
 
+def perplexity() -> str:
+    """bench_perplexity.py: perplexity and greedy agreement through the API, per KV dtype and against transformers."""
+    from bench_perplexity import notes, table
+
+    doc = load("perplexity")
+    return f"```\n{table(doc)}\n```\n\n{notes(doc)}"
+
+
 def paper_comparison() -> str:
     """The cost model against the speedups the MagicDec paper measured (benchmarks/paper_analysis.py)."""
     doc = load("paper_analysis")
@@ -328,7 +336,7 @@ TABLES = {"attention": lambda: attention(False), "attention_prefill": lambda: at
           "positions": positions, "validate_planner": validate_planner, "paper_comparison": paper_comparison,
           "serving_8k": serving_8k, "chat": lambda: chat("chat"), "chat_shared": lambda: chat("chat_shared"),
           "prefix_hit": prefix_hit, "server_limits": server_limits,
-          "capacity": capacity, "layouts": layouts, "tp": tp,
+          "capacity": capacity, "layouts": layouts, "tp": tp, "perplexity": perplexity,
           "gpu_check_h200": lambda: gpu_check(("gpu_check_h200", "run 1"), ("gpu_check_h200_graphs", "run 2, graphs"))}
 MODELS = {"cpu_grid": "cpu_grid", "positions": "acceptance"}
 
