@@ -2,7 +2,6 @@
 
     PYTHONPATH=. python benchmarks/bench_perplexity.py                                  # SmolLM2, 4 x 8000 tokens
     PYTHONPATH=. python benchmarks/bench_perplexity.py --model gemma3-270m --window 32000 --windows 1
-    PYTHONPATH=. python benchmarks/bench_perplexity.py --kv-dtypes bf16,int8                 # once int8 KV exists
 
 `--windows` windows of `--window` token ids are cut from inside the corpus's books (magicdec.corpus.cut_prompts, one
 book each), tokenized once here with the model's own tokenizer and sent as token ids, so every engine scores the
@@ -26,9 +25,7 @@ from __future__ import annotations
 
 import argparse
 import copy
-import functools
 import math
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -49,9 +46,6 @@ from magicdec.loading import model_identity, model_path  # noqa: E402
 from magicdec.loading.cache import load_gguf  # noqa: E402
 from magicdec.logprobs import compute_logprobs  # noqa: E402
 from magicdec.planner.report import format_table  # noqa: E402
-
-#: KV dtypes the server took as `--kv-dtype` before it had `--kv-cache-dtype`.
-OLD_KV_FLAG = ("fp32", "bf16", "fp16")
 
 
 # --- the numbers -------------------------------------------------------------------------------------------------
@@ -113,22 +107,6 @@ def notes(doc: dict) -> str:
 
 
 # --- magicdec, through the API --------------------------------------------------------------------------------------
-@functools.cache
-def serve_help() -> str:
-    return subprocess.run([sys.executable, "-m", "magicdec", "serve", "--help"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120, check=True).stdout
-
-
-def kv_flags(kv_dtype: str) -> list[str]:
-    """The serve flags for a KV-cache dtype: `--kv-cache-dtype` where this magicdec has it, else the older
-    `--kv-dtype` (fp32, bf16 and fp16 only)."""
-    if "--kv-cache-dtype" in serve_help():
-        return ["--kv-cache-dtype", kv_dtype]
-    if kv_dtype not in OLD_KV_FLAG:
-        raise SystemExit(f"this magicdec serve has no --kv-cache-dtype, so no {kv_dtype} KV cache")
-    return ["--kv-dtype", kv_dtype]
-
-
 def score_on_server(base: str, windows: list[list[int]], greedy_tokens: int) -> list[dict]:
     """Each window's token log-probabilities (echo, max_tokens 0) and the greedy continuation of its first
     len - greedy_tokens ids (the tokens' texts), from the server at `base`."""
@@ -150,7 +128,7 @@ def score_on_server(base: str, windows: list[list[int]], greedy_tokens: int) -> 
 
 
 def magicdec_config(args, kv_dtype: str, windows: list[list[int]]) -> dict:
-    flags = [*(["--model", args.model] if args.model else []), "--dtype", args.dtype, *kv_flags(kv_dtype), "--draft",
+    flags = [*(["--model", args.model] if args.model else []), "--dtype", args.dtype, "--kv-cache-dtype", kv_dtype, "--draft",
              "none", "--max-running", "1"]
     port = free_port()
     cmd = [sys.executable, "-m", "magicdec", "serve", *flags, "--port", str(port), "--log-level", "warning"]
@@ -210,8 +188,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", help="model (default: the embedded SmolLM2-135M; gemma3-270m for Gemma 3 270M)")
     p.add_argument("--window", type=int, default=8000, help="tokens per window (default 8000)")
     p.add_argument("--windows", type=int, default=4, help="windows, each from another book (default 4)")
-    p.add_argument("--kv-dtypes", default="bf16", help="KV-cache dtypes to serve, comma separated; the first is the "
-                                                       "reference (default bf16; e.g. bf16,int8)")
+    p.add_argument("--kv-dtypes", default="bf16,int8", help="KV-cache dtypes to serve, comma separated; the first is the "
+                                                       "reference (default bf16,int8)")
     p.add_argument("--dtype", default="auto", help="the servers' --dtype (compute dtype; default auto)")
     p.add_argument("--greedy-tokens", type=int, default=256, help="greedy tokens after each window's start")
     p.add_argument("--chunk", type=int, default=512, help="transformers' prefill chunk, tokens")

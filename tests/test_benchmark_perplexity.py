@@ -58,12 +58,3 @@ def test_summary_compares_with_the_reference(bench):
 ])
 def test_chunks_end_at_the_greedy_split(bench, n, split, chunk, expected):
     assert bench.chunk_bounds(n, split, chunk) == expected
-
-
-def test_kv_flag_falls_back_to_the_old_flag_for_16_and_32_bits(bench, monkeypatch):
-    monkeypatch.setattr(bench, "serve_help", lambda: "  --kv-dtype {fp32,bf16,fp16}")
-    assert bench.kv_flags("bf16") == ["--kv-dtype", "bf16"]
-    with pytest.raises(SystemExit, match="no int8 KV cache"):
-        bench.kv_flags("int8")
-    monkeypatch.setattr(bench, "serve_help", lambda: "  --kv-cache-dtype {auto,bf16,fp16,fp32,int8,fp8}")
-    assert bench.kv_flags("int8") == ["--kv-cache-dtype", "int8"]
