@@ -30,7 +30,7 @@ from magicdec import kernels  # noqa: E402
 from magicdec.calibrate.machine import machine_info  # noqa: E402
 from magicdec.calibrate.timing import time_forward  # noqa: E402
 from magicdec.engine import parse_kv_dtype  # noqa: E402
-from magicdec.kv import quant  # noqa: E402
+from magicdec.kv.hybrid import cache_bytes  # noqa: E402
 from magicdec.loading import load_model, model_identity  # noqa: E402
 from magicdec.planner.report import format_table  # noqa: E402
 
@@ -46,6 +46,11 @@ def measure(model, batch: int, context: int, verify: int, dtypes: list[str], rep
             times[name]["decode"].append(time_forward(model, batch, 1, context, reps=3, kv_dtype=dtype))
             times[name]["verify"].append(time_forward(model, batch, verify, context, reps=3, kv_dtype=dtype))
     return {name: {kind: statistics.median(runs) for kind, runs in t.items()} for name, t in times.items()}
+
+
+def kv_gib(model, batch: int, context: int, dtype: str) -> float:
+    """GiB of the cache a decode step reads (a hybrid model's rings included, for one new token)."""
+    return cache_bytes(model.cfg, batch, context, parse_kv_dtype(dtype), 1) / 2**30
 
 
 def table(doc: dict) -> str:
@@ -75,13 +80,11 @@ def main() -> None:
     loaded = load_model(args.model, device="cpu", dtype=torch.bfloat16)
     model, dtypes = loaded.model, args.kv_dtypes.split(",")
     times = measure(model, args.batch, args.context, args.verify, dtypes, args.repeats)
-    cfg = model.cfg
     identity = model_identity(loaded.source)
     run = {"model": identity, "batch": args.batch, "context": args.context, "verify": args.verify, "dtypes": dtypes,
            "repeats": args.repeats, "threads": torch.get_num_threads(), "kernels": kernels.path_name(),
            "times": times,
-           "kv_gib": {d: args.batch * args.context * cfg.kv_bytes_per_token(
-               quant.element_bytes(parse_kv_dtype(d), cfg.head_dim)) / 2**30 for d in dtypes}}
+           "kv_gib": {d: kv_gib(model, args.batch, args.context, d) for d in dtypes}}
     label = f"{identity['name']} B={args.batch} x {args.context}"
     doc = save_run(Path(args.out), label, run, machine_info(model.device))
     print(table(doc))

@@ -261,6 +261,13 @@ def layouts() -> str:
     return "```\n" + table(load("layouts")) + "\n```"
 
 
+def kv_dtype() -> str:
+    """bench_kv_dtype.py: decode and verification forwards over bf16 and int8 KV caches, alternated."""
+    from bench_kv_dtype import table
+
+    return "```\n" + table(load("kv_dtype")) + "\n```"
+
+
 def capacity() -> str:
     """bench_capacity.py: the paged KV pool against the slot layout it replaced, at the same KV memory."""
     from bench_capacity import table
@@ -336,7 +343,7 @@ TABLES = {"attention": lambda: attention(False), "attention_prefill": lambda: at
           "positions": positions, "validate_planner": validate_planner, "paper_comparison": paper_comparison,
           "serving_8k": serving_8k, "chat": lambda: chat("chat"), "chat_shared": lambda: chat("chat_shared"),
           "prefix_hit": prefix_hit, "server_limits": server_limits,
-          "capacity": capacity, "layouts": layouts, "tp": tp, "perplexity": perplexity,
+          "capacity": capacity, "layouts": layouts, "kv_dtype": kv_dtype, "tp": tp, "perplexity": perplexity,
           "gpu_check_h200": lambda: gpu_check(("gpu_check_h200", "run 1"), ("gpu_check_h200_graphs", "run 2, graphs"))}
 MODELS = {"cpu_grid": "cpu_grid", "positions": "acceptance"}
 
