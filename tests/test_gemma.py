@@ -352,12 +352,13 @@ def test_a_hybrid_hit_ends_where_the_blocks_carry_the_window(tiny_gemma):
     assert warm[0].cached_tokens == 4 * BLOCK_SIZE and warm[0].output_ids == cold[0].output_ids
 
 
-@pytest.mark.parametrize("kv_dtype", [None, torch.int8], ids=["model-dtype-kv", "int8-kv"])
+@pytest.mark.parametrize("kv_dtype", [None, torch.int8, torch.float8_e4m3fn], ids=["model-dtype-kv", "int8-kv", "fp8-kv"])
 @pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
 def test_hybrid_hits_decode_like_cold_prefills(tiny_gemma, params, kv_dtype):
     """On a hybrid model, requests served from the prefix cache (a shared 300-token document, then a chat's next turn
     with the first turn's output) give the same tokens as the same requests cold, plain and self-speculative, over a
-    cache in the model's dtype and an int8 one (its blocks and the saved sliding windows hold quantized rows)."""
+    cache in the model's dtype and 8-bit ones (their blocks and the saved sliding windows hold int8 rows with their
+    scales, or fp8 values)."""
     from magicdec.drafters import SelfSpecDrafter
 
     model = tiny_gemma[0]

@@ -36,8 +36,8 @@ class KVCache:
     def __init__(self, cfg: ModelConfig, batch: int, capacity: int, dtype: torch.dtype, device: torch.device | str):
         self.cfg = cfg
         shape = (cfg.n_layers, batch, cfg.n_kv_heads, capacity, quant.row_width(dtype, cfg.head_dim))
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k = torch.zeros(shape, dtype=quant.storage_dtype(dtype), device=device)
+        self.v = torch.zeros(shape, dtype=quant.storage_dtype(dtype), device=device)
         self.capacity = capacity
         self.lens = torch.zeros(batch, dtype=torch.long, device=device)
         self.next_pos = torch.zeros(batch, dtype=torch.long, device=device)

@@ -215,8 +215,8 @@ class KVManager:
         # read 16-20% slower than contiguous rows, head-major ones in order 2-5%; benchmarks/README.md, "Paged K/V:
         # block size, allocation order, pool layout").
         memory = (layers, heads, blocks, size, width)
-        self.k = torch.empty(memory, dtype=dtype, device=device).transpose(1, 2)
-        self.v = torch.empty(memory, dtype=dtype, device=device).transpose(1, 2)
+        self.k = torch.empty(memory, dtype=quant.storage_dtype(dtype), device=device).transpose(1, 2)
+        self.v = torch.empty(memory, dtype=quant.storage_dtype(dtype), device=device).transpose(1, 2)
         self.k[:, NULL_BLOCK].zero_()
         self.v[:, NULL_BLOCK].zero_()
         self.pool = BlockPool(num_blocks)

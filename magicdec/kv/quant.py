@@ -8,8 +8,9 @@ that row alone, so a verification forward stores what the one-token steps store 
 the int8-cache target. llama.cpp's q8_0 cache keeps a scale per 32 values; one per row (64-256 values) is what lets
 the native kernel take a row's dot product in integers (`magicdec.kernels`, VNNI).
 
-fp8 stores x as float8_e4m3fn with scale 1 (vLLM's default for `--kv-cache-dtype fp8`), saturated at +-448; torch's
-operators attend over it converted back (no native CPU kernel).
+fp8 stores x as float8_e4m3fn with scale 1 (vLLM's default for `--kv-cache-dtype fp8`), saturated at +-448, its bits
+held in a uint8 tensor (`storage_dtype`: torch's CPU build has no index_put_, index_copy_ or scatter_ for float8, and
+a cache only moves the bytes); torch's operators attend over it converted back (no native CPU kernel).
 """
 
 from __future__ import annotations
@@ -24,9 +25,18 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 
 
+#: What an fp8 cache's tensors hold: the values' bits.
+FP8_BITS = torch.uint8
+
+
+def storage_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the tensors a cache of `dtype` allocates."""
+    return FP8_BITS if dtype == FP8 else dtype
+
+
 def quantized(dtype: torch.dtype) -> bool:
-    """Whether a cache of this dtype stores 8-bit values that `load` converts back."""
-    return dtype in (INT8, FP8)
+    """Whether a cache of this dtype (or storage dtype) stores 8-bit values that `load` converts back."""
+    return dtype in (INT8, FP8, FP8_BITS)
 
 
 def row_width(dtype: torch.dtype, head_dim: int) -> int:
@@ -46,8 +56,8 @@ def store(x: Tensor, dtype: torch.dtype) -> Tensor:
         scale = amax / 127
         values = (x.float() * (127 / amax.clamp_min(torch.finfo(torch.float32).tiny))).round_().to(INT8)
         return torch.cat((values, scale.view(INT8)), -1)
-    if dtype == FP8:
-        return x.float().clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    if dtype in (FP8, FP8_BITS):
+        return x.float().clamp(-FP8_MAX, FP8_MAX).to(FP8).view(FP8_BITS)
     return x.to(dtype)
 
 
@@ -58,6 +68,8 @@ def load(rows: Tensor, dtype: torch.dtype) -> Tensor:
         if scale.stride(-2) % SCALE_BYTES or scale.storage_offset() % SCALE_BYTES:
             scale = scale.contiguous()
         return (values.float() * scale.view(torch.float32)).to(dtype)
+    if rows.dtype == FP8_BITS:
+        return rows.view(FP8).to(dtype)
     return rows.to(dtype)
 
 
