@@ -338,6 +338,7 @@ TABLES = {"attention": lambda: attention(False), "attention_prefill": lambda: at
           "gemma_auto_32k": lambda: gemma_auto("auto_32k"),
           "gemma_llamacpp_32k": lambda: llamacpp_32k("auto_32k", "llamacpp_32k"),
           "gemma_auto_32k_zen4": lambda: gemma_auto("auto_32k_zen4"),
+          "gemma_auto_32k_int8_zen4": lambda: gemma_auto("auto_32k_int8_zen4"),
           "gemma_llamacpp_32k_zen4": lambda: llamacpp_32k("auto_32k_zen4", "llamacpp_32k_zen4"),
           "gemma_auto_grid": lambda: gemma_auto("auto_grid"),
           "positions": positions, "validate_planner": validate_planner, "paper_comparison": paper_comparison,
