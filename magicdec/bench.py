@@ -219,8 +219,8 @@ def _run_config(llm: LLM, args, grid: BenchGrid, rows: list[list[int]], ctx: int
     spec = None
     if cfg["draft"] == "auto":
         # planned for these rows: greedy rows of one prompt decode alike and count once (`LLM.plan`)
-        spec = SpeculativeConfig("auto", hardware=getattr(args, "hardware", None) or planning_profile(llm.model),
-                                 mode=cfg["mode"], draft_vocab=cfg.get("draft_vocab", 0),
+        hardware = getattr(args, "hardware", None) or planning_profile(llm.model, llm.kv_dtype)
+        spec = SpeculativeConfig("auto", hardware=hardware, mode=cfg["mode"], draft_vocab=cfg.get("draft_vocab", 0),
                                  vocab_corpus=cfg.get("vocab_corpus"))
     elif cfg["draft"] != "none":
         spec = speculative_config(cfg)

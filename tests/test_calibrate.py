@@ -229,7 +229,7 @@ def test_attention_rates_keep_the_faster_sweep():
     """A sweep slowed by other work on the machine (every long forward 50% slower) does not lower attention's rates:
     each forward's fastest time across the sweeps is taken."""
     shape = SMOL
-    run = _Run(torch.device("cpu"), torch.float32, True, torch.float32)
+    run = _Run(torch.device("cpu"), torch.float32, True, torch.float32, torch.float32)
     idle = [{"q": q, "batch": 8, "kv_len": 8192, "seconds": 0.10 * q, "seconds_short": 0.02 * q} for q in (1, 4)]
     busy = [dict(r, seconds=1.5 * r["seconds"]) for r in idle]
     rates = [r["kv_bytes_per_s"] for r in attention_rates(run, shape, busy, idle)]
@@ -457,7 +457,7 @@ def test_quick_profile_is_measured_once_per_cpu_threads_dtype_kernels_model_and_
                                                                                        monkeypatch, capsys):
     """Where `magicdec calibrate` has not run, `--draft auto` measures this machine quickly on first use (with a
     progress line), keeps the profile, and reuses it; another thread count, model config or magicdec source measures
-    again; a calibrated profile of the device and dtype wins."""
+    again; a calibrated profile of the device and dtype wins, but for an 8-bit KV cache, measured apart."""
 
     import magicdec.calibrate.quick as quick
 
@@ -492,3 +492,8 @@ def test_quick_profile_is_measured_once_per_cpu_threads_dtype_kernels_model_and_
         assert quick.quick_profile_path(model.cfg, torch.float32) != path
     first.to_json(default_profile_path("cpu", "fp32"))  # as `magicdec calibrate` saves one
     assert quick.planning_profile(model) is None and len(measured) == 2  # choose then loads the calibrated one
+    assert quick.planning_profile(model, torch.float32) is None  # a KV cache stored as the weights: the same
+    # an int8 cache: attention measured over int8 rows, kept apart (the calibrated profile measured 32-bit rows)
+    int8 = quick.planning_profile(model, torch.int8)
+    assert len(measured) == 3 and int8.name.endswith("-kv-int8") and int8.name != first.name
+    assert quick.quick_profile_path(model.cfg, torch.float32, torch.int8) != path

@@ -40,6 +40,7 @@ from magicdec.config import EngineConfig, ModelConfig
 from magicdec.cpu import cpu_kind, dtype_name
 from magicdec.engine import LLMEngine
 from magicdec.kernels import auto_kernel_dtype
+from magicdec.kv import quant
 from magicdec.memory import available_bytes
 from magicdec.model import Transformer, attention_path, linear_path, weight_dtype
 from magicdec.planner import HardwareProfile, ModelShape, Workload, forward_cost
@@ -82,12 +83,18 @@ class HardwareCalibration:
 @dataclass(frozen=True)
 class _Run:
     """Where `measure_hardware` measures, in which dtype (and which the weights and KV cache are stored in: 16-bit
-    under fp32 arithmetic on the AVX2 kernels), and how many repetitions it times."""
+    under fp32 arithmetic on the AVX2 kernels; `kv`: the KV cache's, where it differs, as an 8-bit one), and how many
+    repetitions it times."""
 
     device: torch.device
     dtype: torch.dtype
     quick: bool
     storage: torch.dtype
+    kv: torch.dtype
+
+    def kv_bytes(self, head_dim: int) -> float:
+        """Bytes per stored K or V value (an int8 row's scale included)."""
+        return quant.element_bytes(self.kv, head_dim)
 
     @property
     def gpu(self) -> bool:
@@ -107,33 +114,39 @@ class _Run:
         return 2 if self.quick else 7
 
 
-def _run(device: torch.device, quick: bool, model: Transformer | None, dtype: torch.dtype | None) -> _Run:
+def _run(device: torch.device, quick: bool, model: Transformer | None, dtype: torch.dtype | None,
+         kv_dtype: torch.dtype | None = None) -> _Run:
     """What `measure_hardware` measures in: the model's dtype (and its weights' storage) unless `dtype` is another,
-    else `dtype` (stored as such), else what `dtype="auto"` picks here."""
+    else `dtype` (stored as such), else what `dtype="auto"` picks here; the KV cache in `kv_dtype` (None: as the
+    weights)."""
     if model is not None and dtype in (None, model.dtype):
-        return _Run(device, model.dtype, quick, weight_dtype(model))
-    if dtype is not None:
-        return _Run(device, dtype, quick, dtype)
-    choice = auto_kernel_dtype(device)
-    return _Run(device, choice.dtype, quick, choice.storage or choice.dtype)
+        compute, storage = model.dtype, weight_dtype(model)
+    elif dtype is not None:
+        compute, storage = dtype, dtype
+    else:
+        choice = auto_kernel_dtype(device)
+        compute, storage = choice.dtype, choice.storage or choice.dtype
+    return _Run(device, compute, quick, storage, kv_dtype or storage)
 
 
 def measure_hardware(
     device: str | torch.device = "cpu", quick: bool = False, progress: CalibrationProgress | None = None, *,
     model: Transformer | None = None, dtype: torch.dtype | None = None, name: str | None = None,
+    kv_dtype: torch.dtype | None = None,
 ) -> HardwareCalibration:
     """Run the microbenchmarks and forward timings; return the profile and all measurements.
 
     `model`: a magicdec Transformer to time whole forwards of (default: a randomly initialised model with the default
     model's shape, SmolLM2-135M). `dtype`: the compute dtype (default: the model's, else what `dtype="auto"` picks on
-    this device); the profile records it. Quick mode takes seconds; the full one a few minutes."""
+    this device); the profile records it. `kv_dtype`: the KV cache's (default: as the weights are stored), which
+    attention's rates are measured over. Quick mode takes seconds; the full one a few minutes."""
     dev = torch.device(device)
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
-    run = _run(dev, quick, model, dtype)
+    run = _run(dev, quick, model, dtype, kv_dtype)
     report = progress or (lambda done, total, label: None)
-    m: dict[str, Any] = {"device": str(device), "dtype": dtype_name(run.storage), "quick": quick,
-                         "machine": machine_info(dev)}
+    m: dict[str, Any] = {"device": str(device), "dtype": dtype_name(run.storage), "kv_dtype": str(run.kv),
+                         "quick": quick, "machine": machine_info(dev)}
     report(0, STAGES, "read bandwidth")
     m["read_bandwidth"] = measure_read_bandwidth(run)
     report(1, STAGES, "matmul")
@@ -212,7 +225,7 @@ def measure_overhead(run: _Run, cfg: ModelConfig | None = None) -> dict[str, Any
     for layers in (4, 30):
         tiny = synthetic_model(tiny_like(cfg, layers), run.device, run.dtype, storage=run.storage)
         overhead.append({"n_layers": layers, "seconds": time_forward(tiny, 1, 1, SHORT, reps=15 if run.quick else 40,
-                                                                    kv_dtype=run.storage)})
+                                                                    kv_dtype=run.kv)})
     loop_step = _decode_step_time(tiny, steps=16 if run.quick else 48)  # with the 30-layer model
     per_layer = max(0.0, (overhead[1]["seconds"] - overhead[0]["seconds"]) / (30 - 4))
     fixed = max(0.0, overhead[1]["seconds"] - 30 * per_layer)
@@ -230,7 +243,7 @@ def measure_linear(run: _Run, model: Transformer, shape: ModelShape, t_overhead:
         tokens = ((1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384) if not run.gpu
                   else (1, 4, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192))
     reps = max(run.reps, FASTEST_OF)
-    linear = [{"tokens": n, "seconds": time_forward(model, n, 1, SHORT, reps=reps, kv_dtype=run.storage, best=True)}
+    linear = [{"tokens": n, "seconds": time_forward(model, n, 1, SHORT, reps=reps, kv_dtype=run.kv, best=True)}
               for n in tokens]
     for r, t in zip(linear, nondecreasing([r["seconds"] for r in linear])):
         r["weight_bytes_per_s"] = shape.n_params_linear * run.stored / max(t - t_overhead, 0.05 * t)
@@ -245,7 +258,7 @@ def time_attention(run: _Run, model: Transformer, shape: ModelShape) -> list[dic
     # per row: 8 rows of Gemma 3 270M at 8k read 200 MB, a fifth of a forward's time, and the difference of two
     # forwards timed attention 30% slow)
     att_len = min(8192 if not run.gpu else 16384, model.cfg.max_seq_len - 16)
-    per_row = att_len * shape.kv_bytes_per_token(run.stored)
+    per_row = att_len * shape.kv_bytes_per_token(run.kv_bytes(shape.head_dim))
     att_batch = min(ATTENTION_MAX_ROWS, max(8 if not run.gpu else 32, math.ceil(ATTENTION_BYTES / per_row)))
     attention = []
     reps = max(run.reps, FASTEST_OF)  # the fastest runs: a slow run of either forward would be taken for attention
@@ -253,8 +266,8 @@ def time_attention(run: _Run, model: Transformer, shape: ModelShape) -> list[dic
     # the kernels turn compute-bound, which log-log interpolation between 1 and 4 tokens does not follow (a Zen 4,
     # SmolLM2 at 8k: 17.2, 18.3, 13.9, 11.7 GB/s at 1-4 tokens, where 1 and 4 alone put q = 2 at 12)
     for q in ((1, 2, 3, 4) if run.quick else (1, 2, 3, 4, 5, 6, 8) if not run.gpu else (1, 2, 4, 8, 16)):
-        t_long = time_forward(model, att_batch, q, att_len, reps=reps, kv_dtype=run.storage, best=True)
-        t_short = time_forward(model, att_batch, q, SHORT, reps=reps, kv_dtype=run.storage, best=True)
+        t_long = time_forward(model, att_batch, q, att_len, reps=reps, kv_dtype=run.kv, best=True)
+        t_short = time_forward(model, att_batch, q, SHORT, reps=reps, kv_dtype=run.kv, best=True)
         attention.append({"q": q, "batch": att_batch, "kv_len": att_len, "seconds": t_long, "seconds_short": t_short})
     return attention
 
@@ -268,8 +281,9 @@ def attention_rates(run: _Run, shape: ModelShape, *sweeps: list[dict[str, Any]])
     # time it adds to the short one's
     extra = nondecreasing([max(r["seconds"] - r["seconds_short"], 0.05 * r["seconds"]) for r in attention])
     for r, t in zip(attention, extra):
-        window = shape.window_kv_bytes(r["kv_len"], run.stored) - shape.window_kv_bytes(SHORT, run.stored)
-        r["kv_bytes_per_s"] = r["batch"] * (r["kv_len"] * shape.kv_bytes_per_token(run.stored) + window) / t
+        kv = run.kv_bytes(shape.head_dim)
+        window = shape.window_kv_bytes(r["kv_len"], kv) - shape.window_kv_bytes(SHORT, kv)
+        r["kv_bytes_per_s"] = r["batch"] * (r["kv_len"] * shape.kv_bytes_per_token(kv) + window) / t
     return attention
 
 
@@ -314,12 +328,13 @@ def check_forwards(run: _Run, model: Transformer, shape: ModelShape, profile: Ha
         if run.gpu:
             grid = [(b * 4, q, L * 4) for b, q, L in grid]
     avail = available_bytes(run.device)
-    forwards = []
+    forwards, kv_token = [], model.cfg.kv_bytes_per_token(run.kv_bytes(model.cfg.head_dim))
     for b, q, L in grid:
-        if b * (L + q) * model.cfg.kv_bytes_per_token(run.stored) > min(0.3 * avail, (64 if run.gpu else 4) * GiB):
+        if b * (L + q) * kv_token > min(0.3 * avail, (64 if run.gpu else 4) * GiB):
             continue
-        t = time_forward(model, b, q, L, reps=run.reps, kv_dtype=run.storage)
-        pred = forward_cost(Workload(shape, profile, b, L, run.stored, run.stored), q, L).time - loop_extra
+        t = time_forward(model, b, q, L, reps=run.reps, kv_dtype=run.kv)
+        work = Workload(shape, profile, b, L, run.stored, run.kv_bytes(shape.head_dim))
+        pred = forward_cost(work, q, L).time - loop_extra
         forwards.append({"batch": b, "q": q, "kv_len": L, "seconds": t, "predicted": pred})
     return forwards
 

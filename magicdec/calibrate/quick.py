@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from magicdec import dtypes
 from magicdec.calibrate.hardware import measure_hardware
 from magicdec.calibrate.machine import machine_info
 from magicdec.config import ModelConfig
@@ -44,13 +45,14 @@ def source_digest() -> str:
     return digest.hexdigest()[:12]
 
 
-def quick_profile_path(cfg: ModelConfig, dtype: torch.dtype) -> Path:
-    """Where the quick profile of this CPU model, thread count, `dtype`, kernel path, model config `cfg` and magicdec
-    source is kept."""
+def quick_profile_path(cfg: ModelConfig, dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> Path:
+    """Where the quick profile of this CPU model, thread count, `dtype` (and KV dtype, where it differs), kernel path,
+    model config `cfg` and magicdec source is kept."""
     cpu, threads, kernels = machine_info("cpu")["cpu"], torch.get_num_threads(), path_name()
     model = json.dumps(dataclasses.asdict(cfg), sort_keys=True, default=str)
-    key = hashlib.sha256(f"{cpu}|{threads}|{dtype_name(dtype)}|{kernels}|{model}|{source_digest()}".encode())
-    return cache_root() / f"hardware-quick-cpu-{kernels}-{threads}t-{dtype_name(dtype)}-{key.hexdigest()[:12]}.json"
+    kv = f"-kv-{dtypes.kv_short_name(kv_dtype)}" if kv_dtype not in (None, dtype) else ""
+    key = hashlib.sha256(f"{cpu}|{threads}|{dtype_name(dtype)}{kv}|{kernels}|{model}|{source_digest()}".encode())
+    return cache_root() / f"hardware-quick-cpu-{kernels}-{threads}t-{dtype_name(dtype)}{kv}-{key.hexdigest()[:12]}.json"
 
 
 def _progress(done: int, total: int, label: str) -> None:
@@ -59,16 +61,19 @@ def _progress(done: int, total: int, label: str) -> None:
           flush=True)
 
 
-def planning_profile(model: Transformer) -> HardwareProfile | None:
-    """The profile `--draft auto` plans `model` with where nothing else says: None on a GPU or where `magicdec
-    calibrate` saved one for this device and dtype (`autoplan.choose` loads it), else this CPU's quick profile,
-    measured now on first use and kept (see the module docstring)."""
+def planning_profile(model: Transformer, kv_dtype: torch.dtype | None = None) -> HardwareProfile | None:
+    """The profile `--draft auto` plans `model` over a KV cache of `kv_dtype` (None: as the weights are stored) with
+    where nothing else says: None on a GPU or where `magicdec calibrate` saved one for this device and dtype
+    (`autoplan.choose` loads it; it measured attention over caches stored as the weights, so an 8-bit cache takes the
+    quick profile instead), else this CPU's quick profile, measured now on first use and kept (see the module
+    docstring)."""
     if model.device.type != "cpu" or model.tp is not None:
         return None  # GPUs plan with their presets; tensor-parallel ranks calibrate with `magicdec calibrate`
     dtype = weight_dtype(model)
-    if default_profile_path("cpu", dtype_name(dtype)).is_file():
+    kv_dtype = None if kv_dtype == dtype else kv_dtype
+    if kv_dtype is None and default_profile_path("cpu", dtype_name(dtype)).is_file():
         return None
-    path = quick_profile_path(model.cfg, dtype)
+    path = quick_profile_path(model.cfg, dtype, kv_dtype)
     if path.is_file():
         try:
             return HardwareProfile.from_json(path)
@@ -76,8 +81,10 @@ def planning_profile(model: Transformer) -> HardwareProfile | None:
             print(f"{e}: measuring again", file=sys.stderr)
     print("no hardware profile of this CPU: a quick measurement (about 30 s) instead of another CPU's preset; "
           "`magicdec calibrate` measures it thoroughly", file=sys.stderr)
-    name = f"quick-cpu-{path_name()}-{torch.get_num_threads()}t-{dtype_name(dtype)}"
-    profile = measure_hardware(model.device, quick=True, progress=_progress, model=model, name=name).profile
+    kv = f"-kv-{dtypes.kv_short_name(kv_dtype)}" if kv_dtype is not None else ""
+    name = f"quick-cpu-{path_name()}-{torch.get_num_threads()}t-{dtype_name(dtype)}{kv}"
+    profile = measure_hardware(model.device, quick=True, progress=_progress, model=model, name=name,
+                               kv_dtype=kv_dtype).profile
     path.parent.mkdir(parents=True, exist_ok=True)
     profile.to_json(path)
     return profile

@@ -27,7 +27,7 @@ def speculative_from_args(args, llm: LLM) -> SpeculativeConfig | None:
     head = {"draft_vocab": args.draft_vocab, "vocab_corpus": args.vocab_corpus}
     if args.draft == "auto":
         # `serve` has no temperature of its own (each request brings one) and plans for greedy requests.
-        return SpeculativeConfig("auto", hardware=args.hardware or planning_profile(llm.model),
+        return SpeculativeConfig("auto", hardware=args.hardware or planning_profile(llm.model, llm.kv_dtype),
                                  mode="greedy" if getattr(args, "temperature", 0) == 0 else "sampling", **head)
     return SpeculativeConfig(args.draft, budget=args.budget, gamma=args.gamma, draft_model=args.draft_model,
                              draft_cache=args.draft_cache,
