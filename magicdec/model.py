@@ -332,7 +332,7 @@ class Transformer(nn.Module):
                                 "(magicdec.kv.hybrid)")
             masks = {GLOBAL: masks}
         positions = cache.rope_positions(q)[:, None]
-        native = attention_path(cache.device, cache.dtype) == "native"
+        native = attention_path(cache.device, cache.dtype) in ("native", "triton")  # one bias row per token
         groups = 1 if native else self.cfg.n_heads // self.cfg.n_kv_heads
         bias_dtype = quant.attention_dtype(cache.dtype, dtype)
         contexts = {}
