@@ -124,14 +124,28 @@ def test_pool_accounting_under_random_sequences(num_blocks, seqs, ops, caching):
 
 
 # --- preemption on the real model ------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def model(default_model):
-    return default_model.model
+@pytest.fixture(scope="module", params=["fp32", "bf16-int8-kv"])
+def target(request, default_model) -> tuple:
+    """(model, KV dtype): SmolLM2 in fp32 over its default cache, and in bf16 over an int8 cache on the native kernels
+    (skipped where none reads int8), whose resumed requests re-store the quantized rows they had."""
+    if request.param == "fp32":
+        model = default_model.model
+        return model, resolve_config(EngineConfig(), model).kv_dtype
+    from magicdec import kernels
+
+    if not kernels.supported(torch.device("cpu"), torch.int8):
+        pytest.skip("no native kernel reads an int8 cache on this CPU")
+    return request.getfixturevalue("default_model_bf16").model, torch.int8
 
 
 @pytest.fixture(scope="module")
-def kv_dtype(model) -> torch.dtype:
-    return resolve_config(EngineConfig(), model).kv_dtype
+def model(target):
+    return target[0]
+
+
+@pytest.fixture(scope="module")
+def kv_dtype(target) -> torch.dtype:
+    return target[1]
 
 
 @pytest.fixture(scope="module")
