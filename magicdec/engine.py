@@ -28,7 +28,7 @@ from magicdec.config import EngineConfig
 from magicdec.distributed import init_tp, launched_world_size
 from magicdec.drafters.base import Drafter
 from magicdec.errors import InvalidRequestError
-from magicdec.kv.blocks import BLOCK_SIZE, KVManager, blocks_for
+from magicdec.kv.blocks import KVManager, blocks_for
 from magicdec.kv.prefix_cache import PrefixCache
 from magicdec.loading import LoadedModel, load_model
 from magicdec.loading.tokenizer import Tokenizer
@@ -36,7 +36,7 @@ from magicdec.logprobs import TokenLogprob
 from magicdec.memory import available_bytes, check_fits, peak_bytes
 from magicdec.model import Transformer, attention_path, linear_path, weight_dtype
 from magicdec.profiles import model_key
-from magicdec.runner import CACHE_SLACK, ModelRunner, forward_tokens
+from magicdec.runner import CACHE_SLACK, ModelRunner
 from magicdec.sampling import SamplingParams
 from magicdec.scheduler import FixedGamma, GammaPolicy, Request, Scheduler, Status, cuda_row_bucket
 from magicdec.speculative import Speculation, SpeculativeConfig

@@ -30,7 +30,7 @@ from typing import Callable, Sequence
 
 from magicdec.config import EngineConfig
 from magicdec.errors import InvalidRequestError
-from magicdec.kv.blocks import BLOCK_SIZE, KVManager, block_keys, blocks_for
+from magicdec.kv.blocks import BLOCK_SIZE, KVManager, block_keys
 from magicdec.kv.prefix_cache import PrefixCache
 from magicdec.logprobs import TokenLogprob
 from magicdec.prefill import cacheable_prefix, prefill_chunks

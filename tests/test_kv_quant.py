@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from magicdec import dtypes, kernels
-from magicdec.engine import LLM, parse_kv_dtype
+from magicdec.engine import parse_kv_dtype
 from magicdec.errors import InvalidRequestError
 from magicdec.kv import KVCache, quant
 from magicdec.kv.blocks import KVManager
