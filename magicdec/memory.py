@@ -36,5 +36,5 @@ def check_fits(needed: int, device: torch.device, what: str) -> None:
     if needed > have:
         raise OutOfMemoryError(
             f"{what} needs {needed / GiB:.2f} GiB but only {have / GiB:.2f} GiB is available on {device}; "
-            "use a smaller batch, shorter prompts, fewer max tokens or --kv-dtype bf16"
+            "use a smaller batch, shorter prompts, fewer max tokens or --kv-cache-dtype int8"
         )
