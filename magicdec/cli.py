@@ -254,6 +254,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--model", help="model for --acceptance (default: the embedded model)")
     c.add_argument("--dtype", choices=["auto", "fp32", "bf16", "fp16"], default="auto",
                    help="dtype to measure in (default auto, as `generate` picks it)")
+    c.add_argument("--kv-cache-dtype", choices=["auto", "fp32", "bf16", "fp16", "int8", "fp8"], default="auto",
+                   help="KV cache to measure attention over (default auto: as `generate` stores it); an 8-bit one "
+                        "saves a profile of its own, which --draft auto uses over such a cache")
 
     s = sub.add_parser("serve", help="serve the OpenAI API (completions, chat, streaming, metrics) over HTTP",
                        description="An OpenAI-compatible server as vLLM serves it: /v1/completions, "

@@ -31,11 +31,17 @@ FALLBACK_GPU_PRESET = "a100-80gb"
 T = TypeVar("T")
 
 
-def default_profile_path(device: str | torch.device, dtype: str) -> Path:
-    """Where `magicdec calibrate` saves the profile of `device` measured in `dtype` (fp32, bf16):
-    <cache>/hardware-<device>-<dtype>.json, in the folder the converted weights live in."""
+def default_profile_path(device: str | torch.device, dtype: str, kv: str | None = None) -> Path:
+    """Where `magicdec calibrate` saves the profile of `device` measured in `dtype` (fp32, bf16) over a KV cache of
+    `kv` (int8, fp8; None: stored as the weights): <cache>/hardware-<device>-<dtype>[-kv-<kv>].json, in the folder the
+    converted weights live in."""
     key = str(device).replace(":", "-").replace("/", "-")
-    return cache_root() / f"hardware-{key}-{dtype}.json"
+    return cache_root() / f"hardware-{key}-{dtype}{kv_suffix(dtype, kv)}.json"
+
+
+def kv_suffix(dtype: str, kv: str | None) -> str:
+    """What names a profile measured over a KV cache stored otherwise than the weights: "-kv-<kv>", else ""."""
+    return f"-kv-{kv}" if kv not in (None, dtype) else ""
 
 
 def default_acceptance_path(model_name: str) -> Path:

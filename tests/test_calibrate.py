@@ -108,11 +108,17 @@ def test_calibration_in_bf16_is_what_auto_plans_with(tiny_llama, tmp_path, monke
     assert cal.save() == tmp_path / "hardware-cpu-bf16.json"
     assert choose(model, 32, 8192)[2].hardware == cal.profile.name
     assert choose(model, 32, 8192, dtype="fp32")[2].hardware != cal.profile.name
+    # over an int8 cache (`magicdec calibrate --kv-cache-dtype int8`): a profile of its own, beside the other
+    int8 = measure_hardware("cpu", quick=True, model=model, kv_dtype=torch.int8)
+    assert int8.measurements["kv_dtype"] == "int8" and int8.profile.name.endswith("t-bf16-kv-int8")
+    assert int8.save() == tmp_path / "hardware-cpu-bf16-kv-int8.json" and cal.save().is_file()
 
 
 def test_default_paths(tmp_path, monkeypatch):
     monkeypatch.setenv("MAGICDEC_CACHE", str(tmp_path))
     assert default_profile_path("cuda:1", "bf16") == tmp_path / "hardware-cuda-1-bf16.json"
+    assert default_profile_path("cpu", "bf16", "bf16") == tmp_path / "hardware-cpu-bf16.json"
+    assert default_profile_path("cpu", "bf16", "int8") == tmp_path / "hardware-cpu-bf16-kv-int8.json"
     assert default_acceptance_path("SmolLM2-135M-Instruct.Q4_1") == tmp_path / "acceptance-SmolLM2-135M-Instruct.Q4_1.json"
     # nothing calibrated: the CPU preset measured in that dtype
     for dtype in ("fp32", "bf16"):
@@ -497,3 +503,5 @@ def test_quick_profile_is_measured_once_per_cpu_threads_dtype_kernels_model_and_
     int8 = quick.planning_profile(model, torch.int8)
     assert len(measured) == 3 and int8.name.endswith("-kv-int8") and int8.name != first.name
     assert quick.quick_profile_path(model.cfg, torch.float32, torch.int8) != path
+    int8.to_json(default_profile_path("cpu", "fp32", "int8"))  # as `magicdec calibrate --kv-cache-dtype int8` saves
+    assert quick.planning_profile(model, torch.int8) == int8 and len(measured) == 3

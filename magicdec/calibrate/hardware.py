@@ -32,6 +32,7 @@ from typing import Any, Sequence
 
 import torch
 
+from magicdec import dtypes
 from magicdec.calibrate.acceptance import CalibrationProgress, sampling_params
 from magicdec.calibrate.machine import device_memory_bytes, machine_info
 from magicdec.calibrate.timing import (best_time, median_time, model_config_from_shape, read_rate, synthetic_model,
@@ -45,7 +46,7 @@ from magicdec.memory import available_bytes
 from magicdec.model import Transformer, attention_path, linear_path, weight_dtype
 from magicdec.planner import HardwareProfile, ModelShape, Workload, forward_cost
 from magicdec.planner.models import MODEL_PRESETS
-from magicdec.profiles import default_profile_path, target_shape
+from magicdec.profiles import default_profile_path, kv_suffix, target_shape
 from magicdec.sampling import RowParams, SamplingParams, sample_tokens
 
 GiB = 1024**3
@@ -72,7 +73,9 @@ class HardwareCalibration:
     def save(self, path: str | os.PathLike[str] | None = None) -> Path:
         """Write the profile to `path` (default: `default_profile_path`) and the measurements beside it."""
         if path is None:
-            path = default_profile_path(self.measurements.get("device", "cpu"), self.profile.dtype or "fp32")
+            dtype = self.profile.dtype or "fp32"
+            path = default_profile_path(self.measurements.get("device", "cpu"), dtype,
+                                        self.measurements.get("kv_dtype", dtype))
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         self.profile.to_json(path)
@@ -145,8 +148,8 @@ def measure_hardware(
         dev = torch.device("cuda", torch.cuda.current_device())
     run = _run(dev, quick, model, dtype, kv_dtype)
     report = progress or (lambda done, total, label: None)
-    m: dict[str, Any] = {"device": str(device), "dtype": dtype_name(run.storage), "kv_dtype": str(run.kv),
-                         "quick": quick, "machine": machine_info(dev)}
+    m: dict[str, Any] = {"device": str(device), "dtype": dtype_name(run.storage),
+                         "kv_dtype": dtypes.kv_short_name(run.kv), "quick": quick, "machine": machine_info(dev)}
     report(0, STAGES, "read bandwidth")
     m["read_bandwidth"] = measure_read_bandwidth(run)
     report(1, STAGES, "matmul")
@@ -171,7 +174,7 @@ def measure_hardware(
     m["linear"] = measure_linear(run, model, shape, t_overhead)
     m["attention"] = attention_rates(run, shape, first, time_attention(run, model, shape))
     report(6, STAGES, "check")
-    profile = profile_from(m, shape, name or _default_name(dev, run.storage), dev, run.storage)
+    profile = profile_from(m, shape, name or _default_name(dev, run.storage, run.kv), dev, run.storage)
     m["forwards"] = check_forwards(run, model, shape, profile, m["overhead"]["decode_loop_extra_s"])
     m["model_shape"] = dataclasses.asdict(shape)
     errors = [abs(f["predicted"] / f["seconds"] - 1) for f in m["forwards"]]
@@ -385,10 +388,12 @@ def _decode_step_time(model: Transformer, steps: int) -> float:
     return statistics.median(times)
 
 
-def _default_name(device: torch.device, dtype: torch.dtype) -> str:
-    """calibrated-<GPU>-<dtype>, or calibrated-cpu-<matmul hardware>-<threads>t-<dtype> (as CPU presets)."""
+def _default_name(device: torch.device, dtype: torch.dtype, kv: torch.dtype) -> str:
+    """calibrated-<GPU>-<dtype>, or calibrated-cpu-<matmul hardware>-<threads>t-<dtype> (as CPU presets), and
+    -kv-<kv> where the KV cache is stored otherwise than the weights."""
+    suffix = kv_suffix(dtype_name(dtype), dtypes.kv_short_name(kv))
     if device.type == "cuda":
         gpu = torch.cuda.get_device_name(device).lower().replace("nvidia", "").strip().replace(" ", "-")
-        return f"calibrated-{gpu}-{dtype_name(dtype)}"
-    return f"calibrated-cpu-{cpu_kind()}-{torch.get_num_threads()}t-{dtype_name(dtype)}"
+        return f"calibrated-{gpu}-{dtype_name(dtype)}{suffix}"
+    return f"calibrated-cpu-{cpu_kind()}-{torch.get_num_threads()}t-{dtype_name(dtype)}{suffix}"
 

@@ -32,7 +32,7 @@ from magicdec.kernels import path_name
 from magicdec.loading.cache import cache_root
 from magicdec.model import Transformer, weight_dtype
 from magicdec.planner import HardwareProfile
-from magicdec.profiles import default_profile_path
+from magicdec.profiles import default_profile_path, kv_suffix
 
 
 @functools.cache
@@ -50,7 +50,7 @@ def quick_profile_path(cfg: ModelConfig, dtype: torch.dtype, kv_dtype: torch.dty
     model config `cfg` and magicdec source is kept."""
     cpu, threads, kernels = machine_info("cpu")["cpu"], torch.get_num_threads(), path_name()
     model = json.dumps(dataclasses.asdict(cfg), sort_keys=True, default=str)
-    kv = f"-kv-{dtypes.kv_short_name(kv_dtype)}" if kv_dtype not in (None, dtype) else ""
+    kv = kv_suffix(dtype_name(dtype), dtypes.kv_short_name(kv_dtype))
     key = hashlib.sha256(f"{cpu}|{threads}|{dtype_name(dtype)}{kv}|{kernels}|{model}|{source_digest()}".encode())
     return cache_root() / f"hardware-quick-cpu-{kernels}-{threads}t-{dtype_name(dtype)}{kv}-{key.hexdigest()[:12]}.json"
 
@@ -64,15 +64,18 @@ def _progress(done: int, total: int, label: str) -> None:
 def planning_profile(model: Transformer, kv_dtype: torch.dtype | None = None) -> HardwareProfile | None:
     """The profile `--draft auto` plans `model` over a KV cache of `kv_dtype` (None: as the weights are stored) with
     where nothing else says: None on a GPU or where `magicdec calibrate` saved one for this device and dtype
-    (`autoplan.choose` loads it; it measured attention over caches stored as the weights, so an 8-bit cache takes the
-    quick profile instead), else this CPU's quick profile, measured now on first use and kept (see the module
-    docstring)."""
+    (`autoplan.choose` loads it); for an 8-bit cache the one `magicdec calibrate --kv-cache-dtype` saved for it (the
+    plain one measured attention over caches stored as the weights); else this CPU's quick profile, measured now on
+    first use and kept (see the module docstring)."""
     if model.device.type != "cpu" or model.tp is not None:
         return None  # GPUs plan with their presets; tensor-parallel ranks calibrate with `magicdec calibrate`
     dtype = weight_dtype(model)
     kv_dtype = None if kv_dtype == dtype else kv_dtype
     if kv_dtype is None and default_profile_path("cpu", dtype_name(dtype)).is_file():
         return None
+    calibrated = default_profile_path("cpu", dtype_name(dtype), dtypes.kv_short_name(kv_dtype))
+    if kv_dtype is not None and calibrated.is_file():  # `magicdec calibrate --kv-cache-dtype`'s
+        return HardwareProfile.from_json(calibrated)
     path = quick_profile_path(model.cfg, dtype, kv_dtype)
     if path.is_file():
         try:
@@ -81,7 +84,7 @@ def planning_profile(model: Transformer, kv_dtype: torch.dtype | None = None) ->
             print(f"{e}: measuring again", file=sys.stderr)
     print("no hardware profile of this CPU: a quick measurement (about 30 s) instead of another CPU's preset; "
           "`magicdec calibrate` measures it thoroughly", file=sys.stderr)
-    kv = f"-kv-{dtypes.kv_short_name(kv_dtype)}" if kv_dtype is not None else ""
+    kv = kv_suffix(dtype_name(dtype), dtypes.kv_short_name(kv_dtype))
     name = f"quick-cpu-{path_name()}-{torch.get_num_threads()}t-{dtype_name(dtype)}{kv}"
     profile = measure_hardware(model.device, quick=True, progress=_progress, model=model, name=name,
                                kv_dtype=kv_dtype).profile

@@ -22,13 +22,14 @@ def run(args) -> int:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         return calibrate_allreduce(args)
     texts = load_texts(args.corpus) if args.acceptance else []  # checked before minutes of measuring
-    llm = LLM(args.model, device=args.device, dtype=args.dtype)
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype)
     print(dtype_line(llm), file=sys.stderr)
 
     def progress(done: int, total: int, label: str) -> None:
         print(f"[{done}/{total}] {label}", file=sys.stderr)
 
-    cal = measure_hardware(llm.model.device, quick=args.quick, progress=progress, model=llm.model)
+    cal = measure_hardware(llm.model.device, quick=args.quick, progress=progress, model=llm.model,
+                           kv_dtype=llm.kv_dtype)
     print("all-reduce between local processes (for tensor parallelism)", file=sys.stderr)
     allreduce = measure_local_allreduce(llm.model.device)
     if allreduce is not None:
