@@ -13,8 +13,9 @@ BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 #: Short name -> attribute of the torch module.
 TORCH_NAMES = {short: long for long, short in ALIASES.items()}
-#: KV-cache-only dtypes (magicdec.kv.quant), short name -> attribute of the torch module.
+#: KV-cache-only dtypes (magicdec.kv.quant), short name -> attribute of the torch module, and back.
 KV_ONLY = {"int8": "int8", "fp8": "float8_e4m3fn"}
+KV_ONLY_NAMES = {long: short for short, long in KV_ONLY.items()}
 #: Bytes of an int8 cache row's scale, after its head_dim values.
 INT8_SCALE_BYTES = 4
 
@@ -29,8 +30,7 @@ def short_name(dtype: Any) -> str | None:
 def kv_short_name(dtype: Any) -> str | None:
     """`short_name`, or int8 / fp8 for the 8-bit KV cache dtypes; None for anything else."""
     key = str(dtype).lower().removeprefix("torch.")
-    by_torch = {long: short for short, long in KV_ONLY.items()}
-    return by_torch.get(key, key if key in KV_ONLY else short_name(dtype))
+    return KV_ONLY_NAMES.get(key, key if key in KV_ONLY else short_name(dtype))
 
 
 def kv_nbytes(dtype: Any, head_dim: int) -> float:

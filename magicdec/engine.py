@@ -61,9 +61,7 @@ def parse_kv_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
     None (the engine decides: `resolve_config`)."""
     if isinstance(name, str) and name.lower() in dtypes.KV_ONLY:
         return getattr(torch, dtypes.KV_ONLY[name.lower()])
-    if isinstance(name, torch.dtype) and dtypes.kv_short_name(name) in dtypes.KV_ONLY:
-        return name
-    try:
+    try:  # a torch dtype, int8 and fp8 included, comes back as it is
         return parse_dtype(name)
     except InvalidRequestError:
         raise InvalidRequestError(f"unknown KV cache dtype {name!r}; choose from auto, "

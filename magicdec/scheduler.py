@@ -2,13 +2,14 @@
 
 Requests wait in arrival order for a free slot (a cap on concurrent requests: slots hold small per-request state) and
 for KV blocks (`magicdec.kv.blocks.KVManager`): a request is admitted when the pool has the blocks of its whole prompt
-and first decode round beyond its prefix hit, beside those the prompts being prefilled still need, plus a watermark. An admitted request's prompt is prefilled in chunks, at most
-`max_prefill_tokens` per step across requests, interleaved with the decode rounds of the running ones, so a long
-arrival does not stall the streams already running (a standalone draft model prefills the same chunks in the same
-steps). Blocks are taken as requests grow: each prefill chunk's, and each decode round's lookahead (the longest draft
-plus the target's token). Where the pool runs dry, the most recently admitted request is preempted: its blocks go back
-(its full blocks stay cached, so its resume is mostly a prefix hit), and it waits at the head of the queue to be
-prefilled again, prompt and output so far, and to go on exactly where it stopped.
+and first decode round beyond its prefix hit, beside those the prompts being prefilled still need, plus a watermark. An
+admitted request's prompt is prefilled in chunks, at most `max_prefill_tokens` per step across requests, interleaved
+with the decode rounds of the running ones, so a long arrival does not stall the streams already running (a standalone
+draft model prefills the same chunks in the same steps). Blocks are taken as requests grow: each prefill chunk's, and
+each decode round's lookahead (the longest draft plus the target's token). Where the pool runs dry, the most recently
+admitted request is preempted: its blocks go back (its full blocks stay cached, so its resume is mostly a prefix hit),
+and it waits at the head of the queue to be prefilled again, prompt and output so far, and to go on exactly where it
+stopped.
 
 With prefix caching, an admitted request starts from the longest prefix of its prompt that the pool holds, and a
 request whose prompt shares more leading blocks with a prompt being prefilled than the pool holds waits for that

@@ -283,8 +283,8 @@ def attention_rates(run: _Run, shape: ModelShape, *sweeps: list[dict[str, Any]])
     # the KV bytes the long cache adds (a hybrid model's sliding layers: a window against 16 positions) over the
     # time it adds to the short one's
     extra = nondecreasing([max(r["seconds"] - r["seconds_short"], 0.05 * r["seconds"]) for r in attention])
+    kv = run.kv_bytes(shape.head_dim)
     for r, t in zip(attention, extra):
-        kv = run.kv_bytes(shape.head_dim)
         window = shape.window_kv_bytes(r["kv_len"], kv) - shape.window_kv_bytes(SHORT, kv)
         r["kv_bytes_per_s"] = r["batch"] * (r["kv_len"] * shape.kv_bytes_per_token(kv) + window) / t
     return attention

@@ -73,7 +73,8 @@ def planning_profile(model: Transformer, kv_dtype: torch.dtype | None = None) ->
     kv_dtype = None if kv_dtype == dtype else kv_dtype
     if kv_dtype is None and default_profile_path("cpu", dtype_name(dtype)).is_file():
         return None
-    calibrated = default_profile_path("cpu", dtype_name(dtype), dtypes.kv_short_name(kv_dtype))
+    kv = dtypes.kv_short_name(kv_dtype)
+    calibrated = default_profile_path("cpu", dtype_name(dtype), kv)
     if kv_dtype is not None and calibrated.is_file():  # `magicdec calibrate --kv-cache-dtype`'s
         return HardwareProfile.from_json(calibrated)
     path = quick_profile_path(model.cfg, dtype, kv_dtype)
@@ -84,8 +85,7 @@ def planning_profile(model: Transformer, kv_dtype: torch.dtype | None = None) ->
             print(f"{e}: measuring again", file=sys.stderr)
     print("no hardware profile of this CPU: a quick measurement (about 30 s) instead of another CPU's preset; "
           "`magicdec calibrate` measures it thoroughly", file=sys.stderr)
-    kv = kv_suffix(dtype_name(dtype), dtypes.kv_short_name(kv_dtype))
-    name = f"quick-cpu-{path_name()}-{torch.get_num_threads()}t-{dtype_name(dtype)}{kv}"
+    name = f"quick-cpu-{path_name()}-{torch.get_num_threads()}t-{dtype_name(dtype)}{kv_suffix(dtype_name(dtype), kv)}"
     profile = measure_hardware(model.device, quick=True, progress=_progress, model=model, name=name,
                                kv_dtype=kv_dtype).profile
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,10 +1,11 @@
 """Native CPU kernels, compiled on first use for the CPU at hand, one set per instruction-set path.
 
 `decode_attention` is attention over a 16-bit KV cache, or an int8 one (magicdec.kv.quant; the avx512bf16 path, with
-VNNI), for decode and verification (a few new tokens per row) and for prefill chunks. torch's two 16-bit matmuls read the cache well below the memory bandwidth at one new token and are
-compute-bound at verification shapes; the kernel reads each cached K/V element once, whatever the number of queries
-(benchmarks/README.md, "Decode and verification attention over a bf16 cache"), and with no scores tensor between two
-matmuls it also runs prefill chunks faster than they do ("Prefill chunks").
+VNNI), for decode and verification (a few new tokens per row) and for prefill chunks. torch's two 16-bit matmuls read
+the cache well below the memory bandwidth at one new token and are compute-bound at verification shapes; the kernel
+reads each cached K/V element once, whatever the number of queries (benchmarks/README.md, "Decode and verification
+attention over a bf16 cache"), and with no scores tensor between two matmuls it also runs prefill chunks faster than
+they do ("Prefill chunks").
 
 `linear` is a linear layer over 16-bit weights packed once at load time (`pack_linear`). torch's matmul reads the
 weights well below the memory bandwidth at a few rows, and rounds a row differently at different row counts; the
@@ -301,9 +302,10 @@ def takes(xq: Tensor, keys: Tensor, values: Tensor, bias: Tensor, table: Tensor 
 def decode_attention(xq: Tensor, keys: Tensor, values: Tensor, bias: Tensor, table: Tensor | None = None, *,
                      on_tiles: bool | None = None) -> Tensor:
     """Softmax attention of queries [B, KV, M, hd] (any float dtype) over K/V [B, KV, L, hd] (16-bit), or over int8
-    rows [B, KV, L, hd + 4] (`magicdec.kv.quant`: the queries are quantized per row, and the products run on VNNI
-    instructions, never on tiles), with an additive bias [B, 1, R, L] (K's dtype, bf16 over int8; 0 or -inf; R divides M, and query row m takes bias row m % R: one row per
-    new token serves the grouped query heads, rows ordered head then token); returns [B, KV, M, hd] fp32. Call only
+    rows [B, KV, L, hd + 4] (`magicdec.kv.quant`: the queries are quantized per 32 dims, and the products run on VNNI
+    instructions, never on tiles), with an additive bias [B, 1, R, L] (K's dtype, bf16 over int8; 0 or -inf; R
+    divides M, and query row m takes bias row m % R: one row per new token serves the grouped query heads, rows
+    ordered head then token); returns [B, KV, M, hd] fp32. Call only
     where `takes` is True. `on_tiles`: AMX tiles or vector instructions (None: this process's choice, `tiles()`).
 
     Paged (vLLM's "HND" layout): with a block `table` [B, nblk] (int32), K/V are pools [NB, KV, BS, hd] of NB blocks

@@ -18,13 +18,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from magicdec import dtypes
 from magicdec.dtypes import INT8_SCALE_BYTES as SCALE_BYTES
 
 INT8 = torch.int8
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
-
-
 #: What an fp8 cache's tensors hold: the values' bits.
 FP8_BITS = torch.uint8
 
@@ -45,8 +44,8 @@ def row_width(dtype: torch.dtype, head_dim: int) -> int:
 
 
 def element_bytes(dtype: torch.dtype, head_dim: int) -> float:
-    """Bytes a cache of this dtype takes per K or V value, scales included."""
-    return row_width(dtype, head_dim) * torch.empty((), dtype=dtype).element_size() / head_dim
+    """Bytes a cache of this dtype (or storage dtype) takes per K or V value, scales included (`dtypes.kv_nbytes`)."""
+    return dtypes.kv_nbytes(FP8 if dtype == FP8_BITS else dtype, head_dim)
 
 
 def store(x: Tensor, dtype: torch.dtype) -> Tensor:
