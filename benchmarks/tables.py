@@ -241,6 +241,20 @@ def positions() -> str:
     return text([rows[k] for k in sorted(rows)])
 
 
+def quant_draft(*names: str) -> str:
+    """`magicdec bench` acceptance sweeps: the per-token acceptance rate of each self-speculative drafter, by model,
+    context and mode (one row per model and context)."""
+    rows: dict[tuple, dict] = {}
+    for name in names:
+        doc = load(name)
+        for p in doc["points"].values():
+            row = rows.setdefault((doc["settings"]["model"]["name"], p["context_used"]),
+                                  {"model": doc["settings"]["model"]["name"], "context": p["context_used"]})
+            budget = f" {p['budget']}" if p["budget"] else ""
+            row[f"{p['mode']} {p['draft'].removeprefix('self-')}{budget}"] = round(p["acceptance"], 3)
+    return text([rows[k] for k in sorted(rows)])
+
+
 def gpu_check(*runs: tuple[str, str]) -> str:
     """gpu_check.py on one GPU, runs as (result name, label): forward times per shape (eager; replayed from a CUDA
     graph where the run timed it), then the engine's rounds of the runs that timed them."""
@@ -344,6 +358,7 @@ TABLES = {"attention": lambda: attention(False), "attention_prefill": lambda: at
           "positions": positions, "validate_planner": validate_planner, "paper_comparison": paper_comparison,
           "serving_8k": serving_8k, "chat": lambda: chat("chat"), "chat_shared": lambda: chat("chat_shared"),
           "prefix_hit": prefix_hit, "server_limits": server_limits,
+          "quant_draft": lambda: quant_draft("acceptance_quant"),
           "capacity": capacity, "layouts": layouts, "kv_dtype": kv_dtype, "tp": tp, "perplexity": perplexity,
           "gpu_check_h200": lambda: gpu_check(("gpu_check_h200", "run 1"), ("gpu_check_h200_graphs", "run 2, graphs"))}
 MODELS = {"cpu_grid": "cpu_grid", "positions": "acceptance"}

@@ -42,7 +42,7 @@ from magicdec.runner import ModelRunner
 from magicdec.sampling import SamplingParams
 from magicdec.speculative import MODES, SpeculativeConfig
 
-DRAFTERS = ("none", "self-streaming", "self-snapkv", "auto")
+DRAFTERS = ("none", "self-streaming", "self-snapkv", "self-quant", "auto")
 POSITIONS = (None, "reindex", "original")  # None: the default per cache kind
 #: Bytes summed after each run for the memory's read rate (`read_bandwidth_gbs`): well past a last-level cache.
 READ_PROBE_BYTES = 256 * 2**20
@@ -86,11 +86,14 @@ class BenchGrid:
             if "auto" in self.drafters:  # the planner picks drafter, budget, gamma and head (or plain decoding)
                 out += [{"mode": mode, "draft": "auto", "budget": 0, "gamma": 0, **self._head(v)}
                         for v in self.draft_vocabs]
-            fixed = [d for d in self.drafters if d not in ("none", "auto")]
-            for d, b, g, pos, v in itertools.product(fixed, self.budgets, self.gammas, self.positions,
-                                                     self.draft_vocabs):
-                out.append({"mode": mode, "draft": d, "budget": b, "gamma": g, **({"positions": pos} if pos else {}),
-                            **self._head(v)})
+            for d in self.drafters:
+                if d in ("none", "auto"):
+                    continue
+                # a draft over the whole context has no budget (0) and no sparse-cache positions
+                budgets, positions = ([0], [None]) if d == "self-quant" else (self.budgets, self.positions)
+                out += [{"mode": mode, "draft": d, "budget": b, "gamma": g, **({"positions": pos} if pos else {}),
+                         **self._head(v)}
+                        for b, g, pos, v in itertools.product(budgets, self.gammas, positions, self.draft_vocabs)]
         return out
 
     def _head(self, draft_vocab: int) -> dict:
@@ -101,7 +104,8 @@ class BenchGrid:
 def speculative_config(cfg: dict) -> SpeculativeConfig:
     """The speculative settings of one fixed-drafter configuration of `BenchGrid.configs`."""
     reindex = {"reindex": True, "original": False}.get(cfg.get("positions"))
-    return SpeculativeConfig(cfg["draft"], budget=cfg["budget"], gamma=cfg["gamma"], reindex=reindex,
+    budget = {"budget": cfg["budget"]} if cfg["budget"] else {}  # 0: a drafter without one
+    return SpeculativeConfig(cfg["draft"], **budget, gamma=cfg["gamma"], reindex=reindex,
                              draft_vocab=cfg.get("draft_vocab", 0), vocab_corpus=cfg.get("vocab_corpus"))
 
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from magicdec.corpus import load_texts
-from magicdec.drafters import Drafter, ModelDrafter, SelfSpecDrafter
+from magicdec.drafters import Drafter, ModelDrafter, SelfQuantDrafter, SelfSpecDrafter
 from magicdec.drafters.vocab import DraftHead, frequent_tokens, token_counts
 from magicdec.errors import InvalidRequestError
 from magicdec.loading import load_model
@@ -19,7 +19,7 @@ from magicdec.planner import HardwareProfile
 from magicdec.runner import MAX_GAMMA
 from magicdec.scheduler import GammaPolicy
 
-DRAFTERS = ("none", "self-streaming", "self-snapkv", "model", "auto")
+DRAFTERS = ("none", "self-streaming", "self-snapkv", "self-quant", "model", "auto")
 #: What `auto` plans for: greedy requests (temperature 0) or sampled ones, whose acceptance is lower.
 MODES = ("greedy", "sampling")
 
@@ -30,7 +30,8 @@ DEFAULT_REINDEX = {"streaming": True, "snapkv": True}
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """How to draft. `draft`: none | self-streaming | self-snapkv | model (then `draft_model` is a path) | auto.
+    """How to draft. `draft`: none | self-streaming | self-snapkv | self-quant | model (then `draft_model` is a path)
+    | auto. self-quant drafts over the whole context at 4 bits (`SelfQuantDrafter`; `budget` does not apply).
 
     auto: the planner picks a self-speculative drafter, its budget and draft length, or plain decoding, for the shape
     the engine runs (`LLM` resolves it, `magicdec.autoplan.choose`), and re-plans the draft length every step; it plans
@@ -105,6 +106,8 @@ class SpeculativeConfig:
                 )
             reindex = DEFAULT_REINDEX.get(self.draft_cache, False) if self.reindex is None else self.reindex
             return ModelDrafter(draft.model, self.draft_cache, self.budget, self.gamma, reindex)
+        if self.draft == "self-quant":
+            return SelfQuantDrafter(target, self.gamma)
         kind = self.draft.removeprefix("self-")
         reindex = DEFAULT_REINDEX[kind] if self.reindex is None else self.reindex
         return SelfSpecDrafter(target, kind, self.budget, self.gamma, reindex)

@@ -439,8 +439,8 @@ def test_pack_linears_leaves_fp32_weights_alone(tiny_llama):
 _llms: dict = {}
 
 
-@pytest.mark.parametrize("draft, cache", [("self-streaming", None), ("self-snapkv", None), ("model", "dense"),
-                                          ("model", "streaming"), ("model", "snapkv")])
+@pytest.mark.parametrize("draft, cache", [("self-streaming", None), ("self-snapkv", None), ("self-quant", None),
+                                          ("model", "dense"), ("model", "streaming"), ("model", "snapkv")])
 def test_every_drafter_greedy_equals_plain_decoding(isa, default_path, corpus_prompt, draft, cache):
     """Greedy speculation on the kernels emits plain decoding's tokens exactly, with every drafter (the bf16 path:
     test_dtype.py, with a bf16 model asked for; here the model `dtype="auto"` loads on the AVX2 path)."""

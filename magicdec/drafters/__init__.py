@@ -2,6 +2,7 @@
 
 from magicdec.drafters.base import Drafter
 from magicdec.drafters.model_draft import ModelDrafter
+from magicdec.drafters.self_quant import SelfQuantDrafter
 from magicdec.drafters.self_spec import SelfSpecDrafter
 
-__all__ = ["Drafter", "ModelDrafter", "SelfSpecDrafter"]
+__all__ = ["Drafter", "ModelDrafter", "SelfQuantDrafter", "SelfSpecDrafter"]

@@ -151,9 +151,11 @@ class HybridCache:
     def row(self, i: int) -> "HybridCache":
         return HybridCache(self.cfg, self.full.row(i), self.window.row(i))
 
-    # --- a sparse `full` (a draft cache) ---------------------------------------------------------------
+    # --- a draft's `full` (a sparse cache, or a 4-bit copy) -------------------------------------------------------
     def evict(self) -> None:
-        self.full.evict()
+        evict = getattr(self.full, "evict", None)  # a dense `full` (a 4-bit draft copy) keeps every entry
+        if evict is not None:
+            evict()
 
     def append_from(self, src: "HybridCache", end: Tensor, rows: Tensor) -> None:
         """Catch up on src's global-layer entries before `end` (the ring is src's own, see the module)."""

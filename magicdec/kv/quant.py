@@ -22,6 +22,9 @@ from magicdec import dtypes
 from magicdec.dtypes import INT8_SCALE_BYTES as SCALE_BYTES
 
 INT8 = torch.int8
+#: The largest level an int8 row stores (its scale is max|x| / LEVELS); a row at 4-bit levels stores at most 7.
+INT8_LEVELS = 127
+INT4_LEVELS = 7
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 #: What an fp8 cache's tensors hold: the values' bits.
@@ -48,12 +51,14 @@ def element_bytes(dtype: torch.dtype, head_dim: int) -> float:
     return dtypes.kv_nbytes(FP8 if dtype == FP8_BITS else dtype, head_dim)
 
 
-def store(x: Tensor, dtype: torch.dtype) -> Tensor:
-    """Rows x [..., head_dim] as a cache of `dtype` stores them ([..., row_width])."""
+def store(x: Tensor, dtype: torch.dtype, levels: int | Tensor = INT8_LEVELS) -> Tensor:
+    """Rows x [..., head_dim] as a cache of `dtype` stores them ([..., row_width]); an int8 cache rounds each row to
+    `levels` steps either side of zero (INT4_LEVELS: the 4-bit rows of `magicdec.kv.lowbit`; a tensor [..., 1]: per
+    row)."""
     if dtype == INT8:
         amax = x.abs().amax(-1, keepdim=True).float()
-        scale = amax / 127
-        values = (x.float() * (127 / amax.clamp_min(torch.finfo(torch.float32).tiny))).round_().to(INT8)
+        scale = amax / levels
+        values = (x.float() * (levels / amax.clamp_min(torch.finfo(torch.float32).tiny))).round_().to(INT8)
         return torch.cat((values, scale.view(INT8)), -1)
     if dtype in (FP8, FP8_BITS):
         return x.float().clamp(-FP8_MAX, FP8_MAX).to(FP8).view(FP8_BITS)
