@@ -37,7 +37,8 @@ from magicdec.drafters.vocab import head_coverage
 from magicdec.errors import InvalidRequestError
 from magicdec.loading.tokenizer import Tokenizer
 from magicdec.model import Transformer, weight_dtype
-from magicdec.planner import AcceptanceTable, HardwareProfile, ModelShape, Plan, Workload, get_profile, plan, round_time
+from magicdec.planner import (AcceptanceTable, HardwareProfile, ModelShape, Plan, Workload, get_profile, plan,
+                              quant_draft_kv_bytes, round_time)
 from magicdec.profiles import load_acceptance, load_profile, target_shape
 from magicdec.scheduler import GammaPolicy
 from magicdec.speculative import SpeculativeConfig, corpus_token_counts
@@ -135,7 +136,8 @@ def choose(
     replan = _replanner(work, table, best, gammas, mode, plain="ar" in strategies, coverage=heads[best.draft_vocab])
     head = {"draft_vocab": best.draft_vocab, "vocab_corpus": vocab_corpus} if best.draft_vocab else {}
     # Built for the longest draft it may re-plan to; the decode loop starts it at the planned length.
-    return Choice(SpeculativeConfig(best.strategy, budget=best.budget, gamma=max(gammas), **head), replan, best)
+    budget = {"budget": best.budget} if best.budget else {}  # self-quant has none
+    return Choice(SpeculativeConfig(best.strategy, **budget, gamma=max(gammas), **head), replan, best)
 
 
 def _draft_heads(draft_vocab: int, vocab_corpus: str | None, tokenizer: Tokenizer | None) -> dict[int, float]:
@@ -184,15 +186,18 @@ def _replanner(work: Workload, table: AcceptanceTable, best: Plan, gammas: list[
     def at(live: int, context: int) -> Workload:
         return dataclasses.replace(work, batch=live, context=context)
 
+    kv_bytes = quant_draft_kv_bytes(work.shape) if best.strategy == "self-quant" else None
+
     return Replanner(
         lambda live, context, alpha, scale: plan(
-            at(live, context), _single_rate(best, alpha, mode), budgets=[best.budget], gammas=gammas, mode=mode,
+            at(live, context), _single_rate(best, alpha, mode), budgets=[best.budget] if best.budget else [],
+            gammas=gammas, mode=mode,
             strategies=[best.strategy, *(["ar"] if plain else [])],
             rows=1, margin=MIN_PREDICTED_SPEEDUP, spec_time_scale=scale, draft_heads={best.draft_vocab: 1.0}),
         lambda live, context, gamma: round_time(at(live, context), gamma, mode, budget=best.budget,
-                                                draft_vocab=best.draft_vocab),
+                                                draft_vocab=best.draft_vocab, draft_kv_bytes=kv_bytes),
         prior=lambda context: table.alpha(best.strategy, best.budget, context, mode) * coverage,
-        min_context=best.budget + 1,
+        min_context=(best.budget or 0) + 1,
         planned=(work.batch, work.context),
         plain=plain,
     )
@@ -335,7 +340,8 @@ def describe(plan_: Plan) -> str:
         return (f"auto: autoregressive ({plan_.predicted_throughput:.1f} tok/s predicted with profile "
                 f"{plan_.hardware}; speculation does not pay here, step dominated by {plan_.verify_dominant})")
     head = f" draft head {plan_.draft_vocab}" if plan_.draft_vocab else ""
-    return (f"auto: {plan_.strategy} budget {plan_.budget} gamma {plan_.gamma}{head} "
+    budget = f" budget {plan_.budget}" if plan_.budget else ""
+    return (f"auto: {plan_.strategy}{budget} gamma {plan_.gamma}{head} "
             f"(alpha {plan_.alpha:.2f}, {plan_.predicted_throughput:.1f} tok/s predicted with profile "
             f"{plan_.hardware}, {plan_.predicted_speedup:.2f}x over AR; verify dominated by {plan_.verify_dominant})")
 

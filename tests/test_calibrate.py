@@ -288,16 +288,18 @@ def test_builtin_acceptance_tables(architecture):
 @pytest.mark.slow
 def test_calibrate_acceptance_small(llm, corpus_texts):
     records: list[dict] = []
-    table = calibrate_acceptance(llm, corpus_texts, drafters=("self-streaming",), budgets=(32, 64, 512),
+    table = calibrate_acceptance(llm, corpus_texts, drafters=("self-streaming", "self-quant"), budgets=(32, 64, 512),
                                  contexts=(256,), modes=("greedy",), gamma=3, n_prompts=2, new_tokens=8,
                                  records=records)
-    assert [r["budget"] for r in records] == [32, 64]  # 512 is not below the context: skipped
+    # 512 is not below the context: skipped; self-quant reads the whole context, once, without a budget
+    assert [(r["drafter"], r["budget"]) for r in records] == [("self-streaming", 32), ("self-streaming", 64),
+                                                               ("self-quant", None)]
     for r in records:
         assert len(r["accepted_hist"]) == 4 and sum(r["accepted_hist"]) > 0
         assert r["alpha"] == acceptance_mle(r["accepted_hist"])
-        assert table.alpha("self-streaming", r["budget"], 256) == r["alpha"]
+        assert table.alpha(r["drafter"], r["budget"], 256) == r["alpha"]
         assert len(r["row_alphas"]) == 2
-    devs = [a - r["alpha"] for r in records for a in r["row_alphas"]]
+    devs = [a - r["alpha"] for r in records[:2] for a in r["row_alphas"]]
     assert table.row_spread("self-streaming") == pytest.approx(row_spread(devs))
     prompts = cut_prompts(llm.tokenizer, corpus_texts, 3, 100)
     assert [len(p) for p in prompts] == [100, 100, 100]

@@ -25,10 +25,12 @@ from magicdec.planner import (
     plan,
     plan_table,
     plot_speedup,
+    quant_draft_kv_bytes,
     round_time,
     verify_step_time,
     Workload,
 )
+from magicdec.autoplan import choose, describe
 from magicdec.planner.hardware import GPU_LAUNCH_PER_LAYER_S, eager
 from magicdec.profiles import preset_for_device
 
@@ -445,3 +447,36 @@ def test_a_gpu_device_plans_with_its_preset_as_the_engine_runs(monkeypatch):
     hw = preset_for_device("cuda:0")
     assert hw.name == "h200-eager" and hw.launch_per_layer_s > 0
     assert preset_for_device("cuda:0").mem_bandwidth == get_profile("h200").mem_bandwidth
+
+
+def test_a_quantized_draft_reads_the_whole_context_at_int8_bytes():
+    """self-quant drafts over every cached token in int8 rows (4-bit levels and a scale): its draft forwards are priced
+    at those bytes per value, it needs no budget, and the planner takes it over a sparse draft only where its higher
+    acceptance outweighs reading the whole context (half the target's bytes a draft step, against a sparse draft's
+    few)."""
+    w = Workload(LLAMA3, TOY_HW, batch=64, context=32768)
+    int8 = dataclasses.replace(w, kv_dtype_bytes=quant_draft_kv_bytes(LLAMA3))
+    assert quant_draft_kv_bytes(LLAMA3) == (LLAMA3.head_dim + 4) / LLAMA3.head_dim
+    assert round_time(w, 3, draft_kv_bytes=int8.kv_dtype_bytes) == pytest.approx(
+        draft_time(int8, None, 3, first_tokens=1) + verify_step_time(w, 3))
+    table = AcceptanceTable()
+    table.add("self-streaming", 0.2, budget=512)
+    table.add("self-quant", 0.95)
+    best = plan(w, table, strategies=["self-streaming", "self-quant"])
+    assert (best.strategy, best.budget) == ("self-quant", None)
+    assert plan(w, table, strategies=["self-streaming"]).strategy == "self-streaming"
+    # with a sparse draft that accepts well, reading the whole context a draft step does not pay
+    table.add("self-streaming", 0.85, budget=1024)
+    assert plan(w, table, strategies=["self-streaming", "self-quant"]).strategy == "self-streaming"
+
+
+def test_auto_searches_a_quantized_draft_only_when_asked():
+    """`choose` leaves self-quant out of its default search (its int8 rows' rate is not in a profile measured over a
+    16-bit cache); asked for, it builds the drafter without a budget and re-plans it per step."""
+    table = AcceptanceTable()
+    table.add("self-quant", 0.9)
+    assert choose(LLAMA3, 64, 32768, profile=TOY_HW, acceptance=table).speculative is None
+    choice = choose(LLAMA3, 64, 32768, profile=TOY_HW, acceptance=table, strategies=("ar", "self-quant"))
+    assert choice.plan.strategy == "self-quant" and choice.speculative.draft == "self-quant"
+    assert "self-quant gamma" in describe(choice.plan)
+    assert choice.replanner.plan_at(64, 32768).strategy == "self-quant"

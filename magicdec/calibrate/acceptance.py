@@ -58,7 +58,8 @@ def calibrate_acceptance(
     from copies of that prefill with draft length `gamma`. The rate stored for (drafter, budget, mode, context) is
     `acceptance_mle` of the summed histogram; each (drafter, mode) also gets the spread of per-sequence rates around
     their batch's rate (`row_spread`), which the planner uses for the slowest sequence of a batch. Budgets not below the
-    context are skipped (the planner treats them as dense). A context that does not fit the model (context + new tokens
+    context are skipped (the planner treats them as dense); self-quant, which reads the whole context, is measured once
+    per context and mode, without a budget. A context that does not fit the model (context + new tokens
     + gamma + 2 beyond its max_seq_len) is shortened to fit, and stored under the length actually used.
 
     `records`, when given, receives one dict per decode (histogram, alpha, timings)."""
@@ -70,7 +71,8 @@ def calibrate_acceptance(
     report = progress or (lambda done, total, label: None)
     table = AcceptanceTable()
     deviations: dict[tuple[str, str], list[float]] = {}  # (drafter, mode) -> per-row rate minus batch rate
-    jobs = [(c, d, b, mo) for c in contexts for d in drafters for b in budgets for mo in modes if b < min(c, limit)]
+    jobs = [(c, d, b, mo) for c in contexts for d in drafters for b in _budgets(d, budgets, min(c, limit))
+            for mo in modes]
     done = 0
     for context in contexts:
         ctx = min(context, limit)
@@ -96,10 +98,15 @@ def calibrate_acceptance(
     return table
 
 
-def _decode_prefilled(llm, prompts: list[list[int]], drafter: str, budget: int, mode: str, context: int, gamma: int,
-                      new_tokens: int, seed: int) -> dict[str, Any]:
+def _budgets(drafter: str, budgets: list[int], context: int) -> list[int | None]:
+    """The budgets a drafter is measured at: below the context, or none for self-quant (the whole context)."""
+    return [None] if drafter == "self-quant" else [b for b in budgets if b < context]
+
+
+def _decode_prefilled(llm, prompts: list[list[int]], drafter: str, budget: int | None, mode: str, context: int,
+                      gamma: int, new_tokens: int, seed: int) -> dict[str, Any]:
     """Decode `prompts` (prefilled in the LLM's prefix cache) with one drafter; the run's record."""
-    spec = SpeculativeConfig(drafter, budget=budget, gamma=gamma)
+    spec = SpeculativeConfig(drafter, gamma=gamma, **({"budget": budget} if budget else {}))
     outs = llm.generate(prompt_token_ids=prompts, params=sampling_params(mode, new_tokens, seed), speculative=spec)
     stats = llm.last_stats
     return {"drafter": drafter, "budget": budget, "mode": mode, "context": context, "gamma": gamma, "batch": len(prompts),

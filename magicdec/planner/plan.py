@@ -8,11 +8,12 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from magicdec import dtypes
 from magicdec.planner.acceptance import AcceptanceTable, check_mode, expected_tokens
 from magicdec.planner.cost import Workload, decode_step_time, draft_time, forward_cost, verify_step_time
 from magicdec.planner.models import ModelShape
 
-STRATEGIES = ("ar", "self-streaming", "self-snapkv", "model")
+STRATEGIES = ("ar", "self-streaming", "self-snapkv", "self-quant", "model")
 DRAFT_CACHES = ("dense", "streaming", "snapkv")
 
 
@@ -21,9 +22,9 @@ class Plan:
     """The predicted-fastest way to decode one batch shape, and why."""
 
     strategy: str
-    """"ar", "self-streaming", "self-snapkv" or "model" (a standalone draft model)."""
+    """"ar", "self-streaming", "self-snapkv", "self-quant" or "model" (a standalone draft model)."""
     budget: int | None
-    """Draft KV budget; None for AR and for a dense draft cache."""
+    """Draft KV budget; None for AR, self-quant and a dense draft cache."""
     gamma: int
     """Draft tokens per step; 0 for AR."""
     draft_cache: str | None
@@ -56,6 +57,13 @@ class _Drafter:
     tp: int
     vocab: int = 0  # rows of the draft head; 0: the whole LM head
     coverage: float = 1.0  # share of the text's tokens the draft head holds
+    kv_bytes: float | None = None  # bytes per K/V value the draft reads (None: the target's)
+
+
+def quant_draft_kv_bytes(shape: ModelShape) -> float:
+    """Bytes per K/V value a self-quant draft reads: its 4-bit levels sit in int8 rows with their scale
+    (`magicdec.kv.lowbit`)."""
+    return dtypes.kv_nbytes("int8", shape.head_dim)
 
 
 def _drafters(
@@ -68,6 +76,9 @@ def _drafters(
     for strategy in ("self-streaming", "self-snapkv"):
         if strategy in strategies:
             drafters += [_Drafter(strategy, None, budget, strategy, target, tp) for budget in sparse_budgets]
+    if "self-quant" in strategies:  # the whole context, at int8 rows' bytes
+        drafters.append(_Drafter("self-quant", None, None, "self-quant", target, tp,
+                                 kv_bytes=quant_draft_kv_bytes(target)))
     if draft is not None and "model" in strategies:
         # Tensor parallelism splits KV heads, so a draft with fewer KV heads than devices runs on gcd(tp, n_kv_heads)
         # of them (as MagicDec runs TinyLlama on 4 of 8 GPUs).
@@ -82,18 +93,21 @@ def _drafters(
 
 
 def round_time(w: Workload, gamma: int, mode: str = "greedy", draft: ModelShape | None = None,
-               budget: int | None = None, draft_tp: int | None = None, draft_vocab: int = 0) -> float:
+               budget: int | None = None, draft_tp: int | None = None, draft_vocab: int = 0,
+               draft_kv_bytes: float | None = None) -> float:
     """Predicted seconds of one decode round of the workload: a plain step for gamma 0, else gamma forwards of
-    `draft` (default: the target itself, self-speculation) over its cache (`budget` entries; None: dense) on
-    `draft_tp` devices (default: the target's) and the target's verification of gamma + 1 tokens. `draft_vocab`: the
-    rows of the draft's LM head (a draft head, `magicdec.drafters.vocab`; 0: its whole vocabulary). In sampling
-    mode, every position drawn costs the profile's `sampling_s_per_logit` per row and logit it draws from: gamma
-    positions from the draft's head, gamma + 1 from the target's."""
+    `draft` (default: the target itself, self-speculation) over its cache (`budget` entries; None: dense; its values
+    of `draft_kv_bytes`, default the target's) on `draft_tp` devices (default: the target's) and the target's
+    verification of gamma + 1 tokens. `draft_vocab`: the rows of the draft's LM head (a draft head,
+    `magicdec.drafters.vocab`; 0: its whole vocabulary). In sampling mode, every position drawn costs the profile's
+    `sampling_s_per_logit` per row and logit it draws from: gamma positions from the draft's head, gamma + 1 from the
+    target's."""
     t_logit = w.batch * w.hw.sampling_s_per_logit if mode == "sampling" else 0.0
     vocab = w.shape.vocab_size
     if gamma == 0:
         return decode_step_time(w) + vocab * t_logit
-    drafting = dataclasses.replace(w, shape=_with_head(draft or w.shape, draft_vocab), tp=draft_tp or w.tp)
+    drafting = dataclasses.replace(w, shape=_with_head(draft or w.shape, draft_vocab), tp=draft_tp or w.tp,
+                                   kv_dtype_bytes=draft_kv_bytes or w.kv_dtype_bytes)
     t_draft = draft_time(drafting, budget, gamma, first_tokens=2 if draft is not None else 1)
     t_sample = (gamma * drafting.shape.vocab_size + (gamma + 1) * vocab) * t_logit
     return t_draft + verify_step_time(w, gamma) + t_sample
@@ -148,11 +162,14 @@ def _best_speculative(
             continue
         kv_len = w.context if d.budget is None else d.budget
         # Self-speculation shares the target's weights; a draft model brings its own.
-        fits = target_memory + _memory(w, d.shape, kv_len, d.tp, weights=d.strategy == "model") <= w.hw.mem_bytes
+        drafting = dataclasses.replace(w, kv_dtype_bytes=d.kv_bytes or w.kv_dtype_bytes)
+        fits = target_memory + _memory(drafting, d.shape, kv_len, d.tp, weights=d.strategy == "model") \
+            <= w.hw.mem_bytes
         if ar_fits and not fits:
             continue
         for g in gammas:
-            t_round = round_time(w, g, mode, d.shape if d.strategy == "model" else None, d.budget, d.tp, d.vocab)
+            t_round = round_time(w, g, mode, d.shape if d.strategy == "model" else None, d.budget, d.tp, d.vocab,
+                                 d.kv_bytes)
             throughput = w.batch * expected_tokens(alpha, g) / (spec_time_scale * t_round)
             if best is None or throughput > best.throughput:
                 best = _Candidate(throughput, d, g, alpha, fits)
@@ -167,7 +184,8 @@ def plan(
 ) -> Plan:
     """Pick the strategy, budget and gamma with the highest predicted throughput for the workload.
 
-    Searches plain AR decoding, StreamingLLM and SnapKV self-speculation over `budgets`, and, when `draft` is given,
+    Searches plain AR decoding, StreamingLLM and SnapKV self-speculation over `budgets`, self-quant (the whole
+    context at int8 rows' bytes), and, when `draft` is given,
     that draft model with a dense, StreamingLLM or SnapKV cache, each over `gammas`. Drafters the acceptance table
     has no rate for are skipped. Speculation must beat AR strictly to be chosen.
 
@@ -205,7 +223,8 @@ def plan(
         )
     d, g = best.drafter, best.gamma
     kv_len = w.context if d.budget is None else d.budget
-    drafting = forward_cost(dataclasses.replace(w, shape=_with_head(d.shape, d.vocab), tp=d.tp), 1, kv_len)
+    drafting = forward_cost(dataclasses.replace(w, shape=_with_head(d.shape, d.vocab), tp=d.tp,
+                                                kv_dtype_bytes=d.kv_bytes or w.kv_dtype_bytes), 1, kv_len)
     return Plan(
         d.strategy, d.budget, g, d.cache, best.alpha, best.throughput, best.throughput / ar_throughput,
         forward_cost(w, g + 1, w.context).dominant, drafting.dominant, best.fits, w.hw.name, d.vocab,
