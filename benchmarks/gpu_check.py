@@ -1,9 +1,11 @@
 """GPU readiness check (run by benchmarks/gpu_check.sh on a CUDA machine; a few minutes).
 
-0. The Triton attention kernels (benchmarks/triton_check.py): compiled, against attention in fp32 over the gathered
-   K/V, and their exactness (a row's bits in any batch; whether a verification's rows equal the one-token steps');
-   then timed against the gathered-SDPA path and a plain sum of the same K/V at Gemma 3 270M and Llama-3.1-8B
-   shapes (`--triton-cells`, q = 1 and 5), into the JSON's "triton_check" and "triton_timings".
+0. The Triton kernels (benchmarks/triton_check.py): attention compiled, against attention in fp32 over the gathered
+   K/V, and its exactness (a row's bits in any batch; whether a verification's rows equal the one-token steps');
+   the batch-invariant linear kernel against fp32 sums and a row's bits alone and among 256; then attention timed
+   against the gathered-SDPA path and a plain sum of the same K/V at Gemma 3 270M and Llama-3.1-8B shapes
+   (`--triton-cells`, q = 1 and 5), and the linear kernel against cuBLAS at 1, 5, 64 and 256 rows, into the JSON's
+   "triton_check", "triton_timings" and "linear_timings".
 1. Greedy speculative output equals autoregressive output on tiny random models, on the GPU, for the
    self-speculative StreamingLLM and SnapKV drafters: a Llama and a hybrid (sliding-window) Gemma 3.
 2. Forward times at Llama-3.1-8B and Gemma 3 270M shapes with placeholder bf16 weights: a decode step (q=1 over
@@ -39,6 +41,7 @@ from magicdec.sampling import SamplingParams
 from magicdec.scheduler import FixedGamma
 from magicdec.speculative import Speculation
 from triton_check import check as check_triton
+from triton_check import linear_timings
 from triton_check import timings as time_triton
 
 LLAMA31_8B = ModelConfig(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
@@ -210,6 +213,7 @@ def main() -> None:
         sections.append(("triton_check", lambda: check_triton(device)))
         cells = [(m, *map(int, bs.split("x"))) for m, bs in (c.split(":") for c in args.triton_cells.split(",") if c)]
         sections.append(("triton_timings", lambda: {"cells": time_triton(device, cells)}))
+        sections.append(("linear_timings", lambda: {"cells": linear_timings(device)}))
     sections.append(("lossless", lambda: check_lossless(device)))
     sections.append(("gemma3-270m", lambda: step_times(device, "gemma3-270m", ints(args.gemma_batches),
                                                         ints(args.gemma_contexts), args.gamma, args.budget)))

@@ -1,11 +1,13 @@
-"""The Triton attention kernels (magicdec.kernels.triton_attention) on a GPU, for benchmarks/gpu_check.py.
+"""The Triton kernels (magicdec.kernels.triton_attention, triton_linear) on a GPU, for benchmarks/gpu_check.py.
 
 `check`: the compiled kernels against attention over the gathered K/V in fp32 (paged and dense K/V, a bias and
 lengths, a sliding window, GQA, head sizes 64-256, fp16/bf16/fp32), and the exactness they claim: a row's bits alone
 and in a batch of other lengths (a failure raises), and whether a verification's rows equal the one-token steps'
 (recorded: it depends on the GPU's dot products). `timings`: the kernels against the torch path `magicdec.model.
 attend` takes without them (the blocks gathered, then SDPA) and against a plain sum of the same K/V (the read
-floor), per model shape, batch, context and query tokens.
+floor), per model shape, batch, context and query tokens. The linear kernel: against torch's (cuBLAS) in fp32, a row's
+bits alone and among 256 rows (a failure raises), and its time against cuBLAS's at a decode step's, a verification's
+and a large batch's rows (`linear_rows`), per weight shape (`LINEARS`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from torch.nn.attention import sdpa_kernel
 
 from magicdec.calibrate.timing import median_time
 from magicdec.kernels import triton_attention as ta
+from magicdec.kernels import triton_linear
 from magicdec.kv.paged import gather
 from magicdec.model import CUDA_ATTENTION
 
@@ -24,6 +27,9 @@ BS = 32  # positions per block (magicdec.kv.blocks.BLOCK_SIZE)
 #: (KV heads, query heads per KV head, head size) of the timed models.
 SHAPES = {"gemma3-270m": (1, 4, 256), "llama-3.1-8b": (8, 4, 128)}
 TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+#: (out, in) features of the timed linear layers: Gemma 3 270M's fused gate/up and down, Llama-3.1-8B's.
+LINEARS = {"gemma3-270m w13": (4096, 640), "gemma3-270m w2": (640, 2048),
+           "llama-3.1-8b w13": (28672, 4096), "llama-3.1-8b w2": (4096, 14336)}
 
 
 def paged(B: int, L: int, KV: int, hd: int, dtype: torch.dtype, device: torch.device, gen: torch.Generator,
@@ -103,15 +109,45 @@ def invariance(device: torch.device) -> dict[str, bool]:
             "verify_equals_decode": all(torch.equal(s, crowd[:, :, t::q]) for t, s in enumerate(steps))}
 
 
+def linear_check(device: torch.device) -> dict:
+    """The linear kernel in bf16 against fp32 sums, and whether rows alone equal the same rows among 256."""
+    gen = torch.Generator(device).manual_seed(3)
+    x = torch.randn(256, 640, generator=gen, device=device).to(torch.bfloat16)
+    w = (torch.randn(2048, 640, generator=gen, device=device) / 640**0.5).to(torch.bfloat16)
+    full = triton_linear.linear(x, w)
+    error = (full.float() - x.float() @ w.float().T).abs().max().item()
+    invariant = all(torch.equal(triton_linear.linear(x[rows], w), full[rows])
+                    for rows in (slice(0, 1), slice(3, 8), slice(60, 70), slice(0, 64)))
+    return {"linear_max_error": error, "linear_batch_invariant": invariant}
+
+
 @torch.inference_mode()
 def check(device: torch.device) -> dict:
     """The kernels against the reference, and their exactness (raises where one that must hold does not)."""
     errors = [check_case(*case, device=device) for case in CASES]
-    exact = invariance(device)
-    if not exact["batch_invariant"]:
-        raise AssertionError("Triton attention: a row's output changed with the batch")
+    exact = {**invariance(device), **linear_check(device)}
+    if not (exact["batch_invariant"] and exact["linear_batch_invariant"]):
+        raise AssertionError(f"Triton kernels: a row's output changed with the batch ({exact})")
     print(f"triton kernels: max errors {', '.join(f'{e:.2g}' for e in errors)}; {exact}", flush=True)
     return {"max_errors": errors, **exact}
+
+
+@torch.inference_mode()
+def linear_timings(device: torch.device, linear_rows: tuple[int, ...] = (1, 5, 64, 256)) -> list[dict]:
+    """ms of the batch-invariant linear kernel and of torch's (cuBLAS) per weight shape and rows, bf16."""
+    rows = []
+    for name, (N, K) in LINEARS.items():
+        w = torch.randn(N, K, device=device, dtype=torch.bfloat16)
+        for M in linear_rows:
+            x = torch.randn(M, K, device=device, dtype=torch.bfloat16)
+            row = {"layer": name, "M": M,
+                   "triton_ms": median_time(lambda: triton_linear.linear(x, w), device, reps=20, warmup=3) * 1e3,
+                   "torch_ms": median_time(lambda: F.linear(x, w), device, reps=20, warmup=3) * 1e3}
+            row["over_torch"] = row["triton_ms"] / row["torch_ms"]
+            print("  ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
+                  flush=True)
+            rows.append(row)
+    return rows
 
 
 def torch_path(xq: Tensor, kp: Tensor, vp: Tensor, table: Tensor, bias: Tensor) -> Tensor:

@@ -19,7 +19,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from magicdec import kernels
 from magicdec.config import GLOBAL, SLIDING, ModelConfig
-from magicdec.kernels import triton_attention
+from magicdec.kernels import triton_attention, triton_linear
 from magicdec.kv import quant
 from magicdec.kv.paged import gather
 
@@ -345,8 +345,8 @@ class Transformer(nn.Module):
 
 def pack_linears(model: Transformer, storage: torch.dtype | None = None) -> None:
     """Swap the model's nn.Linear layers for `PackedLinear` where the native linear kernel runs (a bf16 model on a
-    CPU with AVX512-BF16, an fp32 model with AVX2 when `storage` names one of its 16-bit dtypes); elsewhere
-    nothing changes. `storage`: the dtype the packed weights are stored in (None: the model's). A load-time
+    CPU with AVX512-BF16, an fp32 model with AVX2 when `storage` names one of its 16-bit dtypes), and for
+    `triton_linear.TritonLinear` on CUDA; elsewhere nothing changes. `storage`: the dtype the packed weights are stored in (None: the model's). A load-time
     transform: run it last (tensor parallelism shards nn.Linear weights first). A tied LM head gets its own packed
     copy of the embedding table; the head returns fp32 logits."""
     storage = storage or model.dtype
@@ -358,8 +358,11 @@ def pack_linears(model: Transformer, storage: torch.dtype | None = None) -> None
 
 def packed(linear: nn.Linear, storage: torch.dtype, fp32: bool = False) -> nn.Module:
     """`linear` as a `PackedLinear` whose weights are stored in `storage` (`fp32`: with fp32 outputs), where the
-    native linear kernel takes it (see `pack_linears`); elsewhere `linear` itself."""
+    native linear kernel takes it (see `pack_linears`); on CUDA as a `TritonLinear` (batch-invariant, as the packed
+    kernel is); elsewhere `linear` itself."""
     weight = linear.weight
     if kernels.linear_supported(weight.device, weight.dtype, storage) and kernels.packable(linear.in_features):
         return PackedLinear(linear, storage, fp32)
+    if triton_linear.supported(weight.device, weight.dtype):
+        return triton_linear.TritonLinear(linear, fp32)
     return linear
