@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from pathlib import Path
 from typing import Callable
 
@@ -16,6 +17,18 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def use_triton_interpreter() -> None:
+    """Make this worker's Triton kernels run under Triton's interpreter (TRITON_INTERPRET=1 before triton is imported),
+    or skip the calling test module: on a CUDA machine (benchmarks/gpu_check.py tests the compiled kernels there),
+    where triton was imported without it, or without triton. Call it before importing a magicdec Triton module."""
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA machine: benchmarks/gpu_check.py tests the compiled kernels", allow_module_level=True)
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("triton was imported without TRITON_INTERPRET=1 in this process", allow_module_level=True)
+    os.environ["TRITON_INTERPRET"] = "1"
+    pytest.importorskip("triton")
 
 
 def _test_threads() -> int:

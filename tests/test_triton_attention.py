@@ -13,19 +13,13 @@ kernels there."""
 from __future__ import annotations
 
 import importlib
-import os
-import sys
 from types import ModuleType
 
 import pytest
 import torch
+from conftest import use_triton_interpreter
 
-if torch.cuda.is_available():
-    pytest.skip("a CUDA machine: benchmarks/gpu_check.py tests the compiled kernels", allow_module_level=True)
-if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("triton was imported without TRITON_INTERPRET=1 in this process", allow_module_level=True)
-os.environ["TRITON_INTERPRET"] = "1"
-pytest.importorskip("triton")
+use_triton_interpreter()
 
 from magicdec.kernels import triton_attention  # noqa: E402
 from magicdec.kv.paged import gather  # noqa: E402
