@@ -16,6 +16,12 @@
 3. The engine on the GPU (Gemma 3 270M shape, random weights): a plain decode step and a self-speculative round as
    `LLMEngine` runs them, Python and sampling included, against the forwards of item 2. Random weights make the
    acceptance meaningless; the round's time is what a real model's acceptance multiplies.
+4. One row per cell of item 2 in the JSON's "cells" (what benchmarks/results/gpu_h200.json keeps): model, B, S, the
+   decode, verification and draft ms (replayed from a graph where capture worked: `graphs`), `floor_ms` (the step's
+   weight and KV bytes over the device's read rate, measured in this run by summing a 4 GiB tensor), `exact` (item 1),
+   and the self-speculative speedup a round of these forwards gives at the acceptance measured on a CPU on PG-19
+   (Gemma 3 270M: magicdec's shipped table; Llama-3.1-8B: the MagicDec paper's greedy rates), `acceptance_source`
+   "projected": gamma as measured, plain decoding where drafting would not pay (a speedup of 1).
 """
 
 from __future__ import annotations
@@ -35,9 +41,10 @@ from magicdec.engine import LLMEngine
 from magicdec.errors import OutOfMemoryError
 from magicdec.kv.hybrid import cache_bytes
 from magicdec.memory import check_fits
-from magicdec.planner import Workload, forward_cost, get_model_shape, get_profile
+from magicdec.planner import AcceptanceTable, Workload, expected_tokens, forward_cost, get_model_shape, get_profile
 from magicdec.planner.hardware import eager
 from magicdec.sampling import SamplingParams
+from magicdec.profiles import builtin_acceptance
 from magicdec.scheduler import FixedGamma
 from magicdec.speculative import Speculation
 from triton_check import check as check_triton
@@ -185,6 +192,45 @@ def engine_rounds(device: torch.device, batch: int, context: int, gamma: int, bu
     return out
 
 
+def read_gbs(device: torch.device, gib: float = 4.0) -> float:
+    """GB/s of summing a `gib`-GiB bf16 tensor: the read rate a step's floor is priced at."""
+    x = torch.ones(int(gib * 2**30) // 2, dtype=torch.bfloat16, device=device)
+    seconds = median_time(lambda: x.sum(), device, reps=10, warmup=2)
+    del x
+    torch.cuda.empty_cache()
+    return gib * 2**30 / seconds / 1e9
+
+
+def projected_speedup(table: AcceptanceTable, budget: int, S: int, mode: str, gamma: int, decode: float,
+                      verify: float, draft: float) -> float | None:
+    """Tokens a second of self-speculation (StreamingLLM, `budget`) over plain decoding, from measured forwards and
+    the table's rate at S (None where it has none); 1 where drafting would not pay (auto decodes plainly)."""
+    try:
+        alpha = table.alpha("self-streaming", budget, S, mode)
+    except KeyError:
+        return None
+    return max(1.0, expected_tokens(alpha, gamma) * decode / (gamma * draft + verify))
+
+
+def summary_cells(result: dict, gamma: int, budget: int, gbs: float) -> list[dict]:
+    """The issue's per-cell summary of the step-time rows (see the module, item 4)."""
+    tables = {"gemma3-270m": builtin_acceptance("Gemma3ForCausalLM"), "llama-3.1-8b": AcceptanceTable.paper_default()}
+    out = []
+    for r in result["rows"]:
+        graphs = r["graph_decode_ms"] is not None
+        t = {k: r[f"graph_{k}_ms"] if graphs else r[f"{k}_ms"] for k in ("decode", "verify", "draft")}
+        cfg, shape = SHAPES[r["model"]], get_model_shape(r["model"])
+        floor = (cache_bytes(cfg, r["B"], r["S"], torch.bfloat16, 1) + shape.weight_bytes(2)) / (gbs * 1e9) * 1e3
+        row = {"model": r["model"], "B": r["B"], "S": r["S"], **{f"{k}_ms": v for k, v in t.items()},
+               "floor_ms": floor, "graphs": graphs, "exact": bool(result.get("lossless")), "gamma": gamma}
+        for mode, label in (("greedy", "greedy"), ("sampling", "sampled")):
+            row[f"auto_speedup_{label}"] = projected_speedup(tables[r["model"]], budget, r["S"], mode, gamma,
+                                                             t["decode"], t["verify"], t["draft"])
+        row["acceptance_source"] = "projected"
+        out.append(row)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", default="32,64,128", help="batches at Llama-3.1-8B shapes")
@@ -211,17 +257,20 @@ def main() -> None:
     sections = []
     if device.type == "cuda":  # the kernels' own checks first: every forward below runs them
         sections.append(("triton_check", lambda: check_triton(device)))
-        cells = [(m, *map(int, bs.split("x"))) for m, bs in (c.split(":") for c in args.triton_cells.split(",") if c)]
-        sections.append(("triton_timings", lambda: {"cells": time_triton(device, cells)}))
+        triton_cells = [(m, *map(int, bs.split("x")))
+                        for m, bs in (c.split(":") for c in args.triton_cells.split(",") if c)]
+        sections.append(("triton_timings", lambda: {"cells": time_triton(device, triton_cells)}))
         sections.append(("linear_timings", lambda: {"cells": linear_timings(device)}))
     sections.append(("lossless", lambda: check_lossless(device)))
+    sections.append(("read_gbs", lambda: read_gbs(device, 4.0 if device.type == "cuda" else 0.25)))
     sections.append(("gemma3-270m", lambda: step_times(device, "gemma3-270m", ints(args.gemma_batches),
                                                         ints(args.gemma_contexts), args.gamma, args.budget)))
     if args.engine:
         B, S = map(int, args.engine.split("x"))
         sections.append(("engine", lambda: engine_rounds(device, B, S, args.gamma, args.budget, 32, args.profile)))
-    sections.append(("llama-3.1-8b", lambda: step_times(device, "llama-3.1-8b", ints(args.batches),
-                                                         ints(args.contexts), args.gamma, args.budget)))
+    if args.batches and args.contexts:  # '' skips (a dry run on a CPU cannot hold 8B parameters)
+        sections.append(("llama-3.1-8b", lambda: step_times(device, "llama-3.1-8b", ints(args.batches),
+                                                             ints(args.contexts), args.gamma, args.budget)))
     for name, run in sections:  # each section's result is written as it ends: a later failure keeps it
         try:
             value = run()
@@ -233,6 +282,9 @@ def main() -> None:
             result["rows"] += value
         else:
             result[name] = value
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    if "read_gbs" in result:
+        result["cells"] = summary_cells(result, args.gamma, args.budget, result["read_gbs"])
         Path(args.out).write_text(json.dumps(result, indent=1))
     raise SystemExit(0 if result.get("lossless") and not result["errors"] else 1)
 
