@@ -471,12 +471,15 @@ def test_a_quantized_draft_reads_the_whole_context_at_int8_bytes():
 
 
 def test_auto_searches_a_quantized_draft_only_when_asked():
-    """`choose` leaves self-quant out of its default search (its int8 rows' rate is not in a profile measured over a
-    16-bit cache); asked for, it builds the drafter without a budget and re-plans it per step."""
+    """`choose` leaves self-quant out of its default search; asked for, it builds the drafter without a budget and
+    re-plans it per step. Over an int8 cache it can never pay: its draft reads what a decode step reads."""
     table = AcceptanceTable()
     table.add("self-quant", 0.9)
     assert choose(LLAMA3, 64, 32768, profile=TOY_HW, acceptance=table).speculative is None
-    choice = choose(LLAMA3, 64, 32768, profile=TOY_HW, acceptance=table, strategies=("ar", "self-quant"))
+    asked = ("ar", "self-quant")
+    assert choose(LLAMA3, 64, 32768, profile=TOY_HW, acceptance=table, kv_dtype="int8",
+                  strategies=asked).speculative is None
+    choice = choose(LLAMA3, 64, 32768, profile=TOY_HW, acceptance=table, kv_dtype="bf16", strategies=asked)
     assert choice.plan.strategy == "self-quant" and choice.speculative.draft == "self-quant"
     assert "self-quant gamma" in describe(choice.plan)
     assert choice.replanner.plan_at(64, 32768).strategy == "self-quant"
