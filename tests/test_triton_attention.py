@@ -22,6 +22,7 @@ from conftest import use_triton_interpreter
 use_triton_interpreter()
 
 from magicdec.kernels import triton_attention  # noqa: E402
+from magicdec.kv import quant  # noqa: E402
 from magicdec.kv.paged import gather  # noqa: E402
 from magicdec.model import attention_path  # noqa: E402
 
@@ -165,10 +166,34 @@ def test_verification_rows_equal_one_token_steps(ta):
         assert torch.equal(step, verify[:, :, t::q])
 
 
+@pytest.mark.parametrize("q", [1, 4])
+def test_int8_rows_match_reference(ta, q):
+    """int8 rows carrying their fp32 scale (`magicdec.kv.quant`, as an int8 cache stores them) through shuffled
+    blocks: read as `quant.load` reads them, the products in fp32, the output in the queries' dtype; a row alone and
+    among the others gives the same bits. The null block's scales are NaN: reading it would show."""
+    lens, G, hd = [3, 40, 530], 4, 64
+    xq, kp, vp, table, _, _ = paged_case(lens, q, G, 2, hd, torch.float32, seed=5)
+    xq = xq.to(torch.bfloat16)
+    kq, vq = (quant.store(pool.nan_to_num(), torch.int8) for pool in (kp, vp))  # [nb, KV, BS, hd + 4]
+    for pool in (kq, vq):
+        pool[0, ..., -quant.SCALE_BYTES:] = torch.tensor([float("nan")]).view(torch.int8)
+    L = max(lens) + q
+    mask = causal_mask(lens, q, L)
+    out = ta.attention(xq, kq, vq, table, bias=to_bias(mask, torch.bfloat16))
+    assert out.dtype == torch.bfloat16 and out.shape == xq.shape
+    keys, values = (quant.load(gather(pool, table, L), torch.float32) for pool in (kq, vq))
+    torch.testing.assert_close(out.float(), reference(xq, keys, values, mask), atol=1e-2, rtol=1e-2)
+    lengths = torch.tensor(lens, dtype=torch.int32)
+    assert torch.equal(ta.attention(xq, kq, vq, table, lens=lengths, tokens=q), out)
+    alone = ta.attention(xq[1:2], kq, vq, table[1:2], lens=lengths[1:2], tokens=q)
+    assert torch.equal(alone[0], out[1])
+
+
 def test_takes_and_path(ta, monkeypatch):
     """The dispatch: CUDA only, MAGICDEC_TRITON=0 turns it off, and the operands `takes` declines."""
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert ta.supported(cuda, torch.bfloat16) and not ta.supported(cpu, torch.bfloat16)
+    assert ta.supported(cuda, torch.int8) and attention_path(cuda, torch.int8) == "triton"
     assert attention_path(cuda, torch.bfloat16) == "triton"
     assert attention_path(cpu, torch.float32) != "triton"
     monkeypatch.setenv("MAGICDEC_TRITON", "0")

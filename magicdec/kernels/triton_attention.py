@@ -12,6 +12,10 @@ K/V are read in place, either
   [B, nblk] int32, position l of row b being pool[table[b, l // BS], :, l % BS] (`magicdec.kv.paged`), or
 - dense: [B, KV, L, hd] per row (the window rings of sliding layers, the sparse draft caches).
 
+K/V are fp16, bf16 or fp32, or int8 rows carrying their scale (`magicdec.kv.quant`: hd int8 values, then the fp32
+scale in the row's last 4 bytes; the 4-bit rows of `magicdec.kv.lowbit` too), converted to fp32 in the kernel as
+they are read: an int8 cache is read at half the bytes of a 16-bit one, the queries and products in fp32.
+
 Which positions a query row sees comes from the device, never the host, so a CUDA graph can capture a call:
 
 - `bias` [B, 1, R, L] (0 / -inf, R divides M, query row m takes bias row m % R): the mask every cache builds today
@@ -60,8 +64,10 @@ ROWS = 64
 SPLIT = 512
 #: Positions per tile within a split (two 32-position blocks).
 TILE = 64
-#: K/V dtypes the kernels read.
-DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+#: K/V dtypes the kernels read (int8: rows carrying their scale, `magicdec.kv.quant`).
+DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.int8)
+#: Bytes of an int8 row's fp32 scale, after its head_dim values.
+SCALE_BYTES = 4
 #: "No sliding window" as a window size larger than any position.
 NO_WINDOW = 1 << 30
 LOG2E = 1.4426950408889634
@@ -88,8 +94,9 @@ def takes(xq: Tensor, keys: Tensor, values: Tensor, bias: Tensor, table: Tensor 
     """Whether `attend` takes these operands (those of `magicdec.model.attend`) on this device: at most `ROWS` query
     rows per KV head, a power-of-two head size from 16 to 256, contiguous last dimensions, a bias [B, 1, R, L], and
     dense K/V of at least L positions or an int32 [B, nblk] `table` covering them."""
-    hd, M = keys.shape[-1], xq.shape[2]
-    if not (supported(keys.device, keys.dtype) and values.dtype == keys.dtype and values.shape == keys.shape):
+    hd, M = head_dim(keys), xq.shape[2]
+    if not (supported(keys.device, keys.dtype) and values.dtype == keys.dtype and values.shape == keys.shape
+            and hd == xq.shape[-1]):
         return False
     if not (16 <= hd <= 256 and hd & (hd - 1) == 0 and M <= ROWS and bias.dim() == 4
             and bias.shape[:2] == (xq.shape[0], 1) and M % bias.shape[2] == 0):
@@ -103,6 +110,11 @@ def takes(xq: Tensor, keys: Tensor, values: Tensor, bias: Tensor, table: Tensor 
     return covered and all(t.stride(-1) == 1 for t in (xq, keys, values, bias))  # rows read element by element
 
 
+def head_dim(keys: Tensor) -> int:
+    """The head size of cached K or V rows: their last dim, less an int8 row's scale."""
+    return keys.shape[-1] - (SCALE_BYTES if keys.dtype == torch.int8 else 0)
+
+
 def attend(xq: Tensor, keys: Tensor, values: Tensor, bias: Tensor, table: Tensor | None = None) -> Tensor:
     """`magicdec.model.attend` on these kernels (call where `takes` is True): the bias read on the device."""
     return attention(xq, keys, values, table, bias=bias)
@@ -111,7 +123,8 @@ def attend(xq: Tensor, keys: Tensor, values: Tensor, bias: Tensor, table: Tensor
 def attention(xq: Tensor, keys: Tensor, values: Tensor, table: Tensor | None = None, *, bias: Tensor | None = None,
               lens: Tensor | None = None, tokens: int = 1, window: int = 0, length: int | None = None) -> Tensor:
     """Softmax attention (scale hd^-0.5) of queries [B, KV, M, hd] over K/V, dense [B, KV, L, hd] or paged pools
-    [NB, KV, BS, hd] read through `table` [B, nblk] int32; returns [B, KV, M, hd] in K's dtype. Visibility: exactly
+    [NB, KV, BS, hd] read through `table` [B, nblk] int32; returns [B, KV, M, hd] in K's dtype (the queries' over
+    int8 rows). Visibility: exactly
     one of `bias` [B, 1, R, L], or `lens` [B] int32 with the q = `tokens` new tokens per query head (M = G*q) and an
     optional sliding `window` (see the module's docstring). `length`: the positions L spanned (default: the bias's
     L; with `lens`, the dense L or the table's nblk * BS), which sizes the grid; programs past a row's own positions
@@ -127,8 +140,9 @@ def attention(xq: Tensor, keys: Tensor, values: Tensor, table: Tensor | None = N
     stats = torch.empty(B * KV, splits, 2, M, dtype=torch.float32, device=xq.device)  # per split: maximum, sum
     period = bias.shape[2] if bias is not None else tokens  # query row m is bias row / token m % period
     mask = bias if bias is not None else lens
-    _split(xq.to(keys.dtype), keys, values, table, mask, period, window, length, acc, stats)
-    out = torch.empty(B, KV, M, hd, dtype=keys.dtype, device=xq.device)
+    quantized = keys.dtype == torch.int8
+    _split(xq if quantized else xq.to(keys.dtype), keys, values, table, mask, period, window, length, acc, stats)
+    out = torch.empty(B, KV, M, hd, dtype=xq.dtype if quantized else keys.dtype, device=xq.device)
     # the merge is elementwise per row: its tile of rows can fit M without changing a row's bits
     _merge_kernel[(B * KV,)](acc, stats, out, splits, M, ROWS=triton.next_power_of_2(M), HD=hd)
     return out
@@ -147,7 +161,8 @@ def _split(xq: Tensor, keys: Tensor, values: Tensor, table: Tensor | None, mask:
         KV, M, length, period, window if window > 0 else NO_WINDOW, hd**-0.5 * LOG2E,
         *xq.stride()[:3], *kv_strides, table.stride(0) if paged else 0, *mask_strides,
         PAGE=keys.shape[2] if paged else 1, PAGED=paged, USE_BIAS=use_bias, ROWS=ROWS, TILE=TILE, SPLIT=SPLIT,
-        HD=hd, UPCAST=interpreted() and keys.dtype == torch.bfloat16, IEEE=keys.dtype == torch.float32,
+        HD=hd, QUANT=keys.dtype == torch.int8,
+        UPCAST=interpreted() and keys.dtype == torch.bfloat16, IEEE=keys.dtype in (torch.float32, torch.int8),
         num_warps=8 if hd > 128 else 4)  # a [ROWS, 256] fp32 accumulator on 4 warps would spill registers
 
 
@@ -193,6 +208,16 @@ if triton is not None:
         return outer, inner
 
     @triton.jit
+    def _load_rows(row_ptrs, dims, seen, HD: tl.constexpr, QUANT: tl.constexpr):
+        """[TILE, HD] K or V rows starting at row_ptrs [TILE] (rows no query sees: zeros, not read); int8 rows times
+        the fp32 scale stored after their HD values, in fp32."""
+        rows = tl.load(row_ptrs[:, None] + dims[None, :], mask=seen[:, None], other=0.0)
+        if QUANT:
+            scale = tl.load((row_ptrs + HD).to(tl.pointer_type(tl.float32)), mask=seen, other=0.0)
+            rows = rows.to(tl.float32) * scale[:, None]
+        return rows
+
+    @triton.jit
     def _dot(a, b, UPCAST: tl.constexpr, IEEE: tl.constexpr):
         """a @ b in fp32: fp32 operands in full precision (not TF32); bf16 widened first under the interpreter."""
         if UPCAST:
@@ -208,8 +233,8 @@ if triton is not None:
                       KV, M, L, P, window, qk_scale,
                       sq_b, sq_h, sq_m, sk_0, sk_1, sk_2, sv_0, sv_1, sv_2, st_b, sm_b, sm_r,
                       PAGE: tl.constexpr, PAGED: tl.constexpr, USE_BIAS: tl.constexpr, ROWS: tl.constexpr,
-                      TILE: tl.constexpr, SPLIT: tl.constexpr, HD: tl.constexpr, UPCAST: tl.constexpr,
-                      IEEE: tl.constexpr):
+                      TILE: tl.constexpr, SPLIT: tl.constexpr, HD: tl.constexpr, QUANT: tl.constexpr,
+                      UPCAST: tl.constexpr, IEEE: tl.constexpr):
         """One (row b, KV head h, split): online softmax over its tiles for all M query rows; writes the split's
         maximum and sum [M] (log2 units) and unnormalised output [M, HD]."""
         bh, split = tl.program_id(0), tl.program_id(1)
@@ -217,6 +242,8 @@ if triton is not None:
         rows, dims = tl.arange(0, ROWS), tl.arange(0, HD)
         q = tl.load(q_ptr + b * sq_b + h * sq_h + rows[:, None] * sq_m + dims[None, :], mask=(rows < M)[:, None],
                     other=0.0)
+        if QUANT:
+            q = q.to(tl.float32)
         m_i = tl.full([ROWS], float("-inf"), tl.float32)
         l_i = tl.zeros([ROWS], tl.float32)
         acc = tl.zeros([ROWS, HD], tl.float32)
@@ -226,16 +253,14 @@ if triton is not None:
             bias = _tile_bias(mask_ptr, b, rows, pos, M, L, P, window, sm_b, sm_r, USE_BIAS)
             seen = tl.max(bias, 0) > float("-inf")  # positions no row sees are not read (unwritten blocks)
             outer, inner = _kv_index(table_ptr, b, pos, seen, st_b, PAGE, PAGED)
-            k = tl.load(k_ptr + outer[:, None] * sk_0 + h * sk_1 + inner[:, None] * sk_2 + dims[None, :],
-                        mask=seen[:, None], other=0.0)
+            k = _load_rows(k_ptr + outer * sk_0 + h * sk_1 + inner * sk_2, dims, seen, HD, QUANT)
             s = _dot(q, tl.trans(k), UPCAST, IEEE) * qk_scale + bias
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet: no NaN
             p = tl.exp2(s - m_safe[:, None])
             alpha = tl.exp2(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_ptr + outer[:, None] * sv_0 + h * sv_1 + inner[:, None] * sv_2 + dims[None, :],
-                        mask=seen[:, None], other=0.0)
+            v = _load_rows(v_ptr + outer * sv_0 + h * sv_1 + inner * sv_2, dims, seen, HD, QUANT)
             acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST, IEEE)
             m_i = m_new
         base = (bh * tl.num_programs(1) + split).to(tl.int64) * M
