@@ -20,13 +20,14 @@ from torch.nn.attention import sdpa_kernel
 from magicdec.calibrate.timing import median_time
 from magicdec.kernels import triton_attention as ta
 from magicdec.kernels import triton_linear
+from magicdec.kv import quant
 from magicdec.kv.paged import gather
 from magicdec.model import CUDA_ATTENTION
 
 BS = 32  # positions per block (magicdec.kv.blocks.BLOCK_SIZE)
 #: (KV heads, query heads per KV head, head size) of the timed models.
 SHAPES = {"gemma3-270m": (1, 4, 256), "llama-3.1-8b": (8, 4, 128)}
-TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.int8: 1.6e-2}
 #: (out, in) features of the timed linear layers: Gemma 3 270M's fused gate/up and down, Llama-3.1-8B's.
 LINEARS = {"gemma3-270m w13": (4096, 640), "gemma3-270m w2": (640, 2048),
            "llama-3.1-8b w13": (28672, 4096), "llama-3.1-8b w2": (4096, 14336)}
@@ -68,6 +69,8 @@ CASES = [  # (lens, q, G, KV, hd, dtype, window)
     ([700, 4000, 96], 5, 4, 8, 128, torch.bfloat16, 0),
     ([20, 600], 4, 4, 1, 128, torch.float32, 0),
     ([20, 300, 610], 4, 4, 1, 256, torch.bfloat16, 512),
+    ([3, 40, 530], 4, 4, 2, 64, torch.int8, 0),  # int8 rows with their scale, bf16 queries
+    ([5, 2000], 5, 4, 1, 256, torch.int8, 0),
 ]
 
 
@@ -76,12 +79,16 @@ def check_case(lens: list[int], q: int, G: int, KV: int, hd: int, dtype: torch.d
     """Max error of the kernels against `reference` on one case, by bias and by lengths (raises past TOL, relative
     and absolute)."""
     gen = torch.Generator(device).manual_seed(len(lens) * 1000 + hd)
-    L = max(lens) + q
-    kp, vp, table = paged(len(lens), L, KV, hd, dtype, device, gen)
-    xq = torch.randn(len(lens), KV, G * q, hd, generator=gen, device=device, dtype=dtype)
+    L, quantized = max(lens) + q, dtype == torch.int8
+    compute = torch.bfloat16 if quantized else dtype
+    kp, vp, table = paged(len(lens), L, KV, hd, torch.float32 if quantized else dtype, device, gen)
+    if quantized:  # rows carrying their scale, as an int8 cache stores them (the null block: zeros)
+        kp, vp = (quant.store(pool.nan_to_num(), torch.int8) for pool in (kp, vp))
+    xq = torch.randn(len(lens), KV, G * q, hd, generator=gen, device=device, dtype=compute)
     lengths = torch.tensor(lens, dtype=torch.int32, device=device)
-    bias = bias_of(lengths, q, L, window, dtype)
-    expected = reference(xq, gather(kp, table, L), gather(vp, table, L).nan_to_num(), bias)
+    bias = bias_of(lengths, q, L, window, compute)
+    keys, values = (quant.load(gather(pool, table, L), torch.float32) for pool in (kp, vp))
+    expected = reference(xq, keys, values.nan_to_num(), bias)
     worst = 0.0
     for out in (ta.attention(xq, kp, vp, table, bias=bias),
                 ta.attention(xq, kp, vp, table, lens=lengths, tokens=q, window=window)):
