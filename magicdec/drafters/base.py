@@ -9,6 +9,7 @@ from torch import Tensor
 
 from magicdec.drafters.vocab import DraftHead
 from magicdec.kv import KVCache
+from magicdec.kv.hybrid import HybridCache
 from magicdec.kv.prefix_cache import PrefixCache
 from magicdec.kv.sparse import SnapKVObserver
 from magicdec.model import Transformer
@@ -143,3 +144,23 @@ class Drafter(ABC):
         evict = getattr(cache, "evict", None)
         if evict is not None:
             evict()
+
+
+class SelfDrafter(Drafter):
+    """A drafter with the target's own weights over a cache cut from the target's: it never prefills, and the tokens
+    decoded since it last ran are copied from the target's cache (`catch_up`), so each round's first draft forward
+    reads one token. A hybrid model's sliding layers read the target's own ring: only the global layers' cache is the
+    draft's."""
+
+    def _over_target(self, full: KVCache, target: KVCache | None) -> KVCache:
+        """The draft cache: `full` for the (global) layers, beside a hybrid target's sliding-window ring."""
+        if not self.model.cfg.hybrid:
+            return full
+        if not isinstance(target, HybridCache):
+            raise ValueError("a self-speculative draft of a hybrid model shares the target's sliding-window ring: "
+                             "pass the target's cache")
+        return target.sharing_window(full)
+
+    def catch_up(self, cache: KVCache, seq: Tensor, n_tokens: Tensor, live: Tensor, target: KVCache,
+                 gamma: int) -> None:
+        cache.append_from(target, n_tokens - 1, live)

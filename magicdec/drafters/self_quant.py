@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from magicdec.drafters.base import Drafter
+from magicdec.drafters.base import SelfDrafter
 from magicdec.kv import KVCache
 from magicdec.kv.hybrid import HybridCache, global_config
 from magicdec.kv.lowbit import LowBitKVCache
@@ -13,31 +13,20 @@ from magicdec.kv.quant import INT8
 from magicdec.kv.sparse import SnapKVObserver
 
 
-class SelfQuantDrafter(Drafter):
+class SelfQuantDrafter(SelfDrafter):
     """Drafts with the target model over every cached token, each K/V row rounded to 4 bits (`magicdec.kv.lowbit`).
-
-    A slot's rows are copied from the target's cache once it holds the whole prompt, and the tokens decoded
-    since the draft last ran are copied at the start of a round, as a sparse self-speculative draft takes them: the
-    draft never prefills, and each round's first draft forward reads one token. A hybrid model's sliding layers read
-    the target's own ring; only the global layers keep 4-bit rows."""
+    A slot's rows are copied from the target's cache once it holds the whole prompt (then catching up as every
+    `SelfDrafter` does); a hybrid model's global layers alone keep 4-bit rows."""
 
     name = "self-quant"
 
     def allocate(self, slots: int, capacity: int, dtype: torch.dtype, device: torch.device,
                  target: KVCache | None = None, prefix_caching: bool = False) -> None:
-        cfg = self.model.cfg
-        if cfg.hybrid and not isinstance(target, HybridCache):
-            raise ValueError("a self-speculative draft of a hybrid model shares the target's sliding-window ring: "
-                             "pass the target's cache")
-        rows = LowBitKVCache(global_config(cfg), slots, capacity + self.slack, device)
-        self.cache = target.sharing_window(rows) if cfg.hybrid else rows
+        rows = LowBitKVCache(global_config(self.model.cfg), slots, capacity + self.slack, device)
+        self.cache = self._over_target(rows, target)
 
     def cache_bytes(self, slots: int, capacity: int, dtype: torch.dtype) -> int:
         return KVCache.nbytes(global_config(self.model.cfg), slots, capacity + self.slack, INT8)
-
-    def catch_up(self, cache: KVCache, seq: Tensor, n_tokens: Tensor, live: Tensor, target: KVCache,
-                 gamma: int) -> None:
-        cache.append_from(target, n_tokens - 1, live)
 
     def prefill(self, slot: int, prompt: Tensor, end: int, target: KVCache, observer: SnapKVObserver | None) -> None:
         if end < len(prompt):  # the rows are copied once the target's row holds the whole prompt (and its key mean)
