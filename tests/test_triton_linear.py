@@ -14,14 +14,18 @@ from conftest import use_triton_interpreter
 use_triton_interpreter()
 
 from magicdec import model as model_mod  # noqa: E402
-from magicdec.kernels import triton_linear  # noqa: E402
+from magicdec.kernels import triton_attention, triton_linear  # noqa: E402
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
 
 @pytest.fixture(scope="module")
 def tlin() -> ModuleType:
-    """The module with its kernel decorated under Triton's interpreter."""
+    """The module with its kernel decorated under Triton's interpreter. It takes `triton` from triton_attention,
+    which another test of this worker may have imported before TRITON_INTERPRET was set (then without triton):
+    that module is reloaded first."""
+    if triton_attention.triton is None:
+        importlib.reload(triton_attention)
     module = triton_linear if triton_linear.interpreted() else importlib.reload(triton_linear)
     assert module.interpreted()
     return module
