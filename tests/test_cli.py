@@ -37,9 +37,10 @@ def test_argparse_errors_exit_2_without_traceback():
     assert "Traceback" not in proc.stderr and "gamma" in proc.stderr
 
 
-def test_generate_json_with_speculation(capsys):
+@pytest.mark.parametrize("draft", ["self-streaming", "self-quant"])
+def test_generate_json_with_speculation(capsys, draft):
     code, out, err = run(["generate", "--corpus", str(DATA), "--num-prompts", "2", "--prompt-tokens", "300",
-                          "--max-tokens", "12", "--draft", "self-streaming", "--budget", "64", "--gamma", "2",
+                          "--max-tokens", "12", "--draft", draft, "--budget", "64", "--gamma", "2",
                           "--compare-ar", "--json", "--dtype", "fp32"], capsys)
     assert code == 0, err
     doc = json.loads(out)

@@ -295,12 +295,12 @@ _models: dict[str, Transformer] = {}
 
 
 def model_on(path: kernels.IsaPath, fp32, bf16) -> Transformer:
-    """The default model as it loads on `path`: bf16 and packed on AVX512-BF16 (the session's bf16 model), fp32 over
-    weights packed in the path's default 16-bit storage on AVX2 (a copy of the fp32 model, packed once)."""
-    if path.compute == torch.bfloat16:
-        return bf16.model
+    """The default model as it loads on `path`: bf16 and packed on AVX512-BF16, fp32 over weights packed in the path's
+    default 16-bit storage on AVX2. A copy of the session's bf16 or fp32 model, packed once for the path: the
+    session's models loaded on whatever path the environment forced (MAGICDEC_ISA=avx2 leaves bf16 linears unpacked,
+    and torch's bf16 matmuls do not give a row the same bits in every batch)."""
     if path.name not in _models:
-        _models[path.name] = copy.deepcopy(fp32.model)
+        _models[path.name] = copy.deepcopy((bf16 if path.compute == torch.bfloat16 else fp32).model)
         pack_linears(_models[path.name], path.storage[0])
     return _models[path.name]
 
