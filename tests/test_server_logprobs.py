@@ -1,6 +1,6 @@
 """Log-probabilities through `magicdec serve`: completions (OpenAI's legacy format, echo, vLLM's prompt_logprobs), chat
 (`logprobs` + `top_logprobs`), streamed and not, and lm-evaluation-harness's scoring request, on a small server of
-this module's own (2 slots, self-speculation, fp32). Values are checked against offline plain decoding of each prompt
+this module's own (2 slots, fp32, drafting with `--draft self-quant`: test_server.py's server drafts sparsely). Values are checked against offline plain decoding of each prompt
 alone; the server drafts, and in fp32 on torch's operators a verification forward may round the last bits of a
 logit differently from a one-token step, so they agree within 1e-4 (bit for bit where the native kernels run:
 tests/test_logprobs.py)."""
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from test_server import KEY, PROMPT, http_json, serve
+from test_server import KEY, PROMPT, http_json, metric, serve
 from magicdec.logprobs import MAX_LOGPROBS
 from magicdec.sampling import SamplingParams
 
@@ -21,7 +21,7 @@ TOL = 1e-4
 @pytest.fixture(scope="module")
 def lp_server(tmp_path_factory):
     with serve(tmp_path_factory.mktemp("serve-logprobs") / "server.log", "--max-running", "2", "--max-model-len",
-               "512", "--draft", "self-streaming", "--budget", "64", "--gamma", "3", "--api-key", KEY,
+               "512", "--draft", "self-quant", "--gamma", "3", "--api-key", KEY,
                "--dtype", "fp32") as srv:
         yield srv
 
@@ -47,6 +47,16 @@ def test_completion_logprobs_are_plain_decodings(lp_server, model_name, llm):
     for token, value, top, entry in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, want.logprobs):
         assert 5 <= len(top) <= 6 and top[token] == value  # the five most probable, and the chosen token
         assert max(top.values()) == pytest.approx(entry.top[0][1], abs=TOL)  # greedy: the chosen is the top
+
+
+def test_greedy_completion_is_plain_decodings_and_drafted(lp_server, model_name, llm):
+    """The server's 4-bit draft changed nothing of the text, and it did draft: /metrics counts its rounds and the
+    tokens the target accepted of them."""
+    drafts = metric(lp_server.base, "magicdec:spec_decode_num_drafts_total")
+    out = lp_server.client().completions.create(model=model_name, prompt=PROMPT, max_tokens=24, temperature=0)
+    assert out.choices[0].text == offline(llm, PROMPT, 24).text
+    assert metric(lp_server.base, "magicdec:spec_decode_num_drafts_total") > drafts
+    assert metric(lp_server.base, "magicdec:spec_decode_num_accepted_tokens_total") > 0
 
 
 def test_streamed_completion_logprobs_add_up_to_the_whole(lp_server, model_name):
