@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from magicdec.calibrate.timing import filled_cache, median_time, synthetic_model
+from magicdec.calibrate.timing import filled_cache, median_time, read_rate, synthetic_model
 from magicdec.config import EngineConfig, ModelConfig
 from magicdec.drafters import SelfSpecDrafter
 from magicdec.engine import LLMEngine
@@ -48,7 +48,7 @@ from magicdec.profiles import builtin_acceptance
 from magicdec.scheduler import FixedGamma
 from magicdec.speculative import Speculation
 from triton_check import check as check_triton
-from triton_check import linear_timings
+from triton_check import linear_timings, print_row
 from triton_check import timings as time_triton
 
 LLAMA31_8B = ModelConfig(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
@@ -154,7 +154,7 @@ def step_times(device: torch.device, name: str, batches, contexts, gamma: int, b
                    "graph_decode_ms": g_dec, "graph_verify_ms": g_ver, "graph_draft_ms": g_dra,
                    **{f"pred_{k}_ms": v for k, v in pred.items()}}
             rows.append(row)
-            print("  ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+            print_row(row)
     del model
     torch.cuda.empty_cache()
     return rows
@@ -193,12 +193,12 @@ def engine_rounds(device: torch.device, batch: int, context: int, gamma: int, bu
 
 
 def read_gbs(device: torch.device, gib: float = 4.0) -> float:
-    """GB/s of summing a `gib`-GiB bf16 tensor: the read rate a step's floor is priced at."""
-    x = torch.ones(int(gib * 2**30) // 2, dtype=torch.bfloat16, device=device)
-    seconds = median_time(lambda: x.sum(), device, reps=10, warmup=2)
+    """GB/s the device reads a `gib`-GiB tensor at (`read_rate`): the rate a step's floor is priced at."""
+    x = torch.ones(int(gib * 2**30) // 4, device=device)
+    gbs = read_rate(x, reps=10) / 1e9
     del x
     torch.cuda.empty_cache()
-    return gib * 2**30 / seconds / 1e9
+    return gbs
 
 
 def projected_speedup(table: AcceptanceTable, budget: int, S: int, mode: str, gamma: int, decode: float,

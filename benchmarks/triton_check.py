@@ -33,6 +33,11 @@ LINEARS = {"gemma3-270m w13": (4096, 640), "gemma3-270m w2": (640, 2048),
            "llama-3.1-8b w13": (28672, 4096), "llama-3.1-8b w2": (4096, 14336)}
 
 
+def print_row(row: dict) -> None:
+    """One measured row as key=value pairs on a line (floats to 3 significant digits)."""
+    print("  ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+
+
 def paged(B: int, L: int, KV: int, hd: int, dtype: torch.dtype, device: torch.device, gen: torch.Generator,
           nan: bool = True) -> tuple[Tensor, Tensor, Tensor]:
     """K, V pools [NB, KV, BS, hd] (stored head-major, as magicdec.kv.blocks) and a table [B, L / BS] of shuffled
@@ -151,8 +156,7 @@ def linear_timings(device: torch.device, linear_rows: tuple[int, ...] = (1, 5, 6
                    "triton_ms": median_time(lambda: triton_linear.linear(x, w), device, reps=20, warmup=3) * 1e3,
                    "torch_ms": median_time(lambda: F.linear(x, w), device, reps=20, warmup=3) * 1e3}
             row["over_torch"] = row["triton_ms"] / row["torch_ms"]
-            print("  ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
-                  flush=True)
+            print_row(row)
             rows.append(row)
     return rows
 
@@ -184,7 +188,7 @@ def time_cell(model: str, B: int, S: int, q: int, device: torch.device) -> dict:
         row[name] = median_time(fn, device, reps=10, warmup=2) * 1e3
     row["speedup_over_torch"] = row["torch_ms"] / row["triton_lens_ms"]
     row["over_floor"] = row["triton_lens_ms"] / row["kv_sum_ms"]
-    print("  ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+    print_row(row)
     return row
 
 

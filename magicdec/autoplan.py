@@ -38,7 +38,7 @@ from magicdec.errors import InvalidRequestError
 from magicdec.loading.tokenizer import Tokenizer
 from magicdec.model import Transformer, weight_dtype
 from magicdec.planner import (AcceptanceTable, HardwareProfile, ModelShape, Plan, Workload, get_profile, plan,
-                              quant_draft_kv_bytes, round_time)
+                              round_time, strategy_kv_bytes)
 from magicdec.profiles import load_acceptance, load_profile, target_shape
 from magicdec.scheduler import GammaPolicy
 from magicdec.speculative import SpeculativeConfig, corpus_token_counts
@@ -136,8 +136,7 @@ def choose(
     replan = _replanner(work, table, best, gammas, mode, plain="ar" in strategies, coverage=heads[best.draft_vocab])
     head = {"draft_vocab": best.draft_vocab, "vocab_corpus": vocab_corpus} if best.draft_vocab else {}
     # Built for the longest draft it may re-plan to; the decode loop starts it at the planned length.
-    budget = {"budget": best.budget} if best.budget else {}  # self-quant has none
-    return Choice(SpeculativeConfig(best.strategy, **budget, gamma=max(gammas), **head), replan, best)
+    return Choice(SpeculativeConfig.drafting(best.strategy, best.budget, gamma=max(gammas), **head), replan, best)
 
 
 def _draft_heads(draft_vocab: int, vocab_corpus: str | None, tokenizer: Tokenizer | None) -> dict[int, float]:
@@ -186,7 +185,7 @@ def _replanner(work: Workload, table: AcceptanceTable, best: Plan, gammas: list[
     def at(live: int, context: int) -> Workload:
         return dataclasses.replace(work, batch=live, context=context)
 
-    kv_bytes = quant_draft_kv_bytes(work.shape) if best.strategy == "self-quant" else None
+    kv_bytes = strategy_kv_bytes(best.strategy, work.shape)
 
     return Replanner(
         lambda live, context, alpha, scale: plan(

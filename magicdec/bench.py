@@ -104,9 +104,8 @@ class BenchGrid:
 def speculative_config(cfg: dict) -> SpeculativeConfig:
     """The speculative settings of one fixed-drafter configuration of `BenchGrid.configs`."""
     reindex = {"reindex": True, "original": False}.get(cfg.get("positions"))
-    budget = {"budget": cfg["budget"]} if cfg["budget"] else {}  # 0: a drafter without one
-    return SpeculativeConfig(cfg["draft"], **budget, gamma=cfg["gamma"], reindex=reindex,
-                             draft_vocab=cfg.get("draft_vocab", 0), vocab_corpus=cfg.get("vocab_corpus"))
+    return SpeculativeConfig.drafting(cfg["draft"], cfg["budget"], gamma=cfg["gamma"], reindex=reindex,
+                                      draft_vocab=cfg.get("draft_vocab", 0), vocab_corpus=cfg.get("vocab_corpus"))
 
 
 def point_key(batch: int, context: int, cfg: dict) -> str:

@@ -346,9 +346,9 @@ class Transformer(nn.Module):
 def pack_linears(model: Transformer, storage: torch.dtype | None = None) -> None:
     """Swap the model's nn.Linear layers for `PackedLinear` where the native linear kernel runs (a bf16 model on a
     CPU with AVX512-BF16, an fp32 model with AVX2 when `storage` names one of its 16-bit dtypes), and for
-    `triton_linear.TritonLinear` on CUDA; elsewhere nothing changes. `storage`: the dtype the packed weights are stored in (None: the model's). A load-time
-    transform: run it last (tensor parallelism shards nn.Linear weights first). A tied LM head gets its own packed
-    copy of the embedding table; the head returns fp32 logits."""
+    `triton_linear.TritonLinear` on CUDA; elsewhere nothing changes. `storage`: the dtype the packed weights are
+    stored in (None: the model's). A load-time transform: run it last (tensor parallelism shards nn.Linear weights
+    first). A tied LM head gets its own packed copy of the embedding table; the head returns fp32 logits."""
     storage = storage or model.dtype
     for module in list(model.modules()):
         for name, child in module.named_children():

@@ -7,6 +7,7 @@ import functools
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from magicdec.corpus import load_texts
 from magicdec.drafters import Drafter, ModelDrafter, SelfQuantDrafter, SelfSpecDrafter
@@ -77,6 +78,12 @@ class SpeculativeConfig:
             raise InvalidRequestError("a draft vocabulary (draft_vocab) is counted in a corpus: give vocab_corpus")
         if self.draft_vocab and not Path(self.vocab_corpus).is_file():
             raise InvalidRequestError(f"corpus file not found: {self.vocab_corpus}")
+
+    @classmethod
+    def drafting(cls, draft: str, budget: int | None, **kwargs: Any) -> SpeculativeConfig:
+        """The settings of drafter `draft` with a draft budget of `budget` (None or 0: a drafter that reads no budget,
+        self-quant, which keeps the default) and `kwargs`."""
+        return cls(draft, **({"budget": budget} if budget else {}), **kwargs)
 
     def build(self, target: Transformer, tokenizer: Tokenizer | None = None) -> Drafter | None:
         """The drafter for `target` (None: plain decoding); a `model` drafter loads its weights here, and with

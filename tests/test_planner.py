@@ -25,7 +25,7 @@ from magicdec.planner import (
     plan,
     plan_table,
     plot_speedup,
-    quant_draft_kv_bytes,
+    strategy_kv_bytes,
     round_time,
     verify_step_time,
     Workload,
@@ -455,8 +455,9 @@ def test_a_quantized_draft_reads_the_whole_context_at_int8_bytes():
     acceptance outweighs reading the whole context (half the target's bytes a draft step, against a sparse draft's
     few)."""
     w = Workload(LLAMA3, TOY_HW, batch=64, context=32768)
-    int8 = dataclasses.replace(w, kv_dtype_bytes=quant_draft_kv_bytes(LLAMA3))
-    assert quant_draft_kv_bytes(LLAMA3) == (LLAMA3.head_dim + 4) / LLAMA3.head_dim
+    int8 = dataclasses.replace(w, kv_dtype_bytes=strategy_kv_bytes("self-quant", LLAMA3))
+    assert strategy_kv_bytes("self-quant", LLAMA3) == (LLAMA3.head_dim + 4) / LLAMA3.head_dim
+    assert strategy_kv_bytes("self-streaming", LLAMA3) is None
     assert round_time(w, 3, draft_kv_bytes=int8.kv_dtype_bytes) == pytest.approx(
         draft_time(int8, None, 3, first_tokens=1) + verify_step_time(w, 3))
     table = AcceptanceTable()

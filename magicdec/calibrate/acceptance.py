@@ -106,7 +106,7 @@ def _budgets(drafter: str, budgets: list[int], context: int) -> list[int | None]
 def _decode_prefilled(llm, prompts: list[list[int]], drafter: str, budget: int | None, mode: str, context: int,
                       gamma: int, new_tokens: int, seed: int) -> dict[str, Any]:
     """Decode `prompts` (prefilled in the LLM's prefix cache) with one drafter; the run's record."""
-    spec = SpeculativeConfig(drafter, gamma=gamma, **({"budget": budget} if budget else {}))
+    spec = SpeculativeConfig.drafting(drafter, budget, gamma=gamma)
     outs = llm.generate(prompt_token_ids=prompts, params=sampling_params(mode, new_tokens, seed), speculative=spec)
     stats = llm.last_stats
     return {"drafter": drafter, "budget": budget, "mode": mode, "context": context, "gamma": gamma, "batch": len(prompts),

@@ -47,6 +47,8 @@ import os
 import torch
 from torch import Tensor
 
+from magicdec.dtypes import INT8_SCALE_BYTES
+
 triton = None
 # Only where a kernel can run (a CUDA or ROCm build of torch, or Triton's interpreter): a CPU-only process would
 # spend 0.2 s importing triton for nothing.
@@ -66,8 +68,6 @@ SPLIT = 512
 TILE = 64
 #: K/V dtypes the kernels read (int8: rows carrying their scale, `magicdec.kv.quant`).
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.int8)
-#: Bytes of an int8 row's fp32 scale, after its head_dim values.
-SCALE_BYTES = 4
 #: "No sliding window" as a window size larger than any position.
 NO_WINDOW = 1 << 30
 LOG2E = 1.4426950408889634
@@ -112,7 +112,7 @@ def takes(xq: Tensor, keys: Tensor, values: Tensor, bias: Tensor, table: Tensor 
 
 def head_dim(keys: Tensor) -> int:
     """The head size of cached K or V rows: their last dim, less an int8 row's scale."""
-    return keys.shape[-1] - (SCALE_BYTES if keys.dtype == torch.int8 else 0)
+    return keys.shape[-1] - (INT8_SCALE_BYTES if keys.dtype == torch.int8 else 0)
 
 
 def attend(xq: Tensor, keys: Tensor, values: Tensor, bias: Tensor, table: Tensor | None = None) -> Tensor:
@@ -124,11 +124,10 @@ def attention(xq: Tensor, keys: Tensor, values: Tensor, table: Tensor | None = N
               lens: Tensor | None = None, tokens: int = 1, window: int = 0, length: int | None = None) -> Tensor:
     """Softmax attention (scale hd^-0.5) of queries [B, KV, M, hd] over K/V, dense [B, KV, L, hd] or paged pools
     [NB, KV, BS, hd] read through `table` [B, nblk] int32; returns [B, KV, M, hd] in K's dtype (the queries' over
-    int8 rows). Visibility: exactly
-    one of `bias` [B, 1, R, L], or `lens` [B] int32 with the q = `tokens` new tokens per query head (M = G*q) and an
-    optional sliding `window` (see the module's docstring). `length`: the positions L spanned (default: the bias's
-    L; with `lens`, the dense L or the table's nblk * BS), which sizes the grid; programs past a row's own positions
-    do nothing. Under Triton's interpreter the tensors are CPU tensors."""
+    int8 rows). Visibility: exactly one of `bias` [B, 1, R, L], or `lens` [B] int32 with the q = `tokens` new tokens
+    per query head (M = G*q) and an optional sliding `window` (see the module's docstring). `length`: the positions
+    L spanned (default: the bias's L; with `lens`, the dense L or the table's nblk * BS), which sizes the grid;
+    programs past a row's own positions do nothing. Under Triton's interpreter the tensors are CPU tensors."""
     if (bias is None) == (lens is None):
         raise ValueError("pass exactly one of bias or lens")
     B, KV, M, hd = xq.shape

@@ -56,26 +56,26 @@ class LowBitKVCache(KVCache):
         layout)."""
         count = torch.where(rows, end - self.next_pos, 0).clamp_min(0)  # [B]
         first = (self.lens == 0) & (count > 0)
-        if first.any():
+        if first.any():  # a pass over the keys for the mean, which every key of the row is stored less
             sums = torch.zeros_like(self.k_mean)
-            for b, p, k, _ in self._chunks(src, count):
-                sums.index_add_(0, b, k)
+            for b, p, block, offset in self._chunks(src, count):
+                sums.index_add_(0, b, quant.load(src.k[:, block, :, offset], torch.float32))
             self.k_mean[first] = sums[first] / count[first, None, None, None]
             self.recent_from[first] = end[first] - RECENT
-        for b, p, k, v in self._chunks(src, count):
+        for b, p, block, offset in self._chunks(src, count):
             levels = torch.where(p >= self.recent_from[b], quant.INT8_LEVELS, quant.INT4_LEVELS)
             levels = levels[:, None, None, None].float()  # [n, 1, 1, 1]: per row
+            k = quant.load(src.k[:, block, :, offset], torch.float32)  # [n, layers, KV, head_dim]
             self.k[:, b, :, p] = quant.store(k - self.k_mean[b], quant.INT8, levels)
-            self.v[:, b, :, p] = quant.store(v, quant.INT8, levels)
+            self.v[:, b, :, p] = quant.store(quant.load(src.v[:, block, :, offset], torch.float32), quant.INT8, levels)
         self.commit(count)
 
     def _chunks(self, src: KVCache, count: Tensor) -> Iterator[tuple[Tensor, Tensor, Tensor, Tensor]]:
-        """(rows b [n], positions p [n], K and V [n, layers, KV, head_dim] in fp32) of src for the next count [B]
-        positions of each row, at most COPY_CHUNK a row at a time (bounding the fp32 copy of a long prompt)."""
+        """(rows b [n], positions p [n], and where src holds them: its K/V's dims 1 and 3, `locate`) for the next
+        count [B] positions of each row, at most COPY_CHUNK a row at a time (bounding the fp32 copies of a long
+        prompt)."""
         for start in range(0, int(count.max()), COPY_CHUNK):
             j = start + self._arange(min(COPY_CHUNK, int(count.max()) - start))
             b, i = (j[None, :] < count[:, None]).nonzero(as_tuple=True)
             p = self.next_pos[b] + j[i]
-            block, offset = src.locate(b, p)
-            yield (b, p, quant.load(src.k[:, block, :, offset], torch.float32),
-                   quant.load(src.v[:, block, :, offset], torch.float32))
+            yield b, p, *src.locate(b, p)

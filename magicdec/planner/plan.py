@@ -60,10 +60,10 @@ class _Drafter:
     kv_bytes: float | None = None  # bytes per K/V value the draft reads (None: the target's)
 
 
-def quant_draft_kv_bytes(shape: ModelShape) -> float:
-    """Bytes per K/V value a self-quant draft reads: its 4-bit levels sit in int8 rows with their scale
-    (`magicdec.kv.lowbit`)."""
-    return dtypes.kv_nbytes("int8", shape.head_dim)
+def strategy_kv_bytes(strategy: str, shape: ModelShape) -> float | None:
+    """Bytes per K/V value a drafter of `strategy` reads where they are not the target's: self-quant's 4-bit levels
+    sit in int8 rows with their scale (`magicdec.kv.lowbit`); None for the others."""
+    return dtypes.kv_nbytes("int8", shape.head_dim) if strategy == "self-quant" else None
 
 
 def _drafters(
@@ -78,7 +78,7 @@ def _drafters(
             drafters += [_Drafter(strategy, None, budget, strategy, target, tp) for budget in sparse_budgets]
     if "self-quant" in strategies:  # the whole context, at int8 rows' bytes
         drafters.append(_Drafter("self-quant", None, None, "self-quant", target, tp,
-                                 kv_bytes=quant_draft_kv_bytes(target)))
+                                 kv_bytes=strategy_kv_bytes("self-quant", target)))
     if draft is not None and "model" in strategies:
         # Tensor parallelism splits KV heads, so a draft with fewer KV heads than devices runs on gcd(tp, n_kv_heads)
         # of them (as MagicDec runs TinyLlama on 4 of 8 GPUs).
@@ -106,11 +106,17 @@ def round_time(w: Workload, gamma: int, mode: str = "greedy", draft: ModelShape 
     vocab = w.shape.vocab_size
     if gamma == 0:
         return decode_step_time(w) + vocab * t_logit
-    drafting = dataclasses.replace(w, shape=_with_head(draft or w.shape, draft_vocab), tp=draft_tp or w.tp,
-                                   kv_dtype_bytes=draft_kv_bytes or w.kv_dtype_bytes)
+    drafting = _drafting(w, draft or w.shape, draft_vocab, draft_tp, draft_kv_bytes)
     t_draft = draft_time(drafting, budget, gamma, first_tokens=2 if draft is not None else 1)
     t_sample = (gamma * drafting.shape.vocab_size + (gamma + 1) * vocab) * t_logit
     return t_draft + verify_step_time(w, gamma) + t_sample
+
+
+def _drafting(w: Workload, shape: ModelShape, draft_vocab: int, tp: int | None, kv_bytes: float | None) -> Workload:
+    """The workload a draft's forwards run: `shape` through a head of `draft_vocab` rows on `tp` devices, reading K/V
+    values of `kv_bytes` (None: the target's devices and bytes)."""
+    return dataclasses.replace(w, shape=_with_head(shape, draft_vocab), tp=tp or w.tp,
+                               kv_dtype_bytes=kv_bytes or w.kv_dtype_bytes)
 
 
 def _with_head(shape: ModelShape, draft_vocab: int) -> ModelShape:
@@ -162,7 +168,7 @@ def _best_speculative(
             continue
         kv_len = w.context if d.budget is None else d.budget
         # Self-speculation shares the target's weights; a draft model brings its own.
-        drafting = dataclasses.replace(w, kv_dtype_bytes=d.kv_bytes or w.kv_dtype_bytes)
+        drafting = _drafting(w, d.shape, d.vocab, d.tp, d.kv_bytes)
         fits = target_memory + _memory(drafting, d.shape, kv_len, d.tp, weights=d.strategy == "model") \
             <= w.hw.mem_bytes
         if ar_fits and not fits:
@@ -223,8 +229,7 @@ def plan(
         )
     d, g = best.drafter, best.gamma
     kv_len = w.context if d.budget is None else d.budget
-    drafting = forward_cost(dataclasses.replace(w, shape=_with_head(d.shape, d.vocab), tp=d.tp,
-                                                kv_dtype_bytes=d.kv_bytes or w.kv_dtype_bytes), 1, kv_len)
+    drafting = forward_cost(_drafting(w, d.shape, d.vocab, d.tp, d.kv_bytes), 1, kv_len)
     return Plan(
         d.strategy, d.budget, g, d.cache, best.alpha, best.throughput, best.throughput / ar_throughput,
         forward_cost(w, g + 1, w.context).dominant, drafting.dominant, best.fits, w.hw.name, d.vocab,
