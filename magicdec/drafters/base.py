@@ -127,7 +127,7 @@ class Drafter(ABC):
         while int(unseen.max()) > (last_limit := self._feed_limit(cache) - gamma + 1):
             count = (unseen - last_limit).clamp(0, self._feed_limit(cache))
             self._feed(cache, seq, start, count.clamp_min(1), live & (count > 0))
-            self.evict(cache)
+            cache.evict()
             start, unseen = start + count, unseen - count
 
     def accept(self, n: int, n_tokens: Tensor, live: Tensor) -> None:
@@ -136,14 +136,7 @@ class Drafter(ABC):
         cache = self.cache.head(n)
         keep = torch.where(live, torch.minimum(n_tokens - 1, cache.next_pos), cache.next_pos)
         cache.truncate(cache.lens - (cache.next_pos - keep))
-        self.evict(cache)
-
-    @staticmethod
-    def evict(cache: KVCache) -> None:
-        """Keep a draft cache within its budget (sparse caches slide their window)."""
-        evict = getattr(cache, "evict", None)
-        if evict is not None:
-            evict()
+        cache.evict()  # a sparse cache slides its window back to its budget
 
 
 class SelfDrafter(Drafter):

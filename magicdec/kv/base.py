@@ -127,6 +127,9 @@ class KVCache:
         self.lens.copy_(lens)
         self.max_len = int(self.lens.max())
 
+    def evict(self) -> None:
+        """Keep the cache within its budget: a dense cache keeps every entry (a sparse one slides its window)."""
+
     def clear(self) -> None:
         """Empty every row (a slot handed to a new request)."""
         self.lens.zero_()

@@ -153,9 +153,7 @@ class HybridCache:
 
     # --- a draft's `full` (a sparse cache, or a 4-bit copy) -------------------------------------------------------
     def evict(self) -> None:
-        evict = getattr(self.full, "evict", None)  # a dense `full` (a 4-bit draft copy) keeps every entry
-        if evict is not None:
-            evict()
+        self.full.evict()
 
     def append_from(self, src: "HybridCache", end: Tensor, rows: Tensor) -> None:
         """Catch up on src's global-layer entries before `end` (the ring is src's own, see the module)."""
