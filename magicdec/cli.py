@@ -119,7 +119,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-gb", type=kv_size,
                    help="memory of the KV cache's blocks in GiB, shared by the running requests as they grow and by "
                         "the cached prefixes; it sets how many requests fit at once (default: half the memory "
-                        "available after the model loads)")
+                        "available after the model loads). A --draft-model's K/V take a share of each block on top, "
+                        "in proportion to its K/V bytes per token")
 
 
 def llm_options(args: argparse.Namespace) -> dict:

@@ -29,7 +29,6 @@ from magicdec.distributed import init_tp, launched_world_size
 from magicdec.drafters.base import Drafter
 from magicdec.errors import InvalidRequestError
 from magicdec.kv.blocks import KVManager, blocks_for
-from magicdec.kv.prefix_cache import PrefixCache
 from magicdec.loading import LoadedModel, load_model
 from magicdec.loading.tokenizer import Tokenizer
 from magicdec.logprobs import TokenLogprob
@@ -120,10 +119,10 @@ class LLMEngine:
         return self.config.max_model_len
 
     @staticmethod
-    def _policy(speculation: Speculation | None) -> tuple[GammaPolicy, int, PrefixCache | None]:
+    def _policy(speculation: Speculation | None) -> tuple[GammaPolicy, int, bool]:
         if speculation is None:
-            return FixedGamma(0), 0, None
-        return speculation.policy, speculation.drafter.gamma, speculation.drafter.prefix_cache
+            return FixedGamma(0), 0, False
+        return speculation.policy, speculation.drafter.gamma, speculation.drafter.prefills
 
     def set_speculation(self, speculation: Speculation | None) -> None:
         """Draft with `speculation` (None: plain decoding) from now on; only between runs, with no request in."""

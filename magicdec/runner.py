@@ -22,7 +22,7 @@ from torch import Tensor
 from magicdec.config import EngineConfig
 from magicdec.drafters.base import Drafter
 from magicdec.kv.blocks import BLOCK_SIZE, KVManager, block_keys
-from magicdec.kv.hybrid import HybridCache, paged_cache, ring_bytes
+from magicdec.kv.hybrid import HybridCache, paged_cache, paged_part, ring_bytes
 from magicdec.kv.paged import PagedKVCache
 from magicdec.kv.sparse import SnapKVObserver
 from magicdec.logprobs import Logprobs, TokenLogprob, compute_logprobs, to_host
@@ -79,6 +79,7 @@ class ModelRunner:
                    f"{self.slots} slots of up to {config.max_model_len} tokens (their state, draft cache and "
                    f"workspace; the KV blocks are allocated already)")
         self.cache = paged_cache(model.cfg, kv, self.slots, self.capacity, forward_tokens(config))
+        self.paged: PagedKVCache = paged_part(self.cache)  # the rows that read the KV blocks
         self.drafter: Drafter | None = None
         self.use_drafter(drafter, checked=True)
         self.seq = torch.zeros(self.slots, self.capacity, dtype=torch.long, device=device)  # prompt + output tokens
@@ -111,28 +112,24 @@ class ModelRunner:
             if not checked:
                 check_fits(drafter.cache_bytes(self.slots, self.capacity, self.kv_dtype), self.device,
                            f"the draft cache of {self.slots} slots x {self.capacity} tokens")
-            drafter.allocate(self.slots, self.capacity, self.kv_dtype, self.device, self.cache, self.kv.caching)
+            drafter.allocate(self.slots, self.capacity, self.kv_dtype, self.device, self.cache, self.kv)
         self.drafter = drafter
 
     # --- slot lifecycle ---------------------------------------------------------------------------------
-    def _paged(self) -> PagedKVCache:
-        """The cache whose rows read the KV blocks (a hybrid model's global layers)."""
-        return self.cache.full if isinstance(self.cache, HybridCache) else self.cache
-
     def _assign(self, a: SlotAssignment) -> None:
         """Hand a slot to a request and map its prefix hit's blocks into its table (a hybrid model's ring takes the
         window before the hit); the rest of its prompt is prefilled by the chunks that follow."""
         n, slot = len(a.prompt), a.slot
         row = self.cache.row(slot)
         row.clear()
-        self._paged().unmap(slot)
+        self.paged.unmap(slot)
         if a.blocks:
-            self._paged().set_blocks(slot, 0, a.blocks)
+            self.paged.set_blocks(slot, 0, a.blocks)
             if isinstance(row, HybridCache):
                 self.kv.windows.load(a.cached, row.window)
             row.commit(len(a.blocks) * BLOCK_SIZE)
         if self.drafter is not None:
-            self.drafter.assign(slot, a.draft_cached)
+            self.drafter.assign(slot, a.drafted)
         self.seq[slot, :n] = torch.tensor(a.prompt, dtype=torch.long)
         self.n_tokens[slot] = n
         self.limit[slot] = n - a.generated + a.params.max_tokens
@@ -143,9 +140,8 @@ class ModelRunner:
 
     def _grow(self, slot: int, first: int, blocks: list[int]) -> None:
         """The slot's table entries from `first` on name new blocks, zeroed before the request writes them."""
-        paged = self._paged()
-        paged.zero_blocks(blocks)
-        paged.set_blocks(slot, first, blocks)
+        self.kv.zero_blocks(blocks)
+        self.paged.set_blocks(slot, first, blocks)
 
     def _save_window(self, slot: int, tokens: list[int]) -> None:
         """A hybrid model keeps the sliding-layer K/V of the blocks of `tokens` that the slot's ring holds."""
@@ -165,7 +161,7 @@ class ModelRunner:
         self.live[slot] = False
         self.rows.set(slot, GREEDY, 0)  # an idle row rides along: keep it off the sampler's work
         self.cache.row(slot).clear()
-        self._paged().unmap(slot)
+        self.paged.unmap(slot)
         if self.drafter is not None:
             self.drafter.release(slot)
 

@@ -32,7 +32,6 @@ from typing import Callable, Sequence
 from magicdec.config import EngineConfig
 from magicdec.errors import InvalidRequestError
 from magicdec.kv.blocks import BLOCK_SIZE, KVManager, block_keys
-from magicdec.kv.prefix_cache import PrefixCache
 from magicdec.logprobs import TokenLogprob
 from magicdec.prefill import cacheable_prefix, prefill_chunks
 from magicdec.sampling import SamplingParams
@@ -83,6 +82,7 @@ class Request:
     slot: int = -1
     chunks: deque[tuple[int, int]] = field(default_factory=deque)  # prompt tokens [start, end) left to prefill
     computed: int = 0  # leading tokens whose K/V the target's cache holds (or will, after this step's chunks)
+    prefilled: int = 0  # leading tokens its prefill computed, or a hit held (a draft model's K/V too)
     cached_tokens: int = 0  # leading prompt tokens found in the prefix cache
     preemptions: int = 0  # times the request gave its blocks back and was prefilled again
     output_ids: list[int] = field(default_factory=list)
@@ -144,18 +144,17 @@ class Scheduler:
         self.max_gamma = max_gamma  # the drafter's longest draft (0: no drafter)
         self.kv = kv
         self.watermark = int(watermark * kv.num_blocks)
-        self.draft_prefix_cache: PrefixCache | None = None  # a draft model's own (it prefills prompts too)
+        self.draft_prefills = False  # whether a draft model prefills prompts (its K/V in the same blocks)
         self.decode = decode  # token ids -> text, for stop strings
         self.row_bucket = row_bucket  # decoded rows, rounded up to a shape a captured graph can replay
         self.waiting: deque[Request] = deque()
         self.active: list[Request] = []  # requests holding a slot, in the order they were admitted
 
-    def set_speculation(self, gamma_policy: GammaPolicy, max_gamma: int,
-                        draft_prefix_cache: PrefixCache | None = None) -> None:
-        """Draft up to `max_gamma` tokens a round (0: never), as `gamma_policy` picks, from the next step on; a draft
-        model that prefills prompts itself matches them in `draft_prefix_cache` (its `Drafter.prefix_cache`)."""
-        self.gamma_policy, self.max_gamma = gamma_policy, max_gamma
-        self.draft_prefix_cache = draft_prefix_cache
+    def set_speculation(self, gamma_policy: GammaPolicy, max_gamma: int, draft_prefills: bool = False) -> None:
+        """Draft up to `max_gamma` tokens a round (0: never), as `gamma_policy` picks, from the next step on;
+        `draft_prefills`: a draft model prefills prompts too, into its share of the same blocks (`Drafter.prefills`),
+        so a hit maps its K/V only where it computed them."""
+        self.gamma_policy, self.max_gamma, self.draft_prefills = gamma_policy, max_gamma, draft_prefills
 
     @property
     def lookahead(self) -> int:
@@ -289,7 +288,7 @@ class Scheduler:
                 grown.append((request, first, new))
             for start, end in chunks:
                 request.chunks.popleft()
-                request.computed = end
+                request.computed = request.prefilled = end
                 step.prefills.append(PrefillWork(request.slot, start, end, final=not request.chunks))
         return grown
 
@@ -312,25 +311,25 @@ class Scheduler:
         """Give `slot` to `request`: its longest cached prefix is mapped into its blocks, the rest of its prompt (and
         a preempted request's output so far) prefilled.
 
-        A draft model prefills the same chunks in the same steps, from its own prefix cache's hit. The chunks start
-        where the shorter of the two hits ends, so the model with the longer one skips what it holds, and no step
-        runs more than its budget of either model's prefill (a chat's next turn finds its history in the target's
-        cache, whose blocks include past outputs, and only the prompt's blocks in the draft model's)."""
+        A draft model prefills the same chunks in the same steps, into its share of the same blocks; of the hit's
+        blocks, it holds the leading ones that a prefill of its own computed (a chat's next turn finds its history in
+        the target's blocks, past outputs included, and the draft model's K/V of the prompts only). The chunks start
+        where the draft model's hit ends, the target skipping what it holds, so that no step runs more than its
+        budget of either model's prefill."""
         ids = request.prefill_ids
         keys, n = request.prompt_keys, len(ids)
         cached = self.kv.match(request.request_id, keys if request.uses_prefix_cache else [], n)
-        draft = self.draft_prefix_cache
-        draft_cached = draft.match(keys, n) if self.kv.caching and draft is not None else []
+        drafted = self.kv.drafted_prefix(cached) if self.draft_prefills else len(cached)
         request.slot, request.status = slot, Status.PREFILLING
         request.cached_tokens = request.computed = len(cached) * BLOCK_SIZE
-        start = min(len(cached), len(draft_cached)) if draft is not None else len(cached)
-        request.chunks = deque(prefill_chunks(n, self.prefill_chunk, start * BLOCK_SIZE))
+        request.prefilled = drafted * BLOCK_SIZE
+        request.chunks = deque(prefill_chunks(n, self.prefill_chunk, request.prefilled))
         self.slots[slot] = request
         self.active.append(request)
         params = request.params
         if request.output_ids:  # a resumed request: its tokens so far are its prompt now
             params = dataclasses.replace(params, prompt_logprobs=None)
-        return SlotAssignment(slot, ids, params, request.seed, keys[: len(cached)], cached, draft_cached,
+        return SlotAssignment(slot, ids, params, request.seed, keys[: len(cached)], cached, drafted,
                               generated=len(request.output_ids))
 
     def _compact(self, step: ScheduledStep) -> None:
@@ -347,9 +346,14 @@ class Scheduler:
             step.moves.append((top, free))
 
     def _store(self, request: Request) -> None:
-        """Key the request's blocks that filled (its computed tokens: prefilled, or all but the newest sampled)."""
-        if self.kv.caching and request.computed // BLOCK_SIZE > len(self.kv.keys_of(request.request_id)):
+        """Key the request's blocks that filled (its computed tokens: prefilled, or all but the newest sampled), and
+        mark those a draft model's prefill filled too."""
+        if not self.kv.caching:
+            return
+        if request.computed // BLOCK_SIZE > len(self.kv.keys_of(request.request_id)):
             self.kv.store(request.request_id, request.prefill_ids, request.computed)
+        if self.draft_prefills:
+            self.kv.mark_drafted(request.request_id, request.prefilled)
 
     def update(self, step: ScheduledStep, result: StepResult) -> tuple[list[Request], list[int]]:
         """Apply a step's results and decide which requests finish; returns the requests that gained tokens or

@@ -22,7 +22,7 @@ class SlotAssignment:
     preempted request's output so far included: `generated` of them, which count towards its max_tokens); `cached`:
     the keys of its leading blocks found in the prefix cache and `blocks` the pool blocks holding them, mapped into the
     slot's table before its prefill chunks (which start after them, or after the draft model's hit where that is
-    shorter); `draft_cached`: the keys a draft model copies from its own prefix cache."""
+    shorter); `drafted`: how many of those blocks hold a draft model's K/V too (its hit)."""
 
     slot: int
     prompt: list[int]
@@ -30,7 +30,7 @@ class SlotAssignment:
     seed: int
     cached: list[bytes] = field(default_factory=list)
     blocks: list[int] = field(default_factory=list)
-    draft_cached: list[bytes] = field(default_factory=list)
+    drafted: int = 0
     generated: int = 0
 
 

@@ -4,10 +4,11 @@ On a tiny random model (its own draft model: a copy with the same weights), with
 `max_prefill_tokens` 128: two requests are decoding when a 1600-token prompt arrives. Every step, the draft model's
 prefill forwards read no more tokens than the step's scheduled prefill chunks (before, its whole prompt ran in the
 step of the target's final chunk), and the running requests gain tokens in every step of the long prefill. Then, with
-prefix caching, a chat's next turn (the target's cache holds the last turn's output too, the draft model's only its
-prompt: the chunks start where the draft model's hit ends) and a prompt whose hit only the draft model's cache holds
-(after the target's cache is cleared). Each model computes only what its own hit lacks, and every output equals
-plain decoding's greedy tokens; a dense draft cache, the target's twin, has every draft accepted.
+prefix caching, a chat's next turn (the target's blocks hold the last turn's output too, the draft model's K/V in
+them only its prompt: the chunks start where the draft model's hit ends), and a prompt whose blocks hold the target's
+K/V alone (prefilled without the drafter). Each model computes only what its own hit lacks, no K/V is copied, and
+every output equals plain decoding's greedy tokens; a dense draft cache, the target's twin, has every draft
+accepted.
 """
 
 from __future__ import annotations
@@ -135,21 +136,30 @@ def test_draft_model_prefill_is_chunked_within_the_budget(target, kind):
     assert all(d <= s <= 2 * CHUNK for s, d in meter.steps[start:])
     assert follow.output_ids == plain(target, turn, follow.params)
 
-    # only the draft model's cache holds a prefix: it skips it while the target computes the prompt
-    cache.drop_cached()
-    other = long + ids(200, 5)
+    # the target's K/V alone: a prompt prefilled without the drafter, then read again with it
+    other = ids(300, 5) + ids(200, 6)
+    engine.set_speculation(None)
+    engine.generate([other[:300]], SamplingParams(max_tokens=1))
+    engine.set_speculation(Speculation(drafter, FixedGamma(GAMMA)))
     start = len(meter.steps)
     request = engine.add_request("other", other, SamplingParams(max_tokens=8, ignore_eos=True))
     run_until_done(engine, [request])
-    assert request.cached_tokens == 0 and meter.drafted(start) == len(other) - draft_hit
+    assert request.cached_tokens == 288 and meter.drafted(start) == len(other)  # the draft model computes it all
     assert all(d <= s <= 2 * CHUNK for s, d in meter.steps[start:])
     assert request.output_ids == plain(target, other, request.params)
+    # its blocks now hold the draft model's K/V too: a third reader's draft model computes its tail alone
+    start = len(meter.steps)
+    third = engine.add_request("third", other + ids(40, 7), SamplingParams(max_tokens=8, ignore_eos=True))
+    run_until_done(engine, [third])
+    assert third.cached_tokens == 480 and meter.drafted(start) == len(third.prompt_ids) - 480
+    assert third.output_ids == plain(target, third.prompt_ids, third.params)
 
-    # nothing outlives its prompt's prefill: no staging row, no pinned hit (nor after an abort mid-prefill)
-    aborted = engine.add_request("aborted", ids(700, 6), SamplingParams(max_tokens=8))  # no hit: 6 chunks
+    # an abort mid-prefill leaves no draft row and no blocks behind
+    aborted = engine.add_request("aborted", ids(700, 8), SamplingParams(max_tokens=8))  # no hit: 6 chunks
     engine.step()
+    slot = aborted.slot
     engine.abort_request("aborted")
-    assert aborted.finished and not drafter.staging and not drafter.hits and not drafter.prefix_cache.pinned
+    assert aborted.finished and int(drafter.dense.lens[slot]) == 0 and "aborted" not in cache.held
 
     if kind == "dense":  # the draft is the target's twin over the whole context: its prefill was exact
         stats = engine.stats

@@ -199,57 +199,84 @@ def test_preemption_under_speculation_is_exact(model, kv_dtype, prompts, unpreem
 
 
 # --- zero-copy hits -------------------------------------------------------------------------------------------
-def test_a_hit_maps_the_first_requests_blocks_without_copying(tiny_llama, monkeypatch):
-    """A second request whose prompt starts with the first one's maps the first one's blocks into its table: its
+@pytest.mark.parametrize("draft", [False, True], ids=["plain", "draft-model"])
+def test_a_hit_maps_the_first_requests_blocks_without_copying(tiny_llama, monkeypatch, draft):
+    """A second request whose prompt starts with the first one's (and its reply) maps the first one's blocks into its
+    table: its
     block list starts with them, its table rows name them, nothing is zeroed or written in them, only the blocks past
-    the hit are new, and it decodes as a cold prefill does."""
-    from magicdec.kv.paged import PagedKVCache
+    the hit are new, and it decodes as a cold prefill does. With a standalone draft model, the draft model's K/V lie in
+    the same blocks: the first prompt's blocks serve the second request's draft too, their draft K/V untouched, and
+    the draft model computes only the rest."""
+    import copy
+
+    from magicdec.drafters import ModelDrafter
+    from magicdec.scheduler import FixedGamma
+    from magicdec.speculative import Speculation
     from test_prefix_cache import GREEDY, random_ids
 
     model = tiny_llama[0].model
-    doc = random_ids(200, 21)
-    second = doc + random_ids(60, 22)
-    cold, _ = run_engine(model, [second], GREEDY)
-
+    doc = random_ids(215, 21)  # its reply fills its last block: a block of the target's alone
     kv = kv_pool(model, 1 << 22)
-    engine = LLMEngine(model, EngineConfig(max_num_seqs=2, max_model_len=512, enable_prefix_caching=True), kv=kv)
+    drafter = ModelDrafter(copy.deepcopy(model), "dense", 0, 3, False) if draft else None
+    engine = LLMEngine(model, EngineConfig(max_num_seqs=2, max_model_len=512, enable_prefix_caching=True), kv=kv,
+                       speculation=Speculation(drafter, FixedGamma(3)) if draft else None)
     first = engine.add_request("first", doc, GREEDY)
     blocks_a = []
     while engine.has_unfinished():
         blocks_a = kv.blocks_of("first") or blocks_a
         engine.step()
     assert first.finished and len(blocks_a) == blocks_for(len(doc) + len(first.output_ids))
+    second = doc + first.output_ids + random_ids(60, 22)  # the next turn
+    cold, _ = run_engine(model, [second], GREEDY)
     n_hit = (len(doc) + len(first.output_ids) - 1) // BLOCK_SIZE  # its computed blocks: prompt and output
-    assert n_hit >= len(doc) // BLOCK_SIZE
-    k0, v0 = kv.k[:, blocks_a[:n_hit]].clone(), kv.v[:, blocks_a[:n_hit]].clone()
+    n_drafted = len(doc) // BLOCK_SIZE if draft else 0  # the draft model's prefill: the prompt's full blocks
+    assert n_hit > n_drafted
+    storages = (kv.k, kv.v) + ((kv.draft_k, kv.draft_v) if draft else ())
+    before = [x[:, blocks_a[:n_hit]].clone() for x in storages]
 
-    zeroed, grown = [], []
-    zero_blocks, grow = PagedKVCache.zero_blocks, kv.grow
+    zeroed, grown, drafted = [], [], []
+    zero_blocks, grow = kv.zero_blocks, kv.grow
 
-    def zero_recorded(self, blocks):
+    def zero_recorded(blocks):
         zeroed.extend(blocks)
-        zero_blocks(self, blocks)
+        zero_blocks(blocks)
 
     def grow_recorded(request_id, tokens):
         new = grow(request_id, tokens)
         grown.extend(new or [])
         return new
 
-    monkeypatch.setattr(PagedKVCache, "zero_blocks", zero_recorded)
+    monkeypatch.setattr(kv, "zero_blocks", zero_recorded)
     monkeypatch.setattr(kv, "grow", grow_recorded)
+    if draft:
+        prefill = drafter.prefill
+
+        def prefill_recorded(slot, prompt, end, target, observer):
+            drafted.append(end - int(drafter.dense.lens[slot]))
+            prefill(slot, prompt, end, target, observer)
+
+        monkeypatch.setattr(drafter, "prefill", prefill_recorded)
     assert kv.cached_prefix(block_keys(second[: len(second) - 32])) == n_hit
     request = engine.add_request("second", second, GREEDY)
     engine.step()  # admitted with its hit, prefilled
     n_cached = request.cached_tokens // BLOCK_SIZE
     assert n_cached == n_hit and kv.blocks_of("second")[:n_cached] == blocks_a[:n_cached]
-    assert engine.runner._paged().tables[request.slot, :n_cached].tolist() == blocks_a[:n_cached]
+    assert engine.runner.paged.tables[request.slot, :n_cached].tolist() == blocks_a[:n_cached]
+    if draft:  # the draft model's hit: the first prompt's blocks, read through the same table
+        assert drafter.dense.tables is engine.runner.paged.tables
+        assert sum(drafted) == len(second) - n_drafted * BLOCK_SIZE
     while engine.has_unfinished():
         engine.step()
     assert request.output_ids == cold[0].output_ids
-    # only the blocks past the hit were taken and zeroed; the hit's blocks kept their K/V, bit for bit
+    # only the blocks past the hit were taken and zeroed; the hit's blocks kept their K/V, bit for bit (the draft
+    # model's of the blocks it prefilled too: those past them it computed again from the same tokens)
     assert len(grown) == blocks_for(len(second) + len(request.output_ids)) - n_cached
     assert not set(grown) & set(blocks_a[:n_cached]) and not set(zeroed) & set(blocks_a[:n_cached])
-    assert torch.equal(kv.k[:, blocks_a[:n_hit]], k0) and torch.equal(kv.v[:, blocks_a[:n_hit]], v0)
+    after = [x[:, blocks_a[:n_hit]] for x in storages]
+    assert all(torch.equal(a, b) for a, b in zip(after[:2], before[:2]))
+    assert all(torch.equal(a[:, :n_drafted], b[:, :n_drafted]) for a, b in zip(after[2:], before[2:]))
+    if draft:
+        assert engine.stats.accepted_hist[3] == engine.stats.verify_steps  # the target's twin: its K/V were exact
 
 
 # --- requests that can never fit -------------------------------------------------------------------------------

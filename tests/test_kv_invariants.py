@@ -249,7 +249,10 @@ class Monitor:
         p = torch.tensor(positions, dtype=torch.long)
         assert torch.equal(held, p), f"slot {slot} holds {held.tolist()}, want {positions}"
         Kd, Vd = kv_of(self.d.model, tokens)
-        k, v = c.k[:, slot][:, :, slots], c.v[:, slot][:, :, slots]  # [L, KV, n, hd]
+        if self.sparse:
+            k, v = c.k[:, slot][:, :, slots], c.v[:, slot][:, :, slots]  # [L, KV, n, hd]
+        else:  # a dense draft's K/V lie in the request's blocks, beside the target's
+            k, v = row_kv(c.k, c, slot, len(positions)), row_kv(c.v, c, slot, len(positions))
         if self.sparse and c.reindex:  # prefix entry j sits at position win_start - n_prefix + j
             virtual = torch.where(slots < c.keep, int(c.win_start[slot] - c.n_prefix[slot]) + slots, p)
             k = rotate_keys(k, (p - virtual)[None, None, :], self.target.inv_freq)

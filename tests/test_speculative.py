@@ -1,7 +1,7 @@
 """Greedy speculative decoding on the default model is lossless: it emits exactly the autoregressive tokens.
 
-One ragged batch of four corpus prompts (40, 150, 400 and 900 tokens) is prefilled once into a prompt cache;
-every run copies its prefill from there, so the expensive prefill is paid once per module. Covered: every
+One ragged batch of four corpus prompts (40, 150, 400 and 900 tokens) is prefilled once into the KV blocks (the
+draft model's K/V too); every run maps its prefill from there, so the expensive prefill is paid once per module. Covered: every
 drafter (self-speculation over StreamingLLM and SnapKV, reindexed or not; a standalone draft model - the
 default GGUF itself - with a dense, StreamingLLM and SnapKV cache), gamma 1, 3 and 5, budgets below (64)
 and above (2048) the prompt lengths, max_tokens 23 (not a multiple of gamma + 1), EOS inside a draft, stop
@@ -17,10 +17,8 @@ import torch
 import magicdec.runner as runner_mod
 from conftest import kv_pool, run_engine
 from magicdec.drafters import ModelDrafter, SelfSpecDrafter
-from magicdec.kv import KVCache
 from magicdec.kv.blocks import BLOCK_SIZE, KVManager, block_keys
-from magicdec.kv.prefix_cache import PrefixCache
-from magicdec.prefill import cacheable_prefix, prefill_row
+from magicdec.prefill import cacheable_prefix
 from magicdec.sampling import SamplingParams
 from magicdec.scheduler import FixedGamma, GammaPolicy
 
@@ -70,34 +68,25 @@ def draft_model(default_path):
 
 
 @pytest.fixture(scope="module")
-def draft_cache(draft_model, prompts) -> PrefixCache:
-    """The draft model's prefix cache, holding the prompts' blocks (prefilled once here)."""
-    cache = PrefixCache(draft_model.cfg, 1 << 31, draft_model.dtype)
-    for p in prompts:
-        row = KVCache(draft_model.cfg, 1, len(p), draft_model.dtype, "cpu")
-        prefill_row(draft_model, row, torch.tensor(p), 512)
-        cache.store(p, row)
-    return cache
+def drafted(model, draft_model, prompts, ar, eos, cache) -> list[int]:
+    """The draft model's K/V of the prompts, in their blocks beside the target's: a draft model prefills them once
+    here, and every later run's draft model maps them with its prefix hit, as the target does. Returns each prompt's
+    blocks a hit then covers."""
+    run(model, prompts, SamplingParams(max_tokens=1), eos, cache, ModelDrafter(draft_model, "dense", 64, 1, False), 1)
+    return [cacheable_prefix(len(p)) // BLOCK_SIZE for p in prompts]
 
 
 @pytest.fixture
-def draft_prefill_from_cache(monkeypatch, draft_model, draft_cache):
-    """Every draft model of this module shares one prefix cache, so that each prompt's draft prefill is not
-    recomputed per test. Returns the blocks each admitted request's draft took from it. The LLM test below runs the
-    real draft prefill."""
-    allocate, assign = ModelDrafter.allocate, ModelDrafter.assign
+def draft_hits(monkeypatch, drafted) -> list[int]:
+    """The blocks of its hit that each admitted request's draft model found holding its own K/V (the LLM test below
+    runs the real draft prefill)."""
+    assign = ModelDrafter.assign
     served = []
 
-    def allocate_sharing(self, *args, **kw):
-        allocate(self, *args, **kw)
-        if self.model is draft_model:
-            self.prefix_cache = draft_cache
+    def assign_counting(self, slot, n):
+        served.append(n)
+        assign(self, slot, n)
 
-    def assign_counting(self, slot, cached):
-        served.append(len(cached))
-        assign(self, slot, cached)
-
-    monkeypatch.setattr(ModelDrafter, "allocate", allocate_sharing)
     monkeypatch.setattr(ModelDrafter, "assign", assign_counting)
     return served
 
@@ -127,7 +116,7 @@ CASES = [
     "name,reindex,gamma,budget", CASES, ids=[f"{n}-ri{int(r)}-g{g}-b{b}" for n, r, g, b in CASES]
 )
 def test_greedy_speculative_equals_autoregressive(
-    model, draft_model, prompts, ar, eos, cache, draft_prefill_from_cache, name, reindex, gamma, budget
+    model, draft_model, prompts, ar, eos, cache, drafted, draft_hits, name, reindex, gamma, budget
 ):
     drafter = make_drafter(name, model, draft_model, gamma, budget, reindex)
     outs, stats = run(model, prompts, SamplingParams(max_tokens=MAX_TOKENS), eos, cache, drafter, gamma)
@@ -141,8 +130,7 @@ def test_greedy_speculative_equals_autoregressive(
     assert sum(sum(o.accepted_hist) for o in outs) == stats.verify_steps
     full = stats.accepted_hist[gamma] / stats.verify_steps
     if name.startswith("model"):
-        served = [cacheable_prefix(len(p)) // BLOCK_SIZE for p in prompts]
-        assert draft_prefill_from_cache == served, "the draft prefill was not served"
+        assert draft_hits == drafted, "the draft prefill was not served"
     if name == "model-dense" or budget >= 2048:
         # the draft sees the target's whole context: it is the target, and (numerics aside) always right
         assert full >= 0.9, stats.accepted_hist
@@ -170,7 +158,7 @@ def pick_eos(ar, gamma: int) -> tuple[int, int, int]:
 
 
 @pytest.mark.parametrize("name,gamma,budget", [("model-dense", 5, 64), ("self-snapkv", 3, 64)])
-def test_eos_inside_a_draft(monkeypatch, model, draft_model, prompts, ar, cache, draft_prefill_from_cache,
+def test_eos_inside_a_draft(monkeypatch, model, draft_model, prompts, ar, cache, draft_hits,
                             name, gamma, budget):
     row, k, tok = pick_eos(ar, gamma)
     params = SamplingParams(max_tokens=MAX_TOKENS)
@@ -218,7 +206,7 @@ def test_stop_string_mid_round(model, prompts, ar, eos, cache, default_model):
 # --- max_tokens -------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("max_tokens", [1, 2, 5])
 def test_max_tokens_exact_when_a_round_overshoots(model, draft_model, prompts, ar, eos, cache,
-                                                  draft_prefill_from_cache, max_tokens):
+                                                  draft_hits, max_tokens):
     """gamma 5 with an always-right draft emits 6 tokens a round: the output must still stop at max_tokens."""
     drafter = ModelDrafter(draft_model, "dense", 64, 5, False)
     outs, stats = run(model, prompts, SamplingParams(max_tokens=max_tokens), eos, cache, drafter, 5)

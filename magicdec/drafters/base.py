@@ -9,8 +9,8 @@ from torch import Tensor
 
 from magicdec.drafters.vocab import DraftHead
 from magicdec.kv import KVCache
+from magicdec.kv.blocks import KVManager
 from magicdec.kv.hybrid import HybridCache
-from magicdec.kv.prefix_cache import PrefixCache
 from magicdec.kv.sparse import SnapKVObserver
 from magicdec.model import Transformer
 from magicdec.sampling import RowParams, sample_tokens
@@ -35,9 +35,9 @@ class Drafter(ABC):
         self.gamma = gamma  # the most tokens it will be asked to draft per round (sizes a sparse cache's slack)
         self.head: DraftHead | None = None  # proposes among part of the vocabulary (None: the model's LM head)
         self.cache: KVCache | None = None
-        #: the drafter's own prefix cache, for a draft model that prefills prompts itself (None: it takes a prompt's
-        #: entries from the target's cache); the scheduler matches a request's prompt against it
-        self.prefix_cache: PrefixCache | None = None
+        #: whether it prefills prompts itself (a draft model: the scheduler then tracks which blocks hold its K/V),
+        #: rather than taking a prompt's entries from the target's cache
+        self.prefills = False
 
     @property
     def slack(self) -> int:
@@ -46,19 +46,19 @@ class Drafter(ABC):
 
     @abstractmethod
     def allocate(self, slots: int, capacity: int, dtype: torch.dtype, device: torch.device,
-                 target: KVCache | None = None, prefix_caching: bool = False) -> None:
+                 target: KVCache | None = None, kv: KVManager | None = None) -> None:
         """Create the draft cache for `slots` sequences of up to `capacity` tokens; `target` is the target's cache
-        over the same slots (a self-speculative draft of a hybrid model shares its sliding-window ring); with
-        `prefix_caching`, a drafter that prefills prompts itself keeps their blocks for later prompts with the same
-        prefix."""
+        over the same slots (a self-speculative draft of a hybrid model shares its sliding-window ring) and `kv` the
+        KV manager whose blocks it reads (a draft model keeps its own K/V in the same blocks)."""
 
     @abstractmethod
     def cache_bytes(self, slots: int, capacity: int, dtype: torch.dtype) -> int:
         """Bytes `allocate` would take (memory is planned before it is allocated)."""
 
-    def assign(self, slot: int, cached: list[bytes]) -> None:
-        """A new request takes `slot`; `cached`: the keys of its prompt's leading blocks that the scheduler matched in
-        `prefix_cache` (a drafter without one takes its entries from the target, and has nothing to start)."""
+    def assign(self, slot: int, drafted: int) -> None:
+        """A new request takes `slot`, its prefix hit mapped into the target's block table; `drafted`: how many of
+        the hit's leading blocks hold a draft model's K/V too (a drafter that does not prefill takes its entries from
+        the target, and has nothing to start)."""
 
     @abstractmethod
     def prefill(self, slot: int, prompt: Tensor, end: int, target: KVCache, observer: SnapKVObserver | None) -> None:

@@ -8,7 +8,9 @@ from torch import Tensor
 from magicdec.drafters.base import Drafter
 from magicdec.errors import UnsupportedModelError
 from magicdec.kv import KVCache
-from magicdec.kv.prefix_cache import PrefixCache
+from magicdec.kv.blocks import BLOCK_SIZE, KVManager
+from magicdec.kv.hybrid import paged_part
+from magicdec.kv.paged import PagedKVCache
 from magicdec.kv.sparse import SnapKVObserver, SparseKVCache, compress_into, prefix_size
 from magicdec.model import Transformer
 from magicdec.prefill import prefill_upto
@@ -17,9 +19,11 @@ CACHE_KINDS = ("dense", "streaming", "snapkv")
 
 
 class ModelDrafter(Drafter):
-    """Drafts with a small model. It prefills each prompt densely, in the chunks the target prefills in the same
-    steps (from its own prefix cache, which holds as many tokens as its slots, where prefix caching is on); a sparse
-    cache prefills into a dense staging row for the prompt, cut into the sparse cache at the final chunk."""
+    """Drafts with a small model. Its K/V of a request lie in the request's own KV blocks (the draft model's share of
+    each block, `KVManager.draft_storage`), read through the target's block tables: a prefix hit maps them with the
+    target's, no K/V copied, where the draft model prefilled those blocks before. It prefills each prompt densely in
+    the chunks the target prefills, in the same steps; a dense draft decodes over those blocks, a sparse cache is cut
+    from them at the final chunk."""
 
     def __init__(self, model: Transformer, cache_kind: str, budget: int, gamma: int, reindex: bool):
         super().__init__(model, gamma)
@@ -30,72 +34,51 @@ class ModelDrafter(Drafter):
             raise ValueError(f"unknown draft cache {cache_kind!r}; choose from {CACHE_KINDS}")
         self.cache_kind, self.budget, self.reindex = cache_kind, budget, reindex
         self.name = f"model-{cache_kind}"
-        self.hits: dict[int, list[bytes]] = {}  # by slot: prefix-cache keys matched at admission, pinned until loaded
-        self.staging: dict[int, KVCache] = {}  # by slot: a sparse cache's dense rows of the prompts being prefilled
-
-    def _capacity(self, capacity: int) -> int:
-        return capacity + self.slack if self.cache_kind == "dense" else self.budget + self.slack
+        self.prefills = True
+        self.dense: PagedKVCache | None = None  # the draft K/V in the blocks, every slot's prompt and (dense) more
 
     def allocate(self, slots: int, capacity: int, dtype: torch.dtype, device: torch.device,
-                 target: KVCache | None = None, prefix_caching: bool = False) -> None:
-        cfg = self.model.cfg
-        self.prefix_cache = PrefixCache(cfg, KVCache.nbytes(cfg, slots, capacity, dtype), dtype) if prefix_caching \
-            else None
+                 target: KVCache | None = None, kv: KVManager | None = None) -> None:
+        if kv is None or target is None:
+            raise ValueError("a draft model keeps its K/V in the target's KV blocks: pass the target's cache and its "
+                             "KV manager")
+        k, v = kv.draft_storage(self.model, self.model.cfg)
+        self.dense = paged_part(target).over(self.model.cfg, k, v)
         if self.cache_kind == "dense":
-            self.cache = KVCache(cfg, slots, self._capacity(capacity), dtype, device)
+            self.cache = self.dense
         else:
-            self.cache = SparseKVCache(cfg, slots, self.budget, prefix_size(self.cache_kind, self.budget), self.slack,
-                                       dtype, device, self.reindex, self.model.inv_freq)
+            self.cache = SparseKVCache(self.model.cfg, slots, self.budget, prefix_size(self.cache_kind, self.budget),
+                                       self.slack, dtype, device, self.reindex, self.model.inv_freq)
 
     def free(self) -> None:
         super().free()
-        self.prefix_cache = None
-        self.hits, self.staging = {}, {}
+        self.dense = None
 
     def cache_bytes(self, slots: int, capacity: int, dtype: torch.dtype) -> int:
-        """The draft cache and, where prefix caching is on, its prefix cache (counted either way). Not a sparse cache's
-        staging rows, which live from a prompt's first prefill chunk to its last: the scheduler prefills the prompts in
-        turn, so one or two exist at a time (a prefill's activations are not counted either)."""
-        return KVCache.nbytes(self.model.cfg, slots, self._capacity(capacity) + capacity, dtype)
+        """A sparse cache's bytes (the dense K/V are the KV blocks' draft share, `KVManager.draft_storage`)."""
+        return 0 if self.cache_kind == "dense" else KVCache.nbytes(self.model.cfg, slots, self.budget + self.slack,
+                                                                   dtype)
 
-    def _dense_row(self, slot: int) -> KVCache:
-        """The dense row a prompt is prefilled into: the slot's own, or its staging row."""
-        return self.cache.row(slot) if self.cache_kind == "dense" else self.staging[slot]
-
-    def assign(self, slot: int, cached: list[bytes]) -> None:
-        self.hits[slot] = cached  # loaded at the prompt's first chunk (the blocks stay pinned until then)
-
-    def _start(self, slot: int, prompt_len: int) -> None:
-        """The prompt's first chunk: a sparse cache's staging row is made, and the row starts from the prefix hit."""
-        if self.cache_kind != "dense":
-            self.staging[slot] = KVCache(self.model.cfg, 1, prompt_len, self.cache.dtype, self.cache.device)
-        row = self._dense_row(slot)
+    def assign(self, slot: int, drafted: int) -> None:
+        row = self.dense.row(slot)
         row.clear()
-        cached = self.hits.pop(slot)
-        if cached:
-            self.prefix_cache.load(cached, row)
+        row.commit(drafted * BLOCK_SIZE)
 
     def prefill(self, slot: int, prompt: Tensor, end: int, target: KVCache, observer: SnapKVObserver | None) -> None:
-        """Prefill what the draft row lacks of prompt[:end] (the scheduler started the chunks where the shorter of
-        the target's and this drafter's prefix hits ends, so that is at most a chunk); at the final chunk, store the
-        prompt's blocks and cut a sparse cache from the dense row, SnapKV observing the draft's own final forward."""
-        if slot in self.hits:
-            self._start(slot, len(prompt))
-        row, final = self._dense_row(slot), end == len(prompt)
+        """Prefill what the draft's blocks lack of prompt[:end] (the scheduler started the chunks where the draft
+        model's hit ends, so that is at most a chunk); at the final chunk a sparse cache is cut from them, SnapKV
+        observing the draft's own final forward."""
+        row, final = self.dense.row(slot), end == len(prompt)
         own = SnapKVObserver(self.model.cfg.n_layers) if final and self.cache_kind == "snapkv" else None
         prefill_upto(self.model, row, prompt, end, own)
-        if not final:
-            return
-        if self.prefix_cache is not None:
-            self.prefix_cache.store(prompt.tolist(), row)
-        if self.cache_kind != "dense":
+        if final and self.cache_kind != "dense":
             compress_into(self.cache.row(slot), row, self.cache_kind, own)
-            del self.staging[slot]
+
+    def move(self, src: int, dst: int) -> None:
+        super().move(src, dst)
+        if self.cache is not self.dense:
+            self.dense.copy_row(src, dst)
 
     def release(self, slot: int) -> None:
-        """Also drop what a request gone before its prefill finished left: its pinned hit, its staging row."""
         super().release(slot)
-        self.staging.pop(slot, None)
-        hit = self.hits.pop(slot, [])
-        if hit:
-            self.prefix_cache.unpin(hit)
+        self.dense.row(slot).clear()

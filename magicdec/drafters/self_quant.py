@@ -7,6 +7,7 @@ from torch import Tensor
 
 from magicdec.drafters.base import SelfDrafter
 from magicdec.kv import KVCache
+from magicdec.kv.blocks import KVManager
 from magicdec.kv.hybrid import HybridCache, global_config
 from magicdec.kv.lowbit import LowBitKVCache
 from magicdec.kv.quant import INT8
@@ -21,7 +22,7 @@ class SelfQuantDrafter(SelfDrafter):
     name = "self-quant"
 
     def allocate(self, slots: int, capacity: int, dtype: torch.dtype, device: torch.device,
-                 target: KVCache | None = None, prefix_caching: bool = False) -> None:
+                 target: KVCache | None = None, kv: KVManager | None = None) -> None:
         rows = LowBitKVCache(global_config(self.model.cfg), slots, capacity + self.slack, device)
         self.cache = self._over_target(rows, target)
 

@@ -7,6 +7,7 @@ from torch import Tensor
 
 from magicdec.drafters.base import SelfDrafter
 from magicdec.kv import KVCache
+from magicdec.kv.blocks import KVManager
 from magicdec.kv.hybrid import HybridCache, global_config, global_observer
 from magicdec.kv.sparse import SnapKVObserver, SparseKVCache, compress_into, prefix_size
 from magicdec.model import Transformer
@@ -27,7 +28,7 @@ class SelfSpecDrafter(SelfDrafter):
         self.needs_target_attention = kind == "snapkv"
 
     def allocate(self, slots: int, capacity: int, dtype: torch.dtype, device: torch.device,
-                 target: KVCache | None = None, prefix_caching: bool = False) -> None:
+                 target: KVCache | None = None, kv: KVManager | None = None) -> None:
         # a slot's entries are cut from the target's cache, which the target's prefix cache fills
         cfg = self.model.cfg
         sparse = SparseKVCache(global_config(cfg), slots, self.budget, prefix_size(self.kind, self.budget),

@@ -36,6 +36,7 @@ from torch import Tensor
 
 from magicdec.config import GLOBAL, SLIDING, ModelConfig
 from magicdec.kv import quant
+from magicdec.memory import check_fits
 
 #: Positions per block: a prefix hit is a whole number of blocks. Small enough that a chat's next turn reuses all but
 #: a few tokens of its history and a request wastes less than a block, a multiple of the native kernels' 16-position
@@ -207,23 +208,18 @@ class KVManager:
         if num_blocks < 2:
             raise ValueError(f"a KV pool needs at least 2 blocks (one is the null block), got {num_blocks}")
         self.cfg, self.dtype, self.caching = cfg, dtype, caching
-        layers, blocks, heads, size, width = storage_shape(cfg, num_blocks, dtype)
-        # Uninitialized: memory is touched as blocks are used. The runner zeroes a block before a request writes it
-        # (a masked position's value meets a probability of 0, which must not meet a NaN), and the null block here.
-        # Head-major in memory, seen as [layers, blocks, KV, ...]: a KV head's consecutive blocks lie side by side, so
-        # a request's blocks taken in a run are one run per head to the attention kernel (blocks holding every head
-        # read 16-20% slower than contiguous rows, head-major ones in order 2-5%; benchmarks/README.md, "Paged K/V:
-        # block size, allocation order, pool layout").
-        memory = (layers, heads, blocks, size, width)
-        self.k = torch.empty(memory, dtype=quant.storage_dtype(dtype), device=device).transpose(1, 2)
-        self.v = torch.empty(memory, dtype=quant.storage_dtype(dtype), device=device).transpose(1, 2)
-        self.k[:, NULL_BLOCK].zero_()
-        self.v[:, NULL_BLOCK].zero_()
+        self.k, self.v = block_storage(cfg, num_blocks, dtype, device)
         self.pool = BlockPool(num_blocks)
         self.windows = WindowStore(cfg, window_bytes, dtype) if cfg.hybrid else None
         self.held: dict[str, list[int]] = {}  # request id -> its blocks, in order
         self.keyed: dict[str, list[bytes]] = {}  # request id -> keys of its leading full blocks registered so far
         self.queries = self.hits = self.preemptions = 0
+        # a standalone draft model's share of every block (`draft_storage`)
+        self.draft_k: Tensor | None = None
+        self.draft_v: Tensor | None = None
+        self._draft_model: object | None = None
+        self.drafted: set[int] = set()  # blocks whose draft K/V hold all their positions
+        self._marked: dict[str, int] = {}  # request id -> its leading blocks marked drafted so far
 
     @staticmethod
     def block_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
@@ -294,6 +290,43 @@ class KVManager:
         if self.windows is not None:
             self.windows.entries.clear()
 
+    # --- a draft model's share of the blocks ------------------------------------------------------------------------
+    def draft_storage(self, model: object, cfg: ModelConfig) -> tuple[Tensor, Tensor]:
+        """K and V of the draft model `model` (of shape `cfg`) for every block of the pool, [layers, blocks, KV,
+        BLOCK_SIZE, row] in the pool's dtype: a request's draft K/V lie in its own blocks, read through its block
+        table, so a prefix hit maps them with the target's. Allocated when another model asks (what the previous one
+        computed is forgotten) and kept while the same one drafts, engine after engine."""
+        if self._draft_model is not model:
+            self.draft_k = self.draft_v = self._draft_model = None  # freed before the next is allocated
+            size = draft_storage_bytes(cfg, self.num_blocks, self.dtype)
+            check_fits(size, self.k.device, f"the draft model's K/V for {self.num_blocks} KV blocks "
+                                            f"({size / 2**30:.2f} GiB beside the target's; --kv-cache-gb sizes both)")
+            self.draft_k, self.draft_v = block_storage(cfg, self.num_blocks, self.dtype, self.k.device)
+            self._draft_model, self.drafted, self._marked = model, set(), {}
+        return self.draft_k, self.draft_v
+
+    def mark_drafted(self, request_id: str, n_tokens: int) -> None:
+        """The draft model's K/V of the request's first n_tokens positions are computed (its prefill): its full
+        blocks among them may serve a later hit's draft."""
+        marked, blocks = self._marked.get(request_id, 0), self.held[request_id]
+        full = min(n_tokens // BLOCK_SIZE, len(blocks))
+        if full > marked:
+            self.drafted.update(blocks[marked:full])
+            self._marked[request_id] = full
+
+    def drafted_prefix(self, blocks: Sequence[int]) -> int:
+        """How many leading blocks of a hit hold the draft model's K/V too."""
+        return next((i for i, block in enumerate(blocks) if block not in self.drafted), len(blocks))
+
+    def zero_blocks(self, blocks: list[int]) -> None:
+        """Zero blocks (and their draft K/V) before a request writes them: a position not written yet meets a
+        probability of 0 in attention, which must not meet a NaN of uninitialized memory."""
+        if blocks:
+            index = torch.tensor(blocks, device=self.k.device)
+            for storage in (self.k, self.v, self.draft_k, self.draft_v):
+                if storage is not None:
+                    storage.index_fill_(1, index, 0)
+
     # --- growth ---------------------------------------------------------------------------------------------------
     def blocks_of(self, request_id: str) -> list[int]:
         return self.held.get(request_id, [])
@@ -309,6 +342,7 @@ class KVManager:
         if need > self.pool.num_free:
             return None
         new = self.pool.take(need)
+        self.drafted.difference_update(new)
         self.held.setdefault(request_id, []).extend(new)
         self.keyed.setdefault(request_id, [])
         return new
@@ -317,6 +351,30 @@ class KVManager:
         """The request lets all its blocks go (finished, aborted or preempted); its keyed blocks stay cached."""
         self.pool.release(self.held.pop(request_id, []))
         self.keyed.pop(request_id, None)
+        self._marked.pop(request_id, None)
+
+
+def block_storage(cfg: ModelConfig, num_blocks: int, dtype: torch.dtype,
+                  device: torch.device | str) -> tuple[Tensor, Tensor]:
+    """K and V [layers, blocks, KV, BLOCK_SIZE, row] of `num_blocks` blocks, the null block zeroed.
+
+    Uninitialized: memory is touched as blocks are used (`KVManager.zero_blocks` zeroes a block before a request writes
+    it). Head-major in memory, seen as [layers, blocks, KV, ...]: a KV head's consecutive blocks lie side by side, so a
+    request's blocks taken in a run are one run per head to the attention kernel (blocks holding every head read
+    16-20% slower than contiguous rows, head-major ones in order 2-5%; benchmarks/README.md, "Paged K/V: block size,
+    allocation order, pool layout")."""
+    layers, blocks, heads, size, width = storage_shape(cfg, num_blocks, dtype)
+    memory = (layers, heads, blocks, size, width)
+    k = torch.empty(memory, dtype=quant.storage_dtype(dtype), device=device).transpose(1, 2)
+    v = torch.empty(memory, dtype=quant.storage_dtype(dtype), device=device).transpose(1, 2)
+    k[:, NULL_BLOCK].zero_()
+    v[:, NULL_BLOCK].zero_()
+    return k, v
+
+
+def draft_storage_bytes(cfg: ModelConfig, num_blocks: int, dtype: torch.dtype) -> int:
+    """Bytes `KVManager.draft_storage` allocates for a draft model of shape `cfg`."""
+    return num_blocks * KVManager.block_bytes(cfg, dtype)
 
 
 def storage_shape(cfg: ModelConfig, num_blocks: int, dtype: torch.dtype) -> tuple[int, ...]:

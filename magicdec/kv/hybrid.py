@@ -196,6 +196,11 @@ def paged_cache(cfg: ModelConfig, kv: KVManager, rows: int, capacity: int,
     return HybridCache(cfg, full, window_ring(cfg, rows, capacity, max_q, kv.dtype, kv.k.device))
 
 
+def paged_part(cache: PagedKVCache | HybridCache) -> PagedKVCache:
+    """The part of a `paged_cache` whose rows read the KV blocks (a hybrid model's global layers)."""
+    return cache.full if isinstance(cache, HybridCache) else cache
+
+
 def ring_bytes(cfg: ModelConfig, rows: int, capacity: int, dtype: torch.dtype, max_q: int) -> int:
     """Bytes the sliding layers' rings of `paged_cache` allocate (0 for a model without them)."""
     if not cfg.hybrid:

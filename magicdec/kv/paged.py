@@ -28,17 +28,20 @@ def gather(pool: Tensor, table: Tensor, length: int) -> Tensor:
 
 
 class PagedKVCache(KVCache):
-    """Rows of up to `max_blocks` blocks each over the pool `k`, `v` [layers, blocks, KV, BLOCK_SIZE, hd]; per-row
-    state, commit and rollback as `KVCache`'s. `clear` empties rows and leaves their blocks mapped: the runner maps
+    """Rows of up to `max_blocks` blocks each over the pool `k`, `v` [layers, blocks, KV, BLOCK_SIZE, hd] (through
+    `tables` [rows, max_blocks], new where not given); per-row state, commit and rollback as `KVCache`'s. `clear` empties rows and leaves their blocks mapped: the runner maps
     and unmaps them (`set_blocks`, `unmap`) as the scheduler says."""
 
     PER_ROW: tuple[str, ...] = KVCache.PER_ROW + ("tables",)
     ROWS_IN_STORAGE = False
 
-    def __init__(self, cfg: ModelConfig, k: Tensor, v: Tensor, rows: int, max_blocks: int):  # noqa: super: no storage
+    def __init__(self, cfg: ModelConfig, k: Tensor, v: Tensor, rows: int, max_blocks: int,  # noqa: super: no storage
+                 tables: Tensor | None = None):
         self.cfg, self.k, self.v = cfg, k, v
         device = k.device
-        self.tables = torch.full((rows, max_blocks), NULL_BLOCK, dtype=torch.int32, device=device)
+        if tables is None:
+            tables = torch.full((rows, max_blocks), NULL_BLOCK, dtype=torch.int32, device=device)
+        self.tables = tables
         self.lens = torch.zeros(rows, dtype=torch.long, device=device)
         self.next_pos = torch.zeros(rows, dtype=torch.long, device=device)
         self.max_len = 0  # host-side upper bound of lens
@@ -85,12 +88,11 @@ class PagedKVCache(KVCache):
         in a forward must not write into them)."""
         self.tables[row].fill_(NULL_BLOCK)
 
-    def zero_blocks(self, blocks: list[int]) -> None:
-        """Zero blocks before a request writes them (see `KVManager`)."""
-        if blocks:
-            index = torch.tensor(blocks, device=self.device)
-            self.k.index_fill_(1, index, 0)
-            self.v.index_fill_(1, index, 0)
+    def over(self, cfg: ModelConfig, k: Tensor, v: Tensor) -> "PagedKVCache":
+        """A cache of other K/V storage for the same blocks (a draft model's, `KVManager.draft_storage`), reading
+        through this one's block tables (the same tensor: what the runner maps here maps there), with lengths of its
+        own."""
+        return PagedKVCache(cfg, k, v, self.batch, self.tables.shape[1], self.tables)
 
     def _filled_slots(self, row: int) -> int:
         return 0  # a moved row takes the blocks its table names: no K/V moves
