@@ -60,8 +60,9 @@ SEQS = st.lists(st.tuples(st.integers(0, 4), st.integers(1, 6 * BLOCK_SIZE), st.
 def test_pool_accounting_under_random_sequences(num_blocks, seqs, ops, caching):
     """Admissions (a prefix hit, then the blocks of a first chunk), growth that preempts the newest request where the
     pool runs dry (as the scheduler does), stores of filled blocks, frees and cold starts, in any order: the pool's
-    bookkeeping stays consistent, the null block is never handed out, a block is written only by its one holder, and
-    a hit's blocks hold exactly the tokens of the prefix it covers."""
+    bookkeeping stays consistent, the null block is never handed out, a block is written only by its one holder, a
+    hit's blocks hold exactly the tokens of the prefix it covers, and a draft model's hit covers only blocks its own
+    prefill filled since they were last taken."""
     kv = KVManager(TINY_CFG, num_blocks, torch.float32, "cpu", caching=caching)
     doc = torch.randint(0, 1000, (4 * BLOCK_SIZE,), generator=torch.Generator().manual_seed(0)).tolist()
     tokens = []
@@ -70,6 +71,7 @@ def test_pool_accounting_under_random_sequences(num_blocks, seqs, ops, caching):
         tokens.append((doc[: shared * BLOCK_SIZE] + rest.tolist())[: max(n, 1)])
     content: dict[int, list[int | None]] = {}  # block -> the token each position was written with
     computed: dict[str, int] = {}  # active request -> positions written
+    drafted: set[int] = set()  # blocks a draft model's prefill filled since they were last taken
     order: list[str] = []  # active requests, oldest first
 
     def write(rid: str, ids: list[int], start: int, end: int) -> None:
@@ -93,11 +95,14 @@ def test_pool_accounting_under_random_sequences(num_blocks, seqs, ops, caching):
             assert hit == kv.blocks_of(rid) and len(hit) == kv.cached_prefix(keys) or not caching
             for b, block in enumerate(hit):  # a hit's blocks hold what a prefill of its prefix writes
                 assert content[block] == ids[b * BLOCK_SIZE : (b + 1) * BLOCK_SIZE]
+            assert set(hit[: kv.drafted_prefix(hit)]) <= drafted  # the draft model's hit: blocks it filled
             computed[rid] = len(hit) * BLOCK_SIZE
             order.append(rid)
             first_end = min(len(ids), computed[rid] + amount)
-            if kv.grow(rid, first_end) is None:  # does not fit: not admitted
+            if (new := kv.grow(rid, first_end)) is None:  # does not fit: not admitted
                 release(rid)
+            else:
+                drafted.difference_update(new)
         elif op == "step":
             end = min(len(ids), computed[rid] + amount)
             while (new := kv.grow(rid, end)) is None:  # preempt the newest until it fits
@@ -109,9 +114,14 @@ def test_pool_accounting_under_random_sequences(num_blocks, seqs, ops, caching):
                 assert NULL_BLOCK not in new and all(kv.pool.refs[b] == 1 for b in new)
                 for block in new:
                     content.pop(block, None)  # the runner zeroes a new block
+                    drafted.discard(block)
+                assert not set(new) & kv.drafted  # a new block holds no draft K/V
                 write(rid, ids, computed[rid], end)
                 computed[rid] = end
                 kv.store(rid, ids, end)
+                if i % 2:  # these requests' draft model prefills with them
+                    kv.mark_drafted(rid, end)
+                    drafted.update(kv.blocks_of(rid)[: end // BLOCK_SIZE])
         elif op == "free" and rid in computed:
             release(rid)
         elif op == "drop":
