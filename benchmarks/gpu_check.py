@@ -6,15 +6,18 @@
    against the gathered-SDPA path and a plain sum of the same K/V at Gemma 3 270M and Llama-3.1-8B shapes
    (`--triton-cells`, q = 1 and 5), and the linear kernel against cuBLAS at 1, 5, 64 and 256 rows, into the JSON's
    "triton_check", "triton_timings" and "linear_timings".
-1. Greedy speculative output equals autoregressive output on tiny random models, on the GPU, for the
-   self-speculative StreamingLLM and SnapKV drafters: a Llama and a hybrid (sliding-window) Gemma 3.
+1. Greedy and seeded sampled output on tiny random models (a Llama and a hybrid, sliding-window Gemma 3) on the
+   GPU: plain decoding and the self-speculative StreamingLLM and SnapKV drafters, their decode forwards replayed
+   from CUDA graphs (`magicdec.graphs`), each equal to plain decoding with every kernel launched eagerly
+   (`enforce_eager`).
 2. Forward times at Llama-3.1-8B and Gemma 3 270M shapes with placeholder bf16 weights: a decode step (q=1 over
    S), a verification (q=gamma+1 over S) and a self-speculative draft step (q=1 over a `budget`-token cache), for
    each batch B and context S whose KV cache fits, eager and replayed from a CUDA graph (the GPU's own time), with
    the cost model's predictions beside each: the H200 preset (launch-free, as graphs run) and `eager` of it (the
    engine's kernel launches, what `--draft auto` plans with on a GPU).
 3. The engine on the GPU (Gemma 3 270M shape, random weights): a plain decode step and a self-speculative round as
-   `LLMEngine` runs them, Python and sampling included, against the forwards of item 2. Random weights make the
+   `LLMEngine` runs them, Python and sampling included, eager (`_eager`) and replayed from CUDA graphs, against the
+   forwards of item 2. Random weights make the
    acceptance meaningless; the round's time is what a real model's acceptance multiplies.
 4. One row per cell of item 2 in the JSON's "cells" (what benchmarks/results/gpu_h200.json keeps): model, B, S, the
    decode, verification and draft ms (replayed from a graph where capture worked: `graphs`), `floor_ms` (the step's
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import traceback
 from pathlib import Path
@@ -82,20 +86,25 @@ def check_lossless(device: torch.device) -> bool:
     }
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (300, 120, 700, 45)]
-    params = SamplingParams(max_tokens=40, ignore_eos=True)
-    config = EngineConfig(max_num_seqs=len(prompts), max_model_len=max(map(len, prompts)) + params.max_tokens)
+    config = EngineConfig(max_num_seqs=len(prompts), max_model_len=max(map(len, prompts)) + 40)
     ok = True
     for name, cfg in tiny.items():
         model = synthetic_model(cfg, device, torch.bfloat16, random=True)
-        ar = LLMEngine(model, config).generate(prompts, params)
-        for kind in ("streaming", "snapkv"):
-            drafter = SelfSpecDrafter(model, kind, budget=64, gamma=3, reindex=kind == "streaming")
-            engine = LLMEngine(model, config, speculation=Speculation(drafter, FixedGamma(3)))
-            spec = engine.generate(prompts, params)
-            same = all(a.output_ids == s.output_ids for a, s in zip(ar, spec))
-            print(f"lossless greedy, {name} self-{kind}: {'OK' if same else 'MISMATCH'} "
-                  f"(acceptance {engine.stats.acceptance_rate:.2f})", flush=True)
-            ok &= same
+        for mode, params in (("greedy", SamplingParams(max_tokens=40, ignore_eos=True)),
+                             ("sampled", SamplingParams(max_tokens=40, ignore_eos=True, temperature=0.7, top_p=0.9,
+                                                        seed=3))):
+            # the reference: plain decoding, every kernel launched eagerly
+            ar = LLMEngine(model, dataclasses.replace(config, enforce_eager=True)).generate(prompts, params)
+            for kind in ("plain", "streaming", "snapkv"):
+                drafter = None if kind == "plain" else SelfSpecDrafter(model, kind, budget=64, gamma=3,
+                                                                       reindex=kind == "streaming")
+                engine = LLMEngine(model, config, speculation=drafter and Speculation(drafter, FixedGamma(3)))
+                out = engine.generate(prompts, params)
+                same = all(a.output_ids == s.output_ids for a, s in zip(ar, out))
+                graphs = engine.runner.graphs.count if engine.runner.graphs is not None else 0
+                print(f"lossless {mode}, {name} {kind} ({graphs} CUDA graphs) against eager plain decoding: "
+                      f"{'OK' if same else 'MISMATCH'} (acceptance {engine.stats.acceptance_rate:.2f})", flush=True)
+                ok &= same
     return ok
 
 
@@ -172,23 +181,28 @@ def engine_rounds(device: torch.device, batch: int, context: int, gamma: int, bu
     config = EngineConfig(max_num_seqs=batch, max_model_len=context + new + gamma + 1, prefill_chunk=4096,
                           enable_prefix_caching=False)
     out = {"B": batch, "S": context, "gamma": gamma, "budget": budget}
-    for label, spec in (("plain", None),
-                        ("self_streaming", Speculation(SelfSpecDrafter(model, "streaming", budget, gamma, True),
-                                                       FixedGamma(gamma)))):
-        engine = LLMEngine(model, config, speculation=spec)
-        engine.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))  # first-use costs out of the timing
-        engine = LLMEngine(model, config, speculation=spec)
+    runs = [(f"{kind}{suffix}", kind, eager) for eager, suffix in ((True, "_eager"), (False, ""))
+            for kind in ("plain", "self_streaming")]
+    for label, kind, eager in runs:
+        spec = None if kind == "plain" else Speculation(SelfSpecDrafter(model, "streaming", budget, gamma, True),
+                                                        FixedGamma(gamma))
+        engine = LLMEngine(model, dataclasses.replace(config, enforce_eager=eager), speculation=spec)
+        # first-use costs (Triton's compilation, the graphs' capture) out of the timing: the same engine runs again
+        engine.generate(prompts, SamplingParams(max_tokens=gamma + 2, ignore_eos=True))
+        engine.reset_stats()
         with torch.profiler.profile(activities=PROFILED) if profile else contextlib.nullcontext() as prof:
             engine.generate(prompts, params)
         if profile:
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25), flush=True)
         s = engine.stats
+        engine.record_graphs(s)
+        out[f"{label}_graphs"], out[f"{label}_capture_s"] = s.cuda_graphs, s.graph_capture_s
         out[f"{label}_prefill_s"] = s.prefill_s
         out[f"{label}_round_ms"] = s.decode_s / s.steps * 1e3
         out[f"{label}_tokens_per_round"] = s.decode_tokens / s.steps / batch
         print(f"engine {label}: B={batch} S={context} prefill {s.prefill_s:.2f} s, {s.steps} rounds of "
-              f"{out[f'{label}_round_ms']:.2f} ms, {out[f'{label}_tokens_per_round']:.2f} tokens a row a round",
-              flush=True)
+              f"{out[f'{label}_round_ms']:.2f} ms, {out[f'{label}_tokens_per_round']:.2f} tokens a row a round "
+              f"({s.cuda_graphs} CUDA graphs, captured in {s.graph_capture_s:.2f} s)", flush=True)
     return out
 
 

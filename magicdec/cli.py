@@ -121,12 +121,16 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "the cached prefixes; it sets how many requests fit at once (default: half the memory "
                         "available after the model loads). A --draft-model's K/V take a share of each block on top, "
                         "in proportion to its K/V bytes per token")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="on CUDA, launch every forward's kernels from Python instead of replaying decode, "
+                        "verification and draft forwards from CUDA graphs (captured on first use of each shape)")
 
 
 def llm_options(args: argparse.Namespace) -> dict:
     """The `LLM` keyword arguments of the model options (add_model_args)."""
     return {"device": args.device, "dtype": args.dtype, "kv_cache_dtype": args.kv_cache_dtype, "prefill_chunk": args.prefill_chunk,
-            "enable_prefix_caching": args.prefix_caching, "kv_cache_gb": args.kv_cache_gb}
+            "enable_prefix_caching": args.prefix_caching, "kv_cache_gb": args.kv_cache_gb,
+            "enforce_eager": args.enforce_eager}
 
 
 def add_draft_args(p: argparse.ArgumentParser) -> None:

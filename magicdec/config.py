@@ -310,7 +310,8 @@ class EngineConfig:
     bounds it so that arrivals do not stall running streams); kv_dtype: the KV cache's dtype (None: the model's);
     max_queued: most waiting requests (None: unbounded); enable_prefix_caching: keep the K/V blocks of requests' tokens
     for later requests with the same prefix (`magicdec.kv.blocks`); kv_cache_bytes: the memory of the KV blocks
-    (None: half the memory available when they are allocated)."""
+    (None: half the memory available when they are allocated); enforce_eager: on CUDA, launch every forward's kernels
+    from Python instead of replaying decode forwards from CUDA graphs (`magicdec.graphs`)."""
 
     max_num_seqs: int = 256
     max_model_len: int | None = None
@@ -320,13 +321,15 @@ class EngineConfig:
     max_queued: int | None = None
     enable_prefix_caching: bool = True
     kv_cache_bytes: int | None = None
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "prefill_chunk", "max_model_len", "max_prefill_tokens", "max_queued"):
             value = getattr(self, name)
             if value is not None and not (_is_int(value) and value >= 1):
                 raise InvalidRequestError(f"{name} must be an integer >= 1, got {value!r}")
-        if not isinstance(self.enable_prefix_caching, bool):
-            raise InvalidRequestError(f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
+        for name in ("enable_prefix_caching", "enforce_eager"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidRequestError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if not (self.kv_cache_bytes is None or (_is_int(self.kv_cache_bytes) and self.kv_cache_bytes >= 1)):
             raise InvalidRequestError(f"kv_cache_bytes must be an integer >= 1, got {self.kv_cache_bytes!r}")

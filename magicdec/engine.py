@@ -131,6 +131,13 @@ class LLMEngine:
         self.runner.use_drafter(speculation.drafter if speculation is not None else None)
         self.scheduler.set_speculation(*self._policy(speculation))
 
+    def record_graphs(self, stats: GenerationStats) -> None:
+        """Put the CUDA graphs captured so far (their count, capture time and memory) into `stats`."""
+        graphs = self.runner.graphs
+        if graphs is not None:
+            stats.cuda_graphs, stats.graph_capture_s, stats.graph_memory_bytes = (graphs.count, graphs.capture_s,
+                                                                                  graphs.memory_bytes)
+
     def reset_stats(self) -> GenerationStats:
         """Start counting anew (each `LLM.generate` call reports its own run)."""
         self.stats = GenerationStats(dtype=str(self.model.dtype).removeprefix("torch."))
@@ -273,6 +280,7 @@ class LLM:
         max_model_len: int | None = None,
         enable_prefix_caching: bool = True,
         kv_cache_gb: float | None = None,
+        enforce_eager: bool = False,
         tp: bool | None = None,
     ):
         """`max_model_len`: most prompt + output tokens of a request (None: the model's context); `max_num_seqs`: most
@@ -282,7 +290,7 @@ class LLM:
         8-bit: int8 (a scale per cached row; the native CPU kernel reads it where it runs) or fp8 (e4m3, unscaled), at
         half the bytes of bf16 and their rounding (magicdec.kv.quant).
         `enable_prefix_caching`: reuse the K/V blocks of earlier requests' prompts and outputs (kept across generate
-        calls while the pool has room). `tp`: run this process as one rank of a tensor-parallel group that torchrun
+        calls while the pool has room). `enforce_eager`: on CUDA, no CUDA graphs (`magicdec.graphs`). `tp`: run this process as one rank of a tensor-parallel group that torchrun
         launched (see magicdec.distributed); None: when the launcher started more than one process. Every rank must
         then make the same calls with the same arguments; each returns the same outputs."""
         # the settings are checked before the model loads
@@ -291,7 +299,7 @@ class LLM:
         kv_bytes = None if kv_cache_gb is None else int(kv_cache_gb * 2**30)
         config = EngineConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len, prefill_chunk=prefill_chunk,
                               kv_dtype=parse_kv_dtype(kv_cache_dtype), enable_prefix_caching=enable_prefix_caching,
-                              kv_cache_bytes=kv_bytes)
+                              kv_cache_bytes=kv_bytes, enforce_eager=enforce_eager)
         tp = launched_world_size() > 1 if tp is None else tp
         group = init_tp(device) if tp else None
         self.loaded: LoadedModel = load_model(model, device=device, dtype=parse_dtype(dtype), tp=group)
@@ -438,6 +446,7 @@ class LLM:
         stats = engine.reset_stats()
         requests = engine.generate(ids, per_prompt, progress)
         stats.peak_memory_bytes = peak_bytes(self.model.device)
+        engine.record_graphs(stats)
         self.last_stats = stats
         return [RequestOutput(i, prompts[i] if prompts is not None else None, r.prompt_ids, engine.text_of(r),
                               r.output_ids, r.finish_reason, r.accepted_hist, r.logprobs, r.prompt_logprobs)

@@ -21,13 +21,14 @@ from torch import Tensor
 
 from magicdec.config import EngineConfig
 from magicdec.drafters.base import Drafter
+from magicdec.graphs import CudaGraphs
 from magicdec.kv.blocks import BLOCK_SIZE, KVManager, block_keys
 from magicdec.kv.hybrid import HybridCache, paged_cache, paged_part, ring_bytes
 from magicdec.kv.paged import PagedKVCache
 from magicdec.kv.sparse import SnapKVObserver
 from magicdec.logprobs import Logprobs, TokenLogprob, compute_logprobs, to_host
 from magicdec.memory import check_fits
-from magicdec.model import Transformer
+from magicdec.model import Transformer, attention_path
 from magicdec.prefill import OBSERVATION_WINDOW, prefill_upto
 from magicdec.sampling import RowParams, SamplingParams, sample_tokens
 from magicdec.step import LENGTH, RUNNING, STOPPED, PrefillWork, ScheduledStep, SlotAssignment, SlotOutput, StepResult
@@ -55,6 +56,15 @@ def workspace_bytes(model: Transformer, rows: int, chunk: int) -> int:
     return chunk * per_token * element + rows * cfg.vocab_size * 4 * (MAX_GAMMA + 1) * 3
 
 
+def uses_graphs(model: Transformer, kv_dtype: torch.dtype, config: EngineConfig) -> bool:
+    """Whether a runner replays its decode forwards from CUDA graphs: on CUDA where the Triton kernels attend (over a
+    static span, reading the lengths on the device), unless `config.enforce_eager`; not under tensor parallelism,
+    whose collectives run eagerly."""
+    device = model.device
+    return (device.type == "cuda" and not config.enforce_eager and model.tp is None
+            and attention_path(device, kv_dtype) == "triton")
+
+
 def forward_tokens(config: EngineConfig) -> int:
     """Most tokens one forward writes into a slot: a prefill chunk, its final observation window, or a verification
     (the ring of a sliding-window layer must hold them beyond the window)."""
@@ -80,6 +90,11 @@ class ModelRunner:
                    f"workspace; the KV blocks are allocated already)")
         self.cache = paged_cache(model.cfg, kv, self.slots, self.capacity, forward_tokens(config))
         self.paged: PagedKVCache = paged_part(self.cache)  # the rows that read the KV blocks
+        # decode forwards replayed from CUDA graphs where the Triton kernels attend (their lengths read on the
+        # device); elsewhere every forward is eager and attends over the filled prefix only
+        self.graphs = CudaGraphs() if uses_graphs(model, self.kv_dtype, config) else None
+        self.cache.static = self.graphs is not None
+        self.forward = self.graphs.wrap(model) if self.graphs is not None else model
         self.drafter: Drafter | None = None
         self.use_drafter(drafter, checked=True)
         self.seq = torch.zeros(self.slots, self.capacity, dtype=torch.long, device=device)  # prompt + output tokens
@@ -107,12 +122,16 @@ class ModelRunner:
         if drafter is not None and drafter is self.drafter:  # its cache is allocated for these slots already
             return
         if self.drafter is not None:
+            if self.graphs is not None:
+                self.graphs.forget(self.drafter.cache)
             self.drafter.free()
         if drafter is not None:
             if not checked:
                 check_fits(drafter.cache_bytes(self.slots, self.capacity, self.kv_dtype), self.device,
                            f"the draft cache of {self.slots} slots x {self.capacity} tokens")
             drafter.allocate(self.slots, self.capacity, self.kv_dtype, self.device, self.cache, self.kv)
+            drafter.cache.static = self.graphs is not None
+            drafter.forward = self.graphs.wrap(drafter.model) if self.graphs is not None else drafter.model
         self.drafter = drafter
 
     # --- slot lifecycle ---------------------------------------------------------------------------------
@@ -297,11 +316,11 @@ class ModelRunner:
             draft = self.drafter.propose(n, gamma, self.seq[:n], n_tokens, live, rows, cache)
             synchronize(self.device)
             draft_s = time.perf_counter() - t
-            logits = self.model(torch.cat((last, draft), dim=1), cache)
+            logits = self.forward(torch.cat((last, draft), dim=1), cache)
             accepted, nxt = accept_drafts(sample_tokens(logits, rows, positions), draft)
             new = torch.cat((draft, nxt[:, None]), dim=1).scatter(1, accepted[:, None], nxt[:, None])
         else:
-            logits = self.model(last, cache)
+            logits = self.forward(last, cache)
             new = sample_tokens(logits, rows, positions)
             accepted = torch.zeros(n, dtype=torch.long, device=self.device)
         cache.commit((accepted + 1) * live)

@@ -32,6 +32,9 @@ class GenerationStats:
     gamma_changes: list[tuple[int, int]] = field(default_factory=list)  # (round, draft length from then on)
     peak_memory_bytes: int = 0
     dtype: str = ""
+    cuda_graphs: int = 0  # forwards captured as CUDA graphs so far (the engine's, not only this run's)
+    graph_capture_s: float = 0.0
+    graph_memory_bytes: int = 0
 
     @property
     def verify_s(self) -> float:

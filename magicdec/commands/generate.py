@@ -87,6 +87,9 @@ def format_stats(stats, label: str) -> str:
             f"peak memory {gib:.2f} GiB")
     if stats.preemptions:
         line += f"; {stats.preemptions} preemptions (the KV blocks ran out; see --kv-cache-gb)"
+    if stats.cuda_graphs:
+        line += (f"; {stats.cuda_graphs} CUDA graphs captured in {stats.graph_capture_s:.2f}s "
+                 f"({stats.graph_memory_bytes / 2**20:.0f} MiB; --enforce-eager for none)")
     if stats.gamma:
         changes = ", ".join(f"{g or 'plain'} from round {r}" for r, g in stats.gamma_changes)
         line += (f"\n[{label}] draft length {changes}: acceptance {stats.acceptance_rate:.3f}, "

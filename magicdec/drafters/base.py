@@ -32,6 +32,9 @@ class Drafter(ABC):
 
     def __init__(self, model: Transformer, gamma: int):
         self.model = model
+        #: the draft model's forward in drafting rounds: the model's own, or replayed from CUDA graphs (the runner
+        #: sets it, `magicdec.graphs`)
+        self.forward = model
         self.gamma = gamma  # the most tokens it will be asked to draft per round (sizes a sparse cache's slack)
         self.head: DraftHead | None = None  # proposes among part of the vocabulary (None: the model's LM head)
         self.cache: KVCache | None = None
@@ -91,7 +94,7 @@ class Drafter(ABC):
         q = int(count.max())
         index = (start[:, None] + torch.arange(q, device=seq.device)).clamp_max(seq.shape[1] - 1)
         at = (count - 1).clamp_min(0)[:, None]
-        logits = self.model(seq.gather(1, index), cache, logits_at=at, head=self.head)[:, 0]
+        logits = self.forward(seq.gather(1, index), cache, logits_at=at, head=self.head)[:, 0]
         cache.commit(count * live)
         return logits
 
@@ -113,7 +116,7 @@ class Drafter(ABC):
             t = sample_tokens(x[:, None], rows, (n_tokens + i)[:, None], ids)[:, 0]
             tokens.append(t)
             if i < gamma - 1:
-                x = self.model(t[:, None], cache, head=self.head)[:, 0]
+                x = self.forward(t[:, None], cache, head=self.head)[:, 0]
                 cache.commit(live_n)
         return torch.stack(tokens, dim=1)
 

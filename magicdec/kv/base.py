@@ -32,6 +32,9 @@ class KVCache:
     PER_ROW: tuple[str, ...] = ("lens", "next_pos")
     #: whether storage is [layers, rows, ...] (a row view slices it); False where rows read shared blocks
     ROWS_IN_STORAGE = True
+    #: whether every forward attends over the whole capacity (shapes fixed, the lengths read on the device only), so
+    #: that a CUDA graph captured once replays at any length (`magicdec.graphs`); else over the filled prefix
+    static = False
 
     def __init__(self, cfg: ModelConfig, batch: int, capacity: int, dtype: torch.dtype, device: torch.device | str):
         self.cfg = cfg
@@ -109,7 +112,7 @@ class KVCache:
         and checking the unfilled tiles cost a sixth of Gemma 3's global attention (24.0 s of a 32k prefill, 20.0
         without)."""
         n = self.max_len + q
-        return self.capacity if self._whole_buffer and 2 * n >= self.capacity else n
+        return self.capacity if self.static or self._whole_buffer and 2 * n >= self.capacity else n
 
     # --- what the engine calls -------------------------------------------------------------------
     def commit(self, n: Tensor | int) -> None:

@@ -131,6 +131,14 @@ class HybridCache:
     def max_len(self) -> int:
         return self.full.max_len
 
+    @property
+    def static(self) -> bool:
+        return self.full.static
+
+    @static.setter
+    def static(self, value: bool) -> None:
+        self.full.static = value  # the ring attends over its whole buffer always
+
     def commit(self, n: Tensor | int) -> None:
         self.full.commit(n)
 

@@ -56,9 +56,9 @@ class PagedKVCache(KVCache):
     # --- what the model calls, once per forward -------------------------------------------------
     def attn_mask(self, q: int) -> Tensor:
         """[B, 1, q, L] causal visibility over the L positions the forward attends (per-row lengths)."""
-        L = self.max_len + q
-        if L > self.capacity:
-            raise RuntimeError(f"KV cache overflow: {L} positions > capacity {self.capacity}")
+        if self.max_len + q > self.capacity:
+            raise RuntimeError(f"KV cache overflow: {self.max_len + q} positions > capacity {self.capacity}")
+        L = self.capacity if self.static else self.max_len + q
         slots = self.lens[:, None] + self._arange(q)  # [B, q]
         self._write = (self.tables.gather(1, slots // BLOCK_SIZE).long(), slots % BLOCK_SIZE)
         self._table = self.tables[:, : -(-L // BLOCK_SIZE)]
