@@ -90,6 +90,7 @@ def choose(
     budgets: Iterable[int] = DEFAULT_BUDGETS, gammas: Iterable[int] = DEFAULT_GAMMAS,
     strategies: Iterable[str] = ("ar", *SELF_STRATEGIES), dtype: Dtype | None = None, draft_vocab: int = 0,
     vocab_corpus: str | None = None, tokenizer: Tokenizer | None = None, rows: int | None = None,
+    graphs: bool = False,
 ) -> Choice:
     """The predicted-fastest way to decode `batch` sequences of `context` tokens with `model`.
 
@@ -110,13 +111,16 @@ def choose(
     (`Plan.draft_vocab`), its acceptance the table's times the share of the corpus's tokens the head holds.
 
     `rows`: how many of the batch's sequences differ (default: all). A static batch decodes until its slowest sequence
-    is done, so the plan prices the slowest of `rows`; greedy copies of one prompt decode alike and count once."""
+    is done, so the plan prices the slowest of `rows`; greedy copies of one prompt decode alike and count once.
+
+    `graphs`: the engine replays its decode forwards from CUDA graphs (`magicdec.graphs`), so an uncalibrated GPU's
+    preset is priced without the host's kernel launches (`planner.hardware.eager` where not)."""
     strategies = tuple(strategies)
     if dtype is None and isinstance(model, Transformer):
         dtype = weight_dtype(model)  # what the planner counts bytes of: 16-bit on the AVX2 kernels
     device = str(model.device) if isinstance(model, Transformer) else "cpu"
     try:
-        hw = _hardware(profile, device, dtype)
+        hw = _hardware(profile, device, dtype, graphs)
         table = acceptance if isinstance(acceptance, AcceptanceTable) else (
             load_acceptance(model_name, model.cfg.architecture if isinstance(model, Transformer) else None)
             if acceptance is None else AcceptanceTable.from_json(acceptance))
@@ -151,10 +155,10 @@ def _draft_heads(draft_vocab: int, vocab_corpus: str | None, tokenizer: Tokenize
 
 
 def _hardware(profile: HardwareProfile | str | os.PathLike[str] | None, device: str,
-              dtype: Dtype | None) -> HardwareProfile:
-    """The profile `choose` was given, or the one for the device and dtype."""
+              dtype: Dtype | None, graphs: bool) -> HardwareProfile:
+    """The profile `choose` was given, or the one for the device and dtype (`graphs`: see `choose`)."""
     if profile is None:
-        return load_profile(device, dtypes.short_name(dtype))
+        return load_profile(device, dtypes.short_name(dtype), graphs)
     return profile if isinstance(profile, HardwareProfile) else get_profile(profile)
 
 

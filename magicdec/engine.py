@@ -35,7 +35,7 @@ from magicdec.logprobs import TokenLogprob
 from magicdec.memory import available_bytes, check_fits, peak_bytes
 from magicdec.model import Transformer, attention_path, linear_path, weight_dtype
 from magicdec.profiles import model_key
-from magicdec.runner import CACHE_SLACK, ModelRunner
+from magicdec.runner import CACHE_SLACK, ModelRunner, uses_graphs
 from magicdec.sampling import SamplingParams
 from magicdec.scheduler import FixedGamma, GammaPolicy, Request, Scheduler, Status, cuda_row_bucket
 from magicdec.speculative import Speculation, SpeculativeConfig
@@ -365,7 +365,8 @@ class LLM:
         acceptance measured for this model and its KV dtype."""
         return choose(self.model, batch, context, kv_dtype=self.kv_dtype, model_name=model_key(self.loaded.source),
                       profile=speculative.hardware, mode=speculative.mode, draft_vocab=speculative.draft_vocab,
-                      vocab_corpus=speculative.vocab_corpus, tokenizer=self.tokenizer, rows=rows)
+                      vocab_corpus=speculative.vocab_corpus, tokenizer=self.tokenizer, rows=rows,
+                      graphs=uses_graphs(self.model, self.kv_dtype, self.config))
 
     def _speculation(self, speculative: SpeculativeConfig | None, batch: int, context: int,
                      rows: int | None = None) -> Speculation | None:

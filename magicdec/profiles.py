@@ -67,10 +67,11 @@ def target_shape(cfg: ModelConfig) -> ModelShape:
     )
 
 
-def preset_for_device(device: str, dtype: str | None = None) -> HardwareProfile:
+def preset_for_device(device: str, dtype: str | None = None, graphs: bool = False) -> HardwareProfile:
     """The preset standing in for an uncalibrated device: for a CPU, the measured preset of the same dtype (fp32,
     bf16), from the same kind of CPU where there is one; for a GPU, the one matching its name, as the engine runs on it
-    (`eager`: kernels launched from Python); a common datacenter GPU's where there is no CUDA to ask."""
+    (replayed from CUDA graphs where `graphs`, else `eager`: kernels launched from Python); a common datacenter GPU's
+    where there is no CUDA to ask."""
     if not device.startswith("cuda"):
         kind = cpu.cpu_kind()
         return PRESETS[min(CPU_PRESETS, key=lambda n: (PRESETS[n].dtype != dtype, not n.startswith(f"cpu-{kind}-")))]
@@ -78,12 +79,13 @@ def preset_for_device(device: str, dtype: str | None = None) -> HardwareProfile:
         name = torch.cuda.get_device_name(torch.device(device)).lower()
     except Exception:  # no CUDA here (planning for another machine): a common datacenter GPU
         return PRESETS[FALLBACK_GPU_PRESET]
-    return eager(PRESETS[next((preset for fragment, preset in _GPU_PRESETS if fragment in name), FALLBACK_GPU_PRESET)])
+    preset = PRESETS[next((preset for fragment, preset in _GPU_PRESETS if fragment in name), FALLBACK_GPU_PRESET)]
+    return preset if graphs else eager(preset)
 
 
-def load_profile(device: str = "cpu", dtype: str | None = None) -> HardwareProfile:
+def load_profile(device: str = "cpu", dtype: str | None = None, graphs: bool = False) -> HardwareProfile:
     """The profile `magicdec calibrate` saved for `device` in `dtype` (default: fp32 on CPU, bf16 on GPUs), else
-    `preset_for_device`."""
+    `preset_for_device` (`graphs`: the engine replays decode forwards from CUDA graphs)."""
     dtype = dtype or ("bf16" if device.startswith("cuda") else "fp32")
     for dev in dict.fromkeys((device, device.split(":")[0])):
         path = default_profile_path(dev, dtype)
@@ -94,7 +96,7 @@ def load_profile(device: str = "cpu", dtype: str | None = None) -> HardwareProfi
             warnings.warn(f"{path} was measured with other kernels (attention {hw.attention or 'older'}, linear "
                           f"{hw.linear or 'older'}) than this run's: planning with the preset; run `magicdec "
                           f"calibrate` again", stacklevel=2)
-    return preset_for_device(device, dtype)
+    return preset_for_device(device, dtype, graphs)
 
 
 def _measured_with_these_kernels(hw: HardwareProfile, device: str, dtype: str) -> bool:

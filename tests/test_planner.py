@@ -447,6 +447,19 @@ def test_a_gpu_device_plans_with_its_preset_as_the_engine_runs(monkeypatch):
     hw = preset_for_device("cuda:0")
     assert hw.name == "h200-eager" and hw.launch_per_layer_s > 0
     assert preset_for_device("cuda:0").mem_bandwidth == get_profile("h200").mem_bandwidth
+    # replayed from CUDA graphs, forwards launch no kernels from the host: the launch-free preset
+    assert preset_for_device("cuda:0", graphs=True) == get_profile("h200")
+
+
+def test_auto_plans_with_the_launch_free_preset_where_graphs_replay(monkeypatch):
+    """`choose` takes the uncalibrated GPU's preset as the engine will run: launch-free where its decode forwards
+    replay from CUDA graphs (the engine's default there), with the host's launches under `enforce_eager`."""
+    from magicdec.autoplan import _hardware
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    monkeypatch.setattr("magicdec.profiles.default_profile_path", lambda device, dtype: Path("/nonexistent"))
+    assert _hardware(None, "cuda:0", torch.bfloat16, graphs=True).name == "h200"
+    assert _hardware(None, "cuda:0", torch.bfloat16, graphs=False).name == "h200-eager"
 
 
 def test_a_quantized_draft_reads_the_whole_context_at_int8_bytes():
