@@ -88,14 +88,15 @@ def choose(
     model_name: str | None = None, profile: HardwareProfile | str | os.PathLike[str] | None = None,
     acceptance: AcceptanceTable | str | os.PathLike[str] | None = None, mode: str = "greedy",
     budgets: Iterable[int] = DEFAULT_BUDGETS, gammas: Iterable[int] = DEFAULT_GAMMAS,
-    strategies: Iterable[str] = ("ar", *SELF_STRATEGIES), dtype: Dtype | None = None, draft_vocab: int = 0,
+    strategies: Iterable[str] | None = None, dtype: Dtype | None = None, draft_vocab: int = 0,
     vocab_corpus: str | None = None, tokenizer: Tokenizer | None = None, rows: int | None = None,
     graphs: bool = False,
 ) -> Choice:
     """The predicted-fastest way to decode `batch` sequences of `context` tokens with `model`.
 
     Returns Choice(SpeculativeConfig, the Replanner that picks each step's draft length, plan), or (None, None, plan)
-    when plain autoregressive decoding is predicted to be at least as fast. `model` is the Transformer that will decode
+    when plain autoregressive decoding is predicted to be at least as fast. `strategies` (default: AR, StreamingLLM and
+    SnapKV self-speculation, and self-quant where the profile prices it, `prices_quantized_draft`) are those searched. `model` is the Transformer that will decode
     (a planner ModelShape plans for a model or machine you do not have). `profile`: a HardwareProfile, preset name or
     JSON path (default: the calibrated profile of the model's device and dtype, else a preset). `acceptance`: a table
     or its JSON path (default: the one measured for the model named `model_name` (`profiles.model_key`), else the
@@ -115,7 +116,6 @@ def choose(
 
     `graphs`: the engine replays its decode forwards from CUDA graphs (`magicdec.graphs`), so an uncalibrated GPU's
     preset is priced without the host's kernel launches (`planner.hardware.eager` where not)."""
-    strategies = tuple(strategies)
     if dtype is None and isinstance(model, Transformer):
         dtype = weight_dtype(model)  # what the planner counts bytes of: 16-bit on the AVX2 kernels
     device = str(model.device) if isinstance(model, Transformer) else "cpu"
@@ -127,6 +127,9 @@ def choose(
     except (ValueError, OSError) as e:
         raise InvalidRequestError(str(e)) from None
     work = _workload(model, hw, batch, context, dtype, kv_dtype)
+    if strategies is None:
+        strategies = ("ar", *SELF_STRATEGIES, *(("self-quant",) if prices_quantized_draft(work) else ()))
+    strategies = tuple(strategies)
     heads = _draft_heads(draft_vocab, vocab_corpus, tokenizer)
     # The decode loop caps gamma (MAX_GAMMA) and sparse budgets must be >= 8 (SpeculativeConfig).
     gammas = [g for g in gammas if 1 <= g <= 16]
@@ -141,6 +144,14 @@ def choose(
     head = {"draft_vocab": best.draft_vocab, "vocab_corpus": vocab_corpus} if best.draft_vocab else {}
     # Built for the longest draft it may re-plan to; the decode loop starts it at the planned length.
     return Choice(SpeculativeConfig.drafting(best.strategy, best.budget, gamma=max(gammas), **head), replan, best)
+
+
+def prices_quantized_draft(work: Workload) -> bool:
+    """Whether `--draft auto` searches self-quant for `work`: over a 16-bit target cache (over an int8 one its draft
+    would read as many bytes as the target), on a GPU profile, whose attention is bound by bytes as the profile prices
+    them. A CPU profile's attention rate is its 16-bit kernel's, and the int8 kernel there is bound by its
+    instructions (1.2-1.5x a bf16 step's speed at half the bytes; benchmarks/README.md): its draft is not priced."""
+    return work.kv_dtype_bytes >= 2 and not work.hw.name.startswith(("cpu", "calibrated-cpu"))
 
 
 def _draft_heads(draft_vocab: int, vocab_corpus: str | None, tokenizer: Tokenizer | None) -> dict[int, float]:

@@ -484,12 +484,17 @@ def test_a_quantized_draft_reads_the_whole_context_at_int8_bytes():
     assert plan(w, table, strategies=["self-streaming", "self-quant"]).strategy == "self-streaming"
 
 
-def test_auto_searches_a_quantized_draft_only_when_asked():
-    """`choose` leaves self-quant out of its default search; asked for, it builds the drafter without a budget and
-    re-plans it per step. Over an int8 cache it can never pay: its draft reads what a decode step reads."""
+def test_auto_searches_a_quantized_draft_where_its_profile_prices_it():
+    """`choose` searches self-quant by default on a GPU profile over a 16-bit cache, where attention is bound by the
+    bytes the profile prices; not on a CPU profile (its int8 kernel is bound by instructions, which a bf16 profile
+    does not price), and never over an int8 cache (its draft would read what a decode step reads). Asked for, it
+    builds the drafter without a budget and re-plans it per step."""
     table = AcceptanceTable()
     table.add("self-quant", 0.9)
-    assert choose(LLAMA3, 64, 32768, profile=TOY_HW, acceptance=table).speculative is None
+    cpu = dataclasses.replace(TOY_HW, name="cpu-toy")
+    assert choose(LLAMA3, 64, 32768, profile=cpu, acceptance=table).speculative is None
+    assert choose(LLAMA3, 64, 32768, profile=TOY_HW, acceptance=table).plan.strategy == "self-quant"
+    assert choose(LLAMA3, 64, 32768, profile=TOY_HW, acceptance=table, kv_dtype="int8").speculative is None
     asked = ("ar", "self-quant")
     assert choose(LLAMA3, 64, 32768, profile=TOY_HW, acceptance=table, kv_dtype="int8",
                   strategies=asked).speculative is None
