@@ -96,7 +96,7 @@ def choose(
 
     Returns Choice(SpeculativeConfig, the Replanner that picks each step's draft length, plan), or (None, None, plan)
     when plain autoregressive decoding is predicted to be at least as fast. `strategies` (default: AR, StreamingLLM and
-    SnapKV self-speculation, and self-quant where the profile prices it, `prices_quantized_draft`) are those searched. `model` is the Transformer that will decode
+    SnapKV self-speculation, and self-quant on a GPU, `default_strategies`) are those searched. `model` is the Transformer that will decode
     (a planner ModelShape plans for a model or machine you do not have). `profile`: a HardwareProfile, preset name or
     JSON path (default: the calibrated profile of the model's device and dtype, else a preset). `acceptance`: a table
     or its JSON path (default: the one measured for the model named `model_name` (`profiles.model_key`), else the
@@ -127,9 +127,7 @@ def choose(
     except (ValueError, OSError) as e:
         raise InvalidRequestError(str(e)) from None
     work = _workload(model, hw, batch, context, dtype, kv_dtype)
-    if strategies is None:
-        strategies = ("ar", *SELF_STRATEGIES, *(("self-quant",) if prices_quantized_draft(work) else ()))
-    strategies = tuple(strategies)
+    strategies = tuple(strategies) if strategies is not None else default_strategies(work, model)
     heads = _draft_heads(draft_vocab, vocab_corpus, tokenizer)
     # The decode loop caps gamma (MAX_GAMMA) and sparse budgets must be >= 8 (SpeculativeConfig).
     gammas = [g for g in gammas if 1 <= g <= 16]
@@ -146,12 +144,15 @@ def choose(
     return Choice(SpeculativeConfig.drafting(best.strategy, best.budget, gamma=max(gammas), **head), replan, best)
 
 
-def prices_quantized_draft(work: Workload) -> bool:
-    """Whether `--draft auto` searches self-quant for `work`: over a 16-bit target cache (over an int8 one its draft
-    would read as many bytes as the target), on a GPU profile, whose attention is bound by bytes as the profile prices
-    them. A CPU profile's attention rate is its 16-bit kernel's, and the int8 kernel there is bound by its
-    instructions (1.2-1.5x a bf16 step's speed at half the bytes; benchmarks/README.md): its draft is not priced."""
-    return work.kv_dtype_bytes >= 2 and not work.hw.name.startswith(("cpu", "calibrated-cpu"))
+def default_strategies(work: Workload, model: Transformer | ModelShape) -> tuple[str, ...]:
+    """What `choose` searches by default: AR, StreamingLLM and SnapKV self-speculation, and self-quant over a 16-bit
+    cache on a GPU (a model on CUDA; for a ModelShape, a profile that is not a CPU's), where attention is bound by the
+    bytes the profile prices. On a CPU the profile's attention rate is its 16-bit kernel's, while the int8 kernel there
+    is bound by its instructions (1.2-1.5x a bf16 step's speed at half the bytes; benchmarks/README.md), and over an
+    int8 cache a self-quant draft step reads what a decode step reads: neither searches it."""
+    gpu = model.device.type == "cuda" if isinstance(model, Transformer) else "cpu" not in work.hw.name
+    quant = ("self-quant",) if gpu and work.kv_dtype_bytes >= 2 else ()
+    return ("ar", *SELF_STRATEGIES, *quant)
 
 
 def _draft_heads(draft_vocab: int, vocab_corpus: str | None, tokenizer: Tokenizer | None) -> dict[int, float]:

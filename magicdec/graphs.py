@@ -16,7 +16,8 @@ that stay in place:
   The rows are the scheduler's buckets (`scheduler.cuda_row_bucket`), so a few graphs serve every batch size.
 
 Prefill chunks, forwards observed by SnapKV and forwards of more than `MAX_TOKENS` tokens (a draft model catching up
-after plain rounds) run eagerly. A graph's logits are its output buffer: valid until the same graph replays again.
+after plain rounds) run eagerly. A graph's logits are its output buffer, and the graphs share one memory pool: the
+logits are valid until the next replay of any graph (the decode loop samples from them before its next forward).
 Graphs belong to one runner and its caches; `forget` drops those of a cache that goes (a drafter replaced).
 """
 

@@ -124,6 +124,7 @@ class ModelRunner:
         if self.drafter is not None:
             if self.graphs is not None:
                 self.graphs.forget(self.drafter.cache)
+            self.drafter.forward = self.drafter.model  # not this runner's graphs any more
             self.drafter.free()
         if drafter is not None:
             if not checked:
