@@ -5,9 +5,10 @@ a shape) is frozen, and only tensors updated in place carry the next call's stat
 are stood in for by `ReplayingGraphs`: `magicdec.graphs.CudaGraphs` with its capture replaced by a closure that, at
 each replay, runs the forward again over the static input buffers and the cache view of the capture, whose host-side
 state (`max_len`, the per-forward indices) is as stale as a graph's. Through the engine, with the caches in static
-mode (attention over the whole capacity, lengths read on the device), every output equals the eager, dynamic run's
-token for token: plain and speculative (self-speculation, 4-bit drafts, a standalone draft model), greedy and seeded
-sampled, on the default model and on a hybrid Gemma 3. The real capture (`torch.cuda.graph`) runs in
+mode (attention over the whole capacity, lengths read on the device), every output equals an eager run's over the
+same static caches token for token: plain and speculative (self-speculation, 4-bit drafts, a standalone draft model), greedy and seeded
+sampled, on the default model and on a hybrid Gemma 3. A static forward equals the dynamic one bit for bit where the
+native kernels attend, and reads no host length on any path. The real capture (`torch.cuda.graph`) runs in
 `benchmarks/gpu_check.py` on a GPU, against `enforce_eager`.
 """
 
@@ -59,20 +60,28 @@ class ReplayingGraphs(CudaGraphs):
         return Captured(Replay(run, out), tokens, logits_at, out, cache)
 
 
+class StaticEager(ReplayingGraphs):
+    """Caches in static mode, every forward eager: the reference a replay must equal on any path (torch's operators
+    round a longer span differently, so a dynamic run is the reference only where the native kernels attend)."""
+
+    def wrap(self, model):
+        return model
+
+
 class Graphed:
-    """Switches graphs on for engines built after `on()`: their decode forwards replay from `ReplayingGraphs` (in
-    `made`), their caches static."""
+    """Switches graphs on for engines built after `on()`: their caches static, their decode forwards replayed from
+    `ReplayingGraphs` (in `made`), or eager with `replay=False`."""
 
     def __init__(self, monkeypatch):
         self.monkeypatch, self.made = monkeypatch, []
 
-    def _make(self) -> ReplayingGraphs:
-        self.made.append(ReplayingGraphs())
-        return self.made[-1]
+    def on(self, replay: bool = True) -> None:
+        def make() -> ReplayingGraphs:
+            self.made.append(ReplayingGraphs() if replay else StaticEager())
+            return self.made[-1]
 
-    def on(self) -> None:
         self.monkeypatch.setattr(runner_mod, "uses_graphs", lambda model, kv_dtype, config: not config.enforce_eager)
-        self.monkeypatch.setattr(runner_mod, "CudaGraphs", self._make)
+        self.monkeypatch.setattr(runner_mod, "CudaGraphs", make)
 
 
 @pytest.fixture
@@ -91,8 +100,9 @@ def drafter_for(name: str, model):
 
 
 def compare(model, prompts, drafter_name, graphed, params):
-    """One run eager and dynamic, one replayed from graphs over static caches: the same tokens."""
+    """One run eager, one replayed from graphs, both over static caches: the same tokens."""
     gamma = 3 if drafter_name else 0
+    graphed.on(replay=False)
     eager, _ = run_engine(model, prompts, params, drafter=drafter_for(drafter_name, model), gamma=gamma)
     graphed.on()
     replayed, stats = run_engine(model, prompts, params, drafter=drafter_for(drafter_name, model), gamma=gamma)
