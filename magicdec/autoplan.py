@@ -96,16 +96,16 @@ def choose(
 
     Returns Choice(SpeculativeConfig, the Replanner that picks each step's draft length, plan), or (None, None, plan)
     when plain autoregressive decoding is predicted to be at least as fast. `strategies` (default: AR, StreamingLLM and
-    SnapKV self-speculation, and self-quant on a GPU, `default_strategies`) are those searched. `model` is the Transformer that will decode
-    (a planner ModelShape plans for a model or machine you do not have). `profile`: a HardwareProfile, preset name or
-    JSON path (default: the calibrated profile of the model's device and dtype, else a preset). `acceptance`: a table
-    or its JSON path (default: the one measured for the model named `model_name` (`profiles.model_key`), else the
-    built-in table of its architecture). `mode`: "greedy" or "sampling" (temperature > 0). `dtype` defaults to the
-    model's weights' (`weight_dtype`), `kv_dtype` to `dtype`; for a ModelShape, `dtype` defaults to the profile's, else 4 bytes on a
-    CPU profile and 2 on others. Raises InvalidRequestError when the profile or the acceptance table cannot be found
-    or read. Under tensor parallelism (a Transformer loaded as one rank) the ranks must use the same profile, and the
-    plan is for the whole model over the ranks when the profile knows the all-reduce (`magicdec calibrate`), else for
-    this rank's share alone.
+    SnapKV self-speculation, and self-quant on a GPU, `default_strategies`) are those searched. `model` is the
+    Transformer that will decode (a planner ModelShape plans for a model or machine you do not have). `profile`: a
+    HardwareProfile, preset name or JSON path (default: the calibrated profile of the model's device and dtype, else a
+    preset). `acceptance`: a table or its JSON path (default: the one measured for the model named `model_name`
+    (`profiles.model_key`), else the built-in table of its architecture). `mode`: "greedy" or "sampling" (temperature >
+    0). `dtype` defaults to the model's weights' (`weight_dtype`), `kv_dtype` to `dtype`; for a ModelShape, `dtype`
+    defaults to the profile's, else 4 bytes on a CPU profile and 2 on others. Raises InvalidRequestError when the
+    profile or the acceptance table cannot be found or read. Under tensor parallelism (a Transformer loaded as one rank)
+    the ranks must use the same profile, and the plan is for the whole model over the ranks when the profile knows the
+    all-reduce (`magicdec calibrate`), else for this rank's share alone.
 
     `draft_vocab` > 0 also prices drafting through a draft head of that many rows, the tokens most frequent in the
     text file `vocab_corpus` as `tokenizer` encodes it (`magicdec.drafters.vocab`): the plan takes it where it pays

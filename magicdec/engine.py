@@ -284,15 +284,15 @@ class LLM:
         tp: bool | None = None,
     ):
         """`max_model_len`: most prompt + output tokens of a request (None: the model's context); `max_num_seqs`: most
-        requests running at once. `kv_cache_gb`: the KV blocks' memory, shared by the running requests as they grow
-        and by the cached prefixes (None: half the memory available after the model loads). `kv_cache_dtype`: the KV
-        cache's storage, "auto" (None: the model's dtype, or the native kernels' 16-bit storage), fp32, bf16, fp16, or
-        8-bit: int8 (a scale per cached row; the native CPU kernel reads it where it runs) or fp8 (e4m3, unscaled), at
-        half the bytes of bf16 and their rounding (magicdec.kv.quant).
-        `enable_prefix_caching`: reuse the K/V blocks of earlier requests' prompts and outputs (kept across generate
-        calls while the pool has room). `enforce_eager`: on CUDA, no CUDA graphs (`magicdec.graphs`). `tp`: run this process as one rank of a tensor-parallel group that torchrun
-        launched (see magicdec.distributed); None: when the launcher started more than one process. Every rank must
-        then make the same calls with the same arguments; each returns the same outputs."""
+        requests running at once. `kv_cache_gb`: the KV blocks' memory, shared by the running requests as they grow and
+        by the cached prefixes (None: half the memory available after the model loads). `kv_cache_dtype`: the KV cache's
+        storage, "auto" (None: the model's dtype, or the native kernels' 16-bit storage), fp32, bf16, fp16, or 8-bit:
+        int8 (a scale per cached row; the native CPU kernel reads it where it runs) or fp8 (e4m3, unscaled), at half the
+        bytes of bf16 and their rounding (magicdec.kv.quant). `enable_prefix_caching`: reuse the K/V blocks of earlier
+        requests' prompts and outputs (kept across generate calls while the pool has room). `enforce_eager`: on CUDA, no
+        CUDA graphs (`magicdec.graphs`). `tp`: run this process as one rank of a tensor-parallel group that torchrun
+        launched (see magicdec.distributed); None: when the launcher started more than one process. Every rank must then
+        make the same calls with the same arguments; each returns the same outputs."""
         # the settings are checked before the model loads
         if kv_cache_gb is not None and not (isinstance(kv_cache_gb, (int, float)) and 0 < kv_cache_gb < 1 << 20):
             raise InvalidRequestError(f"kv_cache_gb must be a positive number of GiB, got {kv_cache_gb!r}")

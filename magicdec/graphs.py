@@ -15,8 +15,8 @@ that stay in place:
   its mask built from the device lengths), and one graph serves one (model, head, cache, rows, tokens) combination.
   The rows are the scheduler's buckets (`scheduler.cuda_row_bucket`), so a few graphs serve every batch size.
 
-Prefill chunks, forwards observed by SnapKV and forwards of more than `MAX_TOKENS` tokens (a draft model catching up
-after plain rounds) run eagerly. A graph's logits are its output buffer, and the graphs share one memory pool: the
+Prefill chunks, forwards observed by SnapKV and forwards of more tokens than a verification's (a draft model catching
+up after plain rounds) run eagerly. A graph's logits are its output buffer, and the graphs share one memory pool: the
 logits are valid until the next replay of any graph (the decode loop samples from them before its next forward).
 Graphs belong to one runner and its caches; `forget` drops those of a cache that goes (a drafter replaced).
 """
@@ -31,10 +31,6 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-#: The most tokens per row a captured forward takes: decode (1), verification (gamma + 1 <= 9) and the draft's rounds.
-MAX_TOKENS = 9
-
-
 @dataclass
 class Captured:
     """One captured forward: its graph, static inputs and output, and the cache view it was captured over (kept
@@ -48,9 +44,11 @@ class Captured:
 
 
 class CudaGraphs:
-    """The captured forwards of one runner, keyed by model, head, cache and shape; all in one memory pool."""
+    """The captured forwards of one runner, keyed by model, head, cache and shape, of up to `max_tokens` tokens a row
+    (a verification's longest); all in one memory pool."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_tokens: int) -> None:
+        self.max_tokens = max_tokens
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[tuple, Captured | None] = {}  # None: capture failed, that shape runs eagerly
         self.capture_s = 0.0
@@ -68,7 +66,7 @@ class CudaGraphs:
     def wrap(self, model: Callable[..., Tensor]) -> Callable[..., Tensor]:
         """`model`'s forward, replayed from a graph where one serves the call (see the module), else eager."""
         def forward(tokens: Tensor, cache, logits_at: Tensor | None = None, observer=None, head=None) -> Tensor:
-            if observer is not None or not cache.static or tokens.shape[1] > MAX_TOKENS:
+            if observer is not None or not cache.static or tokens.shape[1] > self.max_tokens:
                 return model(tokens, cache, logits_at, observer, head)
             key = (id(model), id(head), cache.lens.data_ptr(), tuple(tokens.shape),
                    None if logits_at is None else tuple(logits_at.shape))

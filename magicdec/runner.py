@@ -92,7 +92,7 @@ class ModelRunner:
         self.paged: PagedKVCache = paged_part(self.cache)  # the rows that read the KV blocks
         # decode forwards replayed from CUDA graphs where the Triton kernels attend (their lengths read on the
         # device); elsewhere every forward is eager and attends over the filled prefix only
-        self.graphs = CudaGraphs() if uses_graphs(model, self.kv_dtype, config) else None
+        self.graphs = CudaGraphs(MAX_GAMMA + 1) if uses_graphs(model, self.kv_dtype, config) else None
         self.cache.static = self.graphs is not None
         self.forward = self.graphs.wrap(model) if self.graphs is not None else model
         self.drafter: Drafter | None = None

@@ -1,16 +1,15 @@
 """The decode loop's forwards as CUDA graphs replay them: the static-buffer discipline, checked on the CPU.
 
-A CUDA graph repeats the kernels and memory of its capture: whatever the forward took from the host then (a length,
-a shape) is frozen, and only tensors updated in place carry the next call's state. No GPU runs here, so the graphs
-are stood in for by `ReplayingGraphs`: `magicdec.graphs.CudaGraphs` with its capture replaced by a closure that, at
-each replay, runs the forward again over the static input buffers and the cache view of the capture, whose host-side
-state (`max_len`, the per-forward indices) is as stale as a graph's. Through the engine, with the caches in static
-mode (attention over the whole capacity, lengths read on the device), every output equals an eager run's over the
-same static caches token for token: plain and speculative (self-speculation, 4-bit drafts, a standalone draft model), greedy and seeded
-sampled, on the default model and on a hybrid Gemma 3. A static forward equals the dynamic one bit for bit where the
-native kernels attend, and reads no host length on any path. The real capture (`torch.cuda.graph`) runs in
-`benchmarks/gpu_check.py` on a GPU, against `enforce_eager`.
-"""
+A CUDA graph repeats the kernels and memory of its capture: whatever the forward took from the host then (a length, a
+shape) is frozen, and only tensors updated in place carry the next call's state. No GPU runs here, so the graphs are
+stood in for by `ReplayingGraphs`: `magicdec.graphs.CudaGraphs` with its capture replaced by a closure that, at each
+replay, runs the forward again over the static input buffers and the cache view of the capture, whose host-side state
+(`max_len`, the per-forward indices) is as stale as a graph's. Through the engine, with the caches in static mode
+(attention over the whole capacity, lengths read on the device), every output equals an eager run's over the same static
+caches token for token: plain and speculative (self-speculation, 4-bit drafts, a standalone draft model), greedy and
+seeded sampled, on the default model and on a hybrid Gemma 3. A static forward equals the dynamic one bit for bit where
+the native kernels attend, and reads no host length on any path. The real capture (`torch.cuda.graph`) runs in
+`benchmarks/gpu_check.py` on a GPU, against `enforce_eager`. """
 
 from __future__ import annotations
 
@@ -47,8 +46,8 @@ class Replay:
 
 
 class ReplayingGraphs(CudaGraphs):
-    def __init__(self):  # noqa: no CUDA pool on the CPU
-        self.graphs, self.capture_s, self.memory_bytes = {}, 0.0, 0
+    def __init__(self, max_tokens: int):  # noqa: no CUDA pool on the CPU
+        self.max_tokens, self.graphs, self.capture_s, self.memory_bytes = max_tokens, {}, 0.0, 0
 
     def _capture(self, model, tokens, cache, logits_at, head):
         tokens, logits_at = tokens.clone(), None if logits_at is None else logits_at.clone()
@@ -76,8 +75,8 @@ class Graphed:
         self.monkeypatch, self.made = monkeypatch, []
 
     def on(self, replay: bool = True) -> None:
-        def make() -> ReplayingGraphs:
-            self.made.append(ReplayingGraphs() if replay else StaticEager())
+        def make(max_tokens: int) -> ReplayingGraphs:
+            self.made.append(ReplayingGraphs(max_tokens) if replay else StaticEager(max_tokens))
             return self.made[-1]
 
         self.monkeypatch.setattr(runner_mod, "uses_graphs", lambda model, kv_dtype, config: not config.enforce_eager)

@@ -1,13 +1,12 @@
 """Greedy speculative decoding on the default model is lossless: it emits exactly the autoregressive tokens.
 
-One ragged batch of four corpus prompts (40, 150, 400 and 900 tokens) is prefilled once into the KV blocks (the
-draft model's K/V too); every run maps its prefill from there, so the expensive prefill is paid once per module. Covered: every
-drafter (self-speculation over StreamingLLM and SnapKV, reindexed or not; a standalone draft model - the
-default GGUF itself - with a dense, StreamingLLM and SnapKV cache), gamma 1, 3 and 5, budgets below (64)
-and above (2048) the prompt lengths, max_tokens 23 (not a multiple of gamma + 1), EOS inside a draft, stop
-strings, exact max_tokens, a per-step draft length that changes and drops to plain decoding and back,
-requests arriving while others decode, slot reuse, and the LLM API.
-"""
+One ragged batch of four corpus prompts (40, 150, 400 and 900 tokens) is prefilled once into the KV blocks (the draft
+model's K/V too); every run maps its prefill from there, so the expensive prefill is paid once per module. Covered:
+every drafter (self-speculation over StreamingLLM and SnapKV, reindexed or not; a standalone draft model - the default
+GGUF itself - with a dense, StreamingLLM and SnapKV cache), gamma 1, 3 and 5, budgets below (64) and above (2048) the
+prompt lengths, max_tokens 23 (not a multiple of gamma + 1), EOS inside a draft, stop strings, exact max_tokens, a
+per-step draft length that changes and drops to plain decoding and back, requests arriving while others decode, slot
+reuse, and the LLM API. """
 
 from __future__ import annotations
 

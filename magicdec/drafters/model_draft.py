@@ -42,7 +42,7 @@ class ModelDrafter(Drafter):
         if kv is None or target is None:
             raise ValueError("a draft model keeps its K/V in the target's KV blocks: pass the target's cache and its "
                              "KV manager")
-        k, v = kv.draft_storage(self.model, self.model.cfg)
+        k, v = kv.draft_storage(self.model)
         self.dense = paged_part(target).over(self.model.cfg, k, v)
         if self.cache_kind == "dense":
             self.cache = self.dense
@@ -81,4 +81,5 @@ class ModelDrafter(Drafter):
 
     def release(self, slot: int) -> None:
         super().release(slot)
-        self.dense.row(slot).clear()
+        if self.cache is not self.dense:
+            self.dense.row(slot).clear()

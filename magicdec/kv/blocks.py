@@ -29,7 +29,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict, deque
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 from torch import Tensor
@@ -37,6 +37,9 @@ from torch import Tensor
 from magicdec.config import GLOBAL, SLIDING, ModelConfig
 from magicdec.kv import quant
 from magicdec.memory import check_fits
+
+if TYPE_CHECKING:
+    from magicdec.model import Transformer
 
 #: Positions per block: a prefix hit is a whole number of blocks. Small enough that a chat's next turn reuses all but
 #: a few tokens of its history and a request wastes less than a block, a multiple of the native kernels' 16-position
@@ -291,14 +294,15 @@ class KVManager:
             self.windows.entries.clear()
 
     # --- a draft model's share of the blocks ------------------------------------------------------------------------
-    def draft_storage(self, model: object, cfg: ModelConfig) -> tuple[Tensor, Tensor]:
-        """K and V of the draft model `model` (of shape `cfg`) for every block of the pool, [layers, blocks, KV,
-        BLOCK_SIZE, row] in the pool's dtype: a request's draft K/V lie in its own blocks, read through its block
-        table, so a prefix hit maps them with the target's. Allocated when another model asks (what the previous one
-        computed is forgotten) and kept while the same one drafts, engine after engine."""
+    def draft_storage(self, model: "Transformer") -> tuple[Tensor, Tensor]:
+        """K and V of the draft model `model` for every block of the pool, [layers, blocks, KV, BLOCK_SIZE, row] in the
+        pool's dtype: a request's draft K/V lie in its own blocks, read through its block table, so a prefix hit maps
+        them with the target's. Allocated when another model asks (what the previous one computed is forgotten) and
+        kept while the same one drafts, engine after engine."""
         if self._draft_model is not model:
             self.draft_k = self.draft_v = self._draft_model = None  # freed before the next is allocated
-            size = draft_storage_bytes(cfg, self.num_blocks, self.dtype)
+            cfg = model.cfg
+            size = self.num_blocks * self.block_bytes(cfg, self.dtype)
             check_fits(size, self.k.device, f"the draft model's K/V for {self.num_blocks} KV blocks "
                                             f"({size / 2**30:.2f} GiB beside the target's; --kv-cache-gb sizes both)")
             self.draft_k, self.draft_v = block_storage(cfg, self.num_blocks, self.dtype, self.k.device)
@@ -370,11 +374,6 @@ def block_storage(cfg: ModelConfig, num_blocks: int, dtype: torch.dtype,
     k[:, NULL_BLOCK].zero_()
     v[:, NULL_BLOCK].zero_()
     return k, v
-
-
-def draft_storage_bytes(cfg: ModelConfig, num_blocks: int, dtype: torch.dtype) -> int:
-    """Bytes `KVManager.draft_storage` allocates for a draft model of shape `cfg`."""
-    return num_blocks * KVManager.block_bytes(cfg, dtype)
 
 
 def storage_shape(cfg: ModelConfig, num_blocks: int, dtype: torch.dtype) -> tuple[int, ...]:

@@ -29,8 +29,9 @@ def gather(pool: Tensor, table: Tensor, length: int) -> Tensor:
 
 class PagedKVCache(KVCache):
     """Rows of up to `max_blocks` blocks each over the pool `k`, `v` [layers, blocks, KV, BLOCK_SIZE, hd] (through
-    `tables` [rows, max_blocks], new where not given); per-row state, commit and rollback as `KVCache`'s. `clear` empties rows and leaves their blocks mapped: the runner maps
-    and unmaps them (`set_blocks`, `unmap`) as the scheduler says."""
+    `tables` [rows, max_blocks], new where not given); per-row state, commit and rollback as `KVCache`'s. `clear`
+    empties rows and leaves their blocks mapped: the runner maps and unmaps them (`set_blocks`, `unmap`) as the
+    scheduler says."""
 
     PER_ROW: tuple[str, ...] = KVCache.PER_ROW + ("tables",)
     ROWS_IN_STORAGE = False
