@@ -131,6 +131,17 @@ class LLMEngine:
         self.runner.use_drafter(speculation.drafter if speculation is not None else None)
         self.scheduler.set_speculation(*self._policy(speculation))
 
+    def capture_graphs(self) -> GenerationStats:
+        """Where the runner replays decode forwards from CUDA graphs, capture the plain decode step of every row
+        bucket now (a server's start-up, before any request); returns stats holding what was captured."""
+        if self.has_unfinished():
+            raise RuntimeError("CUDA graphs are captured before any request")
+        rows = sorted({self.scheduler.row_bucket(n) for n in range(1, self.config.max_num_seqs + 1)})
+        self.runner.capture_graphs([min(n, self.config.max_num_seqs) for n in rows])
+        stats = GenerationStats()
+        self.record_graphs(stats)
+        return stats
+
     def record_graphs(self, stats: GenerationStats) -> None:
         """Put the CUDA graphs captured so far (their count, capture time and memory) into `stats`."""
         graphs = self.runner.graphs

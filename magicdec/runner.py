@@ -135,6 +135,14 @@ class ModelRunner:
             drafter.forward = self.graphs.wrap(drafter.model) if self.graphs is not None else drafter.model
         self.drafter = drafter
 
+    @torch.inference_mode()
+    def capture_graphs(self, rows: list[int]) -> None:
+        """Capture the plain decode forward for each of `rows` now (a server's start) instead of at its first use.
+        Call with no request in: the idle rows' writes land in the null block and in rows cleared at assignment."""
+        if self.graphs is not None:
+            for n in rows:
+                self.forward(torch.zeros(n, 1, dtype=torch.long, device=self.device), self.cache.head(n))
+
     # --- slot lifecycle ---------------------------------------------------------------------------------
     def _assign(self, a: SlotAssignment) -> None:
         """Hand a slot to a request and map its prefix hit's blocks into its table (a hybrid model's ring takes the

@@ -176,3 +176,27 @@ def test_a_static_forward_reads_no_host_length(default_model, kv_dtype):
         assert torch.equal(static, dynamic)
     else:
         torch.testing.assert_close(static, dynamic, rtol=1e-5, atol=1e-5)
+
+
+def test_a_server_captures_the_decode_step_of_every_bucket_at_start(default_model, corpus_prompt, graphed):
+    """`LLMEngine.capture_graphs` (serve's start-up) captures the plain decode forward of every row bucket before any
+    request; the requests then replay them and give the tokens of an eager run over static caches."""
+    from magicdec.engine import LLMEngine
+
+    model = default_model.model
+    prompts = [corpus_prompt(n, book=b) for n, b in ((60, 4), (130, 5), (90, 6))]
+    config = EngineConfig(max_num_seqs=3, max_model_len=256)
+    graphed.on(replay=False)
+    eager = LLMEngine(model, config).generate(prompts, GREEDY)
+    graphed.on()
+    engine = LLMEngine(model, config)
+    stats = engine.capture_graphs()
+    graphs = graphed.made[-1]
+    assert stats.cuda_graphs == graphs.count == 3  # rows 1, 2, 3 (a CPU's buckets), one token each
+    assert {key[3] for key in graphs.graphs} == {(1, 1), (2, 1), (3, 1)}
+    replayed = engine.generate(prompts, GREEDY)
+    assert [r.output_ids for r in replayed] == [r.output_ids for r in eager]
+    assert graphs.count == 3 and any(g.graph.replays for g in graphs.graphs.values())  # none captured anew
+    engine.add_request("late", prompts[0], GREEDY)
+    with pytest.raises(RuntimeError, match="before any request"):
+        engine.capture_graphs()

@@ -26,6 +26,11 @@ def run(args) -> int:
         engine = llm.engine(spec, max_prefill_tokens=args.prefill_chunk, max_queued=args.max_queued)
     except OutOfMemoryError as e:
         raise OutOfMemoryError(f"{e} (or lower --kv-cache-gb / --max-running / --max-model-len)") from None
+    graphs = engine.capture_graphs()
+    if graphs.cuda_graphs:
+        print(f"magicdec serve: captured {graphs.cuda_graphs} CUDA graphs of the decode step in "
+              f"{graphs.graph_capture_s:.1f} s ({graphs.graph_memory_bytes / 2**20:.0f} MiB; --enforce-eager for none)",
+              file=sys.stderr, flush=True)
     auto = llm.last_auto
     running = auto.speculative if auto is not None else spec  # what auto chose, or the drafter asked for
     draft = describe(auto.plan) if auto is not None else spec.draft if spec is not None else "none"
