@@ -136,8 +136,8 @@ class LLMEngine:
         bucket now (a server's start-up, before any request); returns stats holding what was captured."""
         if self.has_unfinished():
             raise RuntimeError("CUDA graphs are captured before any request")
-        rows = sorted({self.scheduler.row_bucket(n) for n in range(1, self.config.max_num_seqs + 1)})
-        self.runner.capture_graphs([min(n, self.config.max_num_seqs) for n in rows])
+        buckets = {self.scheduler.decode_rows(n) for n in range(1, self.config.max_num_seqs + 1)}
+        self.runner.capture_graphs(sorted(buckets))
         stats = GenerationStats()
         self.record_graphs(stats)
         return stats

@@ -14,7 +14,7 @@ is rebuilt when it is handed out.
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -93,8 +93,7 @@ class ModelRunner:
         # decode forwards replayed from CUDA graphs where the Triton kernels attend (their lengths read on the
         # device); elsewhere every forward is eager and attends over the filled prefix only
         self.graphs = CudaGraphs(MAX_GAMMA + 1) if uses_graphs(model, self.kv_dtype, config) else None
-        self.cache.static = self.graphs is not None
-        self.forward = self.graphs.wrap(model) if self.graphs is not None else model
+        self.forward = self._forward_over(model, self.cache)
         self.drafter: Drafter | None = None
         self.use_drafter(drafter, checked=True)
         self.seq = torch.zeros(self.slots, self.capacity, dtype=torch.long, device=device)  # prompt + output tokens
@@ -124,16 +123,20 @@ class ModelRunner:
         if self.drafter is not None:
             if self.graphs is not None:
                 self.graphs.forget(self.drafter.cache)
-            self.drafter.forward = self.drafter.model  # not this runner's graphs any more
             self.drafter.free()
         if drafter is not None:
             if not checked:
                 check_fits(drafter.cache_bytes(self.slots, self.capacity, self.kv_dtype), self.device,
                            f"the draft cache of {self.slots} slots x {self.capacity} tokens")
             drafter.allocate(self.slots, self.capacity, self.kv_dtype, self.device, self.cache, self.kv)
-            drafter.cache.static = self.graphs is not None
-            drafter.forward = self.graphs.wrap(drafter.model) if self.graphs is not None else drafter.model
+            drafter.forward = self._forward_over(drafter.model, drafter.cache)
         self.drafter = drafter
+
+    def _forward_over(self, model: Transformer, cache) -> Callable[..., Tensor]:
+        """`model`'s decode forward over `cache` as this runner runs it: replayed from CUDA graphs over a static cache,
+        or eager over a cache that attends over its filled prefix."""
+        cache.static = self.graphs is not None
+        return self.graphs.wrap(model) if self.graphs is not None else model
 
     @torch.inference_mode()
     def capture_graphs(self, rows: list[int]) -> None:

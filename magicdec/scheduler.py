@@ -234,10 +234,14 @@ class Scheduler:
         step.grow = [(r.slot, first, blocks) for r, first, blocks in grown if r.slot >= 0]
         decoding = self.running + [r for r in self.prefilling if not r.chunks and r.params.max_tokens > 1]
         if decoding:
-            step.n_rows = min(len(self.slots), self.row_bucket(1 + max(r.slot for r in decoding)))
+            step.n_rows = self.decode_rows(1 + max(r.slot for r in decoding))
             context = sum(r.context for r in decoding) // len(decoding)
             step.gamma = min(self.max_gamma, self.gamma_policy(len(decoding), context))
         return step
+
+    def decode_rows(self, n: int) -> int:
+        """Rows a decode round over the first n slots runs: n rounded up to a row bucket, at most every slot."""
+        return min(len(self.slots), self.row_bucket(n))
 
     def _fits(self, request: Request) -> bool:
         """Whether the pool has the blocks of the request's whole prompt and first decode round beyond its prefix hit

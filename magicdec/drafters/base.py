@@ -70,8 +70,9 @@ class Drafter(ABC):
         `needs_target_attention`) the slot's draft cache must be complete."""
 
     def free(self) -> None:
-        """Drop the draft cache: the drafter leaves its engine."""
+        """Drop the draft cache: the drafter leaves its engine (and that engine's CUDA graphs)."""
         self.cache = None
+        self.forward = self.model
 
     def move(self, src: int, dst: int) -> None:
         """The request in slot src moves to the free slot dst (src is released after)."""

@@ -304,7 +304,8 @@ class KVManager:
             cfg = model.cfg
             size = self.num_blocks * self.block_bytes(cfg, self.dtype)
             check_fits(size, self.k.device, f"the draft model's K/V for {self.num_blocks} KV blocks "
-                                            f"({size / 2**30:.2f} GiB beside the target's; --kv-cache-gb sizes both)")
+                                            f"({size / 2**30:.2f} GiB beside the target's, in proportion to "
+                                            f"--kv-cache-gb)")
             self.draft_k, self.draft_v = block_storage(cfg, self.num_blocks, self.dtype, self.k.device)
             self._draft_model, self.drafted, self._marked = model, set(), {}
         return self.draft_k, self.draft_v
