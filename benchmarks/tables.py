@@ -255,16 +255,17 @@ def quant_draft(*names: str) -> str:
     return text([rows[k] for k in sorted(rows)])
 
 
-def gpu_check(*runs: tuple[str, str]) -> str:
-    """gpu_check.py on one GPU, runs as (result name, label): forward times per shape (eager; replayed from a CUDA
-    graph where the run timed it), then the engine's rounds of the runs that timed them."""
+def gpu_check(name: str) -> str:
+    """gpu_check.py on one GPU, its runs by label: forward times per shape (eager; replayed from a CUDA graph where the
+    run timed it), then the engine's rounds of the runs that timed them."""
     steps = ("decode", "verify", "draft")
+    runs = load(name)["runs"]
     rows = [{"run": label, "model": r["model"], "B": r["B"], "S": r["S"], **{k: r[f"{k}_ms"] for k in steps},
              **{f"graph {k}": r[f"graph_{k}_ms"] for k in steps if f"graph_{k}_ms" in r},
              "pred decode": r["pred_decode_ms"]}
-            for name, label in runs for r in load(name)["rows"]]
+            for label, doc in runs.items() for r in doc["rows"]]
     engine = [{"run": label, **{k: v for k, v in doc["engine"].items() if "prefill" not in k}}
-              for name, label in runs if "engine" in (doc := load(name))]
+              for label, doc in runs.items() if "engine" in doc]
     return text(rows) + "\n\n" + text(engine)
 
 
@@ -360,7 +361,7 @@ TABLES = {"attention": lambda: attention(False), "attention_prefill": lambda: at
           "prefix_hit": prefix_hit, "server_limits": server_limits,
           "quant_draft": lambda: quant_draft("acceptance_quant", "gemma/acceptance_quant"),
           "capacity": capacity, "layouts": layouts, "kv_dtype": kv_dtype, "tp": tp, "perplexity": perplexity,
-          "gpu_check_h200": lambda: gpu_check(("gpu_check_h200", "run 1"), ("gpu_check_h200_graphs", "run 2, graphs"))}
+          "gpu_check_h200": lambda: gpu_check("gpu_check_h200")}
 MODELS = {"cpu_grid": "cpu_grid", "positions": "acceptance"}
 
 

@@ -1,7 +1,7 @@
 """CUDA graphs for the decode loop's forwards: each shape captured on first use, replayed after.
 
 On a GPU a small model's forward is a few hundred kernels, and issuing them from Python costs more than running them
-(on an H200 an eager Gemma 3 270M forward took ~10 ms at every batch size; `benchmarks/results/gpu_check_h200*.json`).
+(on an H200 an eager Gemma 3 270M forward took ~10 ms at every batch size; `benchmarks/results/gpu_check_h200.json`).
 A CUDA graph records a forward's kernels once and replays them with one launch (vLLM's and SGLang's decode path;
 gpt-fast gets the same from `torch.compile(mode="reduce-overhead")`).
 

@@ -137,7 +137,7 @@ TFLOPS = 1e12
 
 #: Host seconds to launch a layer's kernels in magicdec's eager forward on a GPU: on an H200's host, Gemma 3 270M's
 #: decode, verification and draft forwards took 9.5-12.7 ms at every batch and context up to 128 x 32k, 18 layers
-#: (benchmarks/results/gpu_check_h200*.json), where the same forwards replayed from CUDA graphs took 2.2-8.5.
+#: (benchmarks/results/gpu_check_h200.json), where the same forwards replayed from CUDA graphs took 2.2-8.5.
 #: `eager` adds it to a preset.
 GPU_LAUNCH_PER_LAYER_S = 0.55e-3
 
