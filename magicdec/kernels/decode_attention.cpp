@@ -137,8 +137,8 @@ inline float row_scale(const int8_t* row) {
 
 // kInt8: K/V rows of D int8 values and their fp32 scale (magicdec.kv.quant), queries quantized per row to int8
 // (`quantize_queries`); the scores are integer dot products (`vpdpbusd`, AVX512-VNNI: 64 byte products an instruction
-// where `vdpbf16ps` takes 32 bf16 ones), and P @ V takes V widened to bf16 (exact: an int8 is a bf16) with each
-// position's scale folded into its probability.
+// where `vdpbf16ps` takes 32 bf16 ones), and so is P @ V: each position's V scale folded into its probability, an int16
+// taken as two bytes against V's int8 as the cache stores it (`values_int8_tile`).
 template <int D, bool kTiles, bool kInt8 = false>
 struct Task {
   static_assert(!(kTiles && kInt8), "int8 K/V are read on vector instructions");
@@ -329,17 +329,9 @@ struct Task {
     return false;
   }
 
-  // The tile's positions [l, l + 16) (n real) interleaved by position pairs, read row after row: for dims
+  // The tile's bf16 V rows [l, l + 16) (n real) interleaved by position pairs, read row after row: for dims
   // [16k, 16k + 16), out[j * sj + k * sk] lane i = (V[2j][16k + i], V[2j + 1][16k + i]).
   void interleave_tile(int64_t b, int64_t h, int64_t l, int64_t n, __m512i* out, int64_t sj, int64_t sk) const {
-    if constexpr (kInt8) {
-      widen_tile(b, h, l, n, out, sj, sk);
-    } else {
-      interleave_bf16_tile(b, h, l, n, out, sj, sk);
-    }
-  }
-
-  void interleave_bf16_tile(int64_t b, int64_t h, int64_t l, int64_t n, __m512i* out, int64_t sj, int64_t sk) const {
     const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
                                         39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
     const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
@@ -358,27 +350,72 @@ struct Task {
     }
   }
 
-  // interleave_tile over int8 rows: the pairs as int16, for `vpdpwssd` against the probabilities in int16
-  // (`softmax`); the rows' bytes interleaved, then sign-extended.
-  void widen_tile(int64_t b, int64_t h, int64_t l, int64_t n, __m512i* out, int64_t sj, int64_t sk) const {
+  // The tile's int8 V rows [l, l + 16) (n real) interleaved by position quads, for `vpdpbusd` (four positions' bytes a
+  // dword) with in-lane unpacks alone: out[j * (D / 16) + 4c + r] dword 4L + i = V[4j .. 4j + 3][quad_dim(4c + r, 4L + i)].
+  void quad_tile(int64_t b, int64_t h, int64_t l, int64_t n, __m512i* out) const {
     const int8_t *v0 = V.at(b, h, l), *ahead0 = V.at(b, h, l + kPrefetch);  // each tile in one block (Strided)
-    for (int64_t j = 0; j < kTile / 2; ++j) {
-      const int8_t* va = v0 + 2 * j * V.sl;
-      const int8_t* vz = va + V.sl;
-      for (int c = 0; c < D / 32; ++c) {
-        if (c % 2 == 0) {
-          prefetch(ahead0 + 2 * j * V.sl + 32 * c);
-          prefetch(ahead0 + (2 * j + 1) * V.sl + 32 * c);
+    for (int64_t j = 0; j < kTile / 4; ++j)
+      for (int c = 0; c < D / 64; ++c) {
+        __m512i r[4];
+        for (int i = 0; i < 4; ++i) {
+          const int64_t p = 4 * j + i;
+          prefetch(ahead0 + p * V.sl + 64 * c);
+          r[i] = p < n ? _mm512_loadu_si512(v0 + p * V.sl + 64 * c) : _mm512_setzero_si512();
         }
-        const __m256i a = 2 * j < n ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(va + 32 * c))
-                                    : _mm256_setzero_si256();
-        const __m256i z = 2 * j + 1 < n ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vz + 32 * c))
-                                        : _mm256_setzero_si256();
-        const __m256i lo = _mm256_unpacklo_epi8(a, z), hi = _mm256_unpackhi_epi8(a, z);  // per 128-bit lane
-        out[j * sj + 2 * c * sk] = _mm512_cvtepi8_epi16(_mm256_permute2x128_si256(lo, hi, 0x20));
-        out[j * sj + (2 * c + 1) * sk] = _mm512_cvtepi8_epi16(_mm256_permute2x128_si256(lo, hi, 0x31));
+        const __m512i ab_lo = _mm512_unpacklo_epi8(r[0], r[1]), ab_hi = _mm512_unpackhi_epi8(r[0], r[1]);
+        const __m512i cd_lo = _mm512_unpacklo_epi8(r[2], r[3]), cd_hi = _mm512_unpackhi_epi8(r[2], r[3]);
+        __m512i* o = out + j * (D / 16) + 4 * c;
+        o[0] = _mm512_unpacklo_epi16(ab_lo, cd_lo);
+        o[1] = _mm512_unpackhi_epi16(ab_lo, cd_lo);
+        o[2] = _mm512_unpacklo_epi16(ab_hi, cd_hi);
+        o[3] = _mm512_unpackhi_epi16(ab_hi, cd_hi);
       }
-    }
+  }
+
+  // The head dim that dword `lane` of quad_tile's vector k holds: 128-bit lane L of 64-dim slice c, word r of its bytes.
+  static constexpr int quad_dim(int k, int lane) { return 64 * (k / 4) + 16 * (lane / 4) + 4 * (k % 4) + lane % 4; }
+
+  // out [M, D] (int32 sums in quad_tile's dim order, in float's memory) += the tile's P @ V. Each probability (an int16
+  // of at most kProbOne) is taken as its two bytes, p = 256 hi + lo, each multiplied into V's int8 by `vpdpbusd`: 64
+  // byte products an instruction where `vpdpwssd` takes 32 word ones, and V needs no widening; the integer sums are
+  // exactly p times V's.
+  void values_int8_tile(const uint16_t* probs, const __m512i* vq, float* out) const {
+    magicdec::for_each_row_block<4>(M, [&](int64_t m0, auto block) {
+      constexpr int R = decltype(block)::value;
+      alignas(16) uint32_t hi[R][4], lo[R][4];  // [r][j]: row m0 + r's digits of positions 4j .. 4j + 3
+      for (int r = 0; r < R; ++r) {
+        const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(probs + (m0 + r) * kTile));
+        _mm_store_si128(reinterpret_cast<__m128i*>(hi[r]), _mm256_cvtepi16_epi8(_mm256_srli_epi16(p, 8)));
+        _mm_store_si128(reinterpret_cast<__m128i*>(lo[r]),
+                        _mm256_cvtepi16_epi8(_mm256_and_si256(p, _mm256_set1_epi16(0xFF))));
+      }
+      for (int k0 = 0; k0 < D / 16; k0 += 2) {
+        __m512i acc_hi[R][2], acc_lo[R][2];
+        for (int r = 0; r < R; ++r)
+          for (int k = 0; k < 2; ++k) {
+            acc_hi[r][k] = _mm512_setzero_si512();
+            acc_lo[r][k] = _mm512_loadu_si512(out + (m0 + r) * D + 16 * (k0 + k));
+          }
+        for (int j = 0; j < kTile / 4; ++j) {
+          __m512i ph[R], pl[R];
+          for (int r = 0; r < R; ++r) {
+            ph[r] = _mm512_set1_epi32(static_cast<int>(hi[r][j]));
+            pl[r] = _mm512_set1_epi32(static_cast<int>(lo[r][j]));
+          }
+          for (int k = 0; k < 2; ++k) {
+            const __m512i vk = vq[j * (D / 16) + k0 + k];
+            for (int r = 0; r < R; ++r) {
+              acc_hi[r][k] = _mm512_dpbusd_epi32(acc_hi[r][k], ph[r], vk);
+              acc_lo[r][k] = _mm512_dpbusd_epi32(acc_lo[r][k], pl[r], vk);
+            }
+          }
+        }
+        for (int r = 0; r < R; ++r)
+          for (int k = 0; k < 2; ++k)
+            _mm512_storeu_si512(out + (m0 + r) * D + 16 * (k0 + k),
+                                _mm512_add_epi32(acc_lo[r][k], _mm512_slli_epi32(acc_hi[r][k], 8)));
+      }
+    });
   }
 
   // P @ V on tiles. The chunk's V is interleaved once, each tile read row after row (`vt`, [tiles][D / 16][8 pairs]
@@ -491,11 +528,20 @@ struct Task {
     }
     softmax(tiles, scores.data(), visible.data(), lanes, probs.data(), row_max, row_sum,
             kInt8 ? v_scale.data() : nullptr, kInt8 ? v_max.data() : nullptr);
-    // out[m] += sum_i p[m, i] V[i], two positions per product: V rows interleaved element-wise.
     if constexpr (kTiles) {
       values_on_tiles(b, h, l0, l1, probs.data(), visible.data(), vt, out);
-      return;
+    } else if constexpr (kInt8) {
+      values_int8(b, h, l0, l1, probs.data(), visible.data(), v_max.data(), out);
+    } else {
+      values_bf16(b, h, l0, l1, probs.data(), visible.data(), out);
     }
+  }
+
+  // Unnormalized out [M, D] = P @ V over positions [l0, l1) on vector instructions, from a bf16 cache: two positions
+  // per `vdpbf16ps`, V rows interleaved element-wise.
+  void values_bf16(int64_t b, int64_t h, int64_t l0, int64_t l1, const uint16_t* probs, const char* visible,
+                   float* out) const {
+    const int64_t tiles = (l1 - l0 + kTile - 1) / kTile;
     std::fill(out, out + M * D, 0.0f);
     alignas(64) __m512i vp[kTile / 2][D / 16];  // vp[j][k] lane i: (V[2j][16k + i], V[2j + 1][16k + i])
     for (int64_t t = 0; t < tiles; ++t) {
@@ -507,39 +553,50 @@ struct Task {
         constexpr int R = decltype(block)::value;
         const uint32_t* pairs[R];
         for (int r = 0; r < R; ++r)
-          pairs[r] = reinterpret_cast<const uint32_t*>(probs.data() + (t * M + m0 + r) * kTile);
+          pairs[r] = reinterpret_cast<const uint32_t*>(probs + (t * M + m0 + r) * kTile);
         for (int k0 = 0; k0 < D / 16; k0 += 4) {
-          using Acc = std::conditional_t<kInt8, __m512i, __m512>;  // int8: int32 sums, in `out`'s memory
-          Acc acc[R][4];
+          __m512 acc[R][4];
           for (int r = 0; r < R; ++r)
-            for (int k = 0; k < 4; ++k) acc[r][k] = (Acc)_mm512_loadu_ps(out + (m0 + r) * D + 16 * (k0 + k));
+            for (int k = 0; k < 4; ++k) acc[r][k] = _mm512_loadu_ps(out + (m0 + r) * D + 16 * (k0 + k));
           for (int64_t j = 0; j < kTile / 2; ++j) {
             __m512i pj[R];
             for (int r = 0; r < R; ++r) pj[r] = _mm512_set1_epi32(pairs[r][j]);
             for (int k = 0; k < 4; ++k) {
               const __m512i vk = vp[j][k0 + k];
-              for (int r = 0; r < R; ++r) {
-                if constexpr (kInt8) {
-                  acc[r][k] = _mm512_dpwssd_epi32(acc[r][k], pj[r], vk);
-                } else {
-                  acc[r][k] = _mm512_dpbf16_ps(acc[r][k], (__m512bh)pj[r], (__m512bh)vk);
-                }
-              }
+              for (int r = 0; r < R; ++r) acc[r][k] = _mm512_dpbf16_ps(acc[r][k], (__m512bh)pj[r], (__m512bh)vk);
             }
           }
           for (int r = 0; r < R; ++r)
-            for (int k = 0; k < 4; ++k) _mm512_storeu_ps(out + (m0 + r) * D + 16 * (k0 + k), (__m512)acc[r][k]);
+            for (int k = 0; k < 4; ++k) _mm512_storeu_ps(out + (m0 + r) * D + 16 * (k0 + k), acc[r][k]);
         }
       });
     }
-    if constexpr (kInt8) {  // row m's int32 sums, in units of v_max[m] / kProbOne
-      for (int64_t m = 0; m < M; ++m) {
-        const __m512 unit = _mm512_set1_ps(v_max[m] / kProbOne);
-        for (int64_t d = 0; d < D; d += 16) {
-          float* o = out + m * D + d;
-          _mm512_storeu_ps(o, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_castps_si512(_mm512_loadu_ps(o))), unit));
-        }
-      }
+  }
+
+  // out [M, D] = P @ V over positions [l0, l1) from an int8 cache, V's scales folded into the probabilities (softmax),
+  // scaled by each row's v_max.
+  void values_int8(int64_t b, int64_t h, int64_t l0, int64_t l1, const uint16_t* probs, const char* visible,
+                   const float* v_max, float* out) const {
+    const int64_t tiles = (l1 - l0 + kTile - 1) / kTile;
+    std::fill(out, out + M * D, 0.0f);
+    alignas(64) __m512i vq[kTile / 4 * (D / 16)];
+    for (int64_t t = 0; t < tiles; ++t) {
+      const int64_t l = l0 + t * kTile;
+      if (!visible[t]) continue;
+      quad_tile(b, h, l, std::min<int64_t>(kTile, l1 - l), vq);
+      values_int8_tile(probs + t * M * kTile, vq, out);
+    }
+    scale_int8_sums(v_max, out);
+  }
+
+  // out [M, D]: each row's int32 sums (values_int8_tile), in units of v_max[m] / kProbOne and quad_tile's dim order,
+  // as floats in head-dim order.
+  void scale_int8_sums(const float* v_max, float* out) const {
+    alignas(64) int32_t sums[D];
+    for (int64_t m = 0; m < M; ++m) {
+      std::memcpy(sums, out + m * D, sizeof(sums));
+      const float unit = v_max[m] / kProbOne;
+      for (int i = 0; i < D; ++i) out[m * D + quad_dim(i / 16, i % 16)] = static_cast<float>(sums[i]) * unit;
     }
   }
 };
