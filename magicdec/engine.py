@@ -28,7 +28,7 @@ from magicdec.config import EngineConfig
 from magicdec.distributed import init_tp, launched_world_size
 from magicdec.drafters.base import Drafter
 from magicdec.errors import InvalidRequestError
-from magicdec.kv.blocks import KVManager, blocks_for
+from magicdec.kv.blocks import BLOCK_SIZE, KVManager, blocks_for
 from magicdec.loading import LoadedModel, load_model
 from magicdec.loading.tokenizer import Tokenizer
 from magicdec.logprobs import TokenLogprob
@@ -119,10 +119,11 @@ class LLMEngine:
         return self.config.max_model_len
 
     @staticmethod
-    def _policy(speculation: Speculation | None) -> tuple[GammaPolicy, int, bool]:
+    def _policy(speculation: Speculation | None) -> tuple[GammaPolicy, int, bool, int]:
         if speculation is None:
-            return FixedGamma(0), 0, False
-        return speculation.policy, speculation.drafter.gamma, speculation.drafter.prefills
+            return FixedGamma(0), 0, False, 0
+        drafter = speculation.drafter
+        return speculation.policy, drafter.gamma, drafter.prefills, drafter.blocks_per_request
 
     def set_speculation(self, speculation: Speculation | None) -> None:
         """Draft with `speculation` (None: plain decoding) from now on; only between runs, with no request in."""
@@ -165,10 +166,12 @@ class LLMEngine:
                 f"the context of {self.max_model_len} tokens"
             )
         need = len(prompt_ids) + params.max_tokens + CACHE_SLACK
-        if blocks_for(need) > self.kv.num_blocks - 1:
+        draft = self.scheduler.draft_blocks
+        if blocks_for(need) + draft > self.kv.num_blocks - 1:
+            beside = f", its sparse draft cache taking {draft * BLOCK_SIZE} of them" if draft else ""
             raise InvalidRequestError(
                 f"the prompt has {len(prompt_ids)} tokens; with max_tokens={params.max_tokens} it needs more KV "
-                f"blocks than the whole KV cache holds ({self.kv.capacity_tokens} tokens; see --kv-cache-gb)")
+                f"blocks than the whole KV cache holds ({self.kv.capacity_tokens} tokens{beside}; see --kv-cache-gb)")
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         request = Request(request_id, prompt_ids, params, seed)
         self.scheduler.add(request)

@@ -160,7 +160,8 @@ class ModelRunner:
                 self.kv.windows.load(a.cached, row.window)
             row.commit(len(a.blocks) * BLOCK_SIZE)
         if self.drafter is not None:
-            self.drafter.assign(slot, a.drafted)
+            self.kv.zero_blocks(a.draft_blocks)
+            self.drafter.assign(slot, a.drafted, a.draft_blocks)
         self.seq[slot, :n] = torch.tensor(a.prompt, dtype=torch.long)
         self.n_tokens[slot] = n
         self.limit[slot] = n - a.generated + a.params.max_tokens

@@ -145,16 +145,20 @@ class Scheduler:
         self.kv = kv
         self.watermark = int(watermark * kv.num_blocks)
         self.draft_prefills = False  # whether a draft model prefills prompts (its K/V in the same blocks)
+        self.draft_blocks = 0  # blocks a request's sparse draft cache takes at admission
         self.decode = decode  # token ids -> text, for stop strings
         self.row_bucket = row_bucket  # decoded rows, rounded up to a shape a captured graph can replay
         self.waiting: deque[Request] = deque()
         self.active: list[Request] = []  # requests holding a slot, in the order they were admitted
 
-    def set_speculation(self, gamma_policy: GammaPolicy, max_gamma: int, draft_prefills: bool = False) -> None:
+    def set_speculation(self, gamma_policy: GammaPolicy, max_gamma: int, draft_prefills: bool = False,
+                        draft_blocks: int = 0) -> None:
         """Draft up to `max_gamma` tokens a round (0: never), as `gamma_policy` picks, from the next step on;
         `draft_prefills`: a draft model prefills prompts too, into its share of the same blocks (`Drafter.prefills`),
-        so a hit maps its K/V only where it computed them."""
+        so a hit maps its K/V only where it computed them; `draft_blocks`: the blocks each request's sparse draft cache
+        takes from the pool when it is admitted (`Drafter.blocks_per_request`)."""
         self.gamma_policy, self.max_gamma, self.draft_prefills = gamma_policy, max_gamma, draft_prefills
+        self.draft_blocks = draft_blocks
 
     @property
     def lookahead(self) -> int:
@@ -245,14 +249,14 @@ class Scheduler:
 
     def _fits(self, request: Request) -> bool:
         """Whether the pool has the blocks of the request's whole prompt and first decode round beyond its prefix hit
-        (and its cached blocks that nobody holds now), beside those the prompts being prefilled still need, with the
+        (and its cached blocks that nobody holds now) and of its sparse draft cache, beside those the prompts being prefilled still need, with the
         watermark left over. Admitting on a first chunk's blocks alone filled the pool with half-prefilled prompts that
         then preempted each other, each preemption throwing away prefill work (benchmarks/README.md, "Capacity at the
         same KV memory")."""
         keys = request.prompt_keys if request.uses_prefix_cache else []
         hit = self.kv.hit_blocks(keys)
         unheld = sum(self.kv.pool.refs[b] == 0 for b in hit)
-        need = self._missing(request, len(request.prefill_ids)) - len(hit) + unheld
+        need = self._missing(request, len(request.prefill_ids)) - len(hit) + unheld + self.draft_blocks
         promised = sum(self._missing(r, len(r.prefill_ids)) for r in self.active if r.status is Status.PREFILLING)
         watermark = self.watermark if self.active else 0  # alone, a request may take the whole pool
         return need + promised + watermark <= self.kv.num_free
@@ -324,6 +328,8 @@ class Scheduler:
         keys, n = request.prompt_keys, len(ids)
         cached = self.kv.match(request.request_id, keys if request.uses_prefix_cache else [], n)
         drafted = self.kv.drafted_prefix(cached) if self.draft_prefills else len(cached)
+        draft_blocks = self.kv.take_draft(request.request_id, self.draft_blocks) if self.draft_blocks else []
+        assert draft_blocks is not None, "admitted without the blocks of its draft cache (_fits)"
         request.slot, request.status = slot, Status.PREFILLING
         request.cached_tokens = request.computed = len(cached) * BLOCK_SIZE
         request.prefilled = drafted * BLOCK_SIZE
@@ -334,7 +340,7 @@ class Scheduler:
         if request.output_ids:  # a resumed request: its tokens so far are its prompt now
             params = dataclasses.replace(params, prompt_logprobs=None)
         return SlotAssignment(slot, ids, params, request.seed, keys[: len(cached)], cached, drafted,
-                              generated=len(request.output_ids))
+                              generated=len(request.output_ids), draft_blocks=draft_blocks)
 
     def _compact(self, step: ScheduledStep) -> None:
         """Move running requests from the highest slots into free lower ones. A round decodes every slot below the

@@ -22,7 +22,8 @@ class SlotAssignment:
     preempted request's output so far included: `generated` of them, which count towards its max_tokens); `cached`:
     the keys of its leading blocks found in the prefix cache and `blocks` the pool blocks holding them, mapped into the
     slot's table before its prefill chunks (which start after them, or after the draft model's hit where that is
-    shorter); `drafted`: how many of those blocks hold a draft model's K/V too (its hit)."""
+    shorter); `drafted`: how many of those blocks hold a draft model's K/V too (its hit); `draft_blocks`: the blocks
+    of its sparse draft cache."""
 
     slot: int
     prompt: list[int]
@@ -32,6 +33,7 @@ class SlotAssignment:
     blocks: list[int] = field(default_factory=list)
     drafted: int = 0
     generated: int = 0
+    draft_blocks: list[int] = field(default_factory=list)
 
 
 @dataclass

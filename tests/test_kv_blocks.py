@@ -27,9 +27,11 @@ def check_pool(kv: KVManager) -> None:
     """The pool's bookkeeping is consistent with the requests' block lists."""
     pool = kv.pool
     assert all(r >= 0 for r in pool.refs) and pool.refs[NULL_BLOCK] == 0
-    held = Counter(b for blocks in kv.held.values() for b in blocks)
+    held = Counter(b for owned in (kv.held, kv.draft_held) for blocks in owned.values() for b in blocks)
     for blocks in kv.held.values():
         assert len(set(blocks)) == len(blocks)  # a request holds a block once
+    for request_id, blocks in kv.draft_held.items():  # a sparse draft cache's blocks are its request's alone
+        assert request_id in kv.held and all(pool.refs[b] == 1 and b not in pool.key_of for b in blocks)
     assert NULL_BLOCK not in held
     assert all(pool.refs[b] == held[b] for b in range(pool.num_blocks))  # refs == the lists naming it
     free_ids, evictable = list(pool.free_ids), list(pool.evictable)
@@ -61,8 +63,9 @@ def test_pool_accounting_under_random_sequences(num_blocks, seqs, ops, caching):
     """Admissions (a prefix hit, then the blocks of a first chunk), growth that preempts the newest request where the
     pool runs dry (as the scheduler does), stores of filled blocks, frees and cold starts, in any order: the pool's
     bookkeeping stays consistent, the null block is never handed out, a block is written only by its one holder, a
-    hit's blocks hold exactly the tokens of the prefix it covers, and a draft model's hit covers only blocks its own
-    prefill filled since they were last taken."""
+    hit's blocks hold exactly the tokens of the prefix it covers, a draft model's hit covers only blocks its own
+    prefill filled since they were last taken, and the blocks some requests' sparse draft caches take at admission
+    are theirs alone until they go."""
     kv = KVManager(TINY_CFG, num_blocks, torch.float32, "cpu", caching=caching)
     doc = torch.randint(0, 1000, (4 * BLOCK_SIZE,), generator=torch.Generator().manual_seed(0)).tolist()
     tokens = []
@@ -99,7 +102,8 @@ def test_pool_accounting_under_random_sequences(num_blocks, seqs, ops, caching):
             computed[rid] = len(hit) * BLOCK_SIZE
             order.append(rid)
             first_end = min(len(ids), computed[rid] + amount)
-            if (new := kv.grow(rid, first_end)) is None:  # does not fit: not admitted
+            sparse = kv.take_draft(rid, i % 3) if i % 3 else []  # some draft with a sparse cache of 1 or 2 blocks
+            if sparse is None or (new := kv.grow(rid, first_end)) is None:  # does not fit: not admitted
                 release(rid)
             else:
                 drafted.difference_update(new)
@@ -130,7 +134,7 @@ def test_pool_accounting_under_random_sequences(num_blocks, seqs, ops, caching):
     for rid in list(order):
         release(rid)
     check_pool(kv)
-    assert kv.num_free == num_blocks - 1 and kv.usage == 0 and not kv.held
+    assert kv.num_free == num_blocks - 1 and kv.usage == 0 and not kv.held and not kv.draft_held
 
 
 # --- preemption on the real model ------------------------------------------------------------------------------
@@ -201,11 +205,42 @@ def test_preemption_under_speculation_is_exact(model, kv_dtype, prompts, unpreem
     requests give the tokens of the unpreempted plain run."""
     from magicdec.drafters import SelfSpecDrafter
 
-    kv = tiny_pool(model, kv_dtype, 7)
-    drafter = SelfSpecDrafter(model, "streaming", 64, 3, reindex=True)
+    kv = tiny_pool(model, kv_dtype, 9)  # two requests fit at admission, and preempt as they grow
+    drafter = SelfSpecDrafter(model, "streaming", 24, 3, reindex=True)  # its sparse cache takes a block a request
     requests, stats = run_engine(model, prompts, PARAMS, kv=kv, drafter=drafter, gamma=3)
     assert [r.output_ids for r in requests] == unpreempted
     assert kv.preemptions > 0 and stats.gamma == 3
+    assert kv.usage == 0 and not kv.held and not kv.draft_held
+
+
+def test_a_sparse_draft_holds_its_blocks_from_admission_to_the_end(model, kv_dtype, prompts, unpreempted):
+    """A SnapKV draft cache (40 + 5 slots: 2 blocks) lies in blocks of the target's pool: each running request holds
+    its own, mapped into its row of the draft's table, from admission until it finishes; then all are back in the
+    pool. Greedy and seeded sampled requests give the plain run's tokens."""
+    from magicdec.drafters import SelfSpecDrafter
+    from magicdec.kv.hybrid import paged_part
+    from magicdec.scheduler import FixedGamma
+    from magicdec.speculative import Speculation
+
+    drafter = SelfSpecDrafter(model, "snapkv", 40, 3, reindex=False)
+    assert drafter.blocks_per_request == 2
+    kv = tiny_pool(model, kv_dtype, 64, caching=False)
+    config = EngineConfig(max_num_seqs=2, max_model_len=160, kv_dtype=kv_dtype)  # 2 slots: requests come and go
+    engine = LLMEngine(model, config, speculation=Speculation(drafter, FixedGamma(3)), kv=kv)
+    requests = [engine.add_request(str(i), p, sp) for i, (p, sp) in enumerate(zip(prompts, PARAMS))]
+    steps = 0
+    while engine.has_unfinished() and steps < 400:
+        engine.step()
+        steps += 1
+        active = engine.scheduler.active
+        assert set(kv.draft_held) == {r.request_id for r in active}
+        for r in active:
+            blocks = kv.draft_held[r.request_id]
+            assert len(blocks) == 2 and not set(blocks) & set(kv.held[r.request_id])
+            assert paged_part(drafter.cache).tables[r.slot, :2].tolist() == blocks
+    assert not engine.has_unfinished()
+    assert [r.output_ids for r in requests] == unpreempted
+    assert kv.usage == 0 and not kv.held and not kv.draft_held
 
 
 # --- zero-copy hits -------------------------------------------------------------------------------------------
@@ -303,6 +338,28 @@ def test_a_request_larger_than_the_pool_is_refused_up_front(tiny_llama):
     while engine.has_unfinished():
         engine.step()
     assert len(ok.output_ids) == GREEDY.max_tokens and kv.usage == 0
+
+
+def test_a_sparse_draft_cache_counts_against_the_pool(tiny_llama):
+    """A request whose blocks fit the pool alone but not beside its sparse draft cache's is refused up front, saying
+    so; a shorter one runs, and its draft's blocks go back with its own."""
+    from test_prefix_cache import GREEDY, random_ids
+
+    from magicdec.drafters import SelfSpecDrafter
+    from magicdec.scheduler import FixedGamma
+    from magicdec.speculative import Speculation
+
+    model = tiny_llama[0].model
+    kv = kv_pool(model, 5 * KVManager.block_bytes(model.cfg, model.dtype))  # 4 blocks: 128 positions
+    drafter = SelfSpecDrafter(model, "streaming", 40, 3, reindex=True)  # 45 slots: 2 blocks a request
+    engine = LLMEngine(model, EngineConfig(max_num_seqs=2, max_model_len=512), kv=kv,
+                       speculation=Speculation(drafter, FixedGamma(3)))
+    with pytest.raises(InvalidRequestError, match="its sparse draft cache taking 64"):
+        engine.add_request("three blocks", random_ids(40, 1), GREEDY)  # 40 + 12 + the slack: 3 blocks, + 2 > 4
+    ok = engine.add_request("two blocks", random_ids(8, 2), GREEDY)
+    while engine.has_unfinished():
+        engine.step()
+    assert len(ok.output_ids) == GREEDY.max_tokens and kv.usage == 0 and not kv.draft_held
 
 
 def test_dropping_an_engine_midway_gives_its_blocks_back(tiny_llama):

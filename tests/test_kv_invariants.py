@@ -31,6 +31,7 @@ from magicdec.config import EngineConfig, ModelConfig
 from magicdec.drafters import ModelDrafter, SelfSpecDrafter
 from magicdec.engine import LLMEngine
 from magicdec.kv import KVCache
+from magicdec.kv.blocks import block_storage
 from magicdec.kv.paged import gather
 from magicdec.kv.sparse import (
     SNAPKV_KERNEL, SnapKVObserver, SparseKVCache, compress_into, prefix_size, rotate_keys, snapkv_index,
@@ -91,6 +92,12 @@ def row_kv(pool: torch.Tensor, cache, slot: int, n: int) -> torch.Tensor:
     return torch.stack([gather(pool[layer], table, n)[0] for layer in range(pool.shape[0])])
 
 
+def entries(cache: SparseKVCache) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every row's K and V of a sparse cache by slot, [L, B, KV, capacity, hd], read through its tables."""
+    return tuple(torch.stack([gather(pool[layer], cache.tables, cache.capacity) for layer in range(pool.shape[0])])
+                 for pool in (cache.k, cache.v))
+
+
 def make_drafter(name: str, target, draft_model, gamma: int, reindex: bool):
     kind, _, cache_kind = name.partition("-")
     if kind == "self":
@@ -138,7 +145,8 @@ class Monitor:
             assert c.capacity == c.budget + self.d.slack == c.budget + self.d.gamma + 2
         if self.snap_prefix(P):
             base = int(c.win_start[slot] - c.n_prefix[slot])
-            self.prefix0[slot] = (c.k[:, slot, :, : c.keep].clone(), c.v[:, slot, :, : c.keep].clone(), base)
+            ck, cv = entries(c)
+            self.prefix0[slot] = (ck[:, slot, :, : c.keep], cv[:, slot, :, : c.keep], base)
             self.check_snapkv_prefix(slot, prompt.tolist(), observer)
         self.check(slot, prompt.tolist(), n_target=P)
 
@@ -239,18 +247,19 @@ class Monitor:
         c, P = self.d.cache, self.prompt_len[slot]
         assert int(c.lens[slot]) == len(positions)
         slots, held = c.held(slot) if self.sparse else (torch.arange(len(positions)),) * 2
+        ck, cv = entries(c) if self.sparse else (None, None)  # a sparse row's entries by slot
         if self.snap_prefix(P):
             k0, v0, base0 = self.prefix0[slot]
             # the selected prompt entries never move (re-indexing only rotates their keys along the window)
-            assert torch.equal(c.v[:, slot, :, : c.keep], v0)
+            assert torch.equal(cv[:, slot, :, : c.keep], v0)
             shift = torch.tensor(int(c.win_start[slot] - c.n_prefix[slot]) - base0 if c.reindex else 0)
-            torch.testing.assert_close(c.k[:, slot, :, : c.keep], rotate_keys(k0, shift, self.target.inv_freq), **TOL)
+            torch.testing.assert_close(ck[:, slot, :, : c.keep], rotate_keys(k0, shift, self.target.inv_freq), **TOL)
             slots, held, positions = slots[c.keep :], held[c.keep :], positions[c.keep :]
         p = torch.tensor(positions, dtype=torch.long)
         assert torch.equal(held, p), f"slot {slot} holds {held.tolist()}, want {positions}"
         Kd, Vd = kv_of(self.d.model, tokens)
         if self.sparse:
-            k, v = c.k[:, slot][:, :, slots], c.v[:, slot][:, :, slots]  # [L, KV, n, hd]
+            k, v = ck[:, slot][:, :, slots], cv[:, slot][:, :, slots]  # [L, KV, n, hd]
         else:  # a dense draft's K/V lie in the request's blocks, beside the target's
             k, v = row_kv(c.k, c, slot, len(positions)), row_kv(c.v, c, slot, len(positions))
         if self.sparse and c.reindex:  # prefix entry j sits at position win_start - n_prefix + j
@@ -274,7 +283,8 @@ class Monitor:
         c, P = self.d.cache, len(prompt)
         Kd, Vd = kv_of(self.d.model, prompt)
         W = c.budget - c.keep
-        L, KV = c.k.shape[0], c.k.shape[2]
+        ck, cv = entries(c)
+        L, KV = ck.shape[0], ck.shape[2]
         j = torch.arange(c.keep)
         if self.d.model is self.target:
             index = snapkv_index(observer, torch.tensor([P]), c.budget, snapkv_window(c.budget))[:, 0]
@@ -284,19 +294,19 @@ class Monitor:
                     where = snapkv_reference_check(observer.scores[layer][0, h], P, W, index[layer, h, : c.keep])
                 else:
                     assert not c.reindex
-                    k = c.k[layer, slot, h, : c.keep, None, :]
-                    v = c.v[layer, slot, h, : c.keep, None, :]
+                    k = ck[layer, slot, h, : c.keep, None, :]
+                    v = cv[layer, slot, h, : c.keep, None, :]
                     dk = (k - Kd[layer, h, None, : P - W]).abs().amax(-1)
                     dv = (v - Vd[layer, h, None, : P - W]).abs().amax(-1)
                     dist = torch.maximum(dk, dv)  # [keep, P-W]
                     best, where = dist.min(-1)
                     assert (best < 1e-4).all(), "a SnapKV prefix slot holds no prompt entry before the window"
                     assert (where[1:] > where[:-1]).all(), f"SnapKV prefix not in ascending position order: {where}"
-                k = c.k[layer, slot, h, : c.keep]
+                k = ck[layer, slot, h, : c.keep]
                 if c.reindex:
                     k = rotate_keys(k, where - (int(c.win_start[slot] - c.n_prefix[slot]) + j), self.target.inv_freq)
                 torch.testing.assert_close(k, Kd[layer, h, where], **TOL)
-                torch.testing.assert_close(c.v[layer, slot, h, : c.keep], Vd[layer, h, where], **TOL)
+                torch.testing.assert_close(cv[layer, slot, h, : c.keep], Vd[layer, h, where], **TOL)
 
 
 def snapkv_reference_check(scores: torch.Tensor, n: int, window: int, selected: torch.Tensor) -> torch.Tensor:
@@ -467,9 +477,21 @@ def marker_cache(cfg: ModelConfig, lens: list[int], capacity: int, inv_freq: tor
 def compressed(dense: KVCache, kind: str, budget: int, reindex: bool, slack: int, inv_freq: torch.Tensor,
                observer: SnapKVObserver | None = None) -> SparseKVCache:
     """A sparse cache of `kind` with every row of `dense` compressed into it."""
-    cache = SparseKVCache(dense.cfg, dense.batch, budget, prefix_size(kind, budget), slack, dense.dtype, dense.device,
-                          reindex, inv_freq)
+    cache = sparse_cache(dense.cfg, dense.batch, budget, prefix_size(kind, budget), slack, dense.dtype, reindex,
+                         inv_freq)
     compress_into(cache, dense, kind, observer)
+    return cache
+
+
+def sparse_cache(cfg, batch: int, budget: int, keep: int, slack: int, dtype: torch.dtype, reindex: bool,
+                 inv_freq: torch.Tensor) -> SparseKVCache:
+    """A sparse cache whose rows hold blocks of a pool of their own (zeroed), as requests take them at admission."""
+    n = SparseKVCache.blocks_per_row(budget, slack)
+    k, v = block_storage(cfg, 1 + batch * n, dtype, "cpu")
+    k.zero_(), v.zero_()
+    cache = SparseKVCache(cfg, k, v, batch, budget, keep, slack, reindex, inv_freq)
+    for b in range(batch):
+        cache.set_blocks(b, 0, list(range(1 + b * n, 1 + (b + 1) * n)))
     return cache
 
 
@@ -482,13 +504,14 @@ def check_slots(cache: SparseKVCache, b: int, positions: list[int], base: torch.
     slots, held = cache.held(b)
     assert held.tolist() == positions, f"row {b}: holds {held.tolist()}, want {positions}"
     want = 1000.0 * b + torch.tensor(positions, dtype=torch.float32)
-    got = cache.v[:, b, :, slots, 0]  # [L, KV, n]
+    entries_k, entries_v = entries(cache)
+    got = entries_v[:, b, :, slots, 0]  # [L, KV, n]
     assert torch.equal(got, want.expand_as(got))
     rot = torch.tensor(positions)
     if cache.reindex:
         rot = torch.where(slots < cache.keep, int(cache.win_start[b] - cache.n_prefix[b]) + slots, rot)
     want_k = rotate_keys(base.expand(n, -1), rot, inv_freq)
-    got_k = cache.k[:, b, :, slots]
+    got_k = entries_k[:, b, :, slots]
     torch.testing.assert_close(got_k, want_k.expand_as(got_k), atol=1e-4, rtol=1e-4)
 
 
@@ -585,17 +608,17 @@ def test_snapkv_selects_top_pooled_scores_before_window(target):
             continue
         assert int(cache.lens[b]) == budget
         slots, _ = cache.held(b)
-        held = (cache.v[:, b, :, slots, 0] - 1000.0 * b).round().long()  # [L, KV, budget] positions
+        held = (entries(cache)[1][:, b, :, slots, 0] - 1000.0 * b).round().long()  # [L, KV, budget] positions
         assert (held[..., keep:] == torch.arange(n - window, n)).all()  # the observation window, in order
         prefix = held[..., :keep]
         assert (prefix[..., 1:] > prefix[..., :-1]).all() and (prefix < n - window).all()
         for layer in range(cfg.n_layers):
             for h in range(cfg.n_kv_heads):
                 snapkv_reference_check(obs.scores[layer][b, h], n, window, prefix[layer, h])
-    held_row = (cache.v[0, 1, 0, :keep, 0] - 1000).round().long().tolist()
+    held_row = (entries(cache)[1][0, 1, 0, :keep, 0] - 1000).round().long().tolist()
     assert set(range(17, 24)) <= set(held_row), held_row
     # sliding the window keeps the selected prefix in place and drops the oldest window entries
-    prefix_before = cache.v[:, :, :, :keep].clone()
+    prefix_before = entries(cache)[1][:, :, :, :keep].clone()
     for _ in range(5):
         cache.attn_mask(1)
         for layer in range(cfg.n_layers):
@@ -603,14 +626,14 @@ def test_snapkv_selects_top_pooled_scores_before_window(target):
             cache.update(layer, torch.zeros(shape), torch.full(shape, -1.0))
         cache.commit(1)
         cache.evict()
-    assert torch.equal(cache.v[:, :, :, :keep][:, 1:], prefix_before[:, 1:])
+    assert torch.equal(entries(cache)[1][:, :, :, :keep][:, 1:], prefix_before[:, 1:])
     assert int(cache.lens.max()) == budget
     for b in (1, 2):
         slots, held = cache.held(b)
         window_slots = slots[keep:]
         old = 1000.0 * b + torch.arange(lens[b] - 3, lens[b]).float()  # the 3 newest of the old window
-        assert torch.equal(cache.v[0, b, 0, window_slots[:3], 0], old)
-        assert (cache.v[:, b, :, window_slots[3:]] == -1).all()
+        assert torch.equal(entries(cache)[1][0, b, 0, window_slots[:3], 0], old)
+        assert (entries(cache)[1][:, b, :, window_slots[3:]] == -1).all()
         assert held[keep:].tolist() == list(range(lens[b] - 3, lens[b] + 5))
 
 
@@ -628,11 +651,12 @@ def test_budget_covering_context_keeps_everything(target, kind, reindex):
     for b, n in enumerate(lens):
         slots, held = cache.held(b)
         assert held.tolist() == list(range(n))
-        torch.testing.assert_close(cache.k[:, b, :, slots], dense.k[:, b, :, :n])
-        assert torch.equal(cache.v[:, b, :, slots], dense.v[:, b, :, :n])
-    k_before = cache.k.clone()
+        entries_k, entries_v = entries(cache)
+        torch.testing.assert_close(entries_k[:, b, :, slots], dense.k[:, b, :, :n])
+        assert torch.equal(entries_v[:, b, :, slots], dense.v[:, b, :, :n])
+    k_before = entries(cache)[0]
     cache.evict()  # at the budget: a no-op
-    assert torch.equal(cache.k, k_before) and torch.equal(cache.lens, dense.lens)
+    assert torch.equal(entries(cache)[0], k_before) and torch.equal(cache.lens, dense.lens)
 
 
 @pytest.mark.parametrize("kind", ["streaming", "snapkv"])

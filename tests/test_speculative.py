@@ -82,9 +82,9 @@ def draft_hits(monkeypatch, drafted) -> list[int]:
     assign = ModelDrafter.assign
     served = []
 
-    def assign_counting(self, slot, n):
+    def assign_counting(self, slot, n, blocks):
         served.append(n)
-        assign(self, slot, n)
+        assign(self, slot, n, blocks)
 
     monkeypatch.setattr(ModelDrafter, "assign", assign_counting)
     return served

@@ -10,7 +10,7 @@ from torch import Tensor
 from magicdec.drafters.vocab import DraftHead
 from magicdec.kv import KVCache
 from magicdec.kv.blocks import KVManager
-from magicdec.kv.hybrid import HybridCache
+from magicdec.kv.hybrid import HybridCache, paged_part
 from magicdec.kv.sparse import SnapKVObserver
 from magicdec.model import Transformer
 from magicdec.sampling import RowParams, sample_tokens
@@ -47,6 +47,12 @@ class Drafter(ABC):
         """Entries a sparse cache holds beyond its budget: tokens in flight during a round."""
         return self.gamma + 2
 
+    @property
+    def blocks_per_request(self) -> int:
+        """KV blocks a request's draft cache takes from the pool when it is admitted (a sparse cache's fixed size;
+        0 where the draft reads the request's own blocks, or keeps a row per slot)."""
+        return 0
+
     @abstractmethod
     def allocate(self, slots: int, capacity: int, dtype: torch.dtype, device: torch.device,
                  target: KVCache | None = None, kv: KVManager | None = None) -> None:
@@ -58,10 +64,12 @@ class Drafter(ABC):
     def cache_bytes(self, slots: int, capacity: int, dtype: torch.dtype) -> int:
         """Bytes `allocate` would take (memory is planned before it is allocated)."""
 
-    def assign(self, slot: int, drafted: int) -> None:
+    def assign(self, slot: int, drafted: int, blocks: list[int]) -> None:
         """A new request takes `slot`, its prefix hit mapped into the target's block table; `drafted`: how many of
         the hit's leading blocks hold a draft model's K/V too (a drafter that does not prefill takes its entries from
-        the target, and has nothing to start)."""
+        the target, and has nothing to start); `blocks`: the `blocks_per_request` blocks of its sparse cache."""
+        if blocks:
+            paged_part(self.cache).set_blocks(slot, 0, blocks)
 
     @abstractmethod
     def prefill(self, slot: int, prompt: Tensor, end: int, target: KVCache, observer: SnapKVObserver | None) -> None:
@@ -79,8 +87,11 @@ class Drafter(ABC):
         self.cache.copy_row(src, dst)
 
     def release(self, slot: int) -> None:
-        """The slot's request is gone: empty its row (a stale long row would widen every forward's writes)."""
+        """The slot's request is gone: empty its row (a stale long row would widen every forward's writes) and unmap
+        its sparse cache's blocks (back in the pool)."""
         self.cache.row(slot).clear()
+        if self.blocks_per_request:
+            paged_part(self.cache).unmap(slot)
 
     @staticmethod
     def _feed_limit(cache: KVCache) -> int:

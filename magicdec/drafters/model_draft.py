@@ -46,20 +46,25 @@ class ModelDrafter(Drafter):
         self.dense = paged_part(target).over(self.model.cfg, k, v)
         if self.cache_kind == "dense":
             self.cache = self.dense
-        else:
-            self.cache = SparseKVCache(self.model.cfg, slots, self.budget, prefix_size(self.cache_kind, self.budget),
-                                       self.slack, dtype, device, self.reindex, self.model.inv_freq)
+        else:  # in the draft share of blocks the scheduler takes for each request at admission
+            self.cache = SparseKVCache(self.model.cfg, k, v, slots, self.budget,
+                                       prefix_size(self.cache_kind, self.budget), self.slack, self.reindex,
+                                       self.model.inv_freq)
+
+    @property
+    def blocks_per_request(self) -> int:
+        return 0 if self.cache_kind == "dense" else SparseKVCache.blocks_per_row(self.budget, self.slack)
 
     def free(self) -> None:
         super().free()
         self.dense = None
 
     def cache_bytes(self, slots: int, capacity: int, dtype: torch.dtype) -> int:
-        """A sparse cache's bytes (the dense K/V are the KV blocks' draft share, `KVManager.draft_storage`)."""
-        return 0 if self.cache_kind == "dense" else KVCache.nbytes(self.model.cfg, slots, self.budget + self.slack,
-                                                                   dtype)
+        """A sparse cache's per-slot state: the K/V are the KV blocks' draft share (`KVManager.draft_storage`)."""
+        return 0 if self.cache_kind == "dense" else SparseKVCache.state_bytes(slots, self.budget, self.slack)
 
-    def assign(self, slot: int, drafted: int) -> None:
+    def assign(self, slot: int, drafted: int, blocks: list[int]) -> None:
+        super().assign(slot, drafted, blocks)
         row = self.dense.row(slot)
         row.clear()
         row.commit(drafted * BLOCK_SIZE)

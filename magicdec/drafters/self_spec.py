@@ -27,16 +27,22 @@ class SelfSpecDrafter(SelfDrafter):
         self.name = f"self-{kind}"
         self.needs_target_attention = kind == "snapkv"
 
+    @property
+    def blocks_per_request(self) -> int:
+        return SparseKVCache.blocks_per_row(self.budget, self.slack)
+
     def allocate(self, slots: int, capacity: int, dtype: torch.dtype, device: torch.device,
                  target: KVCache | None = None, kv: KVManager | None = None) -> None:
-        # a slot's entries are cut from the target's cache, which the target's prefix cache fills
-        cfg = self.model.cfg
-        sparse = SparseKVCache(global_config(cfg), slots, self.budget, prefix_size(self.kind, self.budget),
-                               self.slack, dtype, device, self.reindex, self.model.inv_freq)
+        # a slot's entries are cut from the target's cache, which the target's prefix cache fills; they lie in blocks
+        # of the target's pool, which the scheduler takes for each request at admission
+        if kv is None:
+            raise ValueError("a sparse draft cache lies in the KV manager's blocks: pass the KV manager")
+        sparse = SparseKVCache(global_config(self.model.cfg), kv.k, kv.v, slots, self.budget,
+                               prefix_size(self.kind, self.budget), self.slack, self.reindex, self.model.inv_freq)
         self.cache = self._over_target(sparse, target)  # hybrid: only the global layers read a sparse cache
 
     def cache_bytes(self, slots: int, capacity: int, dtype: torch.dtype) -> int:
-        return KVCache.nbytes(global_config(self.model.cfg), slots, self.budget + self.slack, dtype)
+        return SparseKVCache.state_bytes(slots, self.budget, self.slack)  # the K/V: in the pool's blocks
 
     def prefill(self, slot: int, prompt: Tensor, end: int, target: KVCache, observer: SnapKVObserver | None) -> None:
         if end < len(prompt):  # the entries are cut from the target's row once it holds the whole prompt

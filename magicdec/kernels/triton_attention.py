@@ -9,8 +9,9 @@ maximum, sum and unnormalised output; `_merge_kernel` combines a (row, head)'s s
 K/V are read in place, either
 
 - paged: pools [NB, KV, BS, hd] (vLLM's "HND" layout, any strides but a contiguous last dim) through a block table
-  [B, nblk] int32, position l of row b being pool[table[b, l // BS], :, l % BS] (`magicdec.kv.paged`), or
-- dense: [B, KV, L, hd] per row (the window rings of sliding layers, the sparse draft caches).
+  [B, nblk] int32, position (or sparse slot) l of row b being pool[table[b, l // BS], :, l % BS] (`magicdec.kv.paged`,
+  and the sparse draft caches of `magicdec.kv.sparse`), or
+- dense: [B, KV, L, hd] per row (the window rings of sliding layers).
 
 K/V are fp16, bf16 or fp32, or int8 rows carrying their scale (`magicdec.kv.quant`: hd int8 values, then the fp32
 scale in the row's last 4 bytes; the 4-bit rows of `magicdec.kv.lowbit` too), converted to fp32 in the kernel as

@@ -215,6 +215,7 @@ class KVManager:
         self.pool = BlockPool(num_blocks)
         self.windows = WindowStore(cfg, window_bytes, dtype) if cfg.hybrid else None
         self.held: dict[str, list[int]] = {}  # request id -> its blocks, in order
+        self.draft_held: dict[str, list[int]] = {}  # request id -> its sparse draft cache's blocks (`take_draft`)
         self.keyed: dict[str, list[bytes]] = {}  # request id -> keys of its leading full blocks registered so far
         self.queries = self.hits = self.preemptions = 0
         # a standalone draft model's share of every block (`draft_storage`)
@@ -352,9 +353,19 @@ class KVManager:
         self.keyed.setdefault(request_id, [])
         return new
 
+    def take_draft(self, request_id: str, n: int) -> list[int] | None:
+        """n blocks for the request's fixed-size sparse draft cache (`magicdec.kv.sparse`), held until `free`: never
+        keyed or shared. None where the pool lacks them (nothing taken)."""
+        if n > self.pool.num_free:
+            return None
+        blocks = self.pool.take(n)
+        self.drafted.difference_update(blocks)
+        self.draft_held[request_id] = blocks
+        return blocks
+
     def free(self, request_id: str) -> None:
         """The request lets all its blocks go (finished, aborted or preempted); its keyed blocks stay cached."""
-        self.pool.release(self.held.pop(request_id, []))
+        self.pool.release(self.held.pop(request_id, []) + self.draft_held.pop(request_id, []))
         self.keyed.pop(request_id, None)
         self._marked.pop(request_id, None)
 

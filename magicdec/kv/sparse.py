@@ -21,6 +21,8 @@ from torch import Tensor
 from magicdec.config import ModelConfig
 from magicdec.kv import quant
 from magicdec.kv.base import KVCache
+from magicdec.kv.blocks import BLOCK_SIZE, blocks_for
+from magicdec.kv.paged import PagedKVCache
 from magicdec.model import apply_rope, rope_cos_sin
 
 #: StreamingLLM's attention sinks: the first few tokens take a large share of attention in every layer.
@@ -35,7 +37,7 @@ def rotate_keys(k: Tensor, delta: Tensor, inv_freq: Tensor) -> Tensor:
     return quant.store(apply_rope(quant.load(k, torch.float32), cos, sin), k.dtype)
 
 
-class SparseKVCache(KVCache):
+class SparseKVCache(PagedKVCache):
     """A KV cache of `budget` entries (+ `slack` for tokens in flight) whose window slides without copies.
 
     Layout per row: slots [0, keep) hold the fixed prefix; slots [keep, capacity) are a ring holding the window,
@@ -43,21 +45,44 @@ class SparseKVCache(KVCache):
     `attn_mask` for the tokens a forward is about to write) and the mask shows a query the prefix plus the window
     entries in [win_start, its position]. Sliding the window is advancing `win_start`; nothing moves (and with
     `reindex`, only the `keep` prefix keys are rotated). `lens` counts the entries a row currently holds (prefix +
-    window)."""
+    window).
 
-    PER_ROW = KVCache.PER_ROW + ("slot_pos", "win_start", "n_prefix")
+    The slots lie in blocks of the KV pool `k`, `v` [layers, blocks, KV, BLOCK_SIZE, row] (the target's, or a draft
+    model's share of it): slot s of row b in block `tables[b, s // BLOCK_SIZE]`. A request's `blocks_for(capacity)`
+    blocks are taken from the pool when it is admitted and given back with its others (`KVManager.take_draft`), so a
+    sparse draft's memory is held by the requests running, not reserved for every slot; the runner maps them
+    (`set_blocks`) and unmaps a released row."""
 
-    def __init__(self, cfg: ModelConfig, batch: int, budget: int, keep: int, slack: int, dtype: torch.dtype,
-                 device: torch.device | str, reindex: bool, inv_freq: Tensor):
+    PER_ROW = PagedKVCache.PER_ROW + ("slot_pos", "win_start", "n_prefix")
+
+    def __init__(self, cfg: ModelConfig, k: Tensor, v: Tensor, batch: int, budget: int, keep: int, slack: int,
+                 reindex: bool, inv_freq: Tensor):
         if not 0 <= keep < budget:
             raise ValueError(f"the fixed prefix ({keep}) must be smaller than the budget ({budget})")
-        super().__init__(cfg, batch, budget + slack, dtype, device)
+        super().__init__(cfg, k, v, batch, blocks_for(budget + slack))
+        self.capacity = budget + slack  # the ring's slots: the last block's tail is never written
         self.budget, self.keep, self.reindex = budget, keep, reindex
         self.ring = self.capacity - keep
         self.inv_freq = inv_freq
+        device = k.device
+        self._rows = torch.arange(batch, device=device)[:, None]
         self.slot_pos = torch.full((batch, self.capacity), -1, dtype=torch.long, device=device)
         self.win_start = torch.zeros(batch, dtype=torch.long, device=device)
         self.n_prefix = torch.zeros(batch, dtype=torch.long, device=device)
+
+    @staticmethod
+    def blocks_per_row(budget: int, slack: int) -> int:
+        """Pool blocks a row of this budget and slack takes."""
+        return blocks_for(budget + slack)
+
+    @staticmethod
+    def state_bytes(rows: int, budget: int, slack: int) -> int:
+        """Bytes of the rows' own state beside the pool's blocks: each slot's position (int64) and the tables."""
+        return rows * ((budget + slack) * 8 + blocks_for(budget + slack) * 4)
+
+    def _where(self, rows: Tensor, slots: Tensor) -> tuple[Tensor, Tensor]:
+        """(block, offset) of slots of rows (broadcast together): indices of dims 1 and 3 of `k`."""
+        return self.tables[rows, slots // BLOCK_SIZE].long(), slots % BLOCK_SIZE
 
     def _slots_of(self, positions: Tensor) -> Tensor:
         return self.keep + (positions - self.keep) % self.ring
@@ -65,15 +90,13 @@ class SparseKVCache(KVCache):
     def attn_mask(self, q: int) -> Tensor:
         """[B, 1, q, capacity]: the prefix, and window entries from win_start up to each query."""
         qpos = self.next_pos[:, None] + self._arange(q)  # [B, q]
-        self._slots = self._slots_of(qpos)
-        self.slot_pos.scatter_(1, self._slots, qpos)
+        slots = self._slots_of(qpos)
+        self._write, self._table = self._where(self._rows, slots), self.tables
+        self.slot_pos.scatter_(1, slots, qpos)
         pos = self.slot_pos[:, None, :]  # [B, 1, C]
         in_prefix = (self._arange(self.capacity) < self.keep)[None, None, :]
         held = (pos >= 0) & (in_prefix | (pos >= self.win_start[:, None, None]))
         return (held & (pos <= qpos[:, :, None]))[:, None]
-
-    def attended_slots(self, q: int) -> int:
-        return self.capacity  # the ring spans the whole (small) buffer; the mask picks what is held
 
     def load_slots(self, src: KVCache, index: Tensor, n: Tensor) -> None:
         """Fill from src: entry j of row b is src slot index[l, b, h, j] ([L|1, B, KV|1, budget]).
@@ -81,7 +104,7 @@ class SparseKVCache(KVCache):
         Entries [0, keep) form the prefix, the rest the window; n [B] is the number of valid entries per row. src
         must hold keys rotated by absolute position (slot == position); the window part of `index` must be the row's
         last positions, in order."""
-        L, KV, hd = src.k.shape[0], src.k.shape[2], src.k.shape[-1]
+        L, KV = src.k.shape[0], src.k.shape[2]
         B, K = src.lens.shape[0], index.shape[-1]
         valid = torch.arange(K, device=index.device)[None, :] < n[:, None]  # [B, K]
         # entries past a short row's end stand at its next position, whose ring slot no held entry uses
@@ -92,9 +115,10 @@ class SparseKVCache(KVCache):
         rows = torch.arange(B, device=dev)[None, :, None, None]
         block, offset = src.locate(rows, idx.clamp_max(src.capacity - 1))  # [L, B, KV, K] each
         layer, head = torch.arange(L, device=dev)[:, None, None, None], torch.arange(KV, device=dev)[None, None, :, None]
-        didx = dest[None, :, None, :, None].expand(L, B, KV, K, hd)
-        self.k.scatter_(3, didx, src.k[layer, block, head, offset].to(self.k.dtype))
-        self.v.scatter_(3, didx, src.v[layer, block, head, offset].to(self.v.dtype))
+        to_block, to_offset = self._where(rows[0, :, :, 0], dest)  # [B, K] each
+        to = (layer, to_block[None, :, None, :], head, to_offset[None, :, None, :])
+        self.k.index_put_(to, src.k[layer, block, head, offset].to(self.k.dtype))
+        self.v.index_put_(to, src.v[layer, block, head, offset].to(self.v.dtype))
         self.slot_pos.fill_(-1).scatter_(1, dest, torch.where(valid, idx[0, :, 0], -1))
         self.win_start.copy_(torch.minimum(window_pos[:, 0], src.next_pos))  # a prompt shorter than keep: its end
         self.lens.copy_(n)
@@ -119,8 +143,9 @@ class SparseKVCache(KVCache):
         p = pos[b, j]
         slots = self._slots_of(p)
         block, offset = src.locate(b, p)
-        self.k[:, b, :, slots] = src.k[:, block, :, offset].to(self.k.dtype)
-        self.v[:, b, :, slots] = src.v[:, block, :, offset].to(self.v.dtype)
+        to_block, to_offset = self._where(b, slots)
+        self.k[:, to_block, :, to_offset] = src.k[:, block, :, offset].to(self.k.dtype)
+        self.v[:, to_block, :, to_offset] = src.v[:, block, :, offset].to(self.v.dtype)
         self.slot_pos[b, slots] = p
         self.commit(count)
         self.evict()
@@ -135,8 +160,10 @@ class SparseKVCache(KVCache):
         return torch.cat((slots[prefix], w)), torch.cat((pos[prefix], pos[w]))
 
     def _rotate_prefix(self, delta: Tensor) -> None:
-        prefix = self.k[:, :, :, : self.keep]
-        prefix.copy_(rotate_keys(prefix, delta, self.inv_freq))
+        """Rotate every row's prefix keys by delta (broadcasting to [layers, B, KV, keep])."""
+        block, offset = self._where(self._rows, self._arange(self.keep)[None, :])  # [B, keep] each
+        prefix = self.k[:, block, :, offset]  # [B, keep, layers, KV, row]
+        self.k[:, block, :, offset] = rotate_keys(prefix, delta.permute(1, 3, 0, 2), self.inv_freq)
 
     def commit(self, n: Tensor | int) -> None:
         self.lens += n
@@ -160,9 +187,6 @@ class SparseKVCache(KVCache):
         self.win_start.zero_()  # a stale window start would hide every entry from a new query
         self.n_prefix.zero_()
         self.max_len = self.capacity
-
-    def _filled_slots(self, row: int) -> int:
-        return self.capacity  # the window is a ring over the whole (small) row
 
     def _view(self, rows: slice) -> "SparseKVCache":
         view = super()._view(rows)
