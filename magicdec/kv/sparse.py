@@ -160,10 +160,15 @@ class SparseKVCache(PagedKVCache):
         return torch.cat((slots[prefix], w)), torch.cat((pos[prefix], pos[w]))
 
     def _rotate_prefix(self, delta: Tensor) -> None:
-        """Rotate every row's prefix keys by delta (broadcasting to [layers, B, KV, keep])."""
-        block, offset = self._where(self._rows, self._arange(self.keep)[None, :])  # [B, keep] each
-        prefix = self.k[:, block, :, offset]  # [B, keep, layers, KV, row]
-        self.k[:, block, :, offset] = rotate_keys(prefix, delta.permute(1, 3, 0, 2), self.inv_freq)
+        """Rotate every row's prefix keys by delta (broadcasting to [layers, B, KV, keep]), a block of the prefix at a
+        time: slots [0, keep) are the leading slots of each row's first blocks, so each is one index along the pool's
+        blocks (the per-slot gather of the whole prefix made SnapKV rounds 1.3x slower)."""
+        delta = delta.expand(*delta.shape[:-1], self.keep)
+        for first in range(0, self.keep, BLOCK_SIZE):
+            n = min(BLOCK_SIZE, self.keep - first)
+            blocks = self.tables[:, first // BLOCK_SIZE].long()  # [B]
+            part = self.k[:, blocks, :, :n]  # [layers, B, KV, n, row]
+            self.k[:, blocks, :, :n] = rotate_keys(part, delta[..., first : first + n], self.inv_freq)
 
     def commit(self, n: Tensor | int) -> None:
         self.lens += n
