@@ -119,8 +119,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-gb", type=kv_size,
                    help="memory of the KV cache's blocks in GiB, shared by the running requests as they grow and by "
                         "the cached prefixes; it sets how many requests fit at once (default: half the memory "
-                        "available after the model loads). A --draft-model's K/V take a share of each block on top, "
-                        "in proportion to its K/V bytes per token")
+                        "available after the model loads). A sparse draft's budget is taken from them for each running "
+                        "request; a --draft-model's K/V take a share of each block on top, in proportion to its K/V "
+                        "bytes per token")
     g.add_argument("--enforce-eager", action="store_true",
                    help="on CUDA, launch every forward's kernels from Python instead of replaying decode, "
                         "verification and draft forwards from CUDA graphs (captured on first use of each shape)")
