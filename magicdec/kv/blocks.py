@@ -347,8 +347,7 @@ class KVManager:
         need = self.missing(request_id, tokens)
         if need > self.pool.num_free:
             return None
-        new = self.pool.take(need)
-        self.drafted.difference_update(new)
+        new = self._take(need)
         self.held.setdefault(request_id, []).extend(new)
         self.keyed.setdefault(request_id, [])
         return new
@@ -358,9 +357,13 @@ class KVManager:
         keyed or shared. None where the pool lacks them (nothing taken)."""
         if n > self.pool.num_free:
             return None
+        blocks = self.draft_held[request_id] = self._take(n)
+        return blocks
+
+    def _take(self, n: int) -> list[int]:
+        """n blocks from the pool (call where it has them): taken again, a block holds no draft model's K/V."""
         blocks = self.pool.take(n)
         self.drafted.difference_update(blocks)
-        self.draft_held[request_id] = blocks
         return blocks
 
     def free(self, request_id: str) -> None:
