@@ -193,8 +193,12 @@ def _build(path: IsaPath) -> Any | None:
 
         # -fopenmp: at::parallel_for runs on the OpenMP pool torch itself uses (its libgomp is loaded first).
         # The library registers its operators when loaded; ninja compiles the sources side by side.
-        load(name=f"magicdec_{path.name}", sources=[str(s) for s in sources], extra_cflags=flags,
-             extra_ldflags=["-fopenmp"], build_directory=str(build_dir), is_python_module=False, verbose=False)
+        # The library is named after its build folder, one name per folder: under one name, torch renames a build
+        # whose flags changed within the process (name_v1) into the same folder, and a second process building there
+        # under the first name then failed to load its library.
+        load(name=build_dir.name.replace("-", "_").replace(".", "_"), sources=[str(s) for s in sources],
+             extra_cflags=flags, extra_ldflags=["-fopenmp"], build_directory=str(build_dir), is_python_module=False,
+             verbose=False)
         return getattr(torch.ops, f"magicdec_{path.name}")
     except Exception as e:  # no compiler, no ninja, a failed build: torch's operators still work
         log.warning("%s off: building them failed: %s", what, str(e).strip().splitlines()[0])
