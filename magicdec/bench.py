@@ -36,6 +36,7 @@ from magicdec.jsonfile import read_json_object
 from magicdec.kv.blocks import BLOCK_SIZE
 from magicdec.loading import model_identity
 from magicdec.memory import available_bytes, check_fits
+from magicdec.phases import PhaseRecorder
 from magicdec.planner import format_table
 from magicdec.planner.report import save_figure
 from magicdec.runner import ModelRunner
@@ -227,7 +228,9 @@ def _run_config(llm: LLM, args, grid: BenchGrid, rows: list[list[int]], ctx: int
                                  vocab_corpus=cfg.get("vocab_corpus"))
     elif cfg["draft"] != "none":
         spec = speculative_config(cfg)
-    llm.generate(prompt_token_ids=rows, params=params, speculative=spec)
+    phases = getattr(args, "phases", None)
+    recorder = PhaseRecorder(phases) if phases else None
+    llm.generate(prompt_token_ids=rows, params=params, speculative=spec, phases=recorder)
     stats = llm.last_stats
     # the memory's read rate right after the run: a VM's moves by up to 2x within an hour, and this places the run
     probe = torch.full((READ_PROBE_BYTES // 4,), 0.5, device=llm.model.device)
@@ -239,7 +242,7 @@ def _run_config(llm: LLM, args, grid: BenchGrid, rows: list[list[int]], ctx: int
         "steps": stats.steps, "gamma_changes": stats.gamma_changes, "decode_s": stats.decode_s,
         "draft_s": stats.draft_s, "verify_s": stats.verify_s, "max_batch": stats.max_batch,
         "peak_memory_gib": stats.peak_memory_bytes / 1024**3, "read_bandwidth_gbs": read_gbs,
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S"), **({"phases": stats.phases} if stats.phases else {}),
     }
 
 

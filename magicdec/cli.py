@@ -188,6 +188,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_draft_args(g)
     g.add_argument("--batch-size", type=positive_int, help="most prompts decoded together; the rest queue for a free slot (default: all)")
     g.add_argument("--compare-ar", action="store_true", help="also run plain decoding first (its prefill is reused) and report the speedup")
+    g.add_argument("--phases", type=positive_int, metavar="ROUNDS",
+                   help="profile this many decode rounds once the prompts are prefilled: each kind of forward (plain, "
+                        "draft, verify) split into attention, linear layers, other operators, host time and sampling, "
+                        "against its floor (bytes at the measured read rate, or multiply-adds at the profile's rate)")
     g.add_argument("--json", action="store_true",
                    help="print outputs and stats as JSON on stdout; each output carries the index of its prompt "
                         "(--prompt ones first, then the lines of --prompt-file, in order)")
@@ -221,6 +225,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--repeats", type=positive_int, default=1,
                    help="run each configuration of a point this many times, interleaved with the others, and keep "
                         "its median run: steadier ratios on a machine whose speed drifts (default 1)")
+    b.add_argument("--phases", type=positive_int, metavar="ROUNDS",
+                   help="profile this many decode rounds of each run: its forwards' time split by kind and part, "
+                        "against their floors (see `generate --phases`), in each point's 'phases'")
     b.add_argument("--out", default="bench.json", help="results JSON (resumed if it exists)")
     b.add_argument("--plots", help="folder for PNG plots (default: beside --out)")
 

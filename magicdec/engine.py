@@ -34,7 +34,8 @@ from magicdec.loading.tokenizer import Tokenizer
 from magicdec.logprobs import TokenLogprob
 from magicdec.memory import available_bytes, check_fits, peak_bytes
 from magicdec.model import Transformer, attention_path, linear_path, weight_dtype
-from magicdec.profiles import model_key
+from magicdec.phases import PhaseRecorder
+from magicdec.profiles import model_key, target_shape
 from magicdec.runner import CACHE_SLACK, ModelRunner, uses_graphs
 from magicdec.sampling import SamplingParams
 from magicdec.scheduler import FixedGamma, GammaPolicy, Request, Scheduler, Status, cuda_row_bucket
@@ -192,17 +193,27 @@ class LLMEngine:
         return self.scheduler.has_work()
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
-                 progress: ProgressFn | None = None) -> list[Request]:
+                 progress: ProgressFn | None = None, phases: PhaseRecorder | None = None) -> list[Request]:
         """The offline loop: queue every prompt (ids), step until all are done; the requests in prompt order.
-        `params` is one for all or one per prompt; `progress` gets (prompt + output tokens done, in all)."""
+        `params` is one for all or one per prompt; `progress` gets (prompt + output tokens done, in all); `phases`
+        profiles its decode rounds from the first step after every prompt is prefilled."""
         per_prompt = per_prompt_params(params, len(prompts))
         requests = [self.add_request(f"offline-{next(self._offline_ids)}", p, sp) for p, sp in zip(prompts, per_prompt)]
         total = sum(len(p) + sp.max_tokens for p, sp in zip(prompts, per_prompt))
-        while self.has_unfinished():
-            self.step()
-            if progress is not None:
-                progress(sum(len(r.prompt_ids) * (r.status is not Status.WAITING) + len(r.output_ids)
-                             for r in requests), total)
+        try:
+            while self.has_unfinished():
+                if phases is not None and phases.waiting and all(r.status in DECODING for r in requests):
+                    phases.start(self.model.device, self.model.dtype)
+                rounds = self.stats.steps
+                self.step()
+                if phases is not None and phases.running and self.stats.steps > rounds:
+                    phases.round_done()
+                if progress is not None:
+                    progress(sum(len(r.prompt_ids) * (r.status is not Status.WAITING) + len(r.output_ids)
+                                 for r in requests), total)
+        finally:
+            if phases is not None:
+                phases.stop()
         return requests
 
     def step(self) -> list[Request]:
@@ -231,6 +242,10 @@ class LLMEngine:
             if s in text:
                 text = text[: text.index(s)]
         return text
+
+
+#: A request in one of these has its whole prompt prefilled.
+DECODING = (Status.RUNNING, Status.FINISHED)
 
 
 def resolve_config(config: EngineConfig, model: Transformer) -> EngineConfig:
@@ -447,9 +462,12 @@ class LLM:
         prompt_token_ids: Sequence[Sequence[int]] | None = None,
         speculative: SpeculativeConfig | None = None,
         progress: ProgressFn | None = None,
+        phases: PhaseRecorder | None = None,
     ) -> list[RequestOutput]:
         """Generate a completion for each prompt (text, or token ids); `params` is one for all or one per prompt.
         `speculative` drafts; `auto` is planned for these prompts (`plan`; what it chose lands in `last_auto`).
+        `phases` profiles the first decode rounds after every prompt is prefilled: where their forwards' time goes
+        (`magicdec.phases`), in `last_stats.phases`.
 
         All prompts are queued at once; up to `max_num_seqs` (fewer if memory is short) run together, and a finished
         one's slot goes to the next. Stats land in `self.last_stats`."""
@@ -459,8 +477,12 @@ class LLM:
                                      max_model_len=max(len(p) + sp.max_tokens for p, sp in zip(ids, per_prompt)))
         engine = self._engine_with(self._speculation(speculative, *shape), config, fit_memory=True)
         stats = engine.reset_stats()
-        requests = engine.generate(ids, per_prompt, progress)
+        requests = engine.generate(ids, per_prompt, progress, phases)
         stats.peak_memory_bytes = peak_bytes(self.model.device)
+        if phases is not None:
+            shape = target_shape(self.model.cfg)
+            stats.phases = phases.report(shape, dtypes.nbytes(weight_dtype(self.model)),
+                                         dtypes.kv_nbytes(self.kv_dtype, shape.head_dim))
         engine.record_graphs(stats)
         self.last_stats = stats
         return [RequestOutput(i, prompts[i] if prompts is not None else None, r.prompt_ids, engine.text_of(r),

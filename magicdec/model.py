@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from magicdec import kernels
+from magicdec import kernels, scopes
 from magicdec.config import GLOBAL, SLIDING, ModelConfig
 from magicdec.kernels import triton_attention, triton_linear
 from magicdec.kv import quant
@@ -228,7 +228,8 @@ class Attention(nn.Module):
         # Grouped-query attention without repeating K/V: the G query heads of a KV head become G*q rows of one
         # attention over that head, so each cached K/V element is read once.
         xq = xq.reshape(B, KV, (H // KV) * q, hd)
-        out = attend(xq, keys, values, bias, table)  # [B, KV, G*q, hd]
+        with scopes.scope(scopes.ATTENTION):
+            out = attend(xq, keys, values, bias, table)  # [B, KV, G*q, hd]
         out = out.to(x.dtype).reshape(B, H, q, hd).transpose(1, 2).reshape(B, q, H * hd)
         return self.wo(out)
 

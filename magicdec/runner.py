@@ -19,6 +19,7 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
+from magicdec import scopes
 from magicdec.config import EngineConfig
 from magicdec.drafters.base import Drafter
 from magicdec.graphs import CudaGraphs
@@ -233,7 +234,8 @@ class ModelRunner:
         empty = torch.zeros(0, dtype=torch.long, device=self.device)
         decoded = (empty[:, None], empty, empty, empty, None)
         if n:
-            *decoded, draft_s = self._decode(n, step.gamma, asking)
+            with scopes.scope(scopes.ROUND):
+                *decoded, draft_s = self._decode(n, step.gamma, asking)
         first, outputs, prompt_logprobs = self._to_host(prefilled, *decoded, asking)
         t2 = time.perf_counter()
         return StepResult(first, outputs, t1 - t0, t2 - t1, draft_s, prompt_logprobs)
@@ -329,12 +331,16 @@ class ModelRunner:
             draft = self.drafter.propose(n, gamma, self.seq[:n], n_tokens, live, rows, cache)
             synchronize(self.device)
             draft_s = time.perf_counter() - t
-            logits = self.forward(torch.cat((last, draft), dim=1), cache)
-            accepted, nxt = accept_drafts(sample_tokens(logits, rows, positions), draft)
-            new = torch.cat((draft, nxt[:, None]), dim=1).scatter(1, accepted[:, None], nxt[:, None])
+            with scopes.forward("verify", n, gamma + 1, cache.lens):
+                logits = self.forward(torch.cat((last, draft), dim=1), cache)
+            with scopes.sampling("verify"):
+                accepted, nxt = accept_drafts(sample_tokens(logits, rows, positions), draft)
+                new = torch.cat((draft, nxt[:, None]), dim=1).scatter(1, accepted[:, None], nxt[:, None])
         else:
-            logits = self.forward(last, cache)
-            new = sample_tokens(logits, rows, positions)
+            with scopes.forward("plain", n, 1, cache.lens):
+                logits = self.forward(last, cache)
+            with scopes.sampling("plain"):
+                new = sample_tokens(logits, rows, positions)
             accepted = torch.zeros(n, dtype=torch.long, device=self.device)
         cache.commit((accepted + 1) * live)
         kept, finish = self._emit(slice(0, n), new, accepted + 1)

@@ -35,6 +35,7 @@ class GenerationStats:
     cuda_graphs: int = 0  # forwards captured as CUDA graphs so far (the engine's, not only this run's)
     graph_capture_s: float = 0.0
     graph_memory_bytes: int = 0
+    phases: dict | None = None  # where the profiled decode rounds' time went (`magicdec.phases`), if profiled
 
     @property
     def verify_s(self) -> float:

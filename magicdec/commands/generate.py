@@ -13,6 +13,7 @@ from magicdec.cli import llm_options
 from magicdec.corpus import cut_prompts, load_texts
 from magicdec.engine import LLM
 from magicdec.errors import InvalidRequestError
+from magicdec.phases import PhaseRecorder, format_phases
 from magicdec.sampling import SamplingParams
 from magicdec.speculative import SpeculativeConfig
 
@@ -121,13 +122,17 @@ def run(args) -> int:
     results, runs = {}, []
     for label, cfg in modes:
         update, close = progress_bar(label, sys.stderr.isatty() and not args.json)
+        phases = PhaseRecorder(args.phases) if args.phases else None
         try:
-            results[label] = llm.generate(prompt_token_ids=ids, params=params, speculative=cfg, progress=update)
+            results[label] = llm.generate(prompt_token_ids=ids, params=params, speculative=cfg, progress=update,
+                                          phases=phases)
         finally:
             close()
         auto = llm.last_auto
         if not args.json:
             print(f"{format_stats(llm.last_stats, label)}\n[{label}] {dtype_line(llm)}", file=sys.stderr)
+            if llm.last_stats.phases:
+                print(format_phases(llm.last_stats.phases, label), file=sys.stderr)
             if auto is not None and auto.replanner is not None:
                 print(f"[{label}] {describe_learned(auto.replanner)}", file=sys.stderr)
         ran = auto.speculative if auto is not None else cfg

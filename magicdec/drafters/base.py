@@ -7,6 +7,7 @@ from abc import ABC, abstractmethod
 import torch
 from torch import Tensor
 
+from magicdec import scopes
 from magicdec.drafters.vocab import DraftHead
 from magicdec.kv import KVCache
 from magicdec.kv.blocks import KVManager
@@ -106,7 +107,8 @@ class Drafter(ABC):
         q = int(count.max())
         index = (start[:, None] + torch.arange(q, device=seq.device)).clamp_max(seq.shape[1] - 1)
         at = (count - 1).clamp_min(0)[:, None]
-        logits = self.forward(seq.gather(1, index), cache, logits_at=at, head=self.head)[:, 0]
+        with scopes.forward("draft", len(seq), q, cache.lens):
+            logits = self.forward(seq.gather(1, index), cache, logits_at=at, head=self.head)[:, 0]
         cache.commit(count * live)
         return logits
 
@@ -125,10 +127,12 @@ class Drafter(ABC):
         live_n, tokens = live.long(), []
         ids = None if self.head is None else self.head.ids
         for i in range(gamma):
-            t = sample_tokens(x[:, None], rows, (n_tokens + i)[:, None], ids)[:, 0]
+            with scopes.sampling("draft"):
+                t = sample_tokens(x[:, None], rows, (n_tokens + i)[:, None], ids)[:, 0]
             tokens.append(t)
             if i < gamma - 1:
-                x = self.forward(t[:, None], cache, head=self.head)[:, 0]
+                with scopes.forward("draft", n, 1, cache.lens):
+                    x = self.forward(t[:, None], cache, head=self.head)[:, 0]
                 cache.commit(live_n)
         return torch.stack(tokens, dim=1)
 
