@@ -3,7 +3,7 @@
     PYTHONPATH=. python benchmarks/bench_attention.py [--batches 1,8,32,64] [--contexts 1024,4096,8192]
                                                      [--q 1,4,9] [--threads 1] [--shape NAME] [--native-only]
                                                      [--orders shuffled,inorder,interleaved] [--block-sizes 16,32]
-                                                     [--head-major both] [--layers N] [--out PATH]
+                                                     [--head-major both] [--layers N] [--out PATH] [--label NAME]
 
 The shapes are a planner preset's (`--shape`; default the default model's, SmolLM2-135M: 9 query heads over 3 KV heads
 of 64, 30 layers; `gemma3-270m`: 4 query heads over 1 KV head of 256, and its 3 global layers). A cache of all those
@@ -21,15 +21,15 @@ blocks side by side, consecutive ids adjacent) and hands the kernel the same [NB
 Each variant is timed interleaved with the others (median of --repeats; before each timing a read of --flush-mib
 of other memory evicts the last-level cache, so that no variant starts on the bytes its predecessor read: the `.sum()`
 baseline reads the contiguous cache right before the native kernel's turn) and reported as K/V bytes per
-second, beside a `.sum()` over the same bytes (the read-bandwidth baseline). Results go to
-benchmarks/results/attention.json with the machine info.
+second, beside a `.sum()` over the same bytes (the read-bandwidth baseline). Results go, with the machine info, to
+the run of --label (default: the shape and the kernel path, "smollm2-135m, avx512bf16") in
+benchmarks/results/attention.json; the run's points at other (batch, context, q) stay in it.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import os
 import sys
@@ -45,6 +45,7 @@ from magicdec.model import matmul_attend  # noqa: E402
 from bench_dtype import interleaved  # noqa: E402
 from magicdec.calibrate.machine import machine_info  # noqa: E402
 from magicdec.planner import MODEL_PRESETS  # noqa: E402
+from tables import save_run, saved_run  # noqa: E402
 
 
 
@@ -234,7 +235,8 @@ def main(argv=None) -> None:
                    help="skip points whose cache exceeds this (each paged layout's copy takes as much again)")
     p.add_argument("--shape", default="smollm2-135m", choices=sorted(MODEL_PRESETS),
                    help="the model whose attention shapes to use (its global layers)")
-    p.add_argument("--out", default=str(Path(__file__).parent / "results/attention.json"))
+    p.add_argument("--out", type=Path, default=Path(__file__).parent / "results/attention.json")
+    p.add_argument("--label", default=None, help="this run's label in --out (default: the shape and the kernel path)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
@@ -245,27 +247,29 @@ def main(argv=None) -> None:
     assert all(o in ORDERS for o in orders), f"--orders: choose from {', '.join(ORDERS)}"
     paged_layouts = layouts(orders, tuple(map(int, args.block_sizes.split(","))),
                             {"no": (False,), "yes": (True,), "both": (False, True)}[args.head_major])
+    label = args.label or f"{args.shape}, {kernels.path_name()}"
+    grid = [(b, c, q) for b in map(int, args.batches.split(",")) for c in map(int, args.contexts.split(","))
+            for q in map(int, args.q.split(","))
+            if 2 * shape.layers * b * shape.kv * c * shape.hd * dtype.itemsize <= args.max_gib * 2**30]
+    kept = [pt for pt in (saved_run(args.out, label) or {}).get("points", [])
+            if (pt["batch"], pt["context"], pt["q"]) not in grid]  # other commands' points of this run
     results = {"machine": machine_info("cpu"), "shape": {"name": args.shape, **dataclasses.asdict(shape)},
-               "kernels": kernels.path_name(), "points": []}
-    for batch in map(int, args.batches.split(",")):
-        for context in map(int, args.contexts.split(",")):
-            if 2 * shape.layers * batch * shape.kv * context * shape.hd * dtype.itemsize > args.max_gib * 2**30:
-                continue
-            for q in map(int, args.q.split(",")):
-                skip = ("flex",) * args.no_flex + ("compile",) * args.no_compile + ("torch",) * args.native_only
-                pt = bench_point(shape, batch, context, q, dtype, args.repeats, skip, paged_layouts,
-                                 args.flush_mib)
-                results["points"].append(pt)
-                base = pt["variants"]["read baseline: .sum() of K and V"]["gb_per_s"]
-                print(f"B={batch} L={context} q={q} (load {pt['loadavg'][0]:.1f}, read {base:.1f} GB/s)"
-                      + (f" mismatched: {pt['mismatched']}" if pt["mismatched"] else ""), flush=True)
-                width = max(36, *map(len, pt["variants"]))
-                for n, r in pt["variants"].items():
-                    ratio = r.get("paged_over_contiguous")
-                    ratio = f"  paged / contiguous {ratio:.3f}" if ratio else ""
-                    print(f"  {n:{width}s} {r['seconds'] * 1e3:8.1f} ms {r['gb_per_s']:6.1f} GB/s{ratio}", flush=True)
-                Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-                Path(args.out).write_text(json.dumps(results, indent=1) + "\n")  # after every point
+               "kernels": kernels.path_name(), "points": kept}
+    for batch, context, q in grid:
+        skip = ("flex",) * args.no_flex + ("compile",) * args.no_compile + ("torch",) * args.native_only
+        pt = bench_point(shape, batch, context, q, dtype, args.repeats, skip, paged_layouts,
+                         args.flush_mib)
+        results["points"].append(pt)
+        base = pt["variants"]["read baseline: .sum() of K and V"]["gb_per_s"]
+        print(f"B={batch} L={context} q={q} (load {pt['loadavg'][0]:.1f}, read {base:.1f} GB/s)"
+              + (f" mismatched: {pt['mismatched']}" if pt["mismatched"] else ""), flush=True)
+        width = max(36, *map(len, pt["variants"]))
+        for n, r in pt["variants"].items():
+            ratio = r.get("paged_over_contiguous")
+            ratio = f"  paged / contiguous {ratio:.3f}" if ratio else ""
+            print(f"  {n:{width}s} {r['seconds'] * 1e3:8.1f} ms {r['gb_per_s']:6.1f} GB/s{ratio}", flush=True)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        save_run(args.out, label, results)  # after every point
 
 
 if __name__ == "__main__":

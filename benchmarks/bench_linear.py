@@ -1,7 +1,7 @@
 """The packed bf16 linear kernel (magicdec.kernels.linear) against torch's bf16 matmul (oneDNN) on this CPU.
 
     PYTHONPATH=. python benchmarks/bench_linear.py [--rows 1,2,4,...,512] [--batches 1,8,32] [--context 4096]
-                                                  [--q 1,4] [--out PATH]
+                                                  [--q 1,4] [--out PATH] [--label NAME]
     PYTHONPATH=. MAGICDEC_ISA=avx2 python benchmarks/bench_linear.py --avx2 [--rows ...] [--batches 8,32]
 
 Layers: the default model's linear shapes (qkv 576->960, wo 576->576, gate+up 576->3072, down 1536->576,
@@ -9,18 +9,18 @@ LM head 576->49152) at 1..512 rows, each call over another copy of the weight (6
 weights stream from memory as they do in a forward), torch and the kernel (on vector instructions, and on AMX tiles
 where the CPU has them) timed interleaved (median of repeats), reported as weight bytes per second and GFLOP/s. Forwards: the real default model in bf16
 loaded twice, with packed linear layers and with torch's, B sequences x q new tokens over a bf16 cache
-of `context` tokens, interleaved. Writes benchmarks/results/linear.json with the machine info.
+of `context` tokens, interleaved. Writes its run, with the machine info, under --label (default: the kernel path,
+e.g. "avx512bf16", "avx512bf16-amx" where the kernel has tiles to compare) in benchmarks/results/linear.json.
 
 With `--avx2` (on the AVX2 kernels, forced with MAGICDEC_ISA=avx2 on a CPU with AVX-512), the fp32 kernels over
 weights packed in fp16 and in bf16 against torch's fp32 matmul, the same layers and rows; and attention of B
 sequences x q new tokens (3 query heads per KV head) over `context` cached tokens in fp16 and in bf16 against SDPA
-over an fp32 cache: what the 16-bit storage costs to widen. Writes benchmarks/results/linear_avx2.json.
+over an fp32 cache: what the 16-bit storage costs to widen (the run "avx2" of the same file).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from unittest import mock
@@ -35,6 +35,7 @@ from magicdec import kernels  # noqa: E402
 from magicdec.calibrate.machine import machine_info  # noqa: E402
 from magicdec.calibrate.timing import filled_cache  # noqa: E402
 from magicdec.loading import load_model, model_identity  # noqa: E402
+from tables import save_run  # noqa: E402
 
 COPIES_BYTES = 64 << 20
 STORAGE = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -131,25 +132,24 @@ def main() -> None:
     p.add_argument("--q", default="1,4")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--avx2", action="store_true", help="the AVX2 kernels over fp16 and bf16 storage")
-    p.add_argument("--out", default=None)
+    p.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "linear.json")
+    p.add_argument("--label", default=None, help="this run's label in --out (default: the kernel path)")
     a = p.parse_args()
     ints = lambda s: [int(v) for v in s.split(",")]  # noqa: E731
+    label = a.label or kernels.path_name()
     if a.avx2:
         if kernels.path_name() != "avx2":
             sys.exit("the AVX2 kernels do not run here (MAGICDEC_ISA=avx2 forces them on a CPU with AVX-512)")
         result = {"machine": machine_info(), **bench_avx2(ints(a.rows), ints(a.batches), a.context, ints(a.q),
                                                           a.repeats)}
-        out = a.out or str(Path(__file__).parent / "results" / "linear_avx2.json")
-        Path(out).write_text(json.dumps(result, indent=1))
-        print(f"wrote {out}")
-        return
-    if not kernels.linear_supported(torch.device("cpu"), torch.bfloat16):
-        sys.exit("the packed linear kernel does not run on this CPU (it needs AVX512-BF16)")
-    result = {"machine": machine_info(), "model": model_identity(), "layers": bench_layers(ints(a.rows), a.repeats),
-              "forwards": bench_forwards(ints(a.batches), a.context, ints(a.q), a.repeats)}
-    out = a.out or str(Path(__file__).parent / "results" / "linear.json")
-    Path(out).write_text(json.dumps(result, indent=1))
-    print(f"wrote {out}")
+    else:
+        if not kernels.linear_supported(torch.device("cpu"), torch.bfloat16):
+            sys.exit("the packed linear kernel does not run on this CPU (it needs AVX512-BF16)")
+        result = {"machine": machine_info(), "model": model_identity(),
+                  "layers": bench_layers(ints(a.rows), a.repeats),
+                  "forwards": bench_forwards(ints(a.batches), a.context, ints(a.q), a.repeats)}
+    save_run(a.out, label, result)
+    print(f"wrote run {label!r} of {a.out}")
 
 
 if __name__ == "__main__":

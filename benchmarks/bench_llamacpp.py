@@ -2,15 +2,17 @@
 
     python benchmarks/bench_llamacpp.py --bin PATH/llama-batched-bench [--batches 1,8,32]
         [--contexts 1024,4096,8192] [--new-tokens 32] [--threads 2] [--magicdec benchmarks/results/cpu_grid.json]
+        [--label avx512bf16]
 
 llama.cpp runs two GGUFs of the default model: a BF16 copy of the shipped Q4_1 (`gguf_bf16.py`: the weights
 magicdec computes with) with flash attention on and off and BF16 and F16 KV caches, and the Q4_1 file itself
 (what a llama.cpp user would run) with flash attention and an F16 cache. Every sequence gets its own KV stream (`-no-kvu`), and the
 prompt is prefilled once and copied into every stream (`-pps`), so the decode of B sequences reads B full
 caches as magicdec's does, without B prefills. Decode throughput is llama.cpp's S_TG (generated tokens per
-second over the batch). Writes benchmarks/results/llamacpp.json (machine info included) and prints, per cell,
-llama.cpp's best configuration against magicdec's plain (AR) and `--draft auto` decoding read from --magicdec
-(`magicdec bench` output, bf16, greedy; see cpu_grid.py).
+second over the batch). Writes its run, machine info included, under --label (magicdec's kernel path) in
+benchmarks/results/llamacpp.json and prints, per cell, llama.cpp's best configuration against magicdec's plain (AR)
+and `--draft auto` decoding, greedy, read from the run of the same label in --magicdec (`magicdec bench` runs; see
+cpu_grid.py).
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tables import save_run, saved_run  # noqa: E402
+
 from magicdec.calibrate.machine import machine_info  # noqa: E402
 from magicdec.loading import default_model_path, model_identity  # noqa: E402
 
@@ -49,10 +53,10 @@ def run_batched_bench(binary: str, gguf: str, batches: list[int], contexts: list
     return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
 
 
-def magicdec_cells(path: Path) -> dict[tuple[int, int], dict[str, float]]:
-    """(batch, context) -> decode tok/s of plain and auto decoding, greedy, from `magicdec bench` JSON."""
+def magicdec_cells(run: dict) -> dict[tuple[int, int], dict[str, float]]:
+    """(batch, context) -> decode tok/s of plain and auto decoding, greedy, from a `magicdec bench` run."""
     cells: dict[tuple[int, int], dict[str, float]] = {}
-    for r in json.loads(path.read_text())["points"].values():
+    for r in run["points"].values():
         if r["mode"] == "greedy" and r["draft"] in ("none", "auto"):
             cells.setdefault((r["batch"], r["context"]), {})[r["draft"]] = r["throughput"]
     return cells
@@ -70,10 +74,12 @@ def main() -> None:
                    help="indices into CONFIGS to run (default: all; each takes minutes: one prefill per cell)")
     p.add_argument("--magicdec", type=Path, default=HERE / "results" / "cpu_grid.json")
     p.add_argument("--out", type=Path, default=HERE / "results" / "llamacpp.json")
+    p.add_argument("--label", default="avx512bf16",
+                   help="this run's label in --out, and the run of --magicdec to compare with: magicdec's kernel path")
     args = p.parse_args()
 
-    # resumable: configurations already in --out are kept, the others run and are saved one by one
-    runs = json.loads(args.out.read_text())["runs"] if args.out.exists() else []
+    # resumable: configurations already in this run of --out are kept, the others run and are saved one by one
+    runs = (saved_run(args.out, args.label) or {}).get("runs", [])
     ggufs = {"q4_1": default_model_path()}
     for weights in {CONFIGS[i][0] for i in args.configs} - {"q4_1"}:
         ggufs[weights] = Path(f"/tmp/magicdec-smollm2-{weights}.gguf")
@@ -87,9 +93,9 @@ def main() -> None:
         for r in run_batched_bench(args.bin, str(ggufs[weights]), args.batches, args.contexts, args.new_tokens,
                                    args.threads, flash, kv):
             runs.append({**r, "weights": weights, "flash_attn": flash, "kv": kv})  # ours over its 0/1 flash_attn
-        args.out.write_text(json.dumps({"runs": runs}, indent=1) + "\n")
+        save_run(args.out, args.label, {"runs": runs})
         print(f"  {weights} fa={flash} kv={kv}: {time.perf_counter() - t0:.0f} s", flush=True)
-    ours = magicdec_cells(args.magicdec) if args.magicdec.exists() else {}
+    ours = magicdec_cells(saved_run(args.magicdec, args.label) or {"points": {}})
     table = []
     for b in args.batches:
         for s in args.contexts:
@@ -104,17 +110,17 @@ def main() -> None:
                     row[f"magicdec_{draft}_tok_s"] = ours[(b, s)][draft]
                     row[f"magicdec_{draft}_over_llamacpp"] = ours[(b, s)][draft] / best["speed_tg"]
             table.append(row)
-    args.out.write_text(json.dumps({"machine": machine_info("cpu"), "build": args.build,
+    save_run(args.out, args.label, {"machine": machine_info("cpu"), "build": args.build,
                                     "models": {w: model_identity(p) for w, p in ggufs.items()},
-                                    "new_tokens": args.new_tokens, "threads": args.threads,
-                                    "runs": runs, "table": table}, indent=1) + "\n")
+                                    "new_tokens": args.new_tokens, "threads": args.threads, "runs": runs,
+                                    "table": table})
     print("\n| B | S | llama.cpp best tok/s (config) | magicdec AR | magicdec auto | auto / llama.cpp |")
     print("| ---: | ---: | --- | ---: | ---: | ---: |")
     for r in table:
         print(f"| {r['batch']} | {r['context']} | {r['llamacpp_best_tok_s']:.1f} ({r['llamacpp_best']}) | "
               f"{r.get('magicdec_none_tok_s', float('nan')):.1f} | {r.get('magicdec_auto_tok_s', float('nan')):.1f} | "
               f"{r.get('magicdec_auto_over_llamacpp', float('nan')):.2f}x |")
-    print(f"wrote {args.out}")
+    print(f"wrote run {args.label!r} of {args.out}")
 
 
 if __name__ == "__main__":

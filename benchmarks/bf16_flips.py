@@ -11,14 +11,15 @@ tokens can flip. This measures it teacher-forced on real text: `--rows` PG-19 ex
 tokens are prefilled, `--batch` of them per batch; then, for each block of q true next tokens, one forward of the block (not
 committed, as a verification) and q one-token steps over the same tokens (committed, as plain decoding)
 each give the argmax at every position, and the two are compared. For every flip the fp32 model's logit
-gap between the two tokens is recorded (how close to a tie it was). Writes
-benchmarks/results/bf16_flips.json with the machine info.
+gap between the two tokens is recorded (how close to a tie it was). Writes its run, with the machine info, under
+--label (default: the kernel path) in benchmarks/results/bf16_flips.json; a run of another --batch stays beside this
+one's in it.
 
 With `--storage`, it measures instead how often 16-bit storage under fp32 arithmetic (the AVX2 kernels: weights
 packed and KV cached in fp16 or bf16) changes the greedy token against the fp32 model: teacher-forced on the same
 text, each `--positions` block is one forward after the prompt, and the argmax at every position is compared with
-the fp32 model's (with the fp32 logit gap of each flip, and the largest logit error). Writes
-benchmarks/results/avx2_storage_flips.json.
+the fp32 model's (with the fp32 logit gap of each flip, and the largest logit error). Its run's label defaults to the
+kernel path and "storage" ("avx2 storage").
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tables import save_run, saved_run  # noqa: E402
+
 from magicdec import kernels  # noqa: E402
 from magicdec.calibrate.machine import machine_info  # noqa: E402
 from magicdec.kv import KVCache  # noqa: E402
@@ -130,20 +133,25 @@ def main(argv=None) -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--data", default=str(Path(__file__).resolve().parents[2] / "shared/data/pg19_dev.jsonl"))
     p.add_argument("--storage", default=None, help="16-bit storages under fp32 arithmetic to compare with fp32")
-    p.add_argument("--out", default=None)
+    p.add_argument("--out", default=str(Path(__file__).parent / "results/bf16_flips.json"))
+    p.add_argument("--label", default=None, help="this run's label in --out (default: the kernel path, and "
+                                                 "\"storage\" with --storage)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
+    out, label = Path(args.out), args.label or kernels.path_name() + (" storage" if args.storage else "")
     ref = load_model(device="cpu", dtype=torch.float32)
     texts = excerpts(ref.tokenizer, Path(args.data), args.rows, args.prompt + args.positions)
     if args.storage:
-        out = Path(args.out or Path(__file__).parent / "results/avx2_storage_flips.json")
-        doc = {"machine": machine_info("cpu"), "model": model_identity(), "rows": args.rows, "prompt": args.prompt,
-               "positions": args.positions, "runs": storage_flips(args, ref, texts)}
-        out.write_text(json.dumps(doc, indent=1) + "\n")
+        save_run(out, label, {"machine": machine_info("cpu"), "model": model_identity(), "rows": args.rows,
+                              "prompt": args.prompt, "positions": args.positions,
+                              "runs": storage_flips(args, ref, texts)})
         return
     dtypes = {"bf16": torch.bfloat16, "fp32": torch.float32}
-    results = {"machine": machine_info("cpu"), "model": model_identity(), "rows": args.rows, "batch": args.batch, "prompt": args.prompt,
-               "positions": args.positions, "runs": []}
+    # the run's measurements at other batch sizes stay beside this one's (each measurement names its batch)
+    kept = [r for r in (saved_run(out, label) or {}).get("runs", []) if r.get("batch") != args.batch]
+    results = {"machine": machine_info("cpu"), "model": model_identity(), "rows": args.rows,
+               "batches": sorted({r["batch"] for r in kept} | {args.batch}, reverse=True), "prompt": args.prompt,
+               "positions": args.positions, "runs": kept}
     batches = [texts[i : i + args.batch] for i in range(0, len(texts), args.batch)]
     for name in args.dtypes.split(","):
         model = ref.model if name == "fp32" else load_model(device="cpu", dtype=dtypes[name]).model
@@ -151,13 +159,12 @@ def main(argv=None) -> None:
             parts = [flips(model, ref.model, b, args.prompt, args.positions, q) for b in batches]
             compared, cases = sum(r["compared"] for r in parts), [c for r in parts for c in r["cases"]]
             r = {"dtype": name, "q": q, "compared": compared, "flips": len(cases), "rate": len(cases) / compared,
-                 "cases": cases, "loadavg": list(os.getloadavg())}
+                 "cases": cases, "loadavg": list(os.getloadavg()), "batch": args.batch}
             results["runs"].append(r)
             gaps = sorted(abs(c["fp32_gap"]) for c in r["cases"])
             print(f"{name} q={q}: {r['flips']} flips in {r['compared']} tokens ({100 * r['rate']:.2f}%); "
                   f"fp32 logit gaps of the flipped pairs: {[round(g, 3) for g in gaps]}", flush=True)
-    out = Path(args.out or Path(__file__).parent / "results/bf16_flips.json")
-    out.write_text(json.dumps(results, indent=1) + "\n")
+    save_run(out, label, results)
 
 
 if __name__ == "__main__":

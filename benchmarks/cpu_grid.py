@@ -2,9 +2,11 @@
 
     magicdec bench --dtype bf16 --batch 32 --context 4k,8k --drafters none,auto --modes greedy,sampling \\
         --max-tokens 64 --distinct-prompts 8 --repeats 3 --corpus ../shared/data/pg19_dev.jsonl \\
-        --out benchmarks/results/cpu_grid.json
+        --out /tmp/cpu_grid.json
+    python benchmarks/tables.py --add-run /tmp/cpu_grid.json benchmarks/results/cpu_grid.json avx512bf16
     magicdec bench --dtype fp32 ... --drafters none --modes greedy --out /tmp/cpu_grid_fp32.json   # optional
-    python benchmarks/cpu_grid.py [--fp32 /tmp/cpu_grid_fp32.json] [--bandwidth GB/s] [--out rows.json]
+    python benchmarks/cpu_grid.py [--run avx512bf16] [--fp32 /tmp/cpu_grid_fp32.json] [--bandwidth GB/s]
+        [--out rows.json]
 
 Prints one markdown row per batch x context: decode tok/s of bf16 AR and auto (greedy and sampled), auto's
 speedups, fp32 AR and the bf16/fp32 ratio (with --fp32), and the bf16 AR step against its floor (the step's
@@ -25,6 +27,16 @@ from magicdec.planner.models import ModelShape  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 CALIBRATION = ROOT / "magicdec" / "data" / "hardware-cpu-avx512bf16-2t-bf16.measurements.json"
+
+
+def read_run(path: Path, label: str | None) -> dict:
+    """A `magicdec bench` run: the file `path`, or its run `label` where it holds runs by label (`tables.save_run`)."""
+    doc = json.loads(path.read_text())
+    if "runs" not in doc:
+        return doc
+    if label not in doc["runs"]:
+        sys.exit(f"{path}: name one of its runs ({', '.join(doc['runs'])})")
+    return doc["runs"][label]
 
 
 def tok_s(doc: dict, batch: int, context: int, mode: str, draft: str) -> float | None:
@@ -89,13 +101,15 @@ def markdown(rows: list[dict], label: str = "bf16") -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--bf16", type=Path, default=RESULTS / "cpu_grid.json")
+    p.add_argument("--run", default="avx512bf16", help="the run of --bf16 to show, where it holds runs by label")
     p.add_argument("--fp32", type=Path, help="a fp32 run's AR points (default: none)")
+    p.add_argument("--fp32-run", help="the run of --fp32, where it holds runs by label")
     p.add_argument("--calibration", type=Path, default=CALIBRATION)
     p.add_argument("--bandwidth", type=float, help="read bandwidth for the floor, GB/s (default: calibrated)")
     p.add_argument("--out", type=Path, help="also write the rows as JSON")
     args = p.parse_args()
-    bf16 = json.loads(args.bf16.read_text())
-    fp32 = json.loads(args.fp32.read_text()) if args.fp32 else None
+    bf16 = read_run(args.bf16, args.run)
+    fp32 = read_run(args.fp32, args.fp32_run) if args.fp32 else None
     rows = grid_rows(bf16, fp32, args.bandwidth * 1e9 if args.bandwidth else None, args.calibration)
     print(markdown(rows))
     if args.out:

@@ -5,10 +5,15 @@ current result file of its benchmark (TABLES below), so no number in a table is 
 
     python benchmarks/tables.py            # rewrite the tables in place
     python benchmarks/tables.py --check    # exit 1 if the README differs, or the files and the README disagree
+    python benchmarks/tables.py --add-run RUN.json RESULT.json LABEL   # keep a run's output under LABEL in RESULT
 
 Both also keep benchmarks/results to what the README shows: they fail where the README names a file under
 `results/` that does not exist, where a JSON file under results/ feeds no table, and where a PNG under results/ is
 shown by neither this README nor the top-level one. A superseded run is deleted (git keeps it), not kept beside.
+
+One file per benchmark: where a benchmark runs on several kernel paths, models or shapes, its file holds a run per
+label under "runs" (`save_run`; the benchmark scripts take `--label`). A run written elsewhere (`magicdec bench
+--out`, gpu_check.sh's gpu_check.json) goes in with `--add-run`; a run of the same label is replaced.
 """
 
 from __future__ import annotations
@@ -35,17 +40,26 @@ RESULT_REF = re.compile(r"(?<![\w/.-])(?:benchmarks/)?results/([\w./-]+?\.(?:jso
 USED: set[Path] = set()
 
 
-def load(name: str) -> dict:
+def load(name: str, run: str | None = None) -> dict:
+    """Result file `name`, or with `run` its run of that label (the runs layout of `save_run`)."""
     path = RESULTS / f"{name}.json"
     USED.add(path)
-    return json.loads(path.read_text())
+    doc = json.loads(path.read_text())
+    return doc["runs"][run] if run is not None else doc
 
 
-def save_run(path: Path, label: str, run: dict, machine: dict) -> dict:
-    """Put `run` under `label` in the result file `path` (its other runs kept: one file per benchmark, a run per
-    model or shape) with this machine's info; returns the file's document."""
+def saved_run(path: Path, label: str) -> dict | None:
+    """The run of `label` in the result file `path`; None where there is none yet."""
+    return json.loads(path.read_text()).get("runs", {}).get(label) if path.exists() else None
+
+
+def save_run(path: Path, label: str, run: dict, machine: dict | None = None) -> dict:
+    """Put `run` under `label` in the result file `path`, its other runs kept (one file per benchmark: a run per
+    model, shape or kernel path); returns the file's document. `machine` goes at the top where all the file's runs
+    come from one machine; without it the run carries its own."""
     doc = json.loads(path.read_text()) if path.exists() else {}
-    doc["machine"] = machine
+    if machine is not None:
+        doc["machine"] = machine
     doc.setdefault("runs", {})[label] = run
     path.write_text(json.dumps(doc, indent=1) + "\n")
     return doc
@@ -70,9 +84,9 @@ ATTENTION = {"SDPA, bias": "sdpa additive bias", "bf16 matmuls": "matmul, bf16 s
              "native kernel": "native kernel (magicdec)", "kernel on AMX tiles": "native kernel on AMX tiles"}
 
 
-def attention(prefill: bool, name: str = "attention") -> str:
+def attention(prefill: bool, run: str = "smollm2-135m, avx512bf16") -> str:
     rows = []
-    for p in load(name)["points"]:
+    for p in load("attention", run)["points"]:
         if (p["q"] >= 128) != prefill:
             continue
         v = p["variants"]
@@ -87,10 +101,10 @@ def attention(prefill: bool, name: str = "attention") -> str:
     return text(rows)
 
 
-def linear(result: str, metric: str, base: str, new: str) -> str:
-    """A linear-layer benchmark by rows and layer: `metric` of `base` / of `new` (and new's speedup)."""
+def linear(run: str, metric: str, base: str, new: str) -> str:
+    """A run of the linear-layer benchmark by rows and layer: `metric` of `base` / of `new` (and new's speedup)."""
     rows: dict[int, dict] = {}
-    for p in load(result)["layers"]:
+    for p in load("linear", run)["layers"]:
         v, fmt = p[metric], ".1f" if metric == "gb_per_s" else ".0f"
         rows.setdefault(p["rows"], {"rows": p["rows"]})[f"{p['layer']} {p['in']}->{p['out']}"] = (
             f"{v[base]:{fmt}} / {v[new]:{fmt}} ({p['seconds'][base] / p['seconds'][new]:.2f}x)")
@@ -99,18 +113,18 @@ def linear(result: str, metric: str, base: str, new: str) -> str:
 
 def bf16_flips() -> str:
     rows: dict[tuple, dict] = {}
-    for r in load("bf16_flips")["runs"]:
+    for r in load("bf16_flips", "avx512bf16")["runs"]:
         rows.setdefault((r["batch"], r["dtype"]), {"rows per batch": r["batch"], "dtype": r["dtype"]})[
             f"q = {r['q']}"] = f"{r['flips']} / {r['compared']}"
     return text(list(rows.values()))
 
 
 def cpu_grid() -> str:
-    return markdown(grid_rows(load("cpu_grid")))
+    return markdown(grid_rows(load("cpu_grid", "avx512bf16")))
 
 
 def llamacpp() -> str:
-    doc = load("llamacpp")
+    doc = load("llamacpp", "avx512bf16")
     rows = []
     for t in doc["table"]:
         cell = [r for r in doc["runs"] if (r["pl"], r["pp"]) == (t["batch"], t["context"]) and r["weights"] == "bf16"]
@@ -124,9 +138,9 @@ def llamacpp() -> str:
 
 def avx2_storage() -> str:
     """fp16 and bf16 storage under fp32 arithmetic (the AVX2 kernels): greedy flips against fp32, and speed."""
-    speed = load("linear_avx2")
+    speed = load("linear", "avx2")
     rows = []
-    for r in load("avx2_storage_flips")["runs"]:
+    for r in load("bf16_flips", "avx2 storage")["runs"]:
         row = {"storage": r["storage"], "greedy flips vs fp32": f"{r['flips']} / {r['compared']}",
                "max logit error": f"{r['max_rel_logit_err']:.1e}"}
         for a in speed["attention"]:
@@ -135,16 +149,16 @@ def avx2_storage() -> str:
     return text(rows)
 
 
-def avx2_grid(suffix: str = "") -> str:
+def avx2_grid() -> str:
     """The AVX2 kernels (fp16 storage) against fp32 torch limited to AVX2, with the AR step over its floor at the
-    read bandwidth of the quick profile measured in the same run (`suffix`: of the result files)."""
-    bandwidth = load(f"quick_profile_avx2{suffix}")["mem_bandwidth"]
-    return markdown(grid_rows(load(f"cpu_grid_avx2{suffix}"), load(f"cpu_grid_avx2_fp32{suffix}"), bandwidth),
+    read bandwidth of the quick profile measured in the same run."""
+    bandwidth = load("quick_profile_avx2_zen4")["mem_bandwidth"]
+    return markdown(grid_rows(load("cpu_grid", "avx2"), load("cpu_grid", "torch fp32, capped to AVX2"), bandwidth),
                     label="AVX2")
 
 
-def avx2_llamacpp(suffix: str = "") -> str:
-    doc = load(f"llamacpp_avx2{suffix}")
+def avx2_llamacpp() -> str:
+    doc = load("llamacpp", "avx2")
     rows = []
     for t in doc["table"]:
         cell = {(r["weights"], r["flash_attn"]): r for r in doc["runs"]
@@ -210,26 +224,32 @@ def _cells(doc: dict) -> dict[tuple, list[dict]]:
     return cells
 
 
-def gemma_auto(name: str) -> str:
-    """Gemma 3 per cell and mode: plain decoding, then each other configuration of the run (`--draft auto`: what it
-    chose, its predicted throughput and how far that was from the measurement)."""
+def gemma_auto(name: str, *runs: str) -> str:
+    """Gemma 3 per cell and mode (and run, where `runs` names several of the file's): plain decoding, then each other
+    configuration of the run (`--draft auto`: what it chose, its predicted throughput and how far that was from the
+    measurement)."""
     rows = []
-    for (b, s, mode), pts in sorted(_cells(load(f"gemma/{name}")).items()):
-        plain = next(p for p in pts if p["draft"] == "none")["throughput"]
-        for p in (p for p in pts if p["draft"] != "none"):
-            fixed = f"{p['draft']} K={p['budget']} g={p['gamma']}" + (f" V={p['draft_vocab']}" if p.get("draft_vocab")
-                                                                       else "")
-            predicted, learned = p.get("predicted_throughput"), p.get("predicted_throughput_learned")
-            row = {"B": b, "context": s, "mode": mode, "plain tok/s": plain,
-                   "configuration": f"auto: {p['chosen']}" if "chosen" in p else fixed,
-                   "tok/s": p["throughput"], "x plain": f"{p['throughput'] / plain:.2f}x",
-                   "tokens/step": p["tokens_per_step"], "predicted tok/s": predicted,
-                   "predicted / measured": predicted and f"{predicted / p['throughput']:.2f}"}
-            if learned is not None:  # predicted again at the acceptance the run learned
-                row["learned alpha"] = p["learned_alpha"]
-                row["at learned alpha / measured"] = f"{learned / p['throughput']:.2f}"
-            rows.append(row)
+    for run in runs or (None,):
+        for (b, s, mode), pts in sorted(_cells(load(f"gemma/{name}", run)).items()):
+            plain = next(p for p in pts if p["draft"] == "none")["throughput"]
+            rows += [({"run": run} if len(runs) > 1 else {}) | _auto_row(b, s, mode, plain, p)
+                     for p in pts if p["draft"] != "none"]
     return text(rows)
+
+
+def _auto_row(b: int, s: int, mode: str, plain: float, p: dict) -> dict:
+    """A drafting configuration's row of `gemma_auto` against plain decoding's `plain` tok/s in the same cell."""
+    fixed = f"{p['draft']} K={p['budget']} g={p['gamma']}" + (f" V={p['draft_vocab']}" if p.get("draft_vocab") else "")
+    predicted, learned = p.get("predicted_throughput"), p.get("predicted_throughput_learned")
+    row = {"B": b, "context": s, "mode": mode, "plain tok/s": plain,
+           "configuration": f"auto: {p['chosen']}" if "chosen" in p else fixed,
+           "tok/s": p["throughput"], "x plain": f"{p['throughput'] / plain:.2f}x",
+           "tokens/step": p["tokens_per_step"], "predicted tok/s": predicted,
+           "predicted / measured": predicted and f"{predicted / p['throughput']:.2f}"}
+    if learned is not None:  # predicted again at the acceptance the run learned
+        row["learned alpha"] = p["learned_alpha"]
+        row["at learned alpha / measured"] = f"{learned / p['throughput']:.2f}"
+    return row
 
 
 def positions() -> str:
@@ -241,12 +261,11 @@ def positions() -> str:
     return text([rows[k] for k in sorted(rows)])
 
 
-def quant_draft(*names: str) -> str:
-    """`magicdec bench` acceptance sweeps: the per-token acceptance rate of each self-speculative drafter, by model,
-    context and mode (one row per model and context)."""
+def quant_draft() -> str:
+    """`magicdec bench` acceptance sweeps, a run per model: the per-token acceptance rate of each self-speculative
+    drafter, by model, context and mode (one row per model and context)."""
     rows: dict[tuple, dict] = {}
-    for name in names:
-        doc = load(name)
+    for doc in load("acceptance_quant")["runs"].values():
         for p in doc["points"].values():
             row = rows.setdefault((doc["settings"]["model"]["name"], p["context_used"]),
                                   {"model": doc["settings"]["model"]["name"], "context": p["context_used"]})
@@ -304,22 +323,25 @@ def server_limits() -> str:
                  for r in doc["rows"]]) + f"\n\nModel: {model(doc)}; --max-model-len {doc['max_model_len']}."
 
 
-def llamacpp_32k(result: str, llama: str) -> str:
-    """Gemma 3 at B = 32 x 32k against llama.cpp's run beside it (`llama-batched-bench`, the shared prompt prefilled
-    once): plain decoding and `--draft auto` per mode over llama.cpp's generation, and prefill over llama.cpp's."""
-    run = next(r for r in load(f"gemma/{llama}")["runs"] if "speed_tg" in r)
+def llamacpp_32k(*paths: str) -> str:
+    """Gemma 3 at B = 32 x 32k per kernel path (its run in gemma/auto_32k.json) against llama.cpp's run beside it (the
+    run of the same label in gemma/llamacpp_32k.json: `llama-batched-bench`, the shared prompt prefilled once): plain
+    decoding and `--draft auto` per mode over llama.cpp's generation, and prefill over llama.cpp's."""
     rows = []
-    for (b, s, mode), pts in sorted(_cells(load(f"gemma/{result}")).items()):
-        by = {p["draft"]: p for p in pts}
-        for draft, label in (("none", "plain decoding"), ("auto", "--draft auto")):
-            if draft in by:
-                t = by[draft]["throughput"]
-                rows.append({"run": f"magicdec {label}, {mode}", "tok/s": t, "llama.cpp tok/s": run["speed_tg"],
-                             "x llama.cpp": f"{t / run['speed_tg']:.2f}x"})
-    plain = next(p for p in load(f"gemma/{result}")["points"].values() if p["draft"] == "none")
-    prefill = plain["context_used"] / plain["prefill_s"]
-    rows.append({"run": f"magicdec prefill of the {plain['context_used']}-token prompt", "tok/s": prefill,
-                 "llama.cpp tok/s": run["speed_pp"], "x llama.cpp": f"{prefill / run['speed_pp']:.2f}x"})
+    for path in paths:
+        run = next(r for r in load("gemma/llamacpp_32k", path)["runs"] if "speed_tg" in r)
+        ours = load("gemma/auto_32k", path)
+        for (b, s, mode), pts in sorted(_cells(ours).items()):
+            by = {p["draft"]: p for p in pts}
+            for draft, label in (("none", "plain decoding"), ("auto", "--draft auto")):
+                if draft in by:
+                    t = by[draft]["throughput"]
+                    rows.append({"run": path, "magicdec": f"{label}, {mode}", "tok/s": t,
+                                 "llama.cpp tok/s": run["speed_tg"], "x llama.cpp": f"{t / run['speed_tg']:.2f}x"})
+        plain = next(p for p in ours["points"].values() if p["draft"] == "none")
+        prefill = plain["context_used"] / plain["prefill_s"]
+        rows.append({"run": path, "magicdec": f"prefill of the {plain['context_used']}-token prompt", "tok/s": prefill,
+                     "llama.cpp tok/s": run["speed_pp"], "x llama.cpp": f"{prefill / run['speed_pp']:.2f}x"})
     return text(rows)
 
 
@@ -344,25 +366,24 @@ def paper_comparison() -> str:
 
 
 TABLES = {"attention": lambda: attention(False), "attention_prefill": lambda: attention(True),
-          "linear": lambda: linear("linear", "gb_per_s", "torch", "kernel"),
-          "linear_tiles": lambda: linear("linear_amx", "gflop_per_s", "kernel", "tiles"),
-          "gemma_attention": lambda: attention(False, "gemma/attention_32k"),
+          "linear": lambda: linear("avx512bf16", "gb_per_s", "torch", "kernel"),
+          "linear_tiles": lambda: linear("avx512bf16-amx", "gflop_per_s", "kernel", "tiles"),
+          "gemma_attention": lambda: attention(False, "gemma3-270m, avx512bf16-amx"),
           "bf16_flips": bf16_flips, "avx2_storage": avx2_storage,
           "cpu_grid": cpu_grid, "llamacpp": llamacpp,
-          "avx2_grid_zen4": lambda: avx2_grid("_zen4"), "avx2_llamacpp_zen4": lambda: avx2_llamacpp("_zen4"),
-          "gemma_auto_32k": lambda: gemma_auto("auto_32k"),
-          "gemma_llamacpp_32k": lambda: llamacpp_32k("auto_32k", "llamacpp_32k"),
-          "gemma_auto_32k_zen4": lambda: gemma_auto("auto_32k_zen4"),
-          "gemma_auto_32k_int8_zen4": lambda: gemma_auto("auto_32k_int8_zen4"),
-          "gemma_llamacpp_32k_zen4": lambda: llamacpp_32k("auto_32k_zen4", "llamacpp_32k_zen4"),
+          "avx2_grid_zen4": avx2_grid, "avx2_llamacpp_zen4": avx2_llamacpp,
+          "gemma_auto_32k": lambda: gemma_auto("auto_32k", "avx512bf16-amx", "avx512bf16"),
+          "gemma_llamacpp_32k": lambda: llamacpp_32k("avx512bf16-amx", "avx512bf16"),
+          "gemma_auto_32k_int8": lambda: gemma_auto("auto_32k", "avx512bf16, int8 KV"),
           "gemma_auto_grid": lambda: gemma_auto("auto_grid"),
           "positions": positions, "validate_planner": validate_planner, "paper_comparison": paper_comparison,
           "serving_8k": serving_8k, "chat": lambda: chat("chat"), "chat_shared": lambda: chat("chat_shared"),
           "prefix_hit": prefix_hit, "server_limits": server_limits,
-          "quant_draft": lambda: quant_draft("acceptance_quant", "gemma/acceptance_quant"),
+          "quant_draft": quant_draft,
           "capacity": capacity, "layouts": layouts, "kv_dtype": kv_dtype, "tp": tp, "perplexity": perplexity,
           "gpu_check_h200": lambda: gpu_check("gpu_check_h200")}
-MODELS = {"cpu_grid": "cpu_grid", "positions": "acceptance"}
+#: Tables followed by the model of a result file (or of a run of one).
+MODELS = {"cpu_grid": ("cpu_grid", "avx512bf16"), "positions": ("acceptance", None)}
 
 
 def render(readme: str) -> tuple[str, list[str]]:
@@ -375,7 +396,7 @@ def render(readme: str) -> tuple[str, list[str]]:
             raise SystemExit(f"README names an unknown table {name!r} (known: {', '.join(TABLES)})")
         body = TABLES[name]()
         if name in MODELS:
-            body += f"\n\nModel: {model(load(MODELS[name]))}."
+            body += f"\n\nModel: {model(load(*MODELS[name]))}."
         if m.group(3) != body + "\n":
             changed.append(name)
         return f"{m.group(1)}{body}\n{m.group(4)}"
@@ -403,7 +424,15 @@ def main() -> int:
     p.add_argument("--check", action="store_true",
                    help="only report whether the README's tables are current and its files all there and all used")
     p.add_argument("--readme", type=Path, default=README)
+    p.add_argument("--add-run", nargs=3, metavar=("RUN", "RESULT", "LABEL"),
+                   help="put the JSON document RUN under LABEL in the result file RESULT (its other runs kept), and "
+                        "nothing else")
     args = p.parse_args()
+    if args.add_run:
+        run, result, label = args.add_run
+        save_run(Path(result), label, json.loads(Path(run).read_text()))
+        print(f"{result}: {run} kept as its run {label!r}")
+        return 0
     old = args.readme.read_text()
     new, changed = render(old)
     tops = [TOP_README.read_text()] if TOP_README.exists() else []
