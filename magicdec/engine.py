@@ -341,6 +341,9 @@ class LLM:
         self.attention = attention_path(self.model.device, self.kv_dtype)  # builds a native kernel now, not mid-run
         self.linear = linear_path(self.model.device, weight_dtype(self.model))  # "packed" where load_model packed them
         self.kernels = kernels.path_name()  # the native kernels' instruction-set path, "torch" where none runs
+        # where a layer's norms and RoPE run: the path's layer operators, or torch's (MAGICDEC_FUSED=0, no path)
+        self.layer_ops = "native" if kernels.fuses(torch.empty(0, dtype=self.model.dtype, device=self.model.device)) \
+            else "torch"
         self.kv = make_kv_manager(self.model, self.config)  # shared by the engines built here
         self.last_stats: GenerationStats | None = None
         #: What `SpeculativeConfig("auto")` resolved to in the last `generate` or `engine` call (None where that call

@@ -154,9 +154,17 @@ def matmul_attend(xq: Tensor, keys: Tensor, values: Tensor, bias: Tensor) -> Ten
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate x [B, h, q, hd] in the half-split (Hugging Face) convention."""
+    """Rotate x [..., hd] by cos / sin (broadcasting to it) in the half-split (Hugging Face) convention."""
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """`apply_rope` of a layer's queries or keys x [B, h, q, hd] by cos / sin [B, 1, q, hd]: in one pass where the
+    layer operators run (`kernels.rope`, the same bits)."""
+    if kernels.fuses(x):
+        return kernels.rope(x, cos[:, 0], sin[:, 0])
+    return apply_rope(x, cos, sin)
 
 
 class PackedLinear(nn.Module):
@@ -184,7 +192,17 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
+        if kernels.fuses(x):
+            return kernels.rms_norm(x, self.weight, self.eps)
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+    def add_and_norm(self, x: Tensor, h: Tensor) -> tuple[Tensor, Tensor]:
+        """(x + h, its norm): the residual stream's add and this norm, in one pass where the layer operators run
+        (which add h into x in place)."""
+        if kernels.fuses(x) and x.is_contiguous() and h.shape == x.shape:
+            return x, kernels.rms_norm(h, self.weight, self.eps, residual=x)
+        x = x + h
+        return x, self(x)
 
 
 class Attention(nn.Module):
@@ -218,7 +236,7 @@ class Attention(nn.Module):
         xq, xk, xv = qkv.split((H, KV, KV), dim=1)
         if self.normed_qk:
             xq, xk = self.q_norm(xq), self.k_norm(xk)
-        xq, xk = apply_rope(xq, cos, sin), apply_rope(xk, cos, sin)
+        xq, xk = rotate(xq, cos, sin), rotate(xk, cos, sin)
         if self.q_scale is not None:
             xq = xq * self.q_scale
         keys, values, table = cache.update(self.layer, xk, xv)
@@ -261,8 +279,8 @@ class Block(nn.Module):
 
     def forward(self, x, cos, sin, mask, bias, cache, observer):
         h = self.attention(self.attention_norm(x), cos, sin, mask, bias, cache, observer)
-        x = x + (self.post_attention_norm(h) if self.sandwich else h)
-        h = self.feed_forward(self.ffn_norm(x))
+        x, normed = self.ffn_norm.add_and_norm(x, self.post_attention_norm(h) if self.sandwich else h)
+        h = self.feed_forward(normed)
         return x + (self.post_ffn_norm(h) if self.sandwich else h)
 
 

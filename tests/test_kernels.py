@@ -19,7 +19,8 @@ from conftest import rel_err
 
 from magicdec import kernels
 from magicdec.kv import KVCache, quant
-from magicdec.model import PackedLinear, Transformer, attention_bias, attention_path, pack_linears, weight_dtype
+from magicdec.model import (PackedLinear, Transformer, apply_rope, attention_bias, attention_path, pack_linears, rotate,
+                            weight_dtype)
 
 CPU = torch.device("cpu")
 
@@ -394,6 +395,48 @@ def test_linear_matches_fp32_and_gives_a_row_the_same_bits_in_any_batch(isa, til
         wide = kernels.linear(x, packed, N, b, fp32=True)  # an LM head's logits: the fp32 sums themselves
         assert wide.dtype == torch.float32 and torch.equal(wide.to(isa.compute), out)
         assert rel_err(wide, ref) <= rel_err(out, ref)
+
+
+@pytest.mark.parametrize("rows, dim", [(1, 576), (37, 640), (96, 64), (5, 100)])  # 100: no multiple of 16
+def test_rms_norm_matches_torch_and_gives_a_row_the_same_bits_in_any_batch(isa, rows, dim):
+    g = torch.Generator().manual_seed(rows)
+    x, h = (torch.randn(rows, dim, generator=g).mul(3).to(isa.compute) for _ in range(2))
+    w = torch.randn(dim, generator=g).to(isa.compute)
+    assert kernels.fuses(x) and not kernels.fuses(x.double())
+    out = kernels.rms_norm(x, w, 1e-6)
+    ref = F.rms_norm(x, (dim,), w, 1e-6)
+    # torch rounds once, after the weight, as the kernel does; only its own order of summing the squares differs
+    assert rel_err(out, ref) < 1e-6 if isa.compute == torch.float32 else (out != ref).float().mean() < 0.01
+    assert torch.equal(torch.cat([kernels.rms_norm(x[i : i + 1], w, 1e-6) for i in range(rows)]), out)
+    with threads(1):
+        assert torch.equal(kernels.rms_norm(x, w, 1e-6), out)
+    residual = x.clone()
+    normed = kernels.rms_norm(h, w, 1e-6, residual=residual)  # residual += h, then its norm
+    assert torch.equal(residual, x + h) and torch.equal(normed, kernels.rms_norm(x + h, w, 1e-6))
+    strided = torch.randn(rows, 2 * dim, generator=g).to(isa.compute)[:, :dim]  # rows apart, a contiguous last dim
+    assert torch.equal(kernels.rms_norm(strided, w, 1e-6), kernels.rms_norm(strided.contiguous(), w, 1e-6))
+
+
+@pytest.mark.parametrize("q, D", [(1, 64), (4, 64), (3, 256)])
+def test_rope_gives_torchs_bits(isa, q, D):
+    g = torch.Generator().manual_seed(q)
+    B, H = 3, 5
+    qkv = torch.randn(B, q, H + 2, D, generator=g).to(isa.compute).transpose(1, 2)  # [B, H + 2, q, D], a view
+    x = qkv[:, :H]
+    angles = torch.randn(B, 1, q, D, generator=g)
+    cos, sin = angles.cos().to(isa.compute), angles.sin().to(isa.compute)
+    x1, x2 = x.chunk(2, dim=-1)
+    ref = x * cos + torch.cat((-x2, x1), dim=-1) * sin
+    out = rotate(x, cos, sin)  # the layers' entry: the kernel where it fuses
+    assert kernels.fuses(x) and out.is_contiguous() and torch.equal(out, ref) and torch.equal(out, apply_rope(x, cos, sin))
+
+
+def test_the_layer_ops_switch_gives_the_layers_back_to_torch(isa, monkeypatch):
+    x = torch.randn(2, 64).to(isa.compute)
+    monkeypatch.setenv("MAGICDEC_FUSED", "0")
+    assert not kernels.fuses(x)
+    monkeypatch.setenv("MAGICDEC_FUSED", "1")
+    assert kernels.fuses(x) and not kernels.fuses(x.to("meta"))
 
 
 def test_unpack_linear_gives_back_the_packed_weight(isa):

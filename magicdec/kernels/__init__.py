@@ -35,6 +35,11 @@ a build forced onto a path must not use the host's wider instructions). Where th
 build fails, the path's kernels are off, the reason is logged, and torch's operators run instead. MAGICDEC_NATIVE=0 turns the kernels off;
 MAGICDEC_ISA=<path> forces a path (say `avx2` on a CPU with AVX-512, to run and test it there), `none` none;
 MAGICDEC_AMX=0 keeps both kernels on vector instructions.
+
+Beside the two, each path's library holds small operators of a decoder layer (`rms_norm` with the residual add fused,
+`rope`; kernels/layer.h), which a decode-sized forward would otherwise run as chains of torch operators, each paying
+its dispatch: they run where the path computes in the model's dtype
+(`fuses`), and MAGICDEC_FUSED=0 gives those layers back to torch's operators.
 """
 
 from __future__ import annotations
@@ -279,6 +284,33 @@ def linear(x: Tensor, packed: Tensor, out_features: int, bias: Tensor | None = N
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     op = _ops().linear_tiles if (tiles() if on_tiles is None else on_tiles) else _ops().linear
     return op(rows, packed, out_features, bias, fp32).view(*x.shape[:-1], out_features)
+
+
+@functools.cache
+def _layer_ops(path: IsaPath, switch: str) -> bool:
+    """Whether the layer operators run on `path` under MAGICDEC_FUSED=`switch` (built with the path's kernels)."""
+    return switch != "0" and _build(path) is not None
+
+
+def fuses(x: Tensor) -> bool:
+    """Whether `rms_norm` and `rope` take x: a CPU tensor of the path's compute dtype (bf16 on avx512bf16, fp32 on
+    avx2), unless MAGICDEC_FUSED=0."""
+    path = isa_path()
+    return (path is not None and x.dtype == path.compute and x.device.type == "cpu"
+            and _layer_ops(path, os.environ.get("MAGICDEC_FUSED", "1")))
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None) -> Tensor:
+    """RMSNorm of x [..., dim] times weight [dim] (x's dtype); with `residual` (contiguous, x's shape), residual += x
+    first, in place, and its norm is returned: the residual stream's add and the next norm in one pass. Call only
+    where `fuses(x)`."""
+    return _ops().rms_norm(x, weight, eps, residual)
+
+
+def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x [B, H, q, D] (a contiguous last dim) rotated by cos / sin [B, q, D] in the half-split convention, with
+    torch's roundings (`magicdec.model.apply_rope`'s bits); contiguous. Call only where `fuses(x)`."""
+    return _ops().rope(x, cos, sin)
 
 
 def attends(device: torch.device, kv_dtype: torch.dtype, head_dim: int) -> bool:

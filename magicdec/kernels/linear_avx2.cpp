@@ -12,6 +12,7 @@
 
 #include "avx2.h"
 #include "common.h"
+#include "layer.h"
 
 namespace {
 
@@ -85,4 +86,5 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t N, cons
 // fp32 linear layer over packed fp16 or bf16 weights (AVX2, FMA, F16C), the same bits for a row in any batch
 TORCH_LIBRARY_FRAGMENT(magicdec_avx2, m) {
   m.def("linear(Tensor x, Tensor packed, int N, Tensor? bias, bool fp32) -> Tensor", &linear);
+  MAGICDEC_REGISTER_LAYER_OPS(m, float);
 }

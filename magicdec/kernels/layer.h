@@ -1,0 +1,157 @@
+// Small operators of a decoder layer, one pass each over a forward's rows: RMSNorm (with the residual add before
+// it, fused) and RoPE. In a decode-sized forward (a few tokens a row) each is a few microseconds of arithmetic, where torch's operators
+// spend tens on dispatch and on the chains of elementwise kernels they are composed of (F.rms_norm alone was
+// 74 us a call at 32 rows of SmolLM2 in bf16).
+//
+// Plain C++ over the element type T of the path's compute dtype (bf16 on avx512bf16, held as uint16_t; float on avx2),
+// compiled with each path's flags, which vectorize the inner loops. Every row is computed by one thread in a fixed
+// order whatever the other rows are, so a row gets the same bits in any batch (a verification forward and the
+// one-token steps agree). Rounding follows torch's operators: a bf16 result is rounded where torch rounds it (RoPE's
+// x * cos and rot(x) * sin before their sum; RMSNorm once, after the weight), so RoPE gives torch's bits and RMSNorm
+// differs only where its own order of adding the squares rounds the scale otherwise.
+#pragma once
+#include <cstring>
+#include <memory>
+
+#include "common.h"
+
+// Without trapping math the compiler if-converts the selects of these loops and vectorizes them; it changes no
+// result: nothing here reads the floating-point exception flags. Without contraction a product and a sum round as
+// torch's separate operators round them (an fp32 RoPE would otherwise fuse x * cos + rot * sin into one FMA).
+#pragma GCC push_options
+#pragma GCC optimize("no-trapping-math", "fp-contract=off")
+
+namespace magicdec {
+namespace layer {
+
+// Elements are float (the avx2 path) or bf16 held as uint16_t (avx512bf16), widened to float for the arithmetic and
+// narrowed back with round-to-nearest-even (NaN stays NaN), as torch's casts do; branch-free, so loops vectorize.
+inline float widen(float x) { return x; }
+inline float widen(uint16_t x) {
+  const uint32_t bits = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+template <class T>
+inline T narrow(float x);
+template <>
+inline float narrow<float>(float x) {
+  return x;
+}
+template <>
+inline uint16_t narrow<uint16_t>(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  return static_cast<uint16_t>((u & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC0u : rounded);
+}
+
+// Rows per task of at::parallel_for: rows are independent, and a task must be worth waking a thread for.
+constexpr int64_t kGrainElements = 1 << 14;
+inline int64_t grain(int64_t per_row) { return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(1, per_row)); }
+
+// out[r] = rms_norm(x[r]) * w, rounded once as torch rounds it; where `residual` is given, x[r] = residual[r] + x[r]
+// first (rounded to T and written back into residual): `x = x + h; normed = norm(x)` in one pass. Rows of `dim`
+// elements, sx, sr and so apart in x, residual and out.
+template <class T>
+void rms_norm_rows(const T* x, T* residual, const T* w, T* out, int64_t rows, int64_t dim, int64_t sx,
+                   int64_t sr, int64_t so, float eps) {
+  at::parallel_for(0, rows, grain(dim), [&](int64_t begin, int64_t end) {
+    std::unique_ptr<float[]> buffer(new float[dim]);
+    float* h = buffer.get();
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = x + r * sx;
+      T* rr = residual ? residual + r * sr : nullptr;
+      for (int64_t i = 0; i < dim; ++i) {
+        h[i] = rr ? widen(narrow<T>(widen(rr[i]) + widen(xr[i]))) : widen(xr[i]);
+      }
+      float acc[16] = {};
+      int64_t i = 0;
+      for (; i + 16 <= dim; i += 16) {
+        for (int j = 0; j < 16; ++j) acc[j] += h[i + j] * h[i + j];
+      }
+      for (; i < dim; ++i) acc[0] += h[i] * h[i];
+      float sum = 0.0f;
+      for (int j = 0; j < 16; ++j) sum += acc[j];
+      const float inv = 1.0f / std::sqrt(sum / static_cast<float>(dim) + eps);
+      T* o = out + r * so;
+      for (int64_t k = 0; k < dim; ++k) {
+        if (rr) rr[k] = narrow<T>(h[k]);
+        o[k] = narrow<T>(h[k] * inv * widen(w[k]));
+      }
+    }
+  });
+}
+
+// RoPE in the half-split (Hugging Face) convention: out[b, h, t] = x[b, h, t] * cos[b, t] + rot(x[b, h, t]) *
+// sin[b, t], rot(x) = (-x2, x1), each product rounded to T before the sum as torch rounds it. x [B, H, q, D] with
+// any strides but a contiguous last dim; cos, sin [B, q, D] contiguous; out [B, H, q, D] contiguous.
+template <class T>
+void rope_rows(const T* x, const T* cos, const T* sin, T* out, int64_t B, int64_t H, int64_t q, int64_t D,
+               int64_t sb, int64_t sh, int64_t sq) {
+  const int64_t half = D / 2;
+  at::parallel_for(0, B * H * q, grain(D), [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      const int64_t t = n % q, h = (n / q) % H, b = n / (q * H);
+      const T* xr = x + b * sb + h * sh + t * sq;
+      const T* c = cos + (b * q + t) * D;
+      const T* s = sin + (b * q + t) * D;
+      T* o = out + n * D;
+      for (int64_t i = 0; i < half; ++i) {
+        o[i] = narrow<T>(widen(narrow<T>(widen(xr[i]) * widen(c[i]))) +
+                         widen(narrow<T>(-widen(xr[i + half]) * widen(s[i]))));
+      }
+      for (int64_t i = half; i < D; ++i) {
+        o[i] = narrow<T>(widen(narrow<T>(widen(xr[i]) * widen(c[i]))) +
+                         widen(narrow<T>(widen(xr[i - half]) * widen(s[i]))));
+      }
+    }
+  });
+}
+
+// The operators over tensors of the path's compute dtype T (checked by the Python side, `kernels.fuses`).
+template <class T>
+struct LayerOps {
+  static T* ptr(const at::Tensor& t) { return static_cast<T*>(t.data_ptr()); }
+
+  // x [..., dim] -> rms_norm(x) * w; with residual [..., dim] (same shape): residual += x first, in place.
+  static at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps,
+                             const std::optional<at::Tensor>& residual) {
+    const int64_t dim = x.size(-1), rows = x.numel() / dim;
+    const auto x2 = x.reshape({rows, dim});
+    auto out = at::empty({rows, dim}, x.options());
+    T* res = nullptr;
+    int64_t sr = 0;
+    if (residual) {
+      TORCH_CHECK(residual->is_contiguous() && residual->sizes() == x.sizes(), "residual: x's shape, contiguous");
+      res = static_cast<T*>(residual->data_ptr());
+      sr = dim;
+    }
+    TORCH_CHECK(x2.stride(1) == 1 && w.is_contiguous() && w.numel() == dim, "rms_norm: contiguous rows and weight");
+    rms_norm_rows<T>(ptr(x2), res, ptr(w), ptr(out), rows, dim, x2.stride(0), sr, dim,
+                     static_cast<float>(eps));
+    return out.view(x.sizes());
+  }
+
+  // x [B, H, q, D] (contiguous last dim), cos / sin [B, q, D] -> rotated x [B, H, q, D], contiguous
+  static at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+    TORCH_CHECK(x.dim() == 4 && x.stride(3) == 1 && cos.is_contiguous() && sin.is_contiguous(),
+                "rope: x [B, H, q, D] with a contiguous last dim, contiguous cos and sin");
+    auto out = at::empty(x.sizes(), x.options());
+    rope_rows<T>(ptr(x), ptr(cos), ptr(sin), ptr(out), x.size(0), x.size(1),
+                 x.size(2), x.size(3), x.stride(0), x.stride(1), x.stride(2));
+    return out;
+  }
+};
+
+}  // namespace layer
+}  // namespace magicdec
+
+#pragma GCC pop_options
+
+// Registers the operators into the path's library (TORCH_LIBRARY_FRAGMENT(magicdec_<path>, m)), over T.
+#define MAGICDEC_REGISTER_LAYER_OPS(m, T)                                                                    \
+  m.def("rms_norm(Tensor x, Tensor w, float eps, Tensor(a!)? residual=None) -> Tensor",                     \
+        &magicdec::layer::LayerOps<T>::rms_norm);                                                            \
+  m.def("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor", &magicdec::layer::LayerOps<T>::rope)
