@@ -1,9 +1,9 @@
 """The OpenAI-compatible HTTP API over the AsyncEngine (FastAPI), and running it with uvicorn.
 
 Routes as vLLM serves them: /v1/completions, /v1/chat/completions (SSE streaming with `stream`), /v1/models,
-/tokenize, /detokenize, /health, /metrics. Every error is the OpenAI envelope `{"error": {"message", "type", "param",
-"code"}}`: 400 bad input, 401 missing key, 404 unknown model, 413 a body over the size limit, 429 full queue, 500
-an engine failure, 503 a dead engine.
+/tokenize, /detokenize, /tokenizer_info, /health, /metrics. Every error is the OpenAI envelope `{"error": {"message",
+"type", "param", "code"}}`: 400 bad input, 401 missing key, 404 unknown model, 413 a body over the size limit, 429
+full queue, 500 an engine failure, 503 a dead engine.
 
 Hostile input costs about what reading it costs: a body over the limit is refused before it is read, a prompt
 longer in characters than the context's tokens can spell is refused before it is tokenized, and tokenizing,
@@ -58,6 +58,16 @@ JSON_BYTES_PER_CHAR = 6
 ASSUMED_TOKEN_CHARS = 32
 
 T = TypeVar("T")
+
+
+def tokenizer_info(tokenizer: Tokenizer, max_model_len: int, chat_template: str | None = None,
+                   pad_token_id: int | None = None) -> dict[str, Any]:
+    """vLLM's /tokenizer_info, the fields of a tokenizer_config.json: from it and /tokenize, lm-evaluation-harness's
+    remote tokenizer finds the special tokens and the chat template with no tokenizer files of its own."""
+    return {"tokenizer_class": "PreTrainedTokenizerFast",  # the class transformers loads a tokenizer.json as
+            "bos_token": tokenizer.bos_token, "eos_token": tokenizer.eos_token,
+            "pad_token": tokenizer.token_text(pad_token_id), "add_bos_token": tokenizer.add_bos,
+            "model_max_length": max_model_len, "chat_template": chat_template}
 
 
 def default_max_request_bytes(max_model_len: int, max_token_chars: int | None) -> int:
@@ -273,6 +283,7 @@ class Server:
     api_key: str | None = None
     on_ready: Callable[[], None] | None = None
     on_stopped: Callable[[], None] | None = None
+    info: dict[str, Any] = field(default_factory=dict)  # /tokenizer_info's answer
     created: int = field(default_factory=lambda: int(time.time()))
     pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(TEXT_THREADS, thread_name_prefix="magicdec-text"))
@@ -414,7 +425,11 @@ class Server:
         self.check_model(body.model)
         if body.tokens:
             check_token_ids(body.tokens, self.tokenizer.vocab_size)
-        return {"prompt": await self.off_loop(self.tokenizer.decode, body.tokens)}
+        # special tokens kept, as in vLLM: lm-evaluation-harness sends decoded token ids as text to be scored
+        return {"prompt": await self.off_loop(self.tokenizer.decode, body.tokens, False)}
+
+    async def tokenizer_info(self) -> dict:
+        return self.info
 
     async def health(self) -> Response:
         if not self.engine.alive:
@@ -480,13 +495,14 @@ async def _on_validation(request: Request, e: RequestValidationError) -> JSONRes
 
 def build_app(engine: AsyncEngine, tokenizer: Tokenizer, metrics: ServerMetrics, *, model_name: str,
               model_root: str, chat_template: str | None = None, api_key: str | None = None,
-              max_request_bytes: int | None = None, on_ready: Callable[[], None] | None = None,
-              on_stopped: Callable[[], None] | None = None) -> FastAPI:
+              max_request_bytes: int | None = None, pad_token_id: int | None = None,
+              on_ready: Callable[[], None] | None = None, on_stopped: Callable[[], None] | None = None) -> FastAPI:
     """The FastAPI app; it starts the engine thread on startup and stops it on shutdown (calling `on_ready` and
     `on_stopped` after each). A request body over `max_request_bytes` (default: `default_max_request_bytes`) gets 413
-    before it is read."""
+    before it is read. `pad_token_id` is only reported (/tokenizer_info)."""
     template = ChatTemplate(chat_template, tokenizer) if chat_template else None
-    server = Server(engine, tokenizer, metrics, model_name, model_root, template, api_key, on_ready, on_stopped)
+    server = Server(engine, tokenizer, metrics, model_name, model_root, template, api_key, on_ready, on_stopped,
+                    tokenizer_info(tokenizer, engine.max_model_len, chat_template, pad_token_id))
     if max_request_bytes is None:
         max_request_bytes = default_max_request_bytes(engine.max_model_len, tokenizer.max_token_chars)
     app = FastAPI(title="magicdec", lifespan=server.lifespan)
@@ -501,6 +517,7 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, metrics: ServerMetrics,
     app.include_router(v1)
     app.add_api_route("/tokenize", server.tokenize, methods=["POST"])
     app.add_api_route("/detokenize", server.detokenize, methods=["POST"])
+    app.add_api_route("/tokenizer_info", server.tokenizer_info, methods=["GET"])
     app.add_api_route("/health", server.health, methods=["GET"])
     app.add_api_route("/metrics", server.prometheus, methods=["GET"])
     return app
