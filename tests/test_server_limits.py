@@ -3,9 +3,10 @@
 The longest token bounds how many characters a prompt that fits can have (checked on adversarial texts here); the
 live server (its own subprocess, 1024-token context, a 64 MB body limit so that 40 MB prompts reach the character
 check) refuses bodies over the limit with 413 and prompts that cannot fit with 400, before tokenizing them, while a
-small request is served alongside; its resident memory stays near where it was. The streaming detokenizer's cost
-does not grow with a stop string's length. Time bounds are generous: the server that tokenized such prompts on its
-event loop took ~30 s a refusal, one after another.
+small request is served alongside; its resident memory stays near where it was. A second server (1 MB limit) shows
+that a client that writes its whole body before reading, as urllib does, reads the 413 too. The streaming
+detokenizer's cost does not grow with a stop string's length. Time bounds are generous: the server that tokenized
+such prompts on its event loop took ~30 s a refusal, one after another.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,10 +29,12 @@ import pytest
 from tokenizers import AddedToken, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
+from test_server import assert_envelope, http_json, serve
 from magicdec.cli import main
 from magicdec.loading import default_model_path
 from magicdec.loading.gguf_file import gguf_metadata, read_gguf
 from magicdec.loading.tokenizer import Tokenizer, tokenizer_from_gguf_fields
+from magicdec.server.app import DRAIN_BYTES
 from magicdec.server.detokenize import IncrementalDetokenizer
 
 openai = pytest.importorskip("openai")
@@ -248,3 +253,45 @@ def test_refused_uploads_leave_resident_memory_where_it_was(server):
     small_request(server)
     assert server.rss_mb() - before < RSS_SLACK_MB
 
+
+
+# --- a client that writes its whole body before reading -------------------------------------------------------
+@pytest.fixture(scope="module")
+def small_limit(tmp_path_factory):
+    """A server with a 1 MB body limit and no API key."""
+    with serve(tmp_path_factory.mktemp("serve-1mb") / "server.log", "--max-running", "1", "--max-model-len", "256",
+               "--draft", "none", "--max-request-mb", "1") as srv:
+        yield srv
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["announced", "chunked"])
+def test_urllib_reads_the_413_of_a_body_over_the_limit(small_limit, chunked):
+    """urllib writes the whole body, then reads the answer, and asks to close the connection: where the server
+    answered and closed without reading the body, urllib saw the connection reset; now the rest is read first."""
+    url = f"{small_limit.base}/v1/completions"
+    for mb in (2, 30, 2):
+        body = (b" " * 1_000_000 for _ in range(mb)) if chunked else b" " * (mb * 1_000_000)
+        request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+        start = time.monotonic()
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(request, timeout=60)
+        assert e.value.code == 413 and time.monotonic() - start < QUICK_S
+        assert_envelope(json.loads(e.value.read()), 413)
+    status, body = http_json(url, {"prompt": "The sea was", "max_tokens": 2}, key=None)
+    assert status == 200 and body["usage"]["completion_tokens"] == 2
+
+
+def first_line(port: int, headers: str) -> str:
+    """The status line the server answers a POST of these headers with, its body never sent."""
+    with socket.create_connection(("127.0.0.1", port), timeout=QUICK_S) as s:
+        s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\n{headers}\r\n".encode())
+        return s.makefile("rb").readline().decode().strip()
+
+
+def test_no_wait_for_a_body_never_to_be_read(small_limit):
+    """A client waiting for `100 Continue` is refused at once (curl then sends nothing), and so is a body announced
+    longer than the server would read and throw away."""
+    waiting = first_line(small_limit.port, "Content-Length: 5000000\r\nExpect: 100-continue\r\n")
+    assert waiting.startswith("HTTP/1.1 413 ")
+    huge = 2_000_000 + DRAIN_BYTES
+    assert first_line(small_limit.port, f"Content-Length: {huge}\r\n").startswith("HTTP/1.1 413")

@@ -11,9 +11,13 @@ the difference.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import regex
 from tokenizers import Tokenizer, pre_tokenizers
+
+from magicdec.loading import pad_token_id
 
 # GPT-2's split pattern, as the ByteLevel pre-tokenizer applies it.
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
@@ -98,6 +102,17 @@ def test_special_tokens_are_single_ids_and_skipped_on_decode(default_model):
     ids = tok.encode("<|im_start|>user\nHi<|im_end|>")
     assert ids[0] == 1 and ids[-1] == 2  # <|im_start|>, <|im_end|>
     assert tok.decode(ids) == "user\nHi"
+    assert tok.decode(ids, skip_special_tokens=False) == "<|im_start|>user\nHi<|im_end|>"
+    assert (tok.bos_token, tok.eos_token, tok.token_text(None), tok.token_text(10**6)) == \
+           ("<|im_start|>", "<|im_end|>", None, None)
+
+
+def test_pad_token_from_gguf_metadata_or_a_hf_config(default_path, tmp_path):
+    assert pad_token_id(default_path) == 2  # tokenizer.ggml.padding_token_id: <|im_end|>
+    assert pad_token_id(tmp_path) is None  # no config.json
+    for value, want in ((7, 7), (None, None), (True, None), ("7", None)):
+        (tmp_path / "config.json").write_text(json.dumps({"pad_token_id": value}))
+        assert pad_token_id(tmp_path) == want
 
 
 def test_digits_are_split_individually(default_model):

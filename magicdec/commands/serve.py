@@ -9,7 +9,7 @@ from magicdec.commands.generate import speculative_from_args
 from magicdec.distributed.serving import StepMirror, follow
 from magicdec.engine import LLM
 from magicdec.errors import OutOfMemoryError
-from magicdec.loading import chat_template
+from magicdec.loading import chat_template, pad_token_id
 from magicdec.server.app import build_app, run_server
 from magicdec.server.async_engine import AsyncEngine
 from magicdec.server.metrics import ServerMetrics
@@ -53,6 +53,7 @@ def run(args) -> int:
     mirror = StepMirror(tp) if tp is not None else None
     app = build_app(AsyncEngine(engine, metrics, mirror), llm.tokenizer, metrics, model_name=name, model_root=source,
                     chat_template=chat_template(source), api_key=args.api_key,
-                    max_request_bytes=args.max_request_bytes, on_ready=ready, on_stopped=stopped)
+                    max_request_bytes=args.max_request_bytes, pad_token_id=pad_token_id(source), on_ready=ready,
+                    on_stopped=stopped)
     run_server(app, args.host, args.port, log_level=args.log_level)
     return 0

@@ -141,6 +141,18 @@ def chat_template(source: str | os.PathLike) -> str | None:
     return template if isinstance(template, str) else None
 
 
+def pad_token_id(source: str | os.PathLike) -> int | None:
+    """The padding token a model's files name (GGUF metadata `tokenizer.ggml.padding_token_id`, a Hugging Face
+    folder's config.json `pad_token_id`), or None. magicdec pads nothing; servers report it to clients."""
+    path = Path(source)
+    if path.suffix.lower() == ".gguf":
+        pad = gguf_metadata(read_gguf(path)).get("tokenizer.ggml.padding_token_id")
+    else:
+        config = path / "config.json"
+        pad = read_json_object(config, "model config", ModelLoadError).get("pad_token_id") if config.is_file() else None
+    return pad if isinstance(pad, int) and not isinstance(pad, bool) else None
+
+
 def load_model(
     model: str | os.PathLike | None = None,
     device: str | torch.device | None = None,

@@ -43,8 +43,24 @@ class Tokenizer:
         ids = [e.ids for e in self.tok.encode_batch(list(texts), add_special_tokens=False)]
         return [[self.bos_id, *x] for x in ids] if self.add_bos and add_bos else ids
 
-    def decode(self, ids: Sequence[int]) -> str:
-        return self.tok.decode(list(ids), skip_special_tokens=True)
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """The text of token ids; special tokens (BOS, EOS, a chat template's markers) are left out unless
+        `skip_special_tokens` is False."""
+        return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token_id: int | None) -> str | None:
+        """A token's string in the vocabulary (a special token's own text, such as "<|im_end|>"); None for no token
+        or an id outside the vocabulary."""
+        return None if token_id is None else self.tok.id_to_token(token_id)
+
+    @property
+    def bos_token(self) -> str | None:
+        return self.token_text(self.bos_id)
+
+    @property
+    def eos_token(self) -> str | None:
+        """The first EOS token's text (the one a chat template ends a turn with)."""
+        return self.token_text(self.eos_ids[0] if self.eos_ids else None)
 
     @cached_property
     def max_token_chars(self) -> int | None:

@@ -1,11 +1,11 @@
 """The OpenAI-compatible HTTP API over the AsyncEngine (FastAPI), and running it with uvicorn.
 
 Routes as vLLM serves them: /v1/completions, /v1/chat/completions (SSE streaming with `stream`), /v1/models,
-/tokenize, /detokenize, /health, /metrics. Every error is the OpenAI envelope `{"error": {"message", "type", "param",
-"code"}}`: 400 bad input, 401 missing key, 404 unknown model, 413 a body over the size limit, 429 full queue, 500
-an engine failure, 503 a dead engine.
+/tokenize, /detokenize, /tokenizer_info, /health, /metrics. Every error is the OpenAI envelope `{"error": {"message",
+"type", "param", "code"}}`: 400 bad input, 401 missing key, 404 unknown model, 413 a body over the size limit, 429
+full queue, 500 an engine failure, 503 a dead engine.
 
-Hostile input costs about what reading it costs: a body over the limit is refused before it is read, a prompt
+Hostile input costs about what reading it costs: a body over the limit is refused before it is parsed, a prompt
 longer in characters than the context's tokens can spell is refused before it is tokenized, and tokenizing,
 chat-template rendering and /detokenize run on a few threads off the event loop (the tokenizer releases the GIL), so a
 slow one delays no other request's admission or stream.
@@ -56,8 +56,25 @@ MB = 1_000_000
 JSON_BYTES_PER_CHAR = 6
 #: The characters a token is taken to stand for in sizing the default body limit, where the tokenizer has no bound.
 ASSUMED_TOKEN_CHARS = 32
+#: How much of a refused body is still read (and thrown away) before the 413 goes out, past the limit, and for how
+#: long: a client that writes its whole body before reading the answer (Python's urllib) then reads the 413, where a
+#: connection closed on unread bytes would reset under it (nginx's lingering close does the same). Bounded, so that no
+#: client keeps the server reading: the rest of a larger body is left unread (an announced one is answered at once),
+#: and its client may see the connection reset.
+DRAIN_BYTES = 64 * MB
+DRAIN_S = 30.0
 
 T = TypeVar("T")
+
+
+def tokenizer_info(tokenizer: Tokenizer, max_model_len: int, chat_template: str | None = None,
+                   pad_token_id: int | None = None) -> dict[str, Any]:
+    """vLLM's /tokenizer_info, the fields of a tokenizer_config.json: from it and /tokenize, lm-evaluation-harness's
+    remote tokenizer finds the special tokens and the chat template with no tokenizer files of its own."""
+    return {"tokenizer_class": "PreTrainedTokenizerFast",  # the class transformers loads a tokenizer.json as
+            "bos_token": tokenizer.bos_token, "eos_token": tokenizer.eos_token,
+            "pad_token": tokenizer.token_text(pad_token_id), "add_bos_token": tokenizer.add_bos,
+            "model_max_length": max_model_len, "chat_template": chat_template}
 
 
 def default_max_request_bytes(max_model_len: int, max_token_chars: int | None) -> int:
@@ -273,6 +290,7 @@ class Server:
     api_key: str | None = None
     on_ready: Callable[[], None] | None = None
     on_stopped: Callable[[], None] | None = None
+    info: dict[str, Any] = field(default_factory=dict)  # /tokenizer_info's answer
     created: int = field(default_factory=lambda: int(time.time()))
     pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(TEXT_THREADS, thread_name_prefix="magicdec-text"))
@@ -414,7 +432,11 @@ class Server:
         self.check_model(body.model)
         if body.tokens:
             check_token_ids(body.tokens, self.tokenizer.vocab_size)
-        return {"prompt": await self.off_loop(self.tokenizer.decode, body.tokens)}
+        # special tokens kept, as in vLLM: lm-evaluation-harness sends decoded token ids as text to be scored
+        return {"prompt": await self.off_loop(self.tokenizer.decode, body.tokens, False)}
+
+    async def tokenizer_info(self) -> dict:
+        return self.info
 
     async def health(self) -> Response:
         if not self.engine.alive:
@@ -427,9 +449,12 @@ class Server:
 
 # --- the body limit ---------------------------------------------------------------------------------------------
 class BodyLimit:
-    """ASGI middleware: a request body over `limit` bytes gets 413 before it is read where its Content-Length says so,
-    and as soon as what was read passes the limit where it comes in chunks. uvicorn discards the unread rest of the
-    body, so the client reads the answer.
+    """ASGI middleware: a request body over `limit` bytes gets 413 without being parsed: at once where its
+    Content-Length says so, as soon as what was read passes the limit where it comes in chunks.
+
+    The rest of a refused body is read and thrown away first (up to DRAIN_BYTES past the limit, for DRAIN_S), so that
+    every client reads the answer, urllib's too, which writes its whole body before reading and closes its side with
+    `Connection: close`. A client that sent `Expect: 100-continue` is answered at once: it sends no body until told to.
 
     (FastAPI's own `max_body_size` answers an announced one in plain text, not in the OpenAI envelope.)"""
 
@@ -441,8 +466,12 @@ class BodyLimit:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        length = Headers(scope=scope).get("content-length", "")
+        headers = Headers(scope=scope)
+        length = headers.get("content-length", "")
         if length.isdigit() and int(length) > self.limit:
+            waits = headers.get("expect", "").lower() == "100-continue"
+            if not waits and int(length) <= self.limit + DRAIN_BYTES:
+                await _drain(receive, int(length))
             return await _error(413, self.message)(scope, receive, send)
         read = 0
 
@@ -451,11 +480,27 @@ class BodyLimit:
             message = await receive()
             read += len(message.get("body", b""))
             if read > self.limit:
+                if message.get("more_body", False):
+                    await _drain(receive, DRAIN_BYTES)
                 # raised inside the route's reading of the body: FastAPI passes HTTP exceptions to the handlers
                 raise StarletteHTTPException(413, self.message)
             return message
 
         await self.app(scope, limited, send)
+
+
+async def _drain(receive: Receive, most: int) -> None:
+    """Read and discard the rest of a request body: until its end, the client's leaving, `most` bytes or DRAIN_S."""
+    left = most
+    try:
+        async with asyncio.timeout(DRAIN_S):
+            while left >= 0:
+                message = await receive()
+                left -= len(message.get("body", b""))
+                if message["type"] != "http.request" or not message.get("more_body", False):
+                    return
+    except TimeoutError:
+        pass  # answered now: a client still sending may see its connection reset
 
 
 # --- errors ------------------------------------------------------------------------------------------------
@@ -480,13 +525,14 @@ async def _on_validation(request: Request, e: RequestValidationError) -> JSONRes
 
 def build_app(engine: AsyncEngine, tokenizer: Tokenizer, metrics: ServerMetrics, *, model_name: str,
               model_root: str, chat_template: str | None = None, api_key: str | None = None,
-              max_request_bytes: int | None = None, on_ready: Callable[[], None] | None = None,
-              on_stopped: Callable[[], None] | None = None) -> FastAPI:
+              max_request_bytes: int | None = None, pad_token_id: int | None = None,
+              on_ready: Callable[[], None] | None = None, on_stopped: Callable[[], None] | None = None) -> FastAPI:
     """The FastAPI app; it starts the engine thread on startup and stops it on shutdown (calling `on_ready` and
     `on_stopped` after each). A request body over `max_request_bytes` (default: `default_max_request_bytes`) gets 413
-    before it is read."""
+    without being parsed. `pad_token_id` is only reported (/tokenizer_info)."""
     template = ChatTemplate(chat_template, tokenizer) if chat_template else None
-    server = Server(engine, tokenizer, metrics, model_name, model_root, template, api_key, on_ready, on_stopped)
+    server = Server(engine, tokenizer, metrics, model_name, model_root, template, api_key, on_ready, on_stopped,
+                    tokenizer_info(tokenizer, engine.max_model_len, chat_template, pad_token_id))
     if max_request_bytes is None:
         max_request_bytes = default_max_request_bytes(engine.max_model_len, tokenizer.max_token_chars)
     app = FastAPI(title="magicdec", lifespan=server.lifespan)
@@ -501,6 +547,7 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, metrics: ServerMetrics,
     app.include_router(v1)
     app.add_api_route("/tokenize", server.tokenize, methods=["POST"])
     app.add_api_route("/detokenize", server.detokenize, methods=["POST"])
+    app.add_api_route("/tokenizer_info", server.tokenizer_info, methods=["GET"])
     app.add_api_route("/health", server.health, methods=["GET"])
     app.add_api_route("/metrics", server.prometheus, methods=["GET"])
     return app

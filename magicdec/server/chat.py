@@ -32,11 +32,7 @@ class ChatTemplate:
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         self.template = env.from_string(source)
-        token = tokenizer.tok.id_to_token
-        self.special = {
-            "bos_token": token(tokenizer.bos_id) if tokenizer.bos_id is not None else "",
-            "eos_token": token(tokenizer.eos_ids[0]) if tokenizer.eos_ids else "",
-        }
+        self.special = {"bos_token": tokenizer.bos_token or "", "eos_token": tokenizer.eos_token or ""}
 
     def render(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> str:
         """The prompt text for `messages` ({"role", "content"} dicts); a template error is an invalid request."""
