@@ -302,6 +302,13 @@ def kv_dtype() -> str:
     return "```\n" + table(load("kv_dtype")) + "\n```"
 
 
+def phases() -> str:
+    """bench_phases.py: each kind of forward's parts against its floor, with the layer operators on and off."""
+    from bench_phases import table
+
+    return "```\n" + table(load("phases")) + "\n```"
+
+
 def capacity() -> str:
     """bench_capacity.py: the paged KV pool against the slot layout it replaced, at the same KV memory."""
     from bench_capacity import table
@@ -380,7 +387,7 @@ TABLES = {"attention": lambda: attention(False), "attention_prefill": lambda: at
           "serving_8k": serving_8k, "chat": lambda: chat("chat"), "chat_shared": lambda: chat("chat_shared"),
           "prefix_hit": prefix_hit, "server_limits": server_limits,
           "quant_draft": quant_draft,
-          "capacity": capacity, "layouts": layouts, "kv_dtype": kv_dtype, "tp": tp, "perplexity": perplexity,
+          "capacity": capacity, "layouts": layouts, "kv_dtype": kv_dtype, "phases": phases, "tp": tp, "perplexity": perplexity,
           "gpu_check_h200": lambda: gpu_check("gpu_check_h200")}
 #: Tables followed by the model of a result file (or of a run of one).
 MODELS = {"cpu_grid": ("cpu_grid", "avx512bf16"), "positions": ("acceptance", None)}

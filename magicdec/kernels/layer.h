@@ -1,5 +1,5 @@
 // Small operators of a decoder layer, one pass each over a forward's rows: RMSNorm (with the residual add before
-// it, fused) and RoPE. In a decode-sized forward (a few tokens a row) each is a few microseconds of arithmetic, where torch's operators
+// it, fused), RoPE, and the store of the new K/V rows into the block pool. In a decode-sized forward (a few tokens a row) each is a few microseconds of arithmetic, where torch's operators
 // spend tens on dispatch and on the chains of elementwise kernels they are composed of (F.rms_norm alone was
 // 74 us a call at 32 rows of SmolLM2 in bf16).
 //
@@ -110,6 +110,24 @@ void rope_rows(const T* x, const T* cos, const T* sin, T* out, int64_t B, int64_
   });
 }
 
+// pool[block[n], h, offset[n]] = x[b, h, t] for n = b * q + t: a forward's new K or V rows x [B, H, q, D] written
+// into a block pool [NB, H, BS, D] (any strides but a contiguous last dim) as index_put_ writes them, a row's D
+// elements in one copy. Positions that name the same slot (idle rows riding along into the null block) are written
+// in turn by one task.
+template <class T>
+void store_rows(const T* x, T* pool, const int64_t* block, const int64_t* offset, int64_t B, int64_t H, int64_t q,
+                int64_t D, const int64_t* sx, const int64_t* sp) {
+  at::parallel_for(0, H, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t h = begin; h < end; ++h) {
+      for (int64_t n = 0; n < B * q; ++n) {
+        const int64_t b = n / q, t = n % q;
+        std::memcpy(pool + block[n] * sp[0] + h * sp[1] + offset[n] * sp[2], x + b * sx[0] + h * sx[1] + t * sx[2],
+                    D * sizeof(T));
+      }
+    }
+  });
+}
+
 // The operators over tensors of the path's compute dtype T (checked by the Python side, `kernels.fuses`).
 template <class T>
 struct LayerOps {
@@ -134,6 +152,21 @@ struct LayerOps {
     return out.view(x.sizes());
   }
 
+  // k, v [B, KV, q, D] into the pools kc, vc [NB, KV, BS, D] at (block, offset) [B, q] (int64)
+  static void store_kv(const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& k, const at::Tensor& v,
+                       const at::Tensor& block, const at::Tensor& offset) {
+    const auto b = block.contiguous(), o = offset.contiguous();
+    for (const auto& [pool, x] : {std::pair{kc, k}, std::pair{vc, v}}) {
+      TORCH_CHECK(pool.dim() == 4 && x.dim() == 4 && pool.stride(3) == 1 && x.stride(3) == 1 &&
+                      pool.size(1) == x.size(1) && pool.size(3) == x.size(3) && b.numel() == x.size(0) * x.size(2),
+                  "store_kv: pools [NB, KV, BS, D] and rows [B, KV, q, D] with contiguous last dims, [B, q] indices");
+      const int64_t sx[] = {x.stride(0), x.stride(1), x.stride(2)}, sp[] = {pool.stride(0), pool.stride(1),
+                                                                           pool.stride(2)};
+      store_rows<T>(ptr(x), ptr(pool), b.data_ptr<int64_t>(), o.data_ptr<int64_t>(), x.size(0), x.size(1), x.size(2),
+                    x.size(3), sx, sp);
+    }
+  }
+
   // x [B, H, q, D] (contiguous last dim), cos / sin [B, q, D] -> rotated x [B, H, q, D], contiguous
   static at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
     TORCH_CHECK(x.dim() == 4 && x.stride(3) == 1 && cos.is_contiguous() && sin.is_contiguous(),
@@ -154,4 +187,6 @@ struct LayerOps {
 #define MAGICDEC_REGISTER_LAYER_OPS(m, T)                                                                    \
   m.def("rms_norm(Tensor x, Tensor w, float eps, Tensor(a!)? residual=None) -> Tensor",                     \
         &magicdec::layer::LayerOps<T>::rms_norm);                                                            \
-  m.def("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor", &magicdec::layer::LayerOps<T>::rope)
+  m.def("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor", &magicdec::layer::LayerOps<T>::rope);            \
+  m.def("store_kv(Tensor(a!) kc, Tensor(b!) vc, Tensor k, Tensor v, Tensor block, Tensor offset) -> ()",      \
+        &magicdec::layer::LayerOps<T>::store_kv)

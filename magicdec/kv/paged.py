@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from magicdec import kernels
 from magicdec.config import ModelConfig
 from magicdec.kv import quant
 from magicdec.kv.base import KVCache
@@ -69,9 +70,11 @@ class PagedKVCache(KVCache):
         """Write new k, v [B, KV, q, hd] at each row's next positions; return the layer's pool K, V [blocks, KV,
         BLOCK_SIZE, hd] and the table [B, n] to read them through."""
         kc, vc = self.k[layer], self.v[layer]
-        # index_put_ on the [blocks, BLOCK_SIZE, KV, hd] view with [B, q] indices, values [B, q, KV, hd]
-        kc.transpose(1, 2).index_put_(self._write, quant.store(k.transpose(1, 2), kc.dtype))
-        vc.transpose(1, 2).index_put_(self._write, quant.store(v.transpose(1, 2), vc.dtype))
+        if kc.dtype == k.dtype and kernels.fuses(k):  # the rows as they are, one copy each
+            kernels.store_kv(kc, vc, k, v, *self._write)
+        else:  # index_put_ on the [blocks, BLOCK_SIZE, KV, hd] view with [B, q] indices, values [B, q, KV, hd]
+            kc.transpose(1, 2).index_put_(self._write, quant.store(k.transpose(1, 2), kc.dtype))
+            vc.transpose(1, 2).index_put_(self._write, quant.store(v.transpose(1, 2), vc.dtype))
         return kc, vc, self._table
 
     def locate(self, rows: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
