@@ -79,20 +79,27 @@ def measure(llm: LLM, rows: list[list[int]], args) -> dict:
 
 
 def table(doc: dict) -> str:
-    """Per run, setting and configuration: each kind of forward's parts (ms per forward) against its floor, and the
-    throughput against plain decoding's under the same setting."""
-    rows = []
+    """Per run and setting of the layer operators: each kind of forward of plain decoding and of the fixed draft, its
+    parts in ms per forward against its floor; then each configuration's throughput against plain decoding's."""
+    forwards, speeds = [], []
     for label, run in doc["runs"].items():
-        for key, r in run["configs"].items():
-            setting, name = key.split(" | ")
-            plain = run["configs"][f"{setting} | plain"]["throughput"]
-            for kind, k in r["phases"]["kinds"].items():
-                rows.append({"run": label, "layer ops": setting, "config": name, "forward": kind, "ms": k["ms"],
-                             "attention": k["attention_ms"], "linear": k["linear_ms"], "other": k["other_ms"],
-                             "host": k["host_ms"], "sampling": k["sampling_ms"], "floor": k["floor_ms"],
-                             "x floor": k["ratio"], "tok/s": r["throughput"], "vs plain": r["throughput"] / plain,
-                             "ran": r["chosen"]})
-    return format_table(rows, list(rows[0])) if rows else "no runs"
+        for setting in SETTINGS:
+            configs = {key.split(" | ")[1]: r for key, r in run["configs"].items() if key.startswith(setting + " |")}
+            plain = configs["plain"]["throughput"]
+            fixed = next(name for name in configs if name.startswith("self-"))
+            for r in (configs["plain"], configs[fixed]):
+                for kind, k in r["phases"]["kinds"].items():
+                    forwards.append({"run": label, "layer ops": setting, "forward": kind, "ms": k["ms"],
+                                     "attention": k["attention_ms"], "linear": k["linear_ms"], "other": k["other_ms"],
+                                     "host": k["host_ms"], "sampling": k["sampling_ms"], "floor": k["floor_ms"],
+                                     "x floor": k["ratio"]})
+            speeds.append({"run": label, "layer ops": setting, "plain tok/s": plain,
+                           fixed: configs[fixed]["throughput"] / plain, "auto": configs["auto"]["throughput"] / plain,
+                           "auto ran": configs["auto"]["chosen"]})
+    if not forwards:
+        return "no runs"
+    return "\n\n".join(format_table(rows, list(dict.fromkeys(k for row in rows for k in row)))
+                       for rows in (forwards, speeds))
 
 
 def main() -> None:
