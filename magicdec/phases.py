@@ -1,10 +1,11 @@
 """Where a decode round's time goes: each kind of forward (a plain step, a draft step, a verification) split into
 attention, linear layers, other operators, sampling and host time, against the forward's floor.
 
-`LLM.generate(..., phases=N)` (`generate --phases N`, `bench --phases N`) runs torch's profiler over N decode rounds
-once every prompt is prefilled, so prefill and start-up are outside the window. The runner and the drafters mark what
-they run with scopes (`forward`, `sampling`, `round`) and the model marks its attention (`magicdec.scopes`); outside such
-a window each scope is a shared no-op context, so the decode loop pays nothing for them.
+`LLM.generate(..., phases=PhaseRecorder(N))` (`generate --phases N`, `bench --phases N`) runs torch's profiler over N
+decode rounds once every prompt is prefilled, so prefill and start-up are outside the window. The runner and the
+drafters mark what they run with scopes (`forward`, `sampling`, `round`) and the model marks its attention
+(`magicdec.scopes`); outside such a window each scope is a shared no-op context, so the decode loop pays nothing for
+them.
 
 The split of one kind of forward, from the profiler's events inside its scopes:
 - attention: the model's `attend` calls (the native or Triton kernel, or torch's operators where they attend);
@@ -19,7 +20,8 @@ copying the target's new entries, commits, EOS checks): `outside_ms`.
 The floor of a forward is what its bytes take at the memory's read rate, or its multiply-adds at the rate of a large
 square matmul in the model's dtype, whichever is longer (the planner's `forward_cost` counts both); both rates are
 measured right after the window. Where a last-level cache holds the weights, the true floor is lower. The profiler
-adds about a microsecond to each operator it records, which lands in `host`.
+adds about a microsecond to each operator it records, which lands in `host`. The accounting is a CPU's: on CUDA the
+times are the host's launches (kernels run asynchronously).
 """
 
 from __future__ import annotations

@@ -261,6 +261,20 @@ def test_read_bandwidth_is_never_the_linear_rate(att_rate):
     assert hw.bandwidth_efficiency == 1.0 and hw.linear_rates[0] == (1, 86 * gb)
 
 
+def test_an_overhead_longer_than_the_forwards_does_not_inflate_the_flop_rate():
+    """Tiny forwards timed under other work can measure an overhead longer than every linear forward; the linear
+    layers' FLOP rate then takes off at most 95% of a forward's time, as their byte rates do."""
+    m = {"linear": [{"tokens": n, "seconds": 0.01 * n, "weight_bytes_per_s": 1e10} for n in (1, 64)],
+         "attention": [{"q": 1, "batch": 8, "kv_len": 8192, "seconds": 0.1, "seconds_short": 0.02,
+                        "kv_bytes_per_s": 2e10}],
+         "overhead": {"fixed_s": 0.3, "per_layer_s": 0.0, "decode_loop_extra_s": 0.0},
+         "square_matmul": [{"flops_per_s": 1e11}], "read_bandwidth": {"sum": 3e10, "mv": 3e10},
+         "sampling": {"seconds_per_logit": 1e-9}}
+    hw = profile_from(m, SMOL, "test", torch.device("cpu"), torch.float32)
+    raw = 2 * 64 * SMOL.n_params_linear / 0.64
+    assert hw.flops_per_s * hw.matmul_efficiency == pytest.approx(20 * raw)
+
+
 def test_row_spread():
     assert row_spread([0.1, -0.1]) == pytest.approx(0.1 * 2**0.5)
     assert row_spread([0.0, 0.0, 0.0]) == 0.0

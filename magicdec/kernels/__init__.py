@@ -37,9 +37,9 @@ MAGICDEC_ISA=<path> forces a path (say `avx2` on a CPU with AVX-512, to run and 
 MAGICDEC_AMX=0 keeps both kernels on vector instructions.
 
 Beside the two, each path's library holds small operators of a decoder layer (`rms_norm` with the residual add fused,
-`rope`, `store_kv` of a forward's new K/V rows into the block pool; kernels/layer.h), which a decode-sized forward would otherwise run as chains of torch operators, each paying
-its dispatch: they run where the path computes in the model's dtype
-(`fuses`), and MAGICDEC_FUSED=0 gives those layers back to torch's operators.
+`rope`, `store_kv` of a forward's new K/V rows into the block pool; kernels/layer.h), which a decode-sized forward
+would otherwise run as chains of torch operators, each paying its dispatch: they run where the path computes in the
+model's dtype (`fuses`), and MAGICDEC_FUSED=0 gives those layers back to torch's operators.
 """
 
 from __future__ import annotations
