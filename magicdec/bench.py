@@ -20,14 +20,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-import torch
 from tqdm import tqdm
 
 from magicdec.autoplan import Choice
 from magicdec.calibrate.acceptance import sampling_params
 from magicdec.calibrate.machine import machine_info
 from magicdec.calibrate.quick import planning_profile
-from magicdec.calibrate.timing import read_rate
+from magicdec.calibrate.timing import memory_read_rate
 from magicdec.cli import llm_options
 from magicdec.corpus import cut_prompts, load_texts
 from magicdec.engine import LLM
@@ -45,8 +44,6 @@ from magicdec.speculative import MODES, SpeculativeConfig
 
 DRAFTERS = ("none", "self-streaming", "self-snapkv", "self-quant", "auto")
 POSITIONS = (None, "reindex", "original")  # None: the default per cache kind
-#: Bytes summed after each run for the memory's read rate (`read_bandwidth_gbs`): well past a last-level cache.
-READ_PROBE_BYTES = 256 * 2**20
 
 
 @dataclass
@@ -234,9 +231,7 @@ def _run_config(llm: LLM, args, grid: BenchGrid, rows: list[list[int]], ctx: int
     llm.generate(prompt_token_ids=rows, params=params, speculative=spec, phases=recorder)
     stats = llm.last_stats
     # the memory's read rate right after the run: a VM's moves by up to 2x within an hour, and this places the run
-    probe = torch.full((READ_PROBE_BYTES // 4,), 0.5, device=llm.model.device)
-    read_gbs = read_rate(probe, 3) / 1e9
-    del probe
+    read_gbs = memory_read_rate(llm.model.device) / 1e9
     return _auto_record(llm.last_auto) | {
         "throughput": stats.decode_tok_s, "tokens_per_step": stats.tokens_per_step,
         "acceptance": stats.acceptance_rate, "accepted_hist": stats.accepted_hist,

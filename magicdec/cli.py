@@ -191,7 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--phases", type=positive_int, metavar="ROUNDS",
                    help="profile this many decode rounds once the prompts are prefilled: each kind of forward (plain, "
                         "draft, verify) split into attention, linear layers, other operators, host time and sampling, "
-                        "against its floor (bytes at the measured read rate, or multiply-adds at the profile's rate)")
+                        "against its floor (bytes at the memory's read rate, or multiply-adds at a matmul's rate, both "
+                        "measured after the rounds)")
     g.add_argument("--json", action="store_true",
                    help="print outputs and stats as JSON on stdout; each output carries the index of its prompt "
                         "(--prompt ones first, then the lines of --prompt-file, in order)")

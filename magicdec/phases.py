@@ -32,7 +32,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from magicdec import scopes
-from magicdec.calibrate.timing import best_time, read_rate
+from magicdec.calibrate.timing import best_time, memory_read_rate
 from magicdec.errors import InvalidRequestError
 from magicdec.planner.cost import Workload, forward_cost
 from magicdec.planner.hardware import HardwareProfile
@@ -40,8 +40,6 @@ from magicdec.planner.models import ModelShape
 
 #: The kinds of forward a round runs.
 KINDS = ("plain", "draft", "verify")
-#: Bytes summed for the memory's read rate when a window closes: well past a last-level cache.
-READ_PROBE_BYTES = 256 * 2**20
 #: The size of the square matmul whose rate prices multiply-adds.
 MATMUL_N = 1024
 #: Any profile: `forward_cost` is asked for bytes and flops only, which do not depend on it.
@@ -74,6 +72,7 @@ class PhaseRecorder:
         self.closed = False
         self.read_rate = 0.0  # bytes/s, measured when the window closes
         self.matmul_rate = 0.0  # flop/s, likewise
+        self._rates_on: tuple[torch.device, torch.dtype] | None = None  # where the rates are measured (`start`)
 
     @property
     def running(self) -> bool:
@@ -108,7 +107,7 @@ class PhaseRecorder:
         self._tally(self._profiler.events())
         self._profiler = None
         device, dtype = self._rates_on
-        self.read_rate = read_rate(torch.full((READ_PROBE_BYTES // 4,), 0.5, device=device), 3)
+        self.read_rate = memory_read_rate(device)
         a = torch.randn(MATMUL_N, MATMUL_N, device=device).to(dtype)
         self.matmul_rate = 2 * MATMUL_N**3 / best_time(lambda: a @ a, device, 3)
 

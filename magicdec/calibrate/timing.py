@@ -43,6 +43,16 @@ def read_rate(x: torch.Tensor, reps: int) -> float:
     return x.numel() * x.element_size() / best_time(lambda: x32.sum(), x.device, reps)
 
 
+#: Bytes `memory_read_rate` sums: well past a last-level cache.
+READ_PROBE_BYTES = 256 * 2**20
+
+
+def memory_read_rate(device: torch.device) -> float:
+    """The memory's read rate now, bytes/s (`read_rate` over READ_PROBE_BYTES, best of 3): a VM's moves by up to 2x
+    within an hour, so runs record it beside what they measure."""
+    return read_rate(torch.full((READ_PROBE_BYTES // 4,), 0.5, device=device), 3)
+
+
 def median_time(fn: Callable[[], Any], device: torch.device, reps: int, warmup: int = 1) -> float:
     """Median of `reps` runs: the estimate of what a real run takes."""
     return statistics.median(times(fn, device, reps, warmup))
