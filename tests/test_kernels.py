@@ -235,6 +235,47 @@ def test_a_paged_cache_is_checked(isa):
         run(pk, pv, bias, bad)
 
 
+def token_table(pools: list[torch.Tensor], B: int, L: int, seed: int = 0):
+    """Pools [NB, KV, bs, W] viewed as blocks of one position (`kernels.token_view`, in place), a token table
+    [B, L + 2] (int32) of each row's L positions drawn from across the pools' blocks in a shuffled order (two spare
+    entries past L), and the rows it names copied into contiguous caches [B, KV, L, W] in its order."""
+    g = torch.Generator().manual_seed(seed)
+    NB, _, bs, _ = pools[0].shape
+    picks = torch.stack([torch.randperm(NB * bs, generator=g)[: L + 2] for _ in range(B)])  # block * bs + offset
+    (views, steps) = zip(*map(kernels.token_view, pools))
+    assert len(set(steps)) == 1
+    table = (picks // bs * steps[0] + picks % bs).int()
+    blocks, offsets = picks[:, :L] // bs, picks[:, :L] % bs
+    caches = [pool.transpose(1, 2)[blocks, offsets].transpose(1, 2).contiguous() for pool in pools]
+    return views, table, caches
+
+
+@pytest.mark.parametrize("hd, q, L, nhd", [(64, 3, 2100, False), (64, 1, 300, True), (128, 1, 300, False),
+                                           (256, 3, 100, True)])
+def test_a_token_table_reads_single_positions_in_place(isa, tiles, hd, q, L, nhd):
+    """Pools viewed as blocks of one position, read through a table of single positions from any blocks in any
+    order, give the bits of the same rows gathered into a contiguous cache; so do blocks of 8.
+    Pools stored [NB, KV, 32, hd] or [NB, 32, KV, hd]. The wrapper runs blocks under 16 positions on vector
+    instructions; the tiles operator refuses them."""
+    B, KV, G = 3, 2, 3
+    for storage in storages(isa):
+        xq, _, _, mask = ragged(B, KV, G, q, L, hd, [L - q, L // 2, 5], L, isa.compute, storage, seed=hd)
+        bias = attention_bias(mask, 1, bias_dtype(storage, isa))
+        g = torch.Generator().manual_seed(L)
+        shape = (2 * B * L // 32 + 8, 32, KV, hd) if nhd else (2 * B * L // 32 + 8, KV, 32, hd)
+        pools = [quant.store(torch.randn(shape, generator=g), storage) for _ in range(2)]
+        (pk, pv), table, (ck, cv) = token_table([p.transpose(1, 2) if nhd else p for p in pools], B, L, seed=hd)
+        assert kernels.takes(xq, pk, pv, bias, table)
+        want = kernels.decode_attention(xq, ck, cv, bias, on_tiles=False)
+        assert torch.equal(kernels.decode_attention(xq, pk, pv, bias, table), want), storage
+        k8, v8, table8 = paged(ck, cv, 8, seed=L)  # blocks of 8 positions
+        assert kernels.takes(xq, k8, v8, bias, table8)
+        assert torch.equal(kernels.decode_attention(xq, k8, v8, bias, table8), want), storage
+        if tiles and storage != torch.int8:
+            with pytest.raises(RuntimeError, match="at least 16"):
+                kernels._ops().decode_attention_tiles(xq, pk, pv, bias, kernels.CHUNK, table)
+
+
 class threads:
     """`with threads(n):` torch's intra-op threads set to n for the block."""
 

@@ -336,17 +336,30 @@ def attends(device: torch.device, kv_dtype: torch.dtype, head_dim: int) -> bool:
 def takes(xq: Tensor, keys: Tensor, values: Tensor, bias: Tensor, table: Tensor | None = None) -> bool:
     """Whether `decode_attention` takes these operands (see `attends`; contiguous last dimensions; a bias in K's
     dtype, or in bf16 over int8 K/V; with a block `table`, int32 [B, nblk] over pools of blocks of a power of two
-    positions, at least 16, enough for the bias's L)."""
+    positions, 1 included, enough for the bias's L)."""
     if table is not None:
         bs = keys.shape[2]
         if not (table.dtype == torch.int32 and table.dim() == 2 and table.shape[0] == xq.shape[0]
-                and bs >= 16 and bs & (bs - 1) == 0 and values.shape[2] == bs
+                and bs >= 1 and bs & (bs - 1) == 0 and values.shape[2] == bs
                 and table.shape[1] * bs >= bias.shape[-1]):
             return False
     bias_dtype = torch.bfloat16 if keys.dtype == torch.int8 else keys.dtype
     return (keys.stride(-1) == 1 and values.stride(-1) == 1 and bias.stride(-1) == 1
             and xq.shape[2] % bias.shape[2] == 0 and values.dtype == keys.dtype and bias.dtype == bias_dtype
             and attends(keys.device, keys.dtype, xq.shape[-1]))
+
+
+def token_view(pool: Tensor) -> tuple[Tensor, int]:
+    """A block pool [NB, KV, BS, hd] (any strides but a contiguous last dim) viewed in place as blocks of one position,
+    for a token table (`decode_attention`), and the view's rows per block: position `offset` of block `block` is row
+    block * step + offset of the view (step = BS for a pool stored [NB, BS, KV, hd], KV * BS for one stored
+    [NB, KV, BS, hd]). The view's rows overlap the pool's other heads; the kernel reads head h of a row only."""
+    NB, KV, BS, hd = pool.shape
+    step, rest = divmod(pool.stride(0), pool.stride(2))
+    if rest or step < BS:
+        raise ValueError(f"a pool of strides {pool.stride()}: its blocks are no whole number of positions apart")
+    rows = (NB - 1) * step + BS
+    return pool.as_strided((rows, KV, 1, hd), (pool.stride(2), pool.stride(1), pool.stride(2), 1)), step
 
 
 def decode_attention(xq: Tensor, keys: Tensor, values: Tensor, bias: Tensor, table: Tensor | None = None, *,
@@ -359,12 +372,18 @@ def decode_attention(xq: Tensor, keys: Tensor, values: Tensor, bias: Tensor, tab
     where `takes` is True. `on_tiles`: AMX tiles or vector instructions (None: this process's choice, `tiles()`).
 
     Paged (vLLM's "HND" layout): with a block `table` [B, nblk] (int32), K/V are pools [NB, KV, BS, hd] of NB blocks
-    of BS positions (a power of two, at least 16; any strides but a contiguous last dim), row b's j-th block of BS
-    positions being pool[table[b, j]]: position l of row b, KV head h is pool[table[b, l // BS], h, l % BS]. L is the
-    bias's last dimension (nblk * BS >= L); every id in the table must name a block of the pool, but the blocks of
-    positions the bias hides from all of a row's queries are not read. A row's output has the bits it has over the
-    same positions stored contiguously."""
+    of BS positions (a power of two; any strides but a contiguous last dim), row b's j-th block of BS positions being
+    pool[table[b, j]]: position l of row b, KV head h is pool[table[b, l // BS], h, l % BS]. L is the bias's last
+    dimension (nblk * BS >= L); every id in the table must name a block of the pool, but the blocks of positions the
+    bias hides from all of a row's queries are not read. A row's output has the bits it has over the same positions
+    stored contiguously. BS may be below 16, down to 1: a token table [B, L], each entry naming one position's row,
+    reads arbitrary positions of a block pool in place through its `token_view` (entries block * step + offset).
+    Blocks of fewer than 16 positions run on vector instructions (a tile reads 16 positions of one block)."""
     if keys.dtype == torch.int8:
         return _ops().decode_attention_int8(xq, keys, values, bias, CHUNK, table)
-    op = _ops().decode_attention_tiles if (tiles() if on_tiles is None else on_tiles) else _ops().decode_attention
+    if on_tiles is None:
+        on_tiles = tiles()
+    if table is not None and keys.shape[2] < 16:  # a tile of 16 positions reads one block's rows
+        on_tiles = False
+    op = _ops().decode_attention_tiles if on_tiles else _ops().decode_attention
     return op(xq, keys, values, bias, CHUNK, table)

@@ -34,9 +34,10 @@ constexpr float kExpPoly[] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-
 // Rows of a [B, H, L, W] tensor of elements T (16-bit words, or the int8 rows of magicdec.kv.quant: D values and
 // their scale) with a contiguous last dim, each row's positions in blocks of 2^shift: position l of (b, h) lies at
 // data + blocks[b * nblk + l / 2^shift] + h * sh + (l % 2^shift) * sl. A contiguous tensor is one block per row; a
-// paged pool [NB, H, BS, W] read through a block table, blocks of BS. Blocks hold a multiple of 16 positions, so a
-// kernel's tile of 16 (or 8) positions starting at a multiple of its size lies in one block: its rows are
-// at(b, h, l) + i * sl.
+// paged pool [NB, H, BS, W] read through a block table, blocks of BS (any power of two: with BS = 1 each table entry
+// names one position's row, a token table). A kernel takes a tile of N = 16 (or 8) positions starting at a multiple
+// of N: where the blocks hold N positions or more the tile lies in one block and its rows are at(b, h, l) + i * sl,
+// else each row is looked up (`tile`).
 template <class T>
 struct StridedOf {
   const T* data;
@@ -45,6 +46,17 @@ struct StridedOf {
   const T* at(int64_t b, int64_t h, int64_t l) const {
     const int64_t j = std::min(l >> shift, nblk - 1);  // clamped: prefetches run past the end
     return data + blocks[b * nblk + j] + h * sh + (l - (j << shift)) * sl;
+  }
+  // rows[i] = at(b, h, l + i) for the N positions of the tile at l (a multiple of N): one block's rows sl apart where
+  // a block holds the tile, else looked up one by one (blocks of fewer than N positions).
+  template <int N>
+  void tile(int64_t b, int64_t h, int64_t l, const T* (&rows)[N]) const {
+    if (shift >= __builtin_ctz(N)) {
+      const T* first = at(b, h, l);
+      for (int i = 0; i < N; ++i) rows[i] = first + i * sl;
+    } else {
+      for (int i = 0; i < N; ++i) rows[i] = at(b, h, l + i);
+    }
   }
 };
 using Strided = StridedOf<uint16_t>;
@@ -73,7 +85,7 @@ StridedOf<T> strided(const at::Tensor& t, const std::optional<at::Tensor>& table
 }
 
 // The positions attended, L, after the checks of the operands' shapes: q [B, KV, M, D]; k, v [B, KV, L, D] or, with
-// a block table [B, nblk] (int32), pools [NB, KV, BS, D] (BS a power of two, at least 16; nblk * BS >= L), where L is
+// a block table [B, nblk] (int32), pools [NB, KV, BS, D] (BS a power of two, 1 included; nblk * BS >= L), where L is
 // the bias's [B, 1, R, L].
 inline int64_t attended(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& bias,
                         const std::optional<at::Tensor>& table) {
@@ -85,9 +97,8 @@ inline int64_t attended(const at::Tensor& q, const at::Tensor& k, const at::Tens
   TORCH_CHECK(table->scalar_type() == at::kInt && table->dim() == 2 && table->size(0) == q.size(0),
               "decode_attention: block table [B, nblk] int32 expected, got ", table->sizes(), " ",
               table->scalar_type(), " for ", q.size(0), " rows");
-  TORCH_CHECK(BS >= 16 && (BS & (BS - 1)) == 0 && v.size(2) == BS,
-              "decode_attention: K/V blocks of a power of two positions, at least 16, expected, got ", k.sizes(),
-              " and ", v.sizes());
+  TORCH_CHECK(BS >= 1 && (BS & (BS - 1)) == 0 && v.size(2) == BS,
+              "decode_attention: K/V blocks of a power of two positions expected, got ", k.sizes(), " and ", v.sizes());
   TORCH_CHECK(k.size(1) == q.size(1) && v.size(1) == q.size(1), "decode_attention: ", q.size(1),
               " KV heads expected in the pools, got ", k.sizes(), " and ", v.sizes());
   TORCH_CHECK(table->size(1) * BS >= L, "decode_attention: a block table of ", table->size(1), " blocks of ", BS,

@@ -14,16 +14,17 @@
 // threads). The rows 128 positions ahead are prefetched into L2.
 // Chunks are merged by their maxima. Each query row is computed with the same arithmetic whatever M and
 // L are: a verification forward attends exactly as the one-token steps do. Tiles the bias hides
-// entirely (unfilled cache slots) are skipped.
+// entirely (unfilled cache slots) are skipped. A pool's blocks may hold fewer than 16 positions (down to one: a
+// token table naming single positions anywhere in a pool); a tile's rows are then looked up one by one.
 //
-// With AMX tiles (`kTiles`, where the linear kernel takes them too) the products run on the tile unit:
-// a 16-position K tile is an A operand as the cache stores it (no transpose), the queries a B operand
-// (pairs of head dims by query, 16 queries wide), and P @ V multiplies a tile of 16 queries' bf16
-// probabilities by V interleaved by position pairs. A verification forward's 16 or so query rows per
-// KV head then cost about what one row does, the K/V read. Each query row is still computed alike in
-// any batch: rows and columns of a tile product do not mix. P @ V walks V by 32 dims at a time (two
-// output tiles), so a chunk's V is interleaved once into a buffer, reading each position's row whole:
-// walking the cache itself 32 dims at a time read V from memory at half the rate K is read.
+// With AMX tiles (`kTiles`, where the linear kernel takes them too) the products run on the tile unit: a 16-position
+// K tile is an A operand as the cache stores it (no transpose; so blocks of 16 positions or more), the queries a B
+// operand (pairs of head dims by query, 16 queries wide), and P @ V multiplies a tile of 16 queries' bf16
+// probabilities by V interleaved by position pairs. A verification forward's 16 or so query rows per KV head then
+// cost about what one row does, the K/V read. Each query row is still computed alike in any batch: rows and columns
+// of a tile product do not mix. P @ V walks V by 32 dims at a time (two output tiles), so a chunk's V is interleaved
+// once into a buffer, reading each position's row whole: walking the cache itself 32 dims at a time read V from
+// memory at half the rate K is read.
 #include <immintrin.h>
 
 #include <cstring>
@@ -183,11 +184,9 @@ struct Task {
   void score_tile_along_dims(int64_t b, int64_t h, int64_t l, int64_t n, float* s) const {
     static const uint16_t zeros[D] = {};
     const uint16_t *k[kTile], *ahead[kTile];  // the rows, and those prefetched while the first block reads them
-    const uint16_t *k0 = K.at(b, h, l), *ahead0 = K.at(b, h, l + kPrefetch);  // each tile in one block (Strided)
-    for (int i = 0; i < kTile; ++i) {
-      k[i] = i < n ? k0 + i * K.sl : zeros;
-      ahead[i] = ahead0 + i * K.sl;
-    }
+    K.tile(b, h, l, k);
+    K.tile(b, h, l + kPrefetch, ahead);
+    for (int i = n; i < kTile; ++i) k[i] = zeros;
     magicdec::for_each_row_block<4>(M, [&](int64_t m0, auto block) {
       constexpr int R = decltype(block)::value;
       __m512 quads[R][kTile / 4];  // each four positions' dot products, their lanes summed in part (sum_lanes4)
@@ -222,11 +221,13 @@ struct Task {
     // The tile's rows are copied position after position, a sequential read, then transposed 16 pairs at a
     // time: gathering 16 rows 2 D bytes apart for each 64-byte slice read the cache at 3/4 of the rate on a Zen 4.
     alignas(64) __m512i rows[kTile][P / 16];
-    const uint16_t *k0 = K.at(b, h, l), *ahead0 = K.at(b, h, l + kPrefetch);  // each tile in one block (Strided)
+    const uint16_t *k[kTile], *ahead[kTile];
+    K.tile(b, h, l, k);
+    K.tile(b, h, l + kPrefetch, ahead);
     for (int i = 0; i < kTile; ++i)
       for (int c = 0; c < P / 16; ++c) {
-        prefetch(ahead0 + i * K.sl + 32 * c);
-        rows[i][c] = i < n ? _mm512_loadu_si512(k0 + i * K.sl + 32 * c) : _mm512_setzero_si512();
+        prefetch(ahead[i] + 32 * c);
+        rows[i][c] = i < n ? _mm512_loadu_si512(k[i] + 32 * c) : _mm512_setzero_si512();
       }
     alignas(64) __m512i kt[P];  // kt[p] lane i: pair p of position l + i
     for (int c = 0; c < P / 16; ++c) {
@@ -252,17 +253,19 @@ struct Task {
   void score_tile_int8(int64_t b, int64_t h, int64_t l, int64_t n, float* s) const {
     alignas(64) __m512i kt[D / 4];  // kt[p] lane i: dims [4p, 4p + 4) of position l + i, as k + 128
     alignas(64) float k_scale[kTile];
-    const int8_t *k0 = K.at(b, h, l), *ahead0 = K.at(b, h, l + kPrefetch);  // each tile in one block (Strided)
+    const int8_t *k[kTile], *ahead[kTile];
+    K.tile(b, h, l, k);
+    K.tile(b, h, l + kPrefetch, ahead);
     const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
     for (int i = 0; i < kTile; ++i) {
-      prefetch(ahead0 + i * K.sl + D);  // the row's last line: its scale
-      k_scale[i] = i < n ? row_scale<D>(k0 + i * K.sl) : 0.0f;
+      prefetch(ahead[i] + D);  // the row's last line: its scale
+      k_scale[i] = i < n ? row_scale<D>(k[i]) : 0.0f;
     }
     for (int c = 0; c < D / 64; ++c) {
       __m512i r[16];
       for (int i = 0; i < kTile; ++i) {
-        prefetch(ahead0 + i * K.sl + 64 * c);
-        r[i] = i < n ? _mm512_xor_si512(_mm512_loadu_si512(k0 + i * K.sl + 64 * c), flip) : _mm512_setzero_si512();
+        prefetch(ahead[i] + 64 * c);
+        r[i] = i < n ? _mm512_xor_si512(_mm512_loadu_si512(k[i] + 64 * c), flip) : _mm512_setzero_si512();
       }
       transpose16(r);
       for (int p = 0; p < 16; ++p) kt[16 * c + p] = r[p];
@@ -296,7 +299,7 @@ struct Task {
   // score_tile on tiles: S^T [16 positions, 16 queries] = K tile @ queries, per group of 16 queries.
   void score_tile_on_tiles(int64_t b, int64_t h, int64_t l, int64_t n, const uint32_t* qt, float* s) const {
     alignas(64) uint16_t kpad[16 * D];  // a partial tile's positions, zero past n (the cache may end there)
-    const uint16_t* kt = K.at(b, h, l);  // the tile's rows K.sl apart: it lies in one block (Strided)
+    const uint16_t* kt = K.at(b, h, l);  // the tile's rows K.sl apart: blocks of 16 or more (attend_any)
     int64_t stride = K.sl * 2;
     if (n < 16) {
       std::fill(kpad, kpad + 16 * D, uint16_t(0));
@@ -335,13 +338,14 @@ struct Task {
     const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
                                         39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
     const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
-    const uint16_t *v0 = V.at(b, h, l), *ahead0 = V.at(b, h, l + kPrefetch);  // each tile in one block (Strided)
+    const uint16_t *v[kTile], *ahead[kTile];
+    V.tile(b, h, l, v);
+    V.tile(b, h, l + kPrefetch, ahead);
     for (int64_t j = 0; j < kTile / 2; ++j) {
-      const uint16_t* va = v0 + 2 * j * V.sl;
-      const uint16_t* vz = va + V.sl;
+      const uint16_t *va = v[2 * j], *vz = v[2 * j + 1];
       for (int c = 0; c < D / 32; ++c) {
-        prefetch(ahead0 + 2 * j * V.sl + 32 * c);
-        prefetch(ahead0 + (2 * j + 1) * V.sl + 32 * c);
+        prefetch(ahead[2 * j] + 32 * c);
+        prefetch(ahead[2 * j + 1] + 32 * c);
         const __m512i a = 2 * j < n ? _mm512_loadu_si512(va + 32 * c) : _mm512_setzero_si512();
         const __m512i z = 2 * j + 1 < n ? _mm512_loadu_si512(vz + 32 * c) : _mm512_setzero_si512();
         out[j * sj + 2 * c * sk] = _mm512_permutex2var_epi16(a, lo, z);
@@ -353,14 +357,16 @@ struct Task {
   // The tile's int8 V rows [l, l + 16) (n real) interleaved by position quads, for `vpdpbusd` (four positions' bytes a
   // dword) with in-lane unpacks alone: out[j * (D / 16) + 4c + r] dword 4L + i = V[4j .. 4j + 3][quad_dim(4c + r, 4L + i)].
   void quad_tile(int64_t b, int64_t h, int64_t l, int64_t n, __m512i* out) const {
-    const int8_t *v0 = V.at(b, h, l), *ahead0 = V.at(b, h, l + kPrefetch);  // each tile in one block (Strided)
+    const int8_t *v[kTile], *ahead[kTile];
+    V.tile(b, h, l, v);
+    V.tile(b, h, l + kPrefetch, ahead);
     for (int64_t j = 0; j < kTile / 4; ++j)
       for (int c = 0; c < D / 64; ++c) {
         __m512i r[4];
         for (int i = 0; i < 4; ++i) {
           const int64_t p = 4 * j + i;
-          prefetch(ahead0 + p * V.sl + 64 * c);
-          r[i] = p < n ? _mm512_loadu_si512(v0 + p * V.sl + 64 * c) : _mm512_setzero_si512();
+          prefetch(ahead[p] + 64 * c);
+          r[i] = p < n ? _mm512_loadu_si512(v[p] + 64 * c) : _mm512_setzero_si512();
         }
         const __m512i ab_lo = _mm512_unpacklo_epi8(r[0], r[1]), ab_hi = _mm512_unpackhi_epi8(r[0], r[1]);
         const __m512i cd_lo = _mm512_unpacklo_epi8(r[2], r[3]), cd_hi = _mm512_unpackhi_epi8(r[2], r[3]);
@@ -523,7 +529,10 @@ struct Task {
       v_max.resize(M);
       for (int64_t t = 0; t < tiles; ++t) {
         const int64_t l = l0 + t * kTile, n = std::min<int64_t>(kTile, l1 - l);
-        for (int64_t i = 0; visible[t] && i < n; ++i) v_scale[t * kTile + i] = row_scale<D>(V.at(b, h, l) + i * V.sl);
+        if (!visible[t]) continue;
+        const Elem* v[kTile];
+        V.tile(b, h, l, v);
+        for (int64_t i = 0; i < n; ++i) v_scale[t * kTile + i] = row_scale<D>(v[i]);
       }
     }
     softmax(tiles, scores.data(), visible.data(), lanes, probs.data(), row_max, row_sum,
@@ -672,10 +681,14 @@ at::Tensor attend_any(const at::Tensor& q, const at::Tensor& k, const at::Tensor
               "decode_attention: K/V rows of ", kInt8 ? "head dim + 4 int8" : "head dim bf16", " expected, got q ",
               q.sizes(), ", K ", k.sizes(), ", V ", v.sizes());
   const int64_t L = magicdec::attended(q, k, v, bias, table);
-  // Tiles start at multiples of 16: one never crosses a block (Strided).
+  // Tiles start at multiples of 16: in blocks of 16 positions or more one lies in one block (Strided).
   TORCH_CHECK(chunk > 0 && chunk % kTile == 0, "decode_attention: chunk must be a positive multiple of 16");
   TORCH_CHECK(!kInt8 || chunk <= 1024, "decode_attention: int8 K/V take chunks of at most 1024 (kProbOne)");
-  if constexpr (kTiles) magicdec::require_tiles("decode_attention");
+  if constexpr (kTiles) {
+    magicdec::require_tiles("decode_attention");
+    TORCH_CHECK(!table || k.size(2) >= kTile, "decode_attention_tiles: K/V blocks of at least 16 positions expected "
+                "(a tile's rows in one block), got blocks of ", k.size(2), "; decode_attention reads those");
+  }
   switch (q.size(3)) {
     case 64: return attend<64, kTiles, kInt8>(q, k, v, bias, chunk, table, L);
     case 128: return attend<128, kTiles, kInt8>(q, k, v, bias, chunk, table, L);
@@ -702,8 +715,8 @@ at::Tensor decode_attention_int8(const at::Tensor& q, const at::Tensor& k, const
 }
 
 // Decode/verification attention over a bf16 KV cache (AVX512-BF16; decode_attention_tiles: products on AMX tiles,
-// call it only where tiles_ready()) or an int8 one (decode_attention_int8, AVX512-VNNI), contiguous or paged (a block
-// table: magicdec::strided)
+// call it only where tiles_ready(), blocks of 16 positions or more) or an int8 one (decode_attention_int8,
+// AVX512-VNNI), contiguous or paged (a block table over blocks of any power of two positions: magicdec::strided)
 TORCH_LIBRARY_FRAGMENT(magicdec_avx512bf16, m) {
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor bias, int chunk, Tensor? block_table=None) -> Tensor",
         &decode_attention);

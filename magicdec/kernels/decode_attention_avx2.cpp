@@ -13,7 +13,8 @@
 // once and widens it once; widening into a buffer instead cost as much as the arithmetic.
 // Each query row is computed with the same arithmetic whatever M and L are (the order of its sums does not
 // depend on the block it falls in), so a verification forward attends exactly as the one-token steps do.
-// Tiles the bias hides from all of a task's rows are skipped.
+// Tiles the bias hides from all of a task's rows are skipped. Pools of blocks of any power of two positions are read
+// (a tile's rows looked up one by one where blocks hold fewer than 8), as in decode_attention.cpp.
 #include <immintrin.h>
 
 #include <cstring>
@@ -98,12 +99,14 @@ struct Task {
   // Pointers to the tile's rows [l, l + 8) of K or V; rows past n point at zeros (never read from the cache).
   // The rows kPrefetch positions ahead are prefetched (a prefetch past the cache's end does not fault): the dot
   // products between the loads leave the hardware prefetcher behind.
-  void tile_rows(const Strided& X, int64_t b, int64_t h, int64_t l, int64_t n, const uint16_t* rows[kTile]) const {
+  void tile_rows(const Strided& X, int64_t b, int64_t h, int64_t l, int64_t n, const uint16_t* (&rows)[kTile]) const {
     static const uint16_t zeros[D] = {};
-    const uint16_t *x0 = X.at(b, h, l), *ahead0 = X.at(b, h, l + kPrefetch);  // each tile in one block (Strided)
+    const uint16_t* ahead[kTile];
+    X.tile(b, h, l, rows);
+    X.tile(b, h, l + kPrefetch, ahead);
     for (int64_t i = 0; i < kTile; ++i) {
-      rows[i] = i < n ? x0 + i * X.sl : zeros;
-      for (int c = 0; c < D; c += 32) _mm_prefetch(reinterpret_cast<const char*>(ahead0 + i * X.sl + c), _MM_HINT_T0);
+      if (i >= n) rows[i] = zeros;
+      for (int c = 0; c < D; c += 32) _mm_prefetch(reinterpret_cast<const char*>(ahead[i] + c), _MM_HINT_T0);
     }
   }
 
@@ -256,14 +259,14 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   TORCH_CHECK((type == at::kHalf || type == at::kBFloat16) && v.scalar_type() == type &&
                   bias.scalar_type() == type, "decode_attention: K, V and bias must be all fp16 or all bf16");
   const int64_t L = magicdec::attended(q, k, v, bias, block_table);
-  // Tiles start at multiples of 8: one never crosses a block (Strided).
+  // Tiles start at multiples of 8: in blocks of 8 positions or more one lies in one block (Strided).
   TORCH_CHECK(chunk > 0 && chunk % kTile == 0, "decode_attention: chunk must be a positive multiple of 8");
   return type == at::kHalf ? attend_head_dim<Fp16>(q, k, v, bias, chunk, block_table, L)
                            : attend_head_dim<Bf16>(q, k, v, bias, chunk, block_table, L);
 }
 
-// Attention over an fp16 or bf16 KV cache in fp32 (AVX2, FMA, F16C), contiguous or paged (a block table:
-// magicdec::strided)
+// Attention over an fp16 or bf16 KV cache in fp32 (AVX2, FMA, F16C), contiguous or paged (a block table over blocks
+// of any power of two positions: magicdec::strided)
 TORCH_LIBRARY_FRAGMENT(magicdec_avx2, m) {
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor bias, int chunk, Tensor? block_table=None) -> Tensor",
         &decode_attention);
