@@ -235,6 +235,61 @@ def test_a_paged_cache_is_checked(isa):
         run(pk, pv, bias, bad)
 
 
+def share_reference(xq, k, v, mask, G: int, row: int) -> torch.Tensor:
+    """fp32 attention shares [B, KV, L]: the softmax probabilities of token `row`'s G query rows, summed."""
+    B, KV, M, hd = xq.shape
+    bias = torch.zeros(mask.shape).masked_fill(~mask, float("-inf")).repeat(1, 1, G, 1)
+    k = quant.load(k, torch.float32)
+    probs = (xq.float() @ k.transpose(-1, -2) * hd ** -0.5 + bias).softmax(-1)
+    return probs.view(B, KV, G, M // G, -1)[:, :, :, row].sum(2)
+
+
+@pytest.mark.parametrize("q, hd, L, lens", [
+    (1, 64, 2100, [2099, 1500, 37]),     # several chunks, hidden tiles at the end, a row in one chunk
+    (3, 64, 2100, [2097, 1029, 0]),      # a verification; a row with nothing cached before it
+    (3, 128, 530, [527, 300, 16]),
+    (3, 256, 300, [297, 100, 200]),
+    (50, 64, 300, [250, 100, 0]),        # 150 query rows a head: two blocks of rows, share rows in both
+])
+@pytest.mark.parametrize("layout", ["contiguous", "paged"])
+def test_shares_are_the_summed_probabilities_of_a_tokens_query_rows(isa, tiles, layout, q, hd, L, lens):
+    """shares[b, h, l]: the softmax probabilities at l of the G query rows of token share_row, against fp32 over the
+    same stored values; 0 where the bias hides l; a row sums to G; the attention output keeps its bits."""
+    B, KV, G = 3, 2, 3
+    for storage in storages(isa):
+        xq, k, v, mask = ragged(B, KV, G, q, L, hd, lens, L + 37, isa.compute, storage, seed=q + hd)
+        bias = attention_bias(mask, 1, bias_dtype(storage, isa))
+        if layout == "contiguous":
+            operands = (k, v, bias)
+        else:
+            pk, pv, table = paged(k, v, 32)
+            operands = (pk, pv, bias, table)
+        plain = kernels.decode_attention(xq, *operands)
+        for row in sorted({0, q - 1}):
+            shares = torch.full((B, KV, L), float("nan"))  # every position written
+            out = kernels.decode_attention(xq, *operands, shares=shares, share_row=row)
+            assert torch.equal(out, plain), (storage, row)
+            assert rel_err(shares, share_reference(xq, k, v, mask, G, row)) < tolerance(isa, storage), (storage, row)
+            assert torch.all(shares.masked_select(~mask[:, :, row].expand(B, KV, L)) == 0), (storage, row)
+            assert torch.allclose(shares.sum(-1), torch.full((B, KV), float(G)), rtol=1e-5), (storage, row)
+
+
+def test_bad_shares_are_refused(isa):
+    storage = isa.storage[0]
+    xq, k, v, mask = ragged(2, 2, 3, 3, 100, 64, [97, 50], 100, isa.compute, storage)
+    bias = attention_bias(mask, 1, storage)
+
+    def run(shares: torch.Tensor, row: int = 0) -> torch.Tensor:
+        return kernels.decode_attention(xq, k, v, bias, shares=shares, share_row=row)
+
+    for bad in (torch.zeros(2, 2, 100, dtype=torch.bfloat16), torch.zeros(2, 2, 101), torch.zeros(2, 3, 100),
+                torch.zeros(2, 2, 200)[..., ::2], torch.zeros(2, 2, 1, 100)):
+        with pytest.raises(RuntimeError, match=r"shares must be a contiguous fp32 tensor \[B, KV, L\]"):
+            run(bad)
+    with pytest.raises(RuntimeError, match="share_row 3 is not a bias row"):
+        run(torch.zeros(2, 2, 100), 3)
+
+
 def token_table(pools: list[torch.Tensor], B: int, L: int, seed: int = 0):
     """Pools [NB, KV, bs, W] viewed as blocks of one position (`kernels.token_view`, in place), a token table
     [B, L + 2] (int32) of each row's L positions drawn from across the pools' blocks in a shuffled order (two spare
@@ -254,7 +309,7 @@ def token_table(pools: list[torch.Tensor], B: int, L: int, seed: int = 0):
                                            (256, 3, 100, True)])
 def test_a_token_table_reads_single_positions_in_place(isa, tiles, hd, q, L, nhd):
     """Pools viewed as blocks of one position, read through a table of single positions from any blocks in any
-    order, give the bits of the same rows gathered into a contiguous cache; so do blocks of 8.
+    order, give the bits (output and shares) of the same rows gathered into a contiguous cache; so do blocks of 8.
     Pools stored [NB, KV, 32, hd] or [NB, 32, KV, hd]. The wrapper runs blocks under 16 positions on vector
     instructions; the tiles operator refuses them."""
     B, KV, G = 3, 2, 3
@@ -266,8 +321,10 @@ def test_a_token_table_reads_single_positions_in_place(isa, tiles, hd, q, L, nhd
         pools = [quant.store(torch.randn(shape, generator=g), storage) for _ in range(2)]
         (pk, pv), table, (ck, cv) = token_table([p.transpose(1, 2) if nhd else p for p in pools], B, L, seed=hd)
         assert kernels.takes(xq, pk, pv, bias, table)
-        want = kernels.decode_attention(xq, ck, cv, bias, on_tiles=False)
-        assert torch.equal(kernels.decode_attention(xq, pk, pv, bias, table), want), storage
+        shares, want_shares = torch.empty(B, KV, L), torch.empty(B, KV, L)
+        want = kernels.decode_attention(xq, ck, cv, bias, shares=want_shares, share_row=q - 1, on_tiles=False)
+        out = kernels.decode_attention(xq, pk, pv, bias, table, shares=shares, share_row=q - 1)
+        assert torch.equal(out, want) and torch.equal(shares, want_shares), storage
         k8, v8, table8 = paged(ck, cv, 8, seed=L)  # blocks of 8 positions
         assert kernels.takes(xq, k8, v8, bias, table8)
         assert torch.equal(kernels.decode_attention(xq, k8, v8, bias, table8), want), storage

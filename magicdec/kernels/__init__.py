@@ -363,7 +363,7 @@ def token_view(pool: Tensor) -> tuple[Tensor, int]:
 
 
 def decode_attention(xq: Tensor, keys: Tensor, values: Tensor, bias: Tensor, table: Tensor | None = None, *,
-                     on_tiles: bool | None = None) -> Tensor:
+                     shares: Tensor | None = None, share_row: int = 0, on_tiles: bool | None = None) -> Tensor:
     """Softmax attention of queries [B, KV, M, hd] (any float dtype) over K/V [B, KV, L, hd] (16-bit), or over int8
     rows [B, KV, L, hd + 4] (`magicdec.kv.quant`: the queries are quantized per 32 dims, and the products run on VNNI
     instructions, never on tiles), with an additive bias [B, 1, R, L] (K's dtype, bf16 over int8; 0 or -inf; R
@@ -378,12 +378,18 @@ def decode_attention(xq: Tensor, keys: Tensor, values: Tensor, bias: Tensor, tab
     bias hides from all of a row's queries are not read. A row's output has the bits it has over the same positions
     stored contiguously. BS may be below 16, down to 1: a token table [B, L], each entry naming one position's row,
     reads arbitrary positions of a block pool in place through its `token_view` (entries block * step + offset).
-    Blocks of fewer than 16 positions run on vector instructions (a tile reads 16 positions of one block)."""
+    Blocks of fewer than 16 positions run on vector instructions (a tile reads 16 positions of one block).
+
+    `shares` (fp32, contiguous [B, KV, L]), where given, receives the attention shares of new token `share_row` (a
+    bias row, in [0, R)): shares[b, h, l] = the sum over the query rows m of KV head h with m % R == share_row (the G
+    query heads of that token) of their softmax probability at l, 0 where the bias hides l from them. A row of shares
+    sums to about G. The output has the same bits with shares as without."""
+    extra = (shares, share_row)
     if keys.dtype == torch.int8:
-        return _ops().decode_attention_int8(xq, keys, values, bias, CHUNK, table)
+        return _ops().decode_attention_int8(xq, keys, values, bias, CHUNK, table, *extra)
     if on_tiles is None:
         on_tiles = tiles()
     if table is not None and keys.shape[2] < 16:  # a tile of 16 positions reads one block's rows
         on_tiles = False
     op = _ops().decode_attention_tiles if on_tiles else _ops().decode_attention
-    return op(xq, keys, values, bias, CHUNK, table)
+    return op(xq, keys, values, bias, CHUNK, table, *extra)

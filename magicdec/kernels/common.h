@@ -1,6 +1,6 @@
-// What the native kernels of every instruction set share: strided 16-bit tensors, the split of attention
-// into (row, KV head, context chunk, block of query rows) tasks and the merge of the chunks' partial
-// results, and the walk of a linear layer's rows in register blocks. Only plain C++ here: each kernel
+// What the native kernels of every instruction set share: strided 16-bit tensors, the split of attention into (row,
+// KV head, context chunk, block of query rows) tasks and the merge of the chunks' partial results (and of the
+// attention shares), and the walk of a linear layer's rows in register blocks. Only plain C++ here: each kernel
 // source includes it and is compiled with its own instruction-set flags. The kernels register as operators
 // (torch.ops.magicdec_<path>) rather than as a Python module: these headers compile in a fifth of the time
 // torch/extension.h takes, which is most of a build.
@@ -17,6 +17,12 @@
 #include <optional>
 #include <type_traits>
 #include <vector>
+
+// The schema of an attention operator `name` of any path: queries, K, V, the bias, the chunk size, an optional block
+// table and an optional shares output [B, KV, L] (fp32) for the query rows of bias row share_row (Shares).
+#define MAGICDEC_ATTENTION_SCHEMA(name)                                                                           \
+  name "(Tensor q, Tensor k, Tensor v, Tensor bias, int chunk, Tensor? block_table=None, Tensor(a!)? shares=None, " \
+       "int share_row=0) -> Tensor"
 
 namespace magicdec {
 
@@ -126,6 +132,100 @@ inline Bias bias_of(const at::Tensor& bias, int64_t M, int64_t L) {
   return {reinterpret_cast<const uint16_t*>(bias.data_ptr()), bias.stride(0), bias.stride(2), bias.size(2), 0};
 }
 
+// Where a task writes the chunk-local softmax numerators exp(s - max_c) of its share rows, its query rows m of bias row
+// `row` (see Shares): the k-th of them at data + k * stride, from its chunk's first position on; each tile of 16
+// (or 8) positions whole, 0 where the bias hides a position or the tile was skipped. No data: none asked for.
+struct ShareRows {
+  float* data = nullptr;
+  int64_t stride = 0, first = 0, R = 1;  // first: the task's first share row; R: the bias's rows, one share row in R
+  float* row(int64_t m) const {  // the numerators of the task's query row m, or nullptr where it is no share row
+    return data != nullptr && m >= first && (m - first) % R == 0 ? data + (m - first) / R * stride : nullptr;
+  }
+};
+
+// Attention shares: out [B, H, L] (fp32), out[b, h, l] = the sum over the query rows m of head h whose bias row is
+// `row` (m % R == row: with the model's layout the G query heads of new token `row`) of their softmax probability at l,
+// exp(s_ml - max_m) / denom_m with the row's maximum and denominator over all its chunks. The tasks write those S =
+// M / R rows' chunk-local numerators into `numer` [B * H, S, Lp] (Lp: L rounded up to whole tiles); once all of a
+// head's chunks are done, `merge_head` weighs each chunk's by exp(max_c - max) / denom and sums them over the rows.
+// The attention's own arithmetic is untouched: its output has the same bits with or without shares.
+struct Shares {
+  float* out = nullptr;  // nullptr: no shares asked for
+  int64_t row = 0, R = 1, S = 0, L = 0, Lp = 0;
+  at::Tensor numer_buffer;
+  float* numer = nullptr;  // numer_buffer's
+
+  // Where the task of rows [m0, m0 + rows) of head bh over the chunk from position l0 writes its numerators.
+  ShareRows rows_of(int64_t bh, int64_t m0, int64_t rows, int64_t l0) const {
+    const int64_t first = ((row - m0) % R + R) % R;  // the block's first query row of bias row `row`
+    if (out == nullptr || first >= rows) return {};
+    return {numer + (bh * S + (m0 + first) / R) * Lp + l0, Lp, first, R};
+  }
+
+  // out[bh, :] from the numerators and the chunks' maxima pm and sums ps ([BH, C, M], as attend_in_chunks keeps
+  // them): each share row's maximum and denominator as merge_chunks takes them. w: a buffer of the caller's.
+  void merge_head(int64_t bh, int64_t M, int64_t C, int64_t chunk, const float* pm, const float* ps,
+                  std::vector<float>& w) const {
+    w.resize(S * C);  // [S, C] each share row's weight of each chunk's numerators
+    for (int64_t k = 0; k < S; ++k)
+      row_weights(pm + bh * C * M + k * R + row, ps + bh * C * M + k * R + row, M, C, w.data() + k * C);
+    float* o = out + bh * L;
+    for (int64_t c = 0; c < C; ++c) {
+      const int64_t l0 = c * chunk, l1 = std::min(L, l0 + chunk);
+      for (int64_t k = 0; k < S; ++k) {
+        const float* e = numer + (bh * S + k) * Lp;
+        const float wk = w[k * C + c];
+        if (k == 0) {
+          for (int64_t l = l0; l < l1; ++l) o[l] = e[l] * wk;
+        } else {
+          for (int64_t l = l0; l < l1; ++l) o[l] += e[l] * wk;
+        }
+      }
+    }
+  }
+
+  // merge_head of the heads of [0, BH) not `merged` yet.
+  void merge(int64_t BH, int64_t M, int64_t C, int64_t chunk, const float* pm, const float* ps,
+             const std::vector<char>& merged) const {
+    if (out == nullptr) return;
+    at::parallel_for(0, BH, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> w;
+      for (int64_t bh = begin; bh < end; ++bh)
+        if (!merged[bh]) merge_head(bh, M, C, chunk, pm, ps, w);
+    });
+  }
+
+  // w[c] = exp(max_c - max) / denom for a query row whose chunk maxima and sums are pm[c * M], ps[c * M]; 0 for a
+  // chunk the row sees nothing of.
+  static void row_weights(const float* pm, const float* ps, int64_t M, int64_t C, float* w) {
+    float mx = kNegInf, denom = 0.0f;
+    for (int64_t c = 0; c < C; ++c) mx = std::max(mx, pm[c * M]);
+    for (int64_t c = 0; c < C; ++c) {
+      w[c] = 0.0f;
+      if (pm[c * M] == kNegInf) continue;
+      w[c] = std::exp(pm[c * M] - mx);
+      denom += w[c] * ps[c * M];
+    }
+    for (int64_t c = 0; c < C; ++c) w[c] = denom > 0.0f ? w[c] / denom : 0.0f;
+  }
+};
+
+// The checks and the Shares of an attention op's optional `shares` operand, [B, H, L] fp32 contiguous, for the query
+// rows of bias row `row` of [0, R); M query rows a head, `tile` positions a kernel tile.
+inline Shares shares_of(const std::optional<at::Tensor>& shares, int64_t row, int64_t B, int64_t H, int64_t M,
+                        int64_t R, int64_t L, int64_t tile) {
+  if (!shares) return {};
+  TORCH_CHECK(shares->scalar_type() == at::kFloat && shares->is_contiguous() && shares->dim() == 3 &&
+                  shares->size(0) == B && shares->size(1) == H && shares->size(2) == L,
+              "decode_attention: shares must be a contiguous fp32 tensor [B, KV, L] = [", B, ", ", H, ", ", L,
+              "], got ", shares->scalar_type(), " ", shares->sizes(),
+              shares->is_contiguous() ? "" : " (not contiguous)");
+  TORCH_CHECK(row >= 0 && row < R, "decode_attention: share_row ", row, " is not a bias row, in [0, ", R, ")");
+  const int64_t S = M / R, Lp = (L + tile - 1) / tile * tile;
+  auto numer = at::empty({B * H * S * Lp}, shares->options());
+  return {shares->data_ptr<float>(), row, R, S, L, Lp, numer, numer.data_ptr<float>()};
+}
+
 // out[i] = the chunks' partial results of query row i merged by their maxima: sum_c w_c out_c / sum_c w_c sum_c,
 // w_c = exp(max_c - max). A chunk the row sees nothing of (max -inf) is skipped.
 template <int D>
@@ -149,34 +249,47 @@ void merge_chunks(int64_t rows, int64_t M, int64_t C, const float* pm, const flo
   });
 }
 
-// Attention of M query rows per (row, KV head) over L positions in chunks of `chunk`, returning [B, H, M, D] fp32.
+// Attention of M query rows per (row, KV head) over L positions in chunks of `chunk`, returning [B, H, M, D] fp32,
+// and the attention shares where `shares` holds an output (Shares).
 // make_task(bh, m0, rows, bias) builds the task of rows [m0, m0 + rows) of head bh (with the bias from its row m0);
-// its run(b, h, l0, l1, buffers, max, sum, out) writes the chunk's maxima, sums and unnormalized outputs.
+// its run(b, h, l0, l1, buffers, max, sum, out) writes the chunk's maxima, sums and unnormalized outputs, and the
+// numerators of its rows that its member `share` (ShareRows) names.
 // A prefill chunk's many query rows are split into blocks of at most kBlockRows. A row's arithmetic does not depend
 // on the block it is in: a tile hidden from all of a block's rows adds nothing to them whether skipped or not.
 template <int D, class MakeTask>
 at::Tensor attend_in_chunks(int64_t B, int64_t H, int64_t M, int64_t L, int64_t chunk, const Bias& bias,
-                               const at::TensorOptions& opts, MakeTask make_task) {
+                            const at::TensorOptions& opts, const Shares& shares, MakeTask make_task) {
   const int64_t C = (L + chunk - 1) / chunk, BHC = B * H * C;
   auto part_out = at::empty({BHC, M, D}, opts), part_max = at::empty({BHC, M}, opts);
   auto part_sum = at::empty({BHC, M}, opts);
   float *po = part_out.data_ptr<float>(), *pm = part_max.data_ptr<float>(), *ps = part_sum.data_ptr<float>();
   const int64_t blocks = (M + kBlockRows - 1) / kBlockRows;
-  const int64_t rows = (M + blocks - 1) / blocks;
+  const int64_t rows = (M + blocks - 1) / blocks, per_head = C * blocks;  // a head's tasks, one after another
+  std::vector<char> merged(shares.out != nullptr ? B * H : 0, 0);  // the heads whose shares are done
   at::parallel_for(0, BHC * blocks, 1, [&](int64_t begin, int64_t end) {
     typename std::invoke_result_t<MakeTask, int64_t, int64_t, int64_t, Bias>::Buffers buffers;
+    std::vector<float> weights;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t m0 = task % blocks * rows, bhc = task / blocks, c = bhc % C, bh = bhc / C, h = bh % H, b = bh / H;
-      if (m0 >= M) continue;
-      Bias block_bias = bias;
-      block_bias.first = m0 % bias.R;
-      const auto work = make_task(bh, m0, std::min(rows, M - m0), block_bias);
-      const int64_t first = bhc * M + m0;  // the block's first row among the partial results
-      work.run(b, h, c * chunk, std::min(L, (c + 1) * chunk), buffers, pm + first, ps + first, po + first * D);
+      if (m0 < M) {
+        Bias block_bias = bias;
+        block_bias.first = m0 % bias.R;
+        auto work = make_task(bh, m0, std::min(rows, M - m0), block_bias);
+        work.share = shares.rows_of(bh, m0, std::min(rows, M - m0), c * chunk);
+        const int64_t first = bhc * M + m0;  // the block's first row among the partial results
+        work.run(b, h, c * chunk, std::min(L, (c + 1) * chunk), buffers, pm + first, ps + first, po + first * D);
+      }
+      // A head's shares are merged by the thread that ran all its tasks, after the last, while its numerators are
+      // still in cache; the others' after the loop.
+      if (!merged.empty() && (task + 1) % per_head == 0 && task + 1 - per_head >= begin) {
+        shares.merge_head(bh, M, C, chunk, pm, ps, weights);
+        merged[bh] = 1;
+      }
     }
   });
   auto out = at::empty({B, H, M, D}, opts);
   merge_chunks<D>(B * H * M, M, C, pm, ps, po, out.data_ptr<float>());
+  shares.merge(B * H, M, C, chunk, pm, ps, merged);
   return out;
 }
 

@@ -16,6 +16,9 @@
 // L are: a verification forward attends exactly as the one-token steps do. Tiles the bias hides
 // entirely (unfilled cache slots) are skipped. A pool's blocks may hold fewer than 16 positions (down to one: a
 // token table naming single positions anywhere in a pool); a tile's rows are then looked up one by one.
+// On request the ops also write the attention shares of one new token's query rows (magicdec::Shares): the
+// softmax numerators the row sums add, weighted by the merged maxima and denominators; the output's bits do not
+// change.
 //
 // With AMX tiles (`kTiles`, where the linear kernel takes them too) the products run on the tile unit: a 16-position
 // K tile is an A operand as the cache stores it (no transpose; so blocks of 16 positions or more), the queries a B
@@ -152,6 +155,7 @@ struct Task {
   float scale;
   const float* q_scale = nullptr;  // int8: [M, D / 32] the scale of each query row's groups of 32 dims
   const int32_t* q_sum = nullptr;  // int8: [M, D / 32] the sums of their int8 values
+  magicdec::ShareRows share;       // where the numerators of the rows of the shares' bias row go (attend_in_chunks)
   struct Buffers {  // a thread's, reused across its tasks
     std::vector<float> scores;
     std::vector<uint16_t> probs;
@@ -464,6 +468,7 @@ struct Task {
   // With int8 V, `v_scale` [tiles * 16]: P @ V takes each numerator e times its position's V scale as an int16,
   // round(e * scale / v_max[m] * kProbOne), v_max[m] the largest V scale row m sees in the chunk (so that a row's
   // bits depend on the positions it sees alone); the sums are of e unrounded.
+  // The numerators the sums add (bf16-rounded, or e with int8 V) also go to the share rows' `share` buffers.
   void softmax(int64_t tiles, const float* scores, const char* visible, std::vector<__m512>& lanes, uint16_t* probs,
                float* row_max, float* row_sum, const float* v_scale = nullptr, float* v_max = nullptr) const {
     lanes.assign(M, _mm512_set1_ps(kNegInf));
@@ -485,19 +490,22 @@ struct Task {
     for (int64_t t = 0; t < tiles; ++t)
       for (int64_t m = 0; m < M; ++m) {
         __m256i pb = _mm256_setzero_si256();
+        __m512 summed = _mm512_setzero_ps();  // the numerators the row's sum adds
         if (visible[t] && row_max[m] != kNegInf) {
           const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(scores + (t * M + m) * kTile), _mm512_set1_ps(row_max[m])));
           if (v_scale) {
             const float unit = v_max[m] > 0.0f ? kProbOne / v_max[m] : 0.0f;
             const __m512 w = _mm512_mul_ps(e, _mm512_mul_ps(_mm512_loadu_ps(v_scale + t * kTile), _mm512_set1_ps(unit)));
             pb = _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(w));
-            lanes[m] = _mm512_add_ps(lanes[m], e);
+            summed = e;
           } else {
             pb = (__m256i)_mm512_cvtneps_pbh(e);
-            lanes[m] = _mm512_add_ps(lanes[m], bf16_to_fp32(pb));
+            summed = bf16_to_fp32(pb);
           }
+          lanes[m] = _mm512_add_ps(lanes[m], summed);
         }
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs + (t * M + m) * kTile), pb);
+        if (float* numer = share.row(m)) _mm512_storeu_ps(numer + t * kTile, summed);
       }
     for (int64_t m = 0; m < M; ++m) row_sum[m] = _mm512_reduce_add_ps(lanes[m]);
   }
@@ -642,7 +650,7 @@ struct Int8Queries {
 
 template <int D, bool kTiles, bool kInt8>
 at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& bias,
-                  int64_t chunk, const std::optional<at::Tensor>& table, int64_t L) {
+                  int64_t chunk, const std::optional<at::Tensor>& table, int64_t L, const magicdec::Shares& shares) {
   using Elem = typename Task<D, kTiles, kInt8>::Elem;
   const int64_t M = q.size(2);
   std::vector<int64_t> k_blocks, v_blocks;
@@ -655,7 +663,8 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const Int8Queries qi(qf.data_ptr<float>(), qf.numel() / D, D);
     const uint32_t* quads = reinterpret_cast<const uint32_t*>(qi.values.data());
     return magicdec::attend_in_chunks<D>(
-        q.size(0), q.size(1), M, L, chunk, bias_rows, opts, [&](int64_t bh, int64_t m0, int64_t rows, Bias block_bias) {
+        q.size(0), q.size(1), M, L, chunk, bias_rows, opts, shares,
+        [&](int64_t bh, int64_t m0, int64_t rows, Bias block_bias) {
           const int64_t first = bh * M + m0;
           return Task<D, kTiles, kInt8>{quads + first * (D / 4), rows, K, V, block_bias, scale,
                                         qi.scales.data() + first * (D / 32), qi.sums.data() + first * (D / 32)};
@@ -664,16 +673,19 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const auto qb = q.to(at::kBFloat16).contiguous();
     const uint32_t* pairs = reinterpret_cast<const uint32_t*>(qb.data_ptr<at::BFloat16>());
     return magicdec::attend_in_chunks<D>(
-        q.size(0), q.size(1), M, L, chunk, bias_rows, opts, [&](int64_t bh, int64_t m0, int64_t rows, Bias block_bias) {
+        q.size(0), q.size(1), M, L, chunk, bias_rows, opts, shares,
+        [&](int64_t bh, int64_t m0, int64_t rows, Bias block_bias) {
           return Task<D, kTiles, kInt8>{pairs + (bh * M + m0) * (D / 2), rows, K, V, block_bias, scale};
         });
   }
 }
 
 // kInt8: K/V rows of D int8 values and their fp32 scale ([..., D + 4] int8); else bf16 [..., D].
+// shares [B, KV, L] (fp32): the attention shares of the query rows of bias row share_row (magicdec::Shares).
 template <bool kTiles, bool kInt8>
 at::Tensor attend_any(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& bias,
-                      int64_t chunk, const std::optional<at::Tensor>& table) {
+                      int64_t chunk, const std::optional<at::Tensor>& table, const std::optional<at::Tensor>& shares,
+                      int64_t share_row) {
   const auto kv_type = kInt8 ? at::kChar : at::kBFloat16;
   TORCH_CHECK(k.scalar_type() == kv_type && v.scalar_type() == kv_type && bias.scalar_type() == at::kBFloat16,
               "decode_attention: K and V must be ", kInt8 ? "int8" : "bf16", ", the bias bf16");
@@ -689,10 +701,11 @@ at::Tensor attend_any(const at::Tensor& q, const at::Tensor& k, const at::Tensor
     TORCH_CHECK(!table || k.size(2) >= kTile, "decode_attention_tiles: K/V blocks of at least 16 positions expected "
                 "(a tile's rows in one block), got blocks of ", k.size(2), "; decode_attention reads those");
   }
+  const auto share = magicdec::shares_of(shares, share_row, q.size(0), q.size(1), q.size(2), bias.size(2), L, kTile);
   switch (q.size(3)) {
-    case 64: return attend<64, kTiles, kInt8>(q, k, v, bias, chunk, table, L);
-    case 128: return attend<128, kTiles, kInt8>(q, k, v, bias, chunk, table, L);
-    case 256: return attend<256, kTiles, kInt8>(q, k, v, bias, chunk, table, L);  // Gemma 3
+    case 64: return attend<64, kTiles, kInt8>(q, k, v, bias, chunk, table, L, share);
+    case 128: return attend<128, kTiles, kInt8>(q, k, v, bias, chunk, table, L, share);
+    case 256: return attend<256, kTiles, kInt8>(q, k, v, bias, chunk, table, L, share);  // Gemma 3
     default: TORCH_CHECK(false, "decode_attention: head dim ", q.size(3), " is not 64, 128 or 256");
   }
 }
@@ -700,28 +713,29 @@ at::Tensor attend_any(const at::Tensor& q, const at::Tensor& k, const at::Tensor
 }  // namespace
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& bias,
-                            int64_t chunk, const std::optional<at::Tensor>& block_table) {
-  return attend_any<false, false>(q, k, v, bias, chunk, block_table);
+                            int64_t chunk, const std::optional<at::Tensor>& block_table,
+                            const std::optional<at::Tensor>& shares, int64_t share_row) {
+  return attend_any<false, false>(q, k, v, bias, chunk, block_table, shares, share_row);
 }
 
 at::Tensor decode_attention_tiles(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                  const at::Tensor& bias, int64_t chunk, const std::optional<at::Tensor>& block_table) {
-  return attend_any<true, false>(q, k, v, bias, chunk, block_table);
+                                  const at::Tensor& bias, int64_t chunk, const std::optional<at::Tensor>& block_table,
+                                  const std::optional<at::Tensor>& shares, int64_t share_row) {
+  return attend_any<true, false>(q, k, v, bias, chunk, block_table, shares, share_row);
 }
 
 at::Tensor decode_attention_int8(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& bias,
-                                 int64_t chunk, const std::optional<at::Tensor>& block_table) {
-  return attend_any<false, true>(q, k, v, bias, chunk, block_table);
+                                 int64_t chunk, const std::optional<at::Tensor>& block_table,
+                                 const std::optional<at::Tensor>& shares, int64_t share_row) {
+  return attend_any<false, true>(q, k, v, bias, chunk, block_table, shares, share_row);
 }
 
 // Decode/verification attention over a bf16 KV cache (AVX512-BF16; decode_attention_tiles: products on AMX tiles,
 // call it only where tiles_ready(), blocks of 16 positions or more) or an int8 one (decode_attention_int8,
-// AVX512-VNNI), contiguous or paged (a block table over blocks of any power of two positions: magicdec::strided)
+// AVX512-VNNI), contiguous or paged (a block table over blocks of any power of two positions: magicdec::strided);
+// `shares`, where given, receives the attention shares of the query rows of bias row `share_row` (magicdec::Shares)
 TORCH_LIBRARY_FRAGMENT(magicdec_avx512bf16, m) {
-  m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor bias, int chunk, Tensor? block_table=None) -> Tensor",
-        &decode_attention);
-  m.def("decode_attention_tiles(Tensor q, Tensor k, Tensor v, Tensor bias, int chunk, Tensor? block_table=None) "
-        "-> Tensor", &decode_attention_tiles);
-  m.def("decode_attention_int8(Tensor q, Tensor k, Tensor v, Tensor bias, int chunk, Tensor? block_table=None) "
-        "-> Tensor", &decode_attention_int8);
+  m.def(MAGICDEC_ATTENTION_SCHEMA("decode_attention"), &decode_attention);
+  m.def(MAGICDEC_ATTENTION_SCHEMA("decode_attention_tiles"), &decode_attention_tiles);
+  m.def(MAGICDEC_ATTENTION_SCHEMA("decode_attention_int8"), &decode_attention_int8);
 }

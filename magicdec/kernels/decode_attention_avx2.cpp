@@ -14,7 +14,8 @@
 // Each query row is computed with the same arithmetic whatever M and L are (the order of its sums does not
 // depend on the block it falls in), so a verification forward attends exactly as the one-token steps do.
 // Tiles the bias hides from all of a task's rows are skipped. Pools of blocks of any power of two positions are read
-// (a tile's rows looked up one by one where blocks hold fewer than 8), as in decode_attention.cpp.
+// (a tile's rows looked up one by one where blocks hold fewer than 8), and the attention shares of one new token's
+// query rows written on request (magicdec::Shares), as in decode_attention.cpp.
 #include <immintrin.h>
 
 #include <cstring>
@@ -90,6 +91,7 @@ struct Task {
   Strided K, V;
   magicdec::Bias bias;
   float scale;
+  magicdec::ShareRows share;  // where the numerators of the rows of the shares' bias row go (attend_in_chunks)
   struct Buffers {  // a thread's, reused across its tasks
     std::vector<float> scores;  // [tiles, M, 8]: scores, then softmax numerators in place
     std::vector<char> visible;
@@ -155,9 +157,10 @@ struct Task {
     });
   }
 
-  // Softmax numerators in place of the scores [tiles, M, 8] (0 in hidden tiles); each row's chunk maximum and the sum
-  // of its numerators. Tile by tile, each row's maxima and sums kept lane by lane: a prefill chunk's scores reach past
-  // L2, and walking one row across the tiles waited on each of them. A row's sums run over the tiles in order.
+  // Softmax numerators in place of the scores [tiles, M, 8] (0 in hidden tiles), and in the share rows' `share`
+  // buffers; each row's chunk maximum and the sum of its numerators. Tile by tile, each row's maxima and sums kept
+  // lane by lane: a prefill chunk's scores reach past L2, and walking one row across the tiles waited on each of them.
+  // A row's sums run over the tiles in order.
   void softmax(int64_t tiles, float* scores, const char* visible, std::vector<__m256>& lanes, float* row_max,
                float* row_sum) const {
     lanes.assign(M, _mm256_set1_ps(kNegInf));
@@ -173,6 +176,7 @@ struct Task {
                              ? exp8(_mm256_sub_ps(_mm256_loadu_ps(st), _mm256_set1_ps(row_max[m])))
                              : _mm256_setzero_ps();
         _mm256_storeu_ps(st, e);
+        if (float* numer = share.row(m)) _mm256_storeu_ps(numer + t * kTile, e);
         lanes[m] = _mm256_add_ps(lanes[m], e);
       }
     for (int64_t m = 0; m < M; ++m) row_sum[m] = sum_lanes(lanes[m]);
@@ -226,7 +230,7 @@ struct Task {
 
 template <int D, class S>
 at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& bias,
-                  int64_t chunk, const std::optional<at::Tensor>& table, int64_t L) {
+                  int64_t chunk, const std::optional<at::Tensor>& table, int64_t L, const magicdec::Shares& shares) {
   const int64_t M = q.size(2);
   auto qf = q.to(at::kFloat).contiguous();
   const float* qp = qf.data_ptr<float>();
@@ -234,7 +238,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   const Strided K = magicdec::strided(k, table, k_blocks), V = magicdec::strided(v, table, v_blocks);
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   return magicdec::attend_in_chunks<D>(
-      q.size(0), q.size(1), M, L, chunk, magicdec::bias_of(bias, M, L), qf.options(),
+      q.size(0), q.size(1), M, L, chunk, magicdec::bias_of(bias, M, L), qf.options(), shares,
       [&](int64_t bh, int64_t m0, int64_t rows, magicdec::Bias block_bias) {
         return Task<D, S>{qp + (bh * M + m0) * D, rows, K, V, block_bias, scale};
       });
@@ -242,11 +246,12 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 
 template <class S>
 at::Tensor attend_head_dim(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& bias,
-                           int64_t chunk, const std::optional<at::Tensor>& table, int64_t L) {
+                           int64_t chunk, const std::optional<at::Tensor>& table, int64_t L,
+                           const magicdec::Shares& shares) {
   switch (q.size(3)) {
-    case 64: return attend<64, S>(q, k, v, bias, chunk, table, L);
-    case 128: return attend<128, S>(q, k, v, bias, chunk, table, L);
-    case 256: return attend<256, S>(q, k, v, bias, chunk, table, L);  // Gemma 3
+    case 64: return attend<64, S>(q, k, v, bias, chunk, table, L, shares);
+    case 128: return attend<128, S>(q, k, v, bias, chunk, table, L, shares);
+    case 256: return attend<256, S>(q, k, v, bias, chunk, table, L, shares);  // Gemma 3
     default: TORCH_CHECK(false, "decode_attention: head dim ", q.size(3), " is not 64, 128 or 256");
   }
 }
@@ -254,20 +259,22 @@ at::Tensor attend_head_dim(const at::Tensor& q, const at::Tensor& k, const at::T
 }  // namespace
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& bias,
-                            int64_t chunk, const std::optional<at::Tensor>& block_table) {
+                            int64_t chunk, const std::optional<at::Tensor>& block_table,
+                            const std::optional<at::Tensor>& shares, int64_t share_row) {
   const auto type = k.scalar_type();
   TORCH_CHECK((type == at::kHalf || type == at::kBFloat16) && v.scalar_type() == type &&
                   bias.scalar_type() == type, "decode_attention: K, V and bias must be all fp16 or all bf16");
   const int64_t L = magicdec::attended(q, k, v, bias, block_table);
   // Tiles start at multiples of 8: in blocks of 8 positions or more one lies in one block (Strided).
   TORCH_CHECK(chunk > 0 && chunk % kTile == 0, "decode_attention: chunk must be a positive multiple of 8");
-  return type == at::kHalf ? attend_head_dim<Fp16>(q, k, v, bias, chunk, block_table, L)
-                           : attend_head_dim<Bf16>(q, k, v, bias, chunk, block_table, L);
+  const auto share = magicdec::shares_of(shares, share_row, q.size(0), q.size(1), q.size(2), bias.size(2), L, kTile);
+  return type == at::kHalf ? attend_head_dim<Fp16>(q, k, v, bias, chunk, block_table, L, share)
+                           : attend_head_dim<Bf16>(q, k, v, bias, chunk, block_table, L, share);
 }
 
 // Attention over an fp16 or bf16 KV cache in fp32 (AVX2, FMA, F16C), contiguous or paged (a block table over blocks
-// of any power of two positions: magicdec::strided)
+// of any power of two positions: magicdec::strided); `shares`, where given, receives the attention shares of the
+// query rows of bias row `share_row` (magicdec::Shares)
 TORCH_LIBRARY_FRAGMENT(magicdec_avx2, m) {
-  m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor bias, int chunk, Tensor? block_table=None) -> Tensor",
-        &decode_attention);
+  m.def(MAGICDEC_ATTENTION_SCHEMA("decode_attention"), &decode_attention);
 }
