@@ -555,6 +555,23 @@ def test_the_layer_ops_switch_gives_the_layers_back_to_torch(isa, monkeypatch):
     assert kernels.fuses(x) and not kernels.fuses(x.to("meta"))
 
 
+def test_top_positions_selects_by_score_and_breaks_ties_to_the_lower_position(isa):
+    assert kernels.selects(torch.zeros(1))
+    scores = torch.rand(6, 500) ** 4
+    got = kernels.top_positions(scores, torch.tensor([480, 30, 9]), 4, 16)
+    for r in range(6):
+        hi = (480, 30, 9)[r % 3]
+        n = min(16, max(0, hi - 4))
+        want = (4 + scores[r, 4:hi].topk(n).indices).sort().values.tolist() if n else []
+        assert got[r].tolist() == [-1] * (16 - n) + want
+    scores = torch.zeros(4, 300)
+    scores[:, 250] = 0.5  # one clear winner, then 299 equal scores
+    got = kernels.top_positions(scores, torch.tensor([290, 100]), 4, 6)
+    assert got[0].tolist() == [4, 5, 6, 7, 8, 250] and got[2].tolist() == [4, 5, 6, 7, 8, 250]
+    assert got[1].tolist() == got[3].tolist() == [4, 5, 6, 7, 8, 9]  # row 1 ends before position 250
+    assert kernels.top_positions(scores, torch.tensor([7, 3]), 4, 6)[1].tolist() == [-1] * 6
+
+
 def test_unpack_linear_gives_back_the_packed_weight(isa):
     """A draft head over part of an untied, packed LM head takes its rows from the packed weight."""
     w = torch.randn(100, 64)  # columns past 100 fill the last group with zeros
@@ -598,8 +615,9 @@ def test_pack_linears_leaves_fp32_weights_alone(tiny_llama):
 _llms: dict = {}
 
 
-@pytest.mark.parametrize("draft, cache", [("self-streaming", None), ("self-snapkv", None), ("self-quant", None),
-                                          ("model", "dense"), ("model", "streaming"), ("model", "snapkv")])
+@pytest.mark.parametrize("draft, cache", [("self-streaming", None), ("self-snapkv", None), ("self-vegas", None),
+                                          ("self-quant", None), ("model", "dense"), ("model", "streaming"),
+                                          ("model", "snapkv")])
 def test_every_drafter_greedy_equals_plain_decoding(isa, default_path, corpus_prompt, draft, cache):
     """Greedy speculation on the kernels emits plain decoding's tokens exactly, with every drafter (the bf16 path:
     test_dtype.py, with a bf16 model asked for; here the model `dtype="auto"` loads on the AVX2 path)."""
@@ -622,3 +640,4 @@ def test_every_drafter_greedy_equals_plain_decoding(isa, default_path, corpus_pr
                         speculative=spec)
     assert llm.last_stats.acceptance_rate > 0.3  # the drafter drafts something the target accepts
     assert [o.token_ids for o in outs] == plain
+

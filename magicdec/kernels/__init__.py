@@ -39,7 +39,8 @@ MAGICDEC_AMX=0 keeps both kernels on vector instructions.
 Beside the two, each path's library holds small operators of a decoder layer (`rms_norm` with the residual add fused,
 `rope`, `store_kv` of a forward's new K/V rows into the block pool; kernels/layer.h), which a decode-sized forward
 would otherwise run as chains of torch operators, each paying its dispatch: they run where the path computes in the
-model's dtype (`fuses`), and MAGICDEC_FUSED=0 gives those layers back to torch's operators.
+model's dtype (`fuses`), and MAGICDEC_FUSED=0 gives those layers back to torch's operators; and a Vegas draft's
+selection (`top_positions`, `selects`), which MAGICDEC_FUSED=0 gives back to torch's topk.
 """
 
 from __future__ import annotations
@@ -299,12 +300,30 @@ def _layer_ops(path: IsaPath, switch: str) -> bool:
     return switch != "0" and _build(path) is not None
 
 
+def _layer_ops_run() -> bool:
+    """Whether the layer operators run in this process (a native path, built, unless MAGICDEC_FUSED=0)."""
+    path = isa_path()
+    return path is not None and _layer_ops(path, os.environ.get("MAGICDEC_FUSED", "1"))
+
+
 def fuses(x: Tensor) -> bool:
     """Whether `rms_norm` and `rope` take x: a CPU tensor of the path's compute dtype (bf16 on avx512bf16, fp32 on
     avx2), unless MAGICDEC_FUSED=0."""
     path = isa_path()
-    return (path is not None and x.dtype == path.compute and x.device.type == "cpu"
-            and _layer_ops(path, os.environ.get("MAGICDEC_FUSED", "1")))
+    return path is not None and x.dtype == path.compute and x.device.type == "cpu" and _layer_ops_run()
+
+
+def selects(scores: Tensor) -> bool:
+    """Whether `top_positions` takes these scores: contiguous fp32 on the CPU, where the layer operators run."""
+    return (scores.device.type == "cpu" and scores.dtype == torch.float32 and scores.is_contiguous()
+            and _layer_ops_run())
+
+
+def top_positions(scores: Tensor, hi: Tensor, lo: int, k: int) -> Tensor:
+    """Per row r of scores [R, L]: the k positions of largest score in [lo, hi[r % B]) (hi [B] int64), ascending,
+    -1 in the leading entries where there are fewer; ties to the lower position. [R, k] int64. Call only where
+    `selects(scores)`."""
+    return _ops().top_positions(scores, hi, lo, k)
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None) -> Tensor:
