@@ -42,7 +42,7 @@ from magicdec.runner import ModelRunner
 from magicdec.sampling import SamplingParams
 from magicdec.speculative import MODES, SpeculativeConfig
 
-DRAFTERS = ("none", "self-streaming", "self-snapkv", "self-quant", "auto")
+DRAFTERS = ("none", "self-streaming", "self-snapkv", "self-vegas", "self-quant", "auto")
 POSITIONS = (None, "reindex", "original")  # None: the default per cache kind
 
 
@@ -87,8 +87,10 @@ class BenchGrid:
             for d in self.drafters:
                 if d in ("none", "auto"):
                     continue
-                # a draft over the whole context has no budget (0) and no sparse-cache positions
-                budgets, positions = ([0], [None]) if d == "self-quant" else (self.budgets, self.positions)
+                # a draft over the whole context has no budget (0); it and a Vegas draft (which reads keys at their
+                # own positions) have no sparse-cache positions
+                budgets = [0] if d == "self-quant" else self.budgets
+                positions = [None] if d in ("self-quant", "self-vegas") else self.positions
                 out += [{"mode": mode, "draft": d, "budget": b, "gamma": g, **({"positions": pos} if pos else {}),
                          **self._head(v)}
                         for b, g, pos, v in itertools.product(budgets, self.gammas, positions, self.draft_vocabs)]

@@ -137,10 +137,12 @@ def llm_options(args: argparse.Namespace) -> dict:
 def add_draft_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("speculative decoding")
     g.add_argument("--draft", default="none",
-                   choices=["none", "self-streaming", "self-snapkv", "self-quant", "model", "auto"],
+                   choices=["none", "self-streaming", "self-snapkv", "self-vegas", "self-quant", "model", "auto"],
                    help="drafter: none (plain decoding), the target over a StreamingLLM or SnapKV sparse cache, "
-                        "the target over its whole cache rounded to 4 bits (self-quant), a standalone draft model, "
-                        "or auto (the planner picks, or turns speculation off; default %(default)s)")
+                        "the target over the entries its last verification attended to most, per layer, read in "
+                        "place (self-vegas), the target over its whole cache rounded to 4 bits (self-quant), a "
+                        "standalone draft model, or auto (the planner picks among the self-speculative ones but "
+                        "self-vegas, or turns speculation off; default %(default)s)")
     g.add_argument("--budget", type=positive_int, default=256, help="KV entries the draft reads per sequence (default 256)")
     g.add_argument("--gamma", type=positive_int, default=3, help="tokens drafted per verification (default 3)")
     g.add_argument("--draft-model", help="draft checkpoint for --draft model (same vocabulary as the target)")
@@ -207,8 +209,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--batch", type=size_list, default=[1, 8], help="batch sizes, comma separated (default 1,8)")
     b.add_argument("--context", type=size_list, default=[1024], help="prompt lengths, e.g. 1k,4k,8k (default 1k)")
     b.add_argument("--drafters", default="none,self-streaming,self-snapkv",
-                   help="comma separated: none, self-streaming, self-snapkv, self-quant (no budget), auto (the "
-                        "planner's choice per point)")
+                   help="comma separated: none, self-streaming, self-snapkv, self-vegas, self-quant (no budget), "
+                        "auto (the planner's choice per point)")
     b.add_argument("--hardware", help="hardware profile for the auto drafter (default: calibrated, else preset)")
     b.add_argument("--budget", type=size_list, default=[256], help="draft budgets, comma separated")
     b.add_argument("--gamma", type=size_list, default=[1, 2, 3], help="gammas, comma separated")

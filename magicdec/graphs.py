@@ -65,9 +65,10 @@ class CudaGraphs:
 
     def wrap(self, model: Callable[..., Tensor]) -> Callable[..., Tensor]:
         """`model`'s forward, replayed from a graph where one serves the call (see the module), else eager."""
-        def forward(tokens: Tensor, cache, logits_at: Tensor | None = None, observer=None, head=None) -> Tensor:
-            if observer is not None or not cache.static or tokens.shape[1] > self.max_tokens:
-                return model(tokens, cache, logits_at, observer, head)
+        def forward(tokens: Tensor, cache, logits_at: Tensor | None = None, observer=None, head=None,
+                    shares=None) -> Tensor:
+            if observer is not None or shares is not None or not cache.static or tokens.shape[1] > self.max_tokens:
+                return model(tokens, cache, logits_at, observer, head, shares)
             key = (id(model), id(head), cache.lens.data_ptr(), tuple(tokens.shape),
                    None if logits_at is None else tuple(logits_at.shape))
             if key not in self.graphs:

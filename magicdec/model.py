@@ -27,6 +27,16 @@ from magicdec.kv.paged import gather
 AttentionObserver = Callable[[int, Tensor, Tensor, Tensor], None]
 
 
+class SharesRecorder(Protocol):
+    """Where a forward's attention leaves each cached position's share of one token's attention (see `attend`):
+    `row` is the token (its index among the forward's q), `buffer` an fp32 [B, KV, L] tensor for a layer's shares, or
+    None for a layer it does not record (magicdec.kv.vegas)."""
+
+    row: int
+
+    def buffer(self, layer: int, shape: tuple[int, int, int]) -> Tensor | None: ...
+
+
 class Cache(Protocol):
     """What the model needs from a KV cache (see magicdec.kv)."""
 
@@ -124,20 +134,27 @@ def attention_bias(mask: Tensor, groups: int, dtype: torch.dtype) -> Tensor:
     return bias.repeat(1, 1, groups, 1) if groups > 1 else bias
 
 
-def attend(xq: Tensor, keys: Tensor, values: Tensor, bias: Tensor, table: Tensor | None = None) -> Tensor:
+def attend(xq: Tensor, keys: Tensor, values: Tensor, bias: Tensor, table: Tensor | None = None,
+           shares: Tensor | None = None, share_row: int = 0, tokens: int = 1) -> Tensor:
     """Attention of queries [B, KV, G*q, hd] (the model's dtype) over cached K/V [B, KV, L, row], or over a block
     pool read through `table` (see `Cache.update`), with an additive bias [B, 1, *, L] from `attention_bias`; returns
     [B, KV, G*q, hd], fp32 from the native kernel, else the bias's dtype. The native kernel reads the blocks (and
     8-bit rows) in place; torch's operators attend over a gathered copy, converted back from 8 bits
-    (`magicdec.kv.quant`)."""
-    if kernels.takes(xq, keys, values, bias, table):
-        return kernels.decode_attention(xq, keys, values, bias, table)  # queries as they are: fp32 on the AVX2 path
-    if triton_attention.takes(xq, keys, values, bias, table):
+    (`magicdec.kv.quant`).
+
+    `shares` (fp32 [B, KV, L]): filled with each position's share of the attention of token `share_row` of the
+    `tokens` new ones, its G query heads' probabilities summed (`attention_shares`); the output is the same with or
+    without."""
+    if kernels.takes(xq, keys, values, bias, table):  # queries as they are: fp32 on the AVX2 path
+        return kernels.decode_attention(xq, keys, values, bias, table, shares=shares, share_row=share_row)
+    if shares is None and triton_attention.takes(xq, keys, values, bias, table):
         return triton_attention.attend(xq, keys, values, bias, table)
     if table is not None:
         keys, values = gather(keys, table, bias.shape[-1]), gather(values, table, bias.shape[-1])
     if quant.quantized(keys.dtype):
         keys, values = quant.load(keys, bias.dtype), quant.load(values, bias.dtype)
+    if shares is not None:
+        shares.copy_(attention_shares(xq, keys, bias, share_row, tokens))
     if bias.shape[2] != xq.shape[2]:  # one row per token (built for the native kernel, which did not take these)
         bias = bias.repeat(1, 1, xq.shape[2] // bias.shape[2], 1)
     xq = xq.to(keys.dtype)
@@ -145,6 +162,16 @@ def attend(xq: Tensor, keys: Tensor, values: Tensor, bias: Tensor, table: Tensor
         return matmul_attend(xq, keys, values, bias)
     with sdpa_kernel(CUDA_ATTENTION) if keys.is_cuda else contextlib.nullcontext():
         return F.scaled_dot_product_attention(xq, keys, values, attn_mask=bias)
+
+
+def attention_shares(xq: Tensor, keys: Tensor, bias: Tensor, share_row: int, tokens: int) -> Tensor:
+    """Each position's share of the attention of token `share_row` of `tokens`, [B, KV, L] fp32: the softmax
+    probabilities of its G query heads (rows share_row, share_row + tokens, ... of xq [B, KV, G*tokens, hd]) over keys
+    [B, KV, L, hd] with the bias [B, 1, *, L] (its row share_row is the token's), summed over the heads. In fp32, from
+    the queries and keys as given: torch's reference of what the native kernels return."""
+    rows = xq[:, :, share_row::tokens].float()  # [B, KV, G, hd]
+    scores = rows @ keys.float().transpose(-1, -2) * xq.shape[-1] ** -0.5 + bias[:, :, share_row, None].float()
+    return scores.softmax(-1).sum(2)
 
 
 def matmul_attend(xq: Tensor, keys: Tensor, values: Tensor, bias: Tensor) -> Tensor:
@@ -229,6 +256,7 @@ class Attention(nn.Module):
         bias: Tensor,  # [B, 1, G*q, L] the same mask as an additive bias (one row per token, [B, 1, q, L], natively)
         cache: Cache,
         observer: AttentionObserver | None,
+        shares: SharesRecorder | None = None,
     ) -> Tensor:
         B, q, _ = x.shape
         H, KV, hd = self.n_heads, self.n_kv, self.hd
@@ -246,8 +274,10 @@ class Attention(nn.Module):
         # Grouped-query attention without repeating K/V: the G query heads of a KV head become G*q rows of one
         # attention over that head, so each cached K/V element is read once.
         xq = xq.reshape(B, KV, (H // KV) * q, hd)
+        layer_shares = None if shares is None else shares.buffer(self.layer, (B, KV, bias.shape[-1]))
         with scopes.scope(scopes.ATTENTION):
-            out = attend(xq, keys, values, bias, table)  # [B, KV, G*q, hd]
+            out = attend(xq, keys, values, bias, table,
+                         layer_shares, 0 if shares is None else shares.row, q)  # [B, KV, G*q, hd]
         out = out.to(x.dtype).reshape(B, H, q, hd).transpose(1, 2).reshape(B, q, H * hd)
         return self.wo(out)
 
@@ -277,8 +307,8 @@ class Block(nn.Module):
             self.post_attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
             self.post_ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
 
-    def forward(self, x, cos, sin, mask, bias, cache, observer):
-        h = self.attention(self.attention_norm(x), cos, sin, mask, bias, cache, observer)
+    def forward(self, x, cos, sin, mask, bias, cache, observer, shares=None):
+        h = self.attention(self.attention_norm(x), cos, sin, mask, bias, cache, observer, shares)
         x, normed = self.ffn_norm.add_and_norm(x, self.post_attention_norm(h) if self.sandwich else h)
         h = self.feed_forward(normed)
         return x + (self.post_ffn_norm(h) if self.sandwich else h)
@@ -324,6 +354,7 @@ class Transformer(nn.Module):
         logits_at: Tensor | None = None,  # [B, n] indices into q; None: all q positions
         observer: AttentionObserver | None = None,
         head: nn.Module | None = None,  # in place of the LM head (a draft head over part of the vocabulary)
+        shares: SharesRecorder | None = None,  # where attention leaves one token's shares of each position
     ) -> Tensor:
         """Run q new tokens per sequence through the model, writing their K/V into `cache`.
 
@@ -335,7 +366,7 @@ class Transformer(nn.Module):
             x = x * torch.tensor(self.cfg.dim**0.5, dtype=x.dtype)
         contexts = self._layer_contexts(cache, tokens.shape[1], x.dtype)
         for layer, kind in zip(self.layers, self.cfg.kinds):
-            x = layer(x, *contexts[kind], cache, observer)
+            x = layer(x, *contexts[kind], cache, observer, shares)
         if logits_at is not None:
             x = x.gather(1, logits_at[..., None].expand(-1, -1, x.shape[-1]))
         logits = (self.output if head is None else head)(self.norm(x)).float()

@@ -332,7 +332,8 @@ class ModelRunner:
             synchronize(self.device)
             draft_s = time.perf_counter() - t
             with scopes.forward("verify", n, gamma + 1, cache.lens):
-                logits = self.forward(torch.cat((last, draft), dim=1), cache)
+                logits = self.forward(torch.cat((last, draft), dim=1), cache,
+                                      shares=self.drafter.verification_shares())
             with scopes.sampling("verify"):
                 accepted, nxt = accept_drafts(sample_tokens(logits, rows, positions), draft)
                 new = torch.cat((draft, nxt[:, None]), dim=1).scatter(1, accepted[:, None], nxt[:, None])

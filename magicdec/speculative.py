@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from magicdec.corpus import load_texts
-from magicdec.drafters import Drafter, ModelDrafter, SelfQuantDrafter, SelfSpecDrafter
+from magicdec.drafters import Drafter, ModelDrafter, SelfQuantDrafter, SelfSpecDrafter, VegasDrafter
 from magicdec.drafters.vocab import DraftHead, frequent_tokens, token_counts
 from magicdec.errors import InvalidRequestError
 from magicdec.loading import load_model
@@ -20,7 +20,7 @@ from magicdec.planner import HardwareProfile
 from magicdec.runner import MAX_GAMMA
 from magicdec.scheduler import GammaPolicy
 
-DRAFTERS = ("none", "self-streaming", "self-snapkv", "self-quant", "model", "auto")
+DRAFTERS = ("none", "self-streaming", "self-snapkv", "self-vegas", "self-quant", "model", "auto")
 #: What `auto` plans for: greedy requests (temperature 0) or sampled ones, whose acceptance is lower.
 MODES = ("greedy", "sampling")
 
@@ -31,8 +31,10 @@ DEFAULT_REINDEX = {"streaming": True, "snapkv": True}
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """How to draft. `draft`: none | self-streaming | self-snapkv | self-quant | model (then `draft_model` is a path)
-    | auto. self-quant drafts over the whole context at 4 bits (`SelfQuantDrafter`; `budget` does not apply).
+    """How to draft. `draft`: none | self-streaming | self-snapkv | self-vegas | self-quant | model (then
+    `draft_model` is a path) | auto. self-vegas reads per layer the `budget` entries the last verification attended to
+    most, in the target's own blocks (`VegasDrafter`); self-quant drafts over the whole context at 4 bits
+    (`SelfQuantDrafter`; `budget` does not apply).
 
     auto: the planner picks a self-speculative drafter, its budget and draft length, or plain decoding, for the shape
     the engine runs (`LLM` resolves it, `magicdec.autoplan.choose`), and re-plans the draft length every step; it plans
@@ -115,6 +117,8 @@ class SpeculativeConfig:
             return ModelDrafter(draft.model, self.draft_cache, self.budget, self.gamma, reindex)
         if self.draft == "self-quant":
             return SelfQuantDrafter(target, self.gamma)
+        if self.draft == "self-vegas":
+            return VegasDrafter(target, self.budget, self.gamma)
         kind = self.draft.removeprefix("self-")
         reindex = DEFAULT_REINDEX[kind] if self.reindex is None else self.reindex
         return SelfSpecDrafter(target, kind, self.budget, self.gamma, reindex)

@@ -157,8 +157,9 @@ def bf16_plain(llm_bf16, bf16_prompts):
     return llm_bf16.generate(prompt_token_ids=bf16_prompts, params=SamplingParams(max_tokens=16, ignore_eos=True))
 
 
-@pytest.mark.parametrize("draft, cache", [("self-streaming", None), ("self-snapkv", None), ("self-quant", None),
-                                          ("model", "dense"), ("model", "streaming"), ("model", "snapkv")])
+@pytest.mark.parametrize("draft, cache", [("self-streaming", None), ("self-snapkv", None), ("self-vegas", None),
+                                          ("self-quant", None), ("model", "dense"), ("model", "streaming"),
+                                          ("model", "snapkv")])
 def test_every_drafter_with_a_bf16_target(llm_bf16, default_model, default_path, bf16_prompts, bf16_plain, draft, cache):
     """Greedy speculation over a bf16 target emits the plain bf16 tokens: exactly on the native kernels
     (row-invariant: verification and one-token steps round alike); on torch's operators, except where

@@ -261,15 +261,20 @@ def plain_greedy(gemma, two_prompts) -> list[list[int]]:
 
 
 @needs_gemma
-@pytest.mark.parametrize("kind", ["streaming", "snapkv", "quant"])
+@pytest.mark.parametrize("kind", ["streaming", "snapkv", "vegas", "quant"])
 def test_self_speculation_on_gemma_is_lossless(gemma, two_prompts, plain_greedy, kind):
-    """Self-speculation whose sparse cache (64 entries, against 300 and 560+ tokens), or whose 4-bit copy of the
-    whole context, replaces only the global layers' context emits exactly the plain greedy tokens, for two prompts
-    decoded together."""
-    from magicdec.drafters import SelfQuantDrafter, SelfSpecDrafter
+    """Self-speculation whose sparse cache (64 entries, against 300 and 560+ tokens), whose selection of the entries
+    the last verification attended to (64 per global layer, read in place), or whose 4-bit copy of the whole context,
+    replaces only the global layers' context emits exactly the plain greedy tokens, for two prompts decoded
+    together."""
+    from magicdec.drafters import SelfQuantDrafter, SelfSpecDrafter, VegasDrafter
 
-    drafter = SelfQuantDrafter(gemma.model, gamma=3) if kind == "quant" else \
-        SelfSpecDrafter(gemma.model, kind, budget=64, gamma=3, reindex=True)
+    if kind == "quant":
+        drafter = SelfQuantDrafter(gemma.model, gamma=3)
+    elif kind == "vegas":
+        drafter = VegasDrafter(gemma.model, budget=64, gamma=3)
+    else:
+        drafter = SelfSpecDrafter(gemma.model, kind, budget=64, gamma=3, reindex=True)
     spec, stats = run_engine(gemma.model, two_prompts, SamplingParams(max_tokens=12, ignore_eos=True),
                              drafter=drafter, gamma=3, prefill_chunk=256)
     assert [r.output_ids for r in spec] == plain_greedy

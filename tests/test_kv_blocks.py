@@ -200,13 +200,16 @@ def test_preempted_requests_give_the_tokens_of_an_unpreempted_run(model, kv_dtyp
     assert kv.usage == 0 and not kv.held
 
 
-def test_preemption_under_speculation_is_exact(model, kv_dtype, prompts, unpreempted):
+@pytest.mark.parametrize("draft", ["self-streaming", "self-vegas"])
+def test_preemption_under_speculation_is_exact(model, kv_dtype, prompts, unpreempted, draft):
     """Self-speculative decoding (its lookahead takes blocks too) in a pool that preempts: greedy and seeded sampled
-    requests give the tokens of the unpreempted plain run."""
-    from magicdec.drafters import SelfSpecDrafter
+    requests give the tokens of the unpreempted plain run, with a sparse cache of the draft's own (a block a request)
+    and with a Vegas draft reading the target's blocks (a preempted row's selection is dropped with it)."""
+    from magicdec.drafters import SelfSpecDrafter, VegasDrafter
 
     kv = tiny_pool(model, kv_dtype, 9)  # two requests fit at admission, and preempt as they grow
-    drafter = SelfSpecDrafter(model, "streaming", 24, 3, reindex=True)  # its sparse cache takes a block a request
+    drafter = SelfSpecDrafter(model, "streaming", 24, 3, reindex=True) if draft == "self-streaming" else \
+        VegasDrafter(model, 24, 3)
     requests, stats = run_engine(model, prompts, PARAMS, kv=kv, drafter=drafter, gamma=3)
     assert [r.output_ids for r in requests] == unpreempted
     assert kv.preemptions > 0 and stats.gamma == 3

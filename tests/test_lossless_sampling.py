@@ -20,7 +20,7 @@ import torch
 import magicdec.runner as runner_mod
 from conftest import kv_pool, run_engine
 from magicdec.config import ModelConfig
-from magicdec.drafters import ModelDrafter, SelfQuantDrafter, SelfSpecDrafter
+from magicdec.drafters import ModelDrafter, SelfQuantDrafter, SelfSpecDrafter, VegasDrafter
 from magicdec.kv import KVCache
 from magicdec.model import Transformer
 from magicdec.sampling import (ARGMAX_BLOCK, RowParams, SamplingParams, argmax, probs_from_logits, sample_probs,
@@ -143,11 +143,13 @@ def make_drafter(kind: str, target: Transformer, bad_draft: Transformer, gamma: 
         return SelfSpecDrafter(target, "snapkv", BUDGET, gamma, reindex=False)
     if kind == "self-quant":
         return SelfQuantDrafter(target, gamma)
+    if kind == "self-vegas":
+        return VegasDrafter(target, BUDGET, gamma)
     return ModelDrafter(bad_draft, "dense", BUDGET, gamma, reindex=False)
 
 
 # drafter -> gamma: with 4 tokens, every position 2..4 is sometimes a draft token, a correction and a bonus
-DRAFTERS = {"self-streaming": 2, "self-snapkv": 1, "self-quant": 2, "model": 1}
+DRAFTERS = {"self-streaming": 2, "self-snapkv": 1, "self-vegas": 3, "self-quant": 2, "model": 1}
 
 
 def spec_sample(target, bad_draft, prompt, drafter: str, setting: str, n: int = N):
@@ -166,7 +168,8 @@ def spec_sample(target, bad_draft, prompt, drafter: str, setting: str, n: int = 
 # shared code, and test_seeded_spec_sampling_equals_plain_sampling runs every drafter under the same seeds as plain
 # (self-quant only there: its 4-bit draft of the tiny model is rejected in under 1% of rounds, too few to test with)
 @pytest.mark.parametrize(("drafter", "setting"),
-                         [("self-streaming", "t0.7-top_p0.9"), ("self-snapkv", "top_k5"), ("model", "t1")])
+                         [("self-streaming", "t0.7-top_p0.9"), ("self-snapkv", "top_k5"), ("self-vegas", "t1"),
+                          ("model", "t1")])
 def test_spec_sampling_follows_target_distribution(target, bad_draft, prompt, exact, drafter, setting):
     tokens, stats = spec_sample(target, bad_draft, prompt, drafter, setting)
     # the round really drafted and verified, and rejections happened (else the test proves little)

@@ -10,6 +10,7 @@ import torch
 from conftest import kv_pool, run_engine
 from magicdec.drafters.model_draft import ModelDrafter
 from magicdec.drafters.self_spec import SelfSpecDrafter
+from magicdec.drafters.vegas import VegasDrafter
 from magicdec.kv.blocks import BLOCK_SIZE, NULL_BLOCK, KVManager, block_keys
 from magicdec.prefill import OBSERVATION_WINDOW, prefill_chunks
 from magicdec.sampling import SamplingParams
@@ -204,6 +205,7 @@ def test_an_aborted_request_leaves_valid_blocks(tiny_llama, shared_doc):
 DRAFTERS = {
     "self-streaming": lambda m: SelfSpecDrafter(m, "streaming", 64, 3, reindex=True),
     "self-snapkv": lambda m: SelfSpecDrafter(m, "snapkv", 96, 3, reindex=False),
+    "self-vegas": lambda m: VegasDrafter(m, 64, 3),
     "model-dense": lambda m: ModelDrafter(m, "dense", 64, 3, reindex=True),
     "model-snapkv": lambda m: ModelDrafter(m, "snapkv", 96, 3, reindex=False),
 }
@@ -220,7 +222,7 @@ def real_prompts(corpus_prompt):
 # caches: the hit's mapped blocks and the drafters' start from it are the same code in every dtype
 @pytest.mark.parametrize(("dtype", "drafter"), [*(("fp32", d) for d in DRAFTERS),
                                                 *((n, d) for n in ("native-bf16", "native-int8")
-                                                  for d in ("self-snapkv", "model-dense"))])
+                                                  for d in ("self-snapkv", "self-vegas", "model-dense"))])
 def test_every_drafter_is_exact_from_a_hit_on_the_real_model(default_model, real_prompts, drafter, dtype, request):
     """On SmolLM2: speculative decoding from prefix-cache hits (the document, then whole prompts) gives the tokens
     of the same requests prefilled cold, greedy and seeded-sampled, in fp32 and with the native bf16 kernels over a

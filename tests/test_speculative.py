@@ -15,7 +15,7 @@ import torch
 
 import magicdec.runner as runner_mod
 from conftest import kv_pool, run_engine
-from magicdec.drafters import ModelDrafter, SelfSpecDrafter
+from magicdec.drafters import ModelDrafter, SelfSpecDrafter, VegasDrafter
 from magicdec.kv.blocks import BLOCK_SIZE, KVManager, block_keys
 from magicdec.prefill import cacheable_prefix
 from magicdec.sampling import SamplingParams
@@ -92,6 +92,8 @@ def draft_hits(monkeypatch, drafted) -> list[int]:
 
 def make_drafter(name: str, model, draft_model, gamma: int, budget: int, reindex: bool):
     kind, _, cache = name.partition("-")
+    if name == "self-vegas":
+        return VegasDrafter(model, budget, gamma)
     if kind == "self":
         return SelfSpecDrafter(model, cache, budget, gamma, reindex)
     return ModelDrafter(draft_model, cache, budget, gamma, reindex)
@@ -105,6 +107,8 @@ CASES = [
     ("self-snapkv", False, 5, 64),
     ("self-snapkv", False, 1, 2048),
     ("self-snapkv", True, 3, 64),
+    ("self-vegas", False, 3, 64),
+    ("self-vegas", False, 5, 128),
     ("model-dense", False, 3, 64),
     ("model-streaming", True, 5, 64),
     ("model-snapkv", False, 1, 64),

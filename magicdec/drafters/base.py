@@ -13,7 +13,7 @@ from magicdec.kv import KVCache
 from magicdec.kv.blocks import KVManager
 from magicdec.kv.hybrid import HybridCache, paged_part
 from magicdec.kv.sparse import SnapKVObserver
-from magicdec.model import Transformer
+from magicdec.model import SharesRecorder, Transformer
 from magicdec.sampling import RowParams, sample_tokens
 
 
@@ -77,6 +77,11 @@ class Drafter(ABC):
         """The target's row `target` (a view) holds prompt[:end] of slot's request after a prefill chunk: follow it.
         At end == len(prompt) (the observation window, whose attention `observer` holds where
         `needs_target_attention`) the slot's draft cache must be complete."""
+
+    def verification_shares(self) -> SharesRecorder | None:
+        """Where the coming verification forward should leave its attention shares, for a drafter that selects its
+        entries by them (read back in `accept`); None: it does not."""
+        return None
 
     def free(self) -> None:
         """Drop the draft cache: the drafter leaves its engine (and that engine's CUDA graphs)."""

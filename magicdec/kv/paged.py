@@ -22,10 +22,11 @@ from magicdec.kv.blocks import BLOCK_SIZE, NULL_BLOCK
 
 
 def gather(pool: Tensor, table: Tensor, length: int) -> Tensor:
-    """One layer's K or V [blocks, KV, BLOCK_SIZE, hd] read through table [B, n] as [B, KV, length, hd] (a copy)."""
+    """One layer's K or V [blocks, KV, BS, hd] read through table [B, n] as [B, KV, length, hd] (a copy); BS is the
+    pool's block size (BLOCK_SIZE, or 1 for a `kernels.token_view`)."""
     B, n = table.shape
     rows = pool.index_select(0, table.reshape(-1).long()).view(B, n, *pool.shape[1:])  # [B, n, KV, BS, hd]
-    return rows.transpose(1, 2).reshape(B, pool.shape[1], n * BLOCK_SIZE, pool.shape[-1])[:, :, :length]
+    return rows.transpose(1, 2).reshape(B, pool.shape[1], n * pool.shape[2], pool.shape[-1])[:, :, :length]
 
 
 class PagedKVCache(KVCache):
@@ -70,12 +71,16 @@ class PagedKVCache(KVCache):
         """Write new k, v [B, KV, q, hd] at each row's next positions; return the layer's pool K, V [blocks, KV,
         BLOCK_SIZE, hd] and the table [B, n] to read them through."""
         kc, vc = self.k[layer], self.v[layer]
+        self._store(kc, vc, k, v)
+        return kc, vc, self._table
+
+    def _store(self, kc: Tensor, vc: Tensor, k: Tensor, v: Tensor) -> None:
+        """Write new k, v [B, KV, q, hd] into a layer's pools kc, vc at the forward's (block, offset) `_write`."""
         if kc.dtype == k.dtype and kernels.fuses(k):  # the rows as they are, one copy each
             kernels.store_kv(kc, vc, k, v, *self._write)
         else:  # index_put_ on the [blocks, BLOCK_SIZE, KV, hd] view with [B, q] indices, values [B, q, KV, hd]
             kc.transpose(1, 2).index_put_(self._write, quant.store(k.transpose(1, 2), kc.dtype))
             vc.transpose(1, 2).index_put_(self._write, quant.store(v.transpose(1, 2), vc.dtype))
-        return kc, vc, self._table
 
     def locate(self, rows: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
         """Where positions of rows (broadcast together) live: (block, offset), indexing dims 1 and 3 of `k`."""
