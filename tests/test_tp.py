@@ -105,7 +105,9 @@ def tiny(tmp_path_factory, tiny_checkpoint) -> tuple[str, str]:
 
 
 def test_tp2_matches_one_process_tiny(tmp_path, tiny):
-    compare(tmp_path, *tiny, ["none", "self-streaming", "self-snapkv", "model"], max_tokens=10, sampled=True)
+    # self-vegas: each rank selects the positions its own KV heads attended to
+    compare(tmp_path, *tiny, ["none", "self-streaming", "self-snapkv", "self-vegas", "model"], max_tokens=10,
+            sampled=True)
 
 
 @pytest.mark.slow

@@ -86,6 +86,9 @@ def test_the_tables_name_the_rows_own_positions_once_each(default_model):
     mask = draft.attn_mask(q)
     E = DEFAULT_SINK + 6 + 8 + q
     assert mask.shape == (3, 1, q, E)
+    assert draft._token_tables.dtype == torch.int32  # what the native kernels read tables in
+    held = mask[:, 0, 0, : DEFAULT_SINK + 6 + 8].sum(1)
+    assert draft.entries_read.tolist() == held.tolist()
     for layer in range(cfg.n_layers):
         table = draft._token_tables[layer]
         for b in range(3):

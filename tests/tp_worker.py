@@ -39,7 +39,7 @@ def prompts(vocab: int) -> list[list[int]]:
 
 
 def run(model: str, draft_model: str, out: str, runs: str, max_tokens: int) -> None:
-    """runs: comma separated, of the drafters none, self-streaming, self-snapkv, model (greedy) and
+    """runs: comma separated, of the drafters none, self-streaming, self-snapkv, self-vegas, model (greedy) and
     sampled (plain decoding, unseeded, temperature 1)."""
     llm = LLM(model, device="cpu", dtype="fp32")
     ids = prompts(llm.model.cfg.vocab_size)
@@ -51,7 +51,8 @@ def run(model: str, draft_model: str, out: str, runs: str, max_tokens: int) -> N
     greedy = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     results = {"logits": logits.tolist(), "tokens": {}}
     drafters = [("none", None), ("self-streaming", SpeculativeConfig("self-streaming", budget=BUDGET, gamma=3)),
-            ("self-snapkv", SpeculativeConfig("self-snapkv", budget=BUDGET, gamma=3))]
+            ("self-snapkv", SpeculativeConfig("self-snapkv", budget=BUDGET, gamma=3)),
+            ("self-vegas", SpeculativeConfig("self-vegas", budget=BUDGET, gamma=3))]
     if draft_model:
         drafters.append(("model", SpeculativeConfig("model", budget=BUDGET, gamma=2, draft_model=draft_model)))
     for name, spec in drafters:

@@ -112,7 +112,7 @@ class Drafter(ABC):
         q = int(count.max())
         index = (start[:, None] + torch.arange(q, device=seq.device)).clamp_max(seq.shape[1] - 1)
         at = (count - 1).clamp_min(0)[:, None]
-        with scopes.forward("draft", len(seq), q, cache.lens):
+        with scopes.forward("draft", len(seq), q, cache.entries_read):
             logits = self.forward(seq.gather(1, index), cache, logits_at=at, head=self.head)[:, 0]
         cache.commit(count * live)
         return logits
@@ -136,7 +136,7 @@ class Drafter(ABC):
                 t = sample_tokens(x[:, None], rows, (n_tokens + i)[:, None], ids)[:, 0]
             tokens.append(t)
             if i < gamma - 1:
-                with scopes.forward("draft", n, 1, cache.lens):
+                with scopes.forward("draft", n, 1, cache.entries_read):
                     x = self.forward(t[:, None], cache, head=self.head)[:, 0]
                 cache.commit(live_n)
         return torch.stack(tokens, dim=1)

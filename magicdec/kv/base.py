@@ -69,6 +69,11 @@ class KVCache:
     def dtype(self) -> torch.dtype:
         return self.k.dtype
 
+    @property
+    def entries_read(self) -> Tensor:
+        """[B] cached entries each row's next forward attends to (what `--phases` prices a forward by)."""
+        return self.lens
+
     def _arange(self, q: int) -> Tensor:
         return torch.arange(q, device=self.device)
 

@@ -128,6 +128,10 @@ class HybridCache:
         return self.full.next_pos
 
     @property
+    def entries_read(self) -> Tensor:
+        return self.full.entries_read
+
+    @property
     def max_len(self) -> int:
         return self.full.max_len
 

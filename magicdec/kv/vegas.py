@@ -46,18 +46,19 @@ class AttentionShares:
     def __init__(self, cfg: ModelConfig, device: torch.device):
         self.index = {layer: i for i, layer in enumerate(cfg.layers_of(GLOBAL))}
         self.device = device
-        self.layers: list[Tensor | None] = [None] * len(self.index)
+        self.shares: Tensor | None = None  # [layers, B, KV, L], allocated at the first layer's call
 
     def buffer(self, layer: int, shape: tuple[int, int, int]) -> Tensor | None:
         i = self.index.get(layer)
         if i is None:
             return None
-        self.layers[i] = torch.empty(shape, dtype=torch.float32, device=self.device)
-        return self.layers[i]
+        if self.shares is None:
+            self.shares = torch.empty((len(self.index), *shape), dtype=torch.float32, device=self.device)
+        return self.shares[i]
 
     def scores(self) -> Tensor:
         """[layers, B, L]: each position's share, summed over the KV heads."""
-        return torch.stack([shares.sum(1) for shares in self.layers])
+        return self.shares.sum(2)
 
 
 def select(scores: Tensor, lens: Tensor, top: int, window: int) -> Tensor:
@@ -96,12 +97,19 @@ class VegasKVCache(PagedKVCache):
         # each layer's pools as single positions: position p of block b is row b * step + p of a view
         self._views = [(kernels.token_view(k)[0], kernels.token_view(v)[0]) for k, v in zip(target.k, target.v)]
         self.step = kernels.token_view(target.k[0])[1]
-        self._token_tables: Tensor | None = None  # [layers, B, entries] int32, the current forward's
+        self._selection_tables: Tensor | None = None  # [layers, B, sink + top] int32, built by `follow` for a round
+        self._token_tables: Tensor | None = None  # [layers, B, entries + q] int32, the current forward's
 
     @property
     def entries(self) -> int:
         """Positions a row reads beside a forward's own tokens."""
         return DEFAULT_SINK + self.top + self.window
+
+    @property
+    def entries_read(self) -> Tensor:
+        n = self.next_pos
+        window = (n - torch.clamp(n - self.window, min=DEFAULT_SINK)).clamp_min(0)
+        return n.clamp_max(DEFAULT_SINK) + (self.selected[:, 0] >= 0).sum(1) + window
 
     def attn_mask(self, q: int) -> Tensor:
         """[B, 1, q, entries + q]: the sink, the selection and the window where they hold positions, and the new tokens
@@ -110,16 +118,23 @@ class VegasKVCache(PagedKVCache):
         new = n[:, None] + self._arange(q)  # [B, q]
         sink = self._arange(DEFAULT_SINK).expand(B, -1)
         window = n[:, None] - self.window + self._arange(self.window)
-        pos = torch.cat((sink[:, None].expand(-1, self.cfg.n_layers, -1), self.selected,
-                         torch.cat((window, new), 1)[:, None].expand(-1, self.cfg.n_layers, -1)), 2)
         held = torch.cat((sink < n[:, None], self.selected[:, 0] >= 0, window >= DEFAULT_SINK), 1)  # [B, entries]
-        pos = pos.clamp(0, self.capacity - 1)  # entries not held read a position they do not see
-        flat = self.tables.gather(1, (pos // BLOCK_SIZE).view(B, -1)).view(pos.shape) * self.step + pos % BLOCK_SIZE
-        self._token_tables = flat.transpose(0, 1).contiguous()
+        if self._selection_tables is None:
+            self._selection_tables = self._flat(torch.cat((sink[:, None].expand(-1, self.cfg.n_layers, -1),
+                                                           self.selected), 2)).transpose(0, 1)
+        recent = self._flat(torch.cat((window, new), 1))  # [B, window + q], the same in every layer
+        self._token_tables = torch.cat((self._selection_tables, recent.expand(self.cfg.n_layers, -1, -1)), 2)
         block = self.tables.gather(1, new.clamp_max(self.capacity - 1) // BLOCK_SIZE).long()
         self._write = (torch.where(self.writable[:, None], block, NULL_BLOCK), new % BLOCK_SIZE)
         causal = self._arange(q)[:, None] >= self._arange(q)[None, :]  # [q, q]
         return torch.cat((held[:, None, :].expand(-1, q, -1), causal.expand(B, -1, -1)), 2)[:, None]
+
+    def _flat(self, pos: Tensor) -> Tensor:
+        """Rows of the token views (int32, the kernels' table dtype) of positions pos [B, ...] of each row; positions
+        outside the row's read one they do not see."""
+        pos = pos.clamp(0, self.capacity - 1)
+        block = self.tables.gather(1, (pos // BLOCK_SIZE).view(self.batch, -1)).view(pos.shape)
+        return (block * self.step + pos % BLOCK_SIZE).to(torch.int32)
 
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Write new k, v [B, KV, q, hd] at the writable rows' next positions of the target's pool; return the
@@ -128,12 +143,14 @@ class VegasKVCache(PagedKVCache):
         return *self._views[layer], self._token_tables[layer]
 
     def follow(self, known: Tensor, rows: Tensor) -> None:
-        """The rows where rows [B] is set know `known` [B] positions of the target's (its cache holds them): the next
-        forward reads up to there and writes after; the other rows write nowhere."""
+        """A round starts: the rows where rows [B] is set know `known` [B] positions of the target's (its cache holds
+        them): the next forward reads up to there and writes after; the other rows write nowhere. The sink's and the
+        selection's tables are built once for the round's forwards."""
         self.lens.copy_(torch.where(rows, known, self.lens))
         self.next_pos.copy_(torch.where(rows, known, self.next_pos))
         self.writable.copy_(rows)
         self.max_len = int(self.lens.max()) if self.lens.numel() else 0
+        self._selection_tables = None  # a new round: the selection may have changed since the last
 
     def clear(self) -> None:
         super().clear()
