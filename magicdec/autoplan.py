@@ -149,7 +149,10 @@ def default_strategies(work: Workload, model: Transformer | ModelShape) -> tuple
     cache on a GPU (a model on CUDA; for a ModelShape, a profile that is not a CPU's), where attention is bound by the
     bytes the profile prices. On a CPU the profile's attention rate is its 16-bit kernel's, while the int8 kernel there
     is bound by its instructions (1.2-1.5x a bf16 step's speed at half the bytes; benchmarks/README.md), and over an
-    int8 cache a self-quant draft step reads what a decode step reads: neither searches it."""
+    int8 cache a self-quant draft step reads what a decode step reads: neither searches it. Not self-vegas, which
+    `strategies` may name: it accepts more than StreamingLLM at the same budget, but its draft forwards read scattered
+    positions and its rounds select, which the cost model does not price, and at B = 32 x 8k on a Zen 4 its best
+    configuration decoded no faster (benchmarks/README.md, "self-vegas against StreamingLLM")."""
     gpu = model.device.type == "cuda" if isinstance(model, Transformer) else "cpu" not in work.hw.name
     quant = ("self-quant",) if gpu and work.kv_dtype_bytes >= 2 else ()
     return ("ar", *SELF_STRATEGIES, *quant)

@@ -13,7 +13,7 @@ from magicdec.planner.acceptance import AcceptanceTable, check_mode, expected_to
 from magicdec.planner.cost import Workload, decode_step_time, draft_time, forward_cost, verify_step_time
 from magicdec.planner.models import ModelShape
 
-STRATEGIES = ("ar", "self-streaming", "self-snapkv", "self-quant", "model")
+STRATEGIES = ("ar", "self-streaming", "self-snapkv", "self-vegas", "self-quant", "model")
 DRAFT_CACHES = ("dense", "streaming", "snapkv")
 
 
@@ -22,7 +22,7 @@ class Plan:
     """The predicted-fastest way to decode one batch shape, and why."""
 
     strategy: str
-    """"ar", "self-streaming", "self-snapkv", "self-quant" or "model" (a standalone draft model)."""
+    """"ar", "self-streaming", "self-snapkv", "self-vegas", "self-quant" or "model" (a standalone draft model)."""
     budget: int | None
     """Draft KV budget; None for AR, self-quant and a dense draft cache."""
     gamma: int
@@ -73,7 +73,9 @@ def _drafters(
     # A sparse cache whose budget reaches the context holds every token: it is a dense cache.
     sparse_budgets = sorted(b for b in set(budgets) if b < context)
     drafters = []
-    for strategy in ("self-streaming", "self-snapkv"):
+    # A Vegas draft reads `budget` positions per layer, as a sparse cache does; its selection, the verification's
+    # shares and the scattered reads of its tables are not priced (`autoplan.default_strategies` leaves it out).
+    for strategy in ("self-streaming", "self-snapkv", "self-vegas"):
         if strategy in strategies:
             drafters += [_Drafter(strategy, None, budget, strategy, target, tp) for budget in sparse_budgets]
     if "self-quant" in strategies:  # the whole context, at int8 rows' bytes
@@ -190,7 +192,7 @@ def plan(
 ) -> Plan:
     """Pick the strategy, budget and gamma with the highest predicted throughput for the workload.
 
-    Searches plain AR decoding, StreamingLLM and SnapKV self-speculation over `budgets`, self-quant (the whole
+    Searches plain AR decoding, StreamingLLM, SnapKV and Vegas self-speculation over `budgets`, self-quant (the whole
     context at int8 rows' bytes), and, when `draft` is given,
     that draft model with a dense, StreamingLLM or SnapKV cache, each over `gammas`. Drafters the acceptance table
     has no rate for are skipped. Speculation must beat AR strictly to be chosen.
