@@ -261,16 +261,36 @@ def positions() -> str:
     return text([rows[k] for k in sorted(rows)])
 
 
-def quant_draft() -> str:
-    """`magicdec bench` acceptance sweeps, a run per model: the per-token acceptance rate of each self-speculative
-    drafter, by model, context and mode (one row per model and context)."""
+def vegas_acceptance() -> str:
+    """`magicdec bench` acceptance sweeps, a run per model: each self-speculative drafter's per-token acceptance by
+    model, context and mode, at each budget (self-quant reads the whole context, without a budget)."""
     rows: dict[tuple, dict] = {}
-    for doc in load("acceptance_quant")["runs"].values():
-        for p in doc["points"].values():
-            row = rows.setdefault((doc["settings"]["model"]["name"], p["context_used"]),
-                                  {"model": doc["settings"]["model"]["name"], "context": p["context_used"]})
-            budget = f" {p['budget']}" if p["budget"] else ""
-            row[f"{p['mode']} {p['draft'].removeprefix('self-')}{budget}"] = round(p["acceptance"], 3)
+    for doc in load("acceptance_vegas")["runs"].values():
+        name = doc["settings"]["model"]["name"].split("-")[0]  # SmolLM2, gemma
+        for p in sorted(doc["points"].values(), key=lambda p: (p["draft"] == "self-quant", p["budget"])):
+            row = rows.setdefault((name, p["context_used"], p["mode"]),
+                                  {"model": name, "context": p["context_used"], "mode": p["mode"]})
+            column = p["draft"].removeprefix("self-") + (" (whole)" if p["draft"] == "self-quant" else "")
+            row[column] = " / ".join(filter(None, (row.get(column), f"{p['acceptance']:.2f}")))
+    budgets = sorted({p["budget"] for doc in load("acceptance_vegas")["runs"].values()
+                      for p in doc["points"].values() if p["budget"]})
+    return text([rows[k] for k in sorted(rows)]) + f"\n\nBudgets {' / '.join(map(str, budgets))}."
+
+
+def vegas_e2e() -> str:
+    """`magicdec bench` at one batch and context: plain decoding, StreamingLLM and Vegas self-speculation at each
+    budget and gamma (each configuration's median run)."""
+    points = load("vegas_e2e")["points"].values()
+    plain = {p["mode"]: p["throughput"] for p in points if p["draft"] == "none"}
+    rows: dict[tuple, dict] = {}
+    for p in points:
+        if p["draft"] == "none":
+            continue
+        row = rows.setdefault((p["mode"], p["budget"], p["gamma"]), {
+            "mode": p["mode"], "budget": p["budget"], "gamma": p["gamma"], "plain tok/s": round(plain[p["mode"]], 1)})
+        name = p["draft"].removeprefix("self-")
+        row[f"{name} tok/s (x plain)"] = f"{p['throughput']:.1f} ({p['throughput'] / plain[p['mode']]:.2f})"
+        row[f"{name} accepted"] = round(p["acceptance"], 2)
     return text([rows[k] for k in sorted(rows)])
 
 
@@ -386,7 +406,7 @@ TABLES = {"attention": lambda: attention(False), "attention_prefill": lambda: at
           "positions": positions, "validate_planner": validate_planner, "paper_comparison": paper_comparison,
           "serving_8k": serving_8k, "chat": lambda: chat("chat"), "chat_shared": lambda: chat("chat_shared"),
           "prefix_hit": prefix_hit, "server_limits": server_limits,
-          "quant_draft": quant_draft,
+          "vegas_acceptance": vegas_acceptance, "vegas_e2e": vegas_e2e,
           "capacity": capacity, "layouts": layouts, "kv_dtype": kv_dtype, "phases": phases, "tp": tp, "perplexity": perplexity,
           "gpu_check_h200": lambda: gpu_check("gpu_check_h200")}
 #: Tables followed by the model of a result file (or of a run of one).
