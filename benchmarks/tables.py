@@ -265,15 +265,15 @@ def vegas_acceptance() -> str:
     """`magicdec bench` acceptance sweeps, a run per model: each self-speculative drafter's per-token acceptance by
     model, context and mode, at each budget (self-quant reads the whole context, without a budget)."""
     rows: dict[tuple, dict] = {}
-    for doc in load("acceptance_vegas")["runs"].values():
+    runs = load("acceptance_vegas")["runs"].values()
+    for doc in runs:
         name = doc["settings"]["model"]["name"].split("-")[0]  # SmolLM2, gemma
         for p in sorted(doc["points"].values(), key=lambda p: (p["draft"] == "self-quant", p["budget"])):
             row = rows.setdefault((name, p["context_used"], p["mode"]),
                                   {"model": name, "context": p["context_used"], "mode": p["mode"]})
             column = p["draft"].removeprefix("self-") + (" (whole)" if p["draft"] == "self-quant" else "")
             row[column] = " / ".join(filter(None, (row.get(column), f"{p['acceptance']:.2f}")))
-    budgets = sorted({p["budget"] for doc in load("acceptance_vegas")["runs"].values()
-                      for p in doc["points"].values() if p["budget"]})
+    budgets = sorted({p["budget"] for doc in runs for p in doc["points"].values() if p["budget"]})
     return text([rows[k] for k in sorted(rows)]) + f"\n\nBudgets {' / '.join(map(str, budgets))}."
 
 

@@ -98,31 +98,33 @@ class VegasKVCache(PagedKVCache):
         self._views = [(kernels.token_view(k)[0], kernels.token_view(v)[0]) for k, v in zip(target.k, target.v)]
         self.step = kernels.token_view(target.k[0])[1]
         self._selection_tables: Tensor | None = None  # [layers, B, sink + top] int32, built by `follow` for a round
-        self._token_tables: Tensor | None = None  # [layers, B, entries + q] int32, the current forward's
-
-    @property
-    def entries(self) -> int:
-        """Positions a row reads beside a forward's own tokens."""
-        return DEFAULT_SINK + self.top + self.window
+        self._token_tables: Tensor | None = None  # [layers, B, sink + top + window + q] int32, the current forward's
 
     @property
     def entries_read(self) -> Tensor:
-        n = self.next_pos
-        window = (n - torch.clamp(n - self.window, min=DEFAULT_SINK)).clamp_min(0)
-        return n.clamp_max(DEFAULT_SINK) + (self.selected[:, 0] >= 0).sum(1) + window
+        return self._held().sum(1)
+
+    def _window(self) -> Tensor:
+        """[B, window]: the positions of each row's window, the last `window` before its next one."""
+        return self.next_pos[:, None] - self.window + self._arange(self.window)
+
+    def _held(self) -> Tensor:
+        """[B, sink + top + window]: which of the sink, the selection and the window hold a position of the row (every
+        layer selects as many)."""
+        n = self.next_pos[:, None]
+        return torch.cat((self._arange(DEFAULT_SINK) < n, self.selected[:, 0] >= 0, self._window() >= DEFAULT_SINK), 1)
 
     def attn_mask(self, q: int) -> Tensor:
-        """[B, 1, q, entries + q]: the sink, the selection and the window where they hold positions, and the new tokens
-        causally; also builds each layer's table and the new tokens' (block, offset)."""
+        """[B, 1, q, sink + top + window + q]: the sink, the selection and the window where they hold positions, and
+        the new tokens causally; also builds each layer's table and the new tokens' (block, offset)."""
         n, B = self.next_pos, self.batch
         new = n[:, None] + self._arange(q)  # [B, q]
         sink = self._arange(DEFAULT_SINK).expand(B, -1)
-        window = n[:, None] - self.window + self._arange(self.window)
-        held = torch.cat((sink < n[:, None], self.selected[:, 0] >= 0, window >= DEFAULT_SINK), 1)  # [B, entries]
+        held = self._held()
         if self._selection_tables is None:
             self._selection_tables = self._flat(torch.cat((sink[:, None].expand(-1, self.cfg.n_layers, -1),
                                                            self.selected), 2)).transpose(0, 1)
-        recent = self._flat(torch.cat((window, new), 1))  # [B, window + q], the same in every layer
+        recent = self._flat(torch.cat((self._window(), new), 1))  # [B, window + q], the same in every layer
         self._token_tables = torch.cat((self._selection_tables, recent.expand(self.cfg.n_layers, -1, -1)), 2)
         block = self.tables.gather(1, new.clamp_max(self.capacity - 1) // BLOCK_SIZE).long()
         self._write = (torch.where(self.writable[:, None], block, NULL_BLOCK), new % BLOCK_SIZE)
@@ -138,7 +140,7 @@ class VegasKVCache(PagedKVCache):
 
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Write new k, v [B, KV, q, hd] at the writable rows' next positions of the target's pool; return the
-        layer's pool as single positions and its table [B, entries + q]."""
+        layer's pool as single positions and its table [B, sink + top + window + q]."""
         self._store(self.k[layer], self.v[layer], k, v)
         return *self._views[layer], self._token_tables[layer]
 
