@@ -11,7 +11,8 @@ exponential-race form of the Gumbel-max trick). Three things follow:
   seed (greedy rows are the special case of no noise). A drafter can make generation faster, never different, for
   sampled requests too.
 * Noise can be computed for any subset of the vocabulary: on CPU, rows whose (top-p / top-k filtered) distribution
-  lies within their few most probable tokens (CPU_CANDIDATES) draw noise for those alone.
+  lies within their few most probable tokens (CPU_CANDIDATES) draw noise for those alone, in one native operator
+  where the kernels run (`magicdec.kernels.sample`).
 
 Against Leviathan-style rejection sampling, the shared-noise coupling accepts slightly fewer draft tokens (SmolLM2
 self-speculation on PG-19, T 0.7, top-p 0.9: 0.775 against 0.804 per token) and needs no draft distributions or
@@ -27,6 +28,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from magicdec import kernels
 from magicdec.errors import InvalidRequestError
 from magicdec.logprobs import MAX_LOGPROBS
 
@@ -338,15 +340,34 @@ def _sample_candidates(
 
 
 def _sample_cpu(logits: Tensor, rows: RowParams, position: Tensor, ids: Tensor | None) -> Tensor:
-    """`sample_tokens` for the sampled rows of a CPU batch, trying CPU_CANDIDATES before the full path.
+    """`sample_tokens` for the sampled rows of a CPU batch: from each row's CPU_CANDIDATES most probable tokens where
+    that is the whole draw (in one native operator where the kernels run, `kernels.sample`; else `_candidate_draws`),
+    the other rows on the full path.
 
     logits [B, q, V] -> [B, q]; greedy rows get token 0 (the caller puts their argmax there)."""
+    B, q, V = logits.shape
+    if kernels.samples(logits):
+        tokens, done = kernels.sample(logits, rows.greedy, rows.temperature, rows.top_k, rows.top_p, rows.seed,
+                                      position, ids, CPU_CANDIDATES)
+        tokens, todo = tokens.view(-1), (~done).view(-1).nonzero()[:, 0]
+    else:
+        tokens, todo = _candidate_draws(logits, rows, position, ids)
+    if len(todo):  # nuclei or supports wider than the candidates: the full path
+        wide = rows.select(todo // q)
+        pos = position.reshape(-1)[todo, None]
+        drawn = sample_probs(probs_from_logits(logits.reshape(B * q, 1, V)[todo], wide), wide.seed, pos, ids)
+        tokens[todo] = drawn[:, 0]
+    return tokens.view(B, q)
+
+
+def _candidate_draws(logits: Tensor, rows: RowParams, position: Tensor, ids: Tensor | None) -> tuple[Tensor, Tensor]:
+    """The candidate draws of `_sample_cpu` in torch's operators, CPU_CANDIDATES in turn: (tokens [B * q], the rows
+    [n] left to the full path)."""
     B, q, V = logits.shape
     sampled = (~rows.greedy).repeat_interleave(q)  # [B * q]
     flat_logits = logits.reshape(B * q, V)
     todo = sampled.nonzero()[:, 0]
-    everything = len(todo) == B * q
-    logits_todo = flat_logits if everything else flat_logits[todo]
+    logits_todo = flat_logits if len(todo) == B * q else flat_logits[todo]
     row_of = todo // q
     temperature, top_k, top_p, seed = (getattr(rows, name)[row_of] for name in ("temperature", "top_k", "top_p", "seed"))
     pos = position.reshape(-1)[todo]
@@ -357,13 +378,9 @@ def _sample_cpu(logits: Tensor, rows: RowParams, position: Tensor, ids: Tensor |
         done, drawn = _sample_candidates(logits_todo, temperature, top_k, top_p, seed, pos, k, ids)
         tokens[todo[done]] = drawn[done]
         left = ~done
-        todo, row_of, logits_todo = todo[left], row_of[left], logits_todo[left]
+        todo, logits_todo = todo[left], logits_todo[left]
         temperature, top_k, top_p, seed, pos = temperature[left], top_k[left], top_p[left], seed[left], pos[left]
-    if len(todo):  # nuclei or supports wider than the candidates: the full path
-        wide = rows.select(row_of)
-        drawn = sample_probs(probs_from_logits(logits_todo[:, None], wide), wide.seed, pos[:, None], ids)
-        tokens[todo] = drawn[:, 0]
-    return tokens.view(B, q)
+    return tokens, todo
 
 
 def sample_tokens(logits: Tensor, rows: RowParams, position: Tensor, ids: Tensor | None = None) -> Tensor:

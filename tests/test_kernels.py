@@ -21,6 +21,7 @@ from magicdec import kernels
 from magicdec.kv import KVCache, quant
 from magicdec.model import (PackedLinear, Transformer, apply_rope, attention_bias, attention_path, pack_linears, rotate,
                             weight_dtype)
+from magicdec.sampling import CPU_CANDIDATES, RowParams, SamplingParams, sample_tokens
 
 CPU = torch.device("cpu")
 
@@ -611,6 +612,73 @@ def test_pack_linears_leaves_fp32_weights_alone(tiny_llama):
     assert weight_dtype(model) == torch.float32
 
 
+# --- the sampler ------------------------------------------------------------------------------------------------
+SAMPLER_CASES = {
+    "top-p": SamplingParams(temperature=0.7, top_p=0.9),
+    "top-k": SamplingParams(temperature=1.0, top_k=40),
+    "top-k and top-p": SamplingParams(temperature=1.2, top_k=300, top_p=0.95),
+    "wide top-k": SamplingParams(temperature=1.0, top_k=2000),
+    "temperature only": SamplingParams(temperature=0.7),
+}
+
+
+def sample_both_ways(logits, rows, position, monkeypatch, ids=None):
+    """sample_tokens with the native sampler and with torch's operators."""
+    monkeypatch.setenv("MAGICDEC_FUSED", "1")
+    native = sample_tokens(logits, rows, position, ids)
+    monkeypatch.setenv("MAGICDEC_FUSED", "0")
+    torch_ops = sample_tokens(logits, rows, position, ids)
+    monkeypatch.setenv("MAGICDEC_FUSED", "1")
+    return native, torch_ops
+
+
+@pytest.mark.parametrize("case", SAMPLER_CASES)
+def test_the_sampler_draws_what_torch_draws_on_the_real_model(isa, default_model, corpus_prompt, monkeypatch, case):
+    """On the default model's logits over a book, the native draw from the candidates (top-k, top-p) gives torch's
+    tokens, a row alone the same as in a batch, and leaves to the full path what it cannot draw (top-k past the
+    candidates, temperature alone)."""
+    ids = torch.tensor([corpus_prompt(192, book=3)])
+    model = default_model.model
+    cache = KVCache(model.cfg, 1, ids.shape[1], torch.float32, "cpu")
+    with torch.inference_mode():
+        logits = model(ids, cache)[0].view(64, 3, -1)  # [B, q, V]: rows of three positions
+    params = SAMPLER_CASES[case]
+    rows = RowParams.of([params] * 64, list(range(64)), "cpu")
+    position = torch.arange(192).view(64, 3)
+    native, torch_ops = sample_both_ways(logits, rows, position, monkeypatch)
+    assert torch.equal(native, torch_ops)
+    assert kernels.samples(logits)
+    _, done = kernels.sample(logits, rows.greedy, rows.temperature, rows.top_k, rows.top_p, rows.seed, position, None,
+                             CPU_CANDIDATES)
+    if params.top_k > CPU_CANDIDATES[-1] or (params.top_k == 0 and params.top_p == 1):
+        assert not done.any()
+    else:
+        assert done.float().mean() > 0.8
+    for r in (0, 17, 63):
+        alone = sample_tokens(logits[r : r + 1], rows.row(r), position[r : r + 1])
+        assert torch.equal(alone[0], native[r])
+
+
+def test_the_sampler_leaves_rows_it_cannot_draw_to_the_full_path(isa):
+    """NaN, +inf and all -inf rows are not drawn natively; greedy rows are done with token 0; a head over part of
+    the vocabulary returns token ids."""
+    V = 5000
+    logits = torch.randn(6, 1, V) * 4
+    logits[0, 0, 7] = float("nan")
+    logits[1, 0, 9] = float("inf")
+    logits[2] = float("-inf")
+    params = [SamplingParams(temperature=0.8, top_p=0.9)] * 3 + [SamplingParams()]
+    params += [SamplingParams(temperature=1.0, top_k=3)] * 2
+    rows = RowParams.of(params, list(range(6)), "cpu")
+    position = torch.zeros(6, 1, dtype=torch.long)
+    head = torch.arange(V) * 3 + 1
+    tokens, done = kernels.sample(logits, rows.greedy, rows.temperature, rows.top_k, rows.top_p, rows.seed, position,
+                                  head, CPU_CANDIDATES)
+    assert done[:, 0].tolist() == [False, False, False, True, True, True]
+    assert tokens[3, 0] == 0
+    assert all(tokens[r, 0] in head[logits[r, 0].topk(3).indices] for r in (4, 5))
+
+
 # --- speculation on the AVX2 path -------------------------------------------------------------------------
 _llms: dict = {}
 
@@ -622,7 +690,6 @@ def test_every_drafter_greedy_equals_plain_decoding(isa, default_path, corpus_pr
     """Greedy speculation on the kernels emits plain decoding's tokens exactly, with every drafter (the bf16 path:
     test_dtype.py, with a bf16 model asked for; here the model `dtype="auto"` loads on the AVX2 path)."""
     from magicdec.engine import LLM
-    from magicdec.sampling import SamplingParams
     from magicdec.speculative import SpeculativeConfig
 
     if isa.compute != torch.float32:

@@ -263,10 +263,12 @@ CPU_CASES = {
 
 
 @pytest.mark.parametrize("case", CPU_CASES)
-def test_cpu_candidate_sampler_draws_what_the_full_path_draws(case):
+@pytest.mark.parametrize("fused", ["1", "0"])  # the native sampler, torch's operators
+def test_cpu_candidate_sampler_draws_what_the_full_path_draws(case, fused, monkeypatch):
     """On CPU sampled rows are drawn from their 64 / 1024 most probable tokens when the filters keep nothing
     else; the tokens equal the full-vocabulary race's, for peaked rows (few candidates) and flat ones
     (nuclei past 1024 tokens: the full path)."""
+    monkeypatch.setenv("MAGICDEC_FUSED", fused)
     n = 64
     logits = _mixed_logits().expand(4, n, -1).reshape(4 * n, 1, -1).contiguous()  # each row n times
     params = [CPU_CASES[case][i % len(CPU_CASES[case])] for i in range(4 * n)]
@@ -278,9 +280,11 @@ def test_cpu_candidate_sampler_draws_what_the_full_path_draws(case):
 
 
 @pytest.mark.parametrize("case", CPU_CASES)
-def test_a_part_of_the_vocabulary_draws_what_the_whole_draws_where_the_rest_is_impossible(case):
+@pytest.mark.parametrize("fused", ["1", "0"])  # the native sampler, torch's operators
+def test_a_part_of_the_vocabulary_draws_what_the_whole_draws_where_the_rest_is_impossible(case, fused, monkeypatch):
     """A draft head's logits over tokens `ids` (FR-Spec) draw, through `ids`, the tokens the whole vocabulary draws when
     every other token has logit -inf: the same noise per token id, so the same coupling with the target's draws."""
+    monkeypatch.setenv("MAGICDEC_FUSED", fused)
     n, vocab = 64, 3000
     ids = torch.randperm(vocab, generator=torch.Generator().manual_seed(2))[:1200].sort().values
     part = _mixed_logits(len(ids)).expand(4, n, -1).reshape(4 * n, 1, -1).contiguous()

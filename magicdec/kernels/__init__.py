@@ -40,7 +40,9 @@ Beside the two, each path's library holds small operators of a decoder layer (`r
 `rope`, `store_kv` of a forward's new K/V rows into the block pool; kernels/layer.h), which a decode-sized forward
 would otherwise run as chains of torch operators, each paying its dispatch: they run where the path computes in the
 model's dtype (`fuses`), and MAGICDEC_FUSED=0 gives those layers back to torch's operators; and a Vegas draft's
-selection (`top_positions`, `selects`), which MAGICDEC_FUSED=0 gives back to torch's topk.
+selection (`top_positions`, `selects`), which MAGICDEC_FUSED=0 gives back to torch's topk; and the CPU sampler's draw
+from a row's most probable tokens (`sample`, `samples`; kernels/sampler.h), which MAGICDEC_FUSED=0 gives back to the
+same draw in torch's operators (magicdec.sampling).
 """
 
 from __future__ import annotations
@@ -324,6 +326,22 @@ def top_positions(scores: Tensor, hi: Tensor, lo: int, k: int) -> Tensor:
     -1 in the leading entries where there are fewer; ties to the lower position. [R, k] int64. Call only where
     `selects(scores)`."""
     return _ops().top_positions(scores, hi, lo, k)
+
+
+def samples(logits: Tensor) -> bool:
+    """Whether `sample` takes these logits: fp32 on the CPU with a contiguous last dim, where the layer operators run."""
+    return (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.stride(-1) == 1
+            and _layer_ops_run())
+
+
+def sample(logits: Tensor, greedy: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, seed: Tensor,
+           position: Tensor, ids: Tensor | None, candidates: tuple[int, ...]) -> tuple[Tensor, Tensor]:
+    """The exponential race of `magicdec.sampling` over each row's `candidates` most probable tokens (the counts
+    tried in turn), where that is the race over the whole vocabulary. logits [B, q, V]; greedy / temperature / top_k /
+    top_p / seed [B] (bool, fp32, int64, fp32, int64); position [B, q]; ids [V] (the token id of each logit) or None
+    -> (tokens [B, q] int64, done [B, q] bool): a row not done (a wide nucleus, temperature alone, NaN or +inf logits)
+    is left to the full path; greedy rows are done with token 0. Call only where `samples(logits)`."""
+    return _ops().sample(logits, greedy, temperature, top_k, top_p, seed, position, ids, list(candidates))
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None) -> Tensor:

@@ -13,6 +13,7 @@
 #include "avx2.h"
 #include "common.h"
 #include "layer.h"
+#include "sampler.h"
 
 namespace {
 
@@ -87,4 +88,5 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t N, cons
 TORCH_LIBRARY_FRAGMENT(magicdec_avx2, m) {
   m.def("linear(Tensor x, Tensor packed, int N, Tensor? bias, bool fp32) -> Tensor", &linear);
   MAGICDEC_REGISTER_LAYER_OPS(m, float);
+  MAGICDEC_REGISTER_SAMPLER(m);
 }
