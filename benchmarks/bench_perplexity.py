@@ -100,7 +100,10 @@ def notes(doc: dict) -> str:
     """Per run of the results file: its servers' commands, the transformers version, the greedy tokens."""
     lines = []
     for label, run in doc["runs"].items():
-        parts = [f"`{c['command']}`" for c in run["configs"] if "command" in c]
+        served = [c for c in run["configs"] if "command" in c]
+        dtypes = "{" + ",".join(c["kv_dtype"] for c in served) + "}"  # the commands differ in their KV dtype alone
+        one = {c["command"].replace(f"--kv-cache-dtype {c['kv_dtype']}", f"--kv-cache-dtype {dtypes}") for c in served}
+        parts = [f"`{c}`" for c in (one if len(one) == 1 else [c["command"] for c in served])]
         parts += [f"transformers {c['transformers']}" for c in run["configs"] if "transformers" in c]
         lines.append(f"{label}: {', '.join(parts)}; {run['greedy_tokens']} greedy tokens a window.")
     return "\n".join(lines)

@@ -1,35 +1,43 @@
-"""The sampler on a real model's logits: the CPU candidate path against the full-vocabulary path.
+"""The sampler on a real model's logits: the CPU draw from the candidates, native and in torch's operators, against
+the full-vocabulary path.
 
-    PYTHONPATH=. python benchmarks/bench_sampler.py [--model gemma3-270m] [--corpus ../shared/data/pg19_dev.jsonl]
-                                                   [--shapes 32x1,32x4] [--repeats 7] [--nucleus-texts 1]
+    PYTHONPATH=. python benchmarks/bench_sampler.py --model '' --label SmolLM2
+    PYTHONPATH=. python benchmarks/bench_sampler.py --model gemma3-270m --label "Gemma 3"
 
 The model reads the first 1024 tokens of the corpus's first text; its logits at those positions are cut into batches
-of B rows x q positions (a decode step: q = 1; a verification of gamma = 3: q = 4) and each is sampled at T 0.7,
-top-p 0.9 by `sample_tokens` (the CPU path: a few dozen candidates per position, the whole vocabulary where a nucleus
-is wider) and by the full path (`probs_from_logits` + `sample_probs`: a softmax and a sort over the whole vocabulary,
-as on CUDA), timed in turns, median of `--repeats`. Also: how wide the nuclei are, over the first 2048 tokens of
-each of the corpus's first `--nucleus-texts` texts (1024 of the first text alone by default). Writes
-benchmarks/results/sampler.json with the machine info and prints a table.
+of B rows x q positions (a decode step: q = 1; a verification of gamma = 2: q = 3) and each is sampled at T 0.7,
+top-p 0.9 by `sample_tokens` (the CPU path: a row's 64 or 1024 most probable tokens, the whole vocabulary where a
+nucleus is wider) with the native operator (`native`, MAGICDEC_FUSED=1) and with torch's operators (`torch`,
+MAGICDEC_FUSED=0), and by the full path (`probs_from_logits` + `sample_probs`: a softmax and a sort over the whole
+vocabulary, as on CUDA), timed in turns, median of `--repeats`. Also: how wide the nuclei are, over the first 2048
+tokens of each of the corpus's first `--nucleus-texts` texts (1024 of the first text alone by default). Writes the
+run under `--label` into benchmarks/results/sampler.json (the other runs kept) with the machine info, and prints the
+file's table.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import os
 import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 from bench_dtype import interleaved  # noqa: E402
+from tables import save_run, text  # noqa: E402
+
 from magicdec.calibrate.machine import machine_info  # noqa: E402
 from magicdec.corpus import load_texts  # noqa: E402
 from magicdec.engine import LLM  # noqa: E402
 from magicdec.kv.hybrid import make_cache  # noqa: E402
+from magicdec.loading import model_identity  # noqa: E402
 from magicdec.sampling import (CPU_CANDIDATES, RowParams, SamplingParams, probs_from_logits,  # noqa: E402
                                sample_probs, sample_tokens)
 
+RESULT = ROOT / "benchmarks" / "results" / "sampler.json"
 POSITIONS = 1024
 PARAMS = SamplingParams(temperature=0.7, top_p=0.9)
 
@@ -64,46 +72,62 @@ def nucleus_widths(llm: LLM, corpus: str, texts: int, tokens: int) -> dict[str, 
     return {"positions": total, **{f"past {k}": c for k, c in counts.items()}}
 
 
+def with_fused(setting: str, fn):
+    """fn run under MAGICDEC_FUSED=setting (the native sampler: 1; torch's operators: 0)."""
+    def run():
+        os.environ["MAGICDEC_FUSED"] = setting
+        return fn()
+    return run
+
+
+def measure(logits: torch.Tensor, B: int, q: int, repeats: int) -> dict:
+    """The three ways to sample a batch of B x q positions: median seconds, and how many tokens equal the native's."""
+    V = logits.shape[-1]
+    batch = logits[: B * q].reshape(B, q, V).contiguous()
+    rows = RowParams.of([PARAMS] * B, range(B), "cpu")
+    position = torch.arange(q)[None].expand(B, q).contiguous()
+    ways = {"native": with_fused("1", lambda: sample_tokens(batch, rows, position)),
+            "torch": with_fused("0", lambda: sample_tokens(batch, rows, position)),
+            "full": lambda: sample_probs(probs_from_logits(batch, rows), rows.seed, position)}
+    tokens = {name: way() for name, way in ways.items()}
+    seconds = interleaved(ways, repeats)
+    os.environ["MAGICDEC_FUSED"] = "1"
+    return {"batch": B, "q": q, "median_seconds": seconds,
+            "same_tokens": {name: int((t == tokens["native"]).sum()) for name, t in tokens.items() if name != "native"}}
+
+
+def table(doc: dict) -> str:
+    """Per run and shape: each way's milliseconds, and the native operator's speedup over torch's operators."""
+    rows = []
+    for label, run in doc["runs"].items():
+        for r in run["results"]:
+            s = r["median_seconds"]
+            rows.append({"run": label, "B x q": f"{r['batch']} x {r['q']}",
+                         "native ms": round(1e3 * s["native"], 2), "torch ms": round(1e3 * s["torch"], 2),
+                         "full ms": round(1e3 * s["full"], 1), "torch / native": round(s["torch"] / s["native"], 2),
+                         "same tokens": f"{min(r['same_tokens'].values())}/{r['batch'] * r['q']}"})
+    return text(rows)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="gemma3-270m", help="a model path or short name ('': the default, SmolLM2)")
-    ap.add_argument("--corpus", default=str(Path(__file__).resolve().parents[2] / "shared/data/pg19_dev.jsonl"))
-    ap.add_argument("--shapes", default="32x1,32x4", help="batches as BxQ (rows x positions)")
-    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--label", default="Gemma 3", help="the run's name in the result file")
+    ap.add_argument("--corpus", default=str(ROOT.parent / "shared/data/pg19_dev.jsonl"))
+    ap.add_argument("--shapes", default="32x1,32x3", help="batches as BxQ (rows x positions)")
+    ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--nucleus-texts", type=int, default=0,
                     help="texts whose first 2048 tokens give the nuclei's widths (0: the timed 1024 positions)")
-    ap.add_argument("--out", default="benchmarks/results/sampler.json")
     args = ap.parse_args()
     llm = LLM(args.model or None)
     logits = model_logits(llm, args.corpus)
-    V = logits.shape[-1]
     widths = nucleus_widths(llm, args.corpus, args.nucleus_texts or 1, 2048 if args.nucleus_texts else POSITIONS)
-    results = []
-    for shape in args.shapes.split(","):
-        B, q = map(int, shape.split("x"))
-        batch = logits[: B * q].reshape(B, q, V).contiguous()
-        rows = RowParams.of([PARAMS] * B, range(B), "cpu")
-        position = torch.arange(q)[None].expand(B, q).contiguous()
-        candidates = sample_tokens(batch, rows, position)
-        full = sample_probs(probs_from_logits(batch, rows), rows.seed, position)
-        t = interleaved({"candidates": lambda: sample_tokens(batch, rows, position),
-                         "full": lambda: sample_probs(probs_from_logits(batch, rows), rows.seed, position)},
-                        args.repeats)
-        results.append({"batch": B, "q": q, "median_seconds": t, "same_tokens": int((candidates == full).sum()),
-                        "full_over_candidates": t["full"] / t["candidates"]})
-    out = {"machine": machine_info("cpu"), "model": args.model or "default", "vocab": V, "positions": POSITIONS,
-           "sampling": {"temperature": PARAMS.temperature, "top_p": PARAMS.top_p}, "nucleus": widths,
-           "results": results}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=1))
-    print(f"{out['model']}: vocabulary {V}; of {widths['positions']} positions, nuclei wider than "
-          + ", ".join(f"{k}: {widths[f'past {k}']}" for k in CPU_CANDIDATES))
-    print(f"{'B x q':>8} {'candidates ms':>14} {'full ms':>8} {'full / candidates':>18} {'same tokens':>12}")
-    for r in results:
-        s = r["median_seconds"]
-        print(f"{r['batch']:>4} x {r['q']:<2} {s['candidates'] * 1e3:>14.1f} {s['full'] * 1e3:>8.1f} "
-              f"{r['full_over_candidates']:>18.2f} {r['same_tokens']:>7}/{r['batch'] * r['q']}")
-    print(f"wrote {args.out}")
+    results = [measure(logits, *map(int, shape.split("x")), args.repeats) for shape in args.shapes.split(",")]
+    run = {"model": model_identity(args.model or None), "machine": machine_info("cpu"), "vocab": logits.shape[-1],
+           "positions": POSITIONS, "sampling": {"temperature": PARAMS.temperature, "top_p": PARAMS.top_p},
+           "nucleus": widths, "results": results}
+    print(table(save_run(RESULT, args.label, run)))
+    print(f"wrote {RESULT}")
 
 
 if __name__ == "__main__":

@@ -278,16 +278,15 @@ def vegas_acceptance() -> str:
 
 
 def vegas_e2e() -> str:
-    """`magicdec bench` at one batch and context: plain decoding, StreamingLLM and Vegas self-speculation at each
-    budget and gamma (each configuration's median run)."""
+    """`magicdec bench` at one batch and context, sampled: StreamingLLM and Vegas self-speculation at each budget and
+    gamma against plain decoding (each configuration's median run)."""
     points = load("vegas_e2e")["points"].values()
     plain = {p["mode"]: p["throughput"] for p in points if p["draft"] == "none"}
     rows: dict[tuple, dict] = {}
     for p in points:
         if p["draft"] == "none":
             continue
-        row = rows.setdefault((p["mode"], p["budget"], p["gamma"]), {
-            "mode": p["mode"], "budget": p["budget"], "gamma": p["gamma"], "plain tok/s": round(plain[p["mode"]], 1)})
+        row = rows.setdefault((p["mode"], p["budget"], p["gamma"]), {"budget": p["budget"], "gamma": p["gamma"]})
         name = p["draft"].removeprefix("self-")
         row[f"{name} tok/s (x plain)"] = f"{p['throughput']:.1f} ({p['throughput'] / plain[p['mode']]:.2f})"
         row[f"{name} accepted"] = round(p["acceptance"], 2)
@@ -327,6 +326,13 @@ def phases() -> str:
     from bench_phases import table
 
     return "```\n" + table(load("phases")) + "\n```"
+
+
+def sampler() -> str:
+    """bench_sampler.py: the draw from the candidates, native and in torch's operators, against the full path."""
+    from bench_sampler import table
+
+    return table(load("sampler"))
 
 
 def capacity() -> str:
@@ -407,7 +413,7 @@ TABLES = {"attention": lambda: attention(False), "attention_prefill": lambda: at
           "serving_8k": serving_8k, "chat": lambda: chat("chat"), "chat_shared": lambda: chat("chat_shared"),
           "prefix_hit": prefix_hit, "server_limits": server_limits,
           "vegas_acceptance": vegas_acceptance, "vegas_e2e": vegas_e2e,
-          "capacity": capacity, "layouts": layouts, "kv_dtype": kv_dtype, "phases": phases, "tp": tp, "perplexity": perplexity,
+          "capacity": capacity, "layouts": layouts, "kv_dtype": kv_dtype, "phases": phases, "sampler": sampler, "tp": tp, "perplexity": perplexity,
           "gpu_check_h200": lambda: gpu_check("gpu_check_h200")}
 #: Tables followed by the model of a result file (or of a run of one).
 MODELS = {"cpu_grid": ("cpu_grid", "avx512bf16"), "positions": ("acceptance", None)}
