@@ -290,7 +290,10 @@ class FeedForward(nn.Module):
         self.gelu = cfg.activation == "gelu_tanh"
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.w13(x).chunk(2, dim=-1)
+        h = self.w13(x)
+        if kernels.fuses(h):
+            return self.w2(kernels.glu(h, self.gelu))
+        gate, up = h.chunk(2, dim=-1)
         gate = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
         return self.w2(gate * up)
 

@@ -530,6 +530,38 @@ def test_rope_gives_torchs_bits(isa, q, D):
     assert kernels.fuses(x) and out.is_contiguous() and torch.equal(out, ref) and torch.equal(out, apply_rope(x, cos, sin))
 
 
+@pytest.mark.parametrize("gelu", [False, True])
+@pytest.mark.parametrize("rows, hidden", [(1, 1536), (96, 1536), (7, 2048), (5, 100)])
+def test_glu_is_the_activation_times_up_and_gives_a_row_the_same_bits_in_any_batch(isa, gelu, rows, hidden):
+    """act(gate) * up from the fused projection's rows: torch's result, act rounded before the product; SiLU to torch's
+    bits but for its exp's last-bit roundings, GELU within a bf16 rounding (it avoids 1 + tanh's cancellation where
+    torch computes it: torch's float result is the less accurate one there)."""
+    g = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, 2 * hidden, generator=g) * 4).to(isa.compute)
+    x[0, :4] = torch.tensor([0.0, 90.0, -90.0, float("inf")])
+    gate, up = x.chunk(2, dim=-1)
+    ref = (F.gelu(gate, approximate="tanh") if gelu else F.silu(gate)) * up
+    out = kernels.glu(x, gelu)
+    assert out.shape == (rows, hidden) and out.is_contiguous()
+    finite = ref.isfinite()
+    assert torch.equal(out.isfinite(), finite)
+
+    def err(want):  # relative, but absolute near 0 (GELU of very negative gates: torch's 1 + tanh cancels to 0)
+        return ((out.double() - want.double()).abs() / want.double().abs().clamp_min(1e-3))[finite]
+
+    if isa.compute == torch.float32:  # against float64: torch's float GELU is the less accurate one
+        exact = (F.gelu(gate.double(), approximate="tanh") if gelu else F.silu(gate.double())) * up.double()
+        assert err(exact).max() < 1e-5
+    else:
+        assert err(ref).max() <= 2.0**-7  # at most one bf16 rounding apart
+        assert (out != ref)[finite].float().mean() < (0.2 if gelu else 1e-4)
+    assert torch.equal(torch.cat([kernels.glu(x[i : i + 1], gelu) for i in range(rows)]), out)
+    with threads(1):
+        assert torch.equal(kernels.glu(x, gelu), out)
+    strided = torch.randn(rows, 3 * hidden, generator=g).to(isa.compute)[:, : 2 * hidden]  # rows apart
+    assert torch.equal(kernels.glu(strided, gelu), kernels.glu(strided.contiguous(), gelu))
+
+
 @pytest.mark.parametrize("q, D", [(1, 64), (5, 256)])
 def test_store_kv_writes_what_index_put_writes(isa, q, D):
     g = torch.Generator().manual_seed(q)

@@ -37,9 +37,9 @@ MAGICDEC_ISA=<path> forces a path (say `avx2` on a CPU with AVX-512, to run and 
 MAGICDEC_AMX=0 keeps both kernels on vector instructions.
 
 Beside the two, each path's library holds small operators of a decoder layer (`rms_norm` with the residual add fused,
-`rope`, `store_kv` of a forward's new K/V rows into the block pool; kernels/layer.h), which a decode-sized forward
-would otherwise run as chains of torch operators, each paying its dispatch: they run where the path computes in the
-model's dtype (`fuses`), and MAGICDEC_FUSED=0 gives those layers back to torch's operators; and a Vegas draft's
+`rope`, `glu`: the MLP's activation times its up projection, `store_kv` of a forward's new K/V rows into the block
+pool; kernels/layer.h), which a decode-sized forward would otherwise run as chains of torch operators, each paying
+its dispatch: they run where the path computes in the model's dtype (`fuses`), and MAGICDEC_FUSED=0 gives those layers back to torch's operators; and a Vegas draft's
 selection (`top_positions`, `selects`), which MAGICDEC_FUSED=0 gives back to torch's topk; and the CPU sampler's draw
 from a row's most probable tokens (`sample`, `samples`; kernels/sampler.h), which MAGICDEC_FUSED=0 gives back to the
 same draw in torch's operators (magicdec.sampling).
@@ -326,6 +326,13 @@ def top_positions(scores: Tensor, hi: Tensor, lo: int, k: int) -> Tensor:
     -1 in the leading entries where there are fewer; ties to the lower position. [R, k] int64. Call only where
     `selects(scores)`."""
     return _ops().top_positions(scores, hi, lo, k)
+
+
+def glu(x: Tensor, gelu: bool) -> Tensor:
+    """The gated MLP's act(gate) * up from the fused projection's output x [..., 2H] (gate, then up) -> [..., H]; act:
+    SiLU, or GELU's tanh approximation where `gelu`, rounded to x's dtype before the product as torch rounds it. Call
+    only where `fuses(x)`."""
+    return _ops().glu(x, gelu)
 
 
 def samples(logits: Tensor) -> bool:

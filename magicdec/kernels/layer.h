@@ -1,6 +1,7 @@
 // Small operators of a decoder layer, one pass each over a forward's rows: RMSNorm (with the residual add before
-// it, fused), RoPE, and the store of the new K/V rows into the block pool; and a Vegas draft's selection of the
-// positions a verification attended to most (`top_positions`). In a decode-sized forward (a few tokens a
+// it, fused), RoPE, the gated MLP's activation times its up projection (`glu`), and the store of the new K/V rows
+// into the block pool; and a Vegas draft's selection of the positions a verification attended to most
+// (`top_positions`). In a decode-sized forward (a few tokens a
 // row) each is a few microseconds of arithmetic, where torch's operators spend tens on dispatch and on the chains of
 // elementwise kernels they are composed of (F.rms_norm alone was 74 us a call at 32 rows of SmolLM2 in bf16).
 //
@@ -18,6 +19,7 @@
 #include <vector>
 
 #include "common.h"
+#include "elementwise.h"
 
 // Without trapping math the compiler if-converts the selects of these loops and vectorizes them; it changes no
 // result: nothing here reads the floating-point exception flags. Without contraction a product and a sum round as
@@ -114,6 +116,23 @@ void rope_rows(const T* x, const T* cos, const T* sin, T* out, int64_t B, int64_
   });
 }
 
+// out[r, j] = act(x[r, j]) * x[r, H + j]: the gated MLP's activation of its gate times its up projection, from the
+// fused projection's rows x [rows, 2H] (row stride sx) into out [rows, H], act rounded to T before the product as
+// torch rounds F.silu's (or F.gelu's) output. act: SiLU, or GELU's tanh approximation where `gelu`.
+template <class T, bool kGelu>
+void glu_rows(const T* x, T* out, int64_t rows, int64_t H, int64_t sx) {
+  at::parallel_for(0, rows, grain(2 * H), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T *g = x + r * sx, *u = g + H;
+      T* o = out + r * H;
+      for (int64_t j = 0; j < H; ++j) {
+        const float a = kGelu ? elementwise::gelu_tanh(widen(g[j])) : elementwise::silu(widen(g[j]));
+        o[j] = narrow<T>(widen(narrow<T>(a)) * widen(u[j]));
+      }
+    }
+  });
+}
+
 // pool[block[n], h, offset[n]] = x[b, h, t] for n = b * q + t: a forward's new K or V rows x [B, H, q, D] written
 // into a block pool [NB, H, BS, D] (any strides but a contiguous last dim) as index_put_ writes them, a row's D
 // elements in one copy. Positions that name the same slot (idle rows riding along into the null block) are written
@@ -154,6 +173,18 @@ struct LayerOps {
     rms_norm_rows<T>(ptr(x2), res, ptr(w), ptr(out), rows, dim, x2.stride(0), sr, dim,
                      static_cast<float>(eps));
     return out.view(x.sizes());
+  }
+
+  // x [..., 2H] (gate, then up) -> act(gate) * up [..., H], contiguous; act: SiLU, or GELU (tanh) where `gelu`.
+  static at::Tensor glu(const at::Tensor& x, bool gelu) {
+    const int64_t H = x.size(-1) / 2, rows = x.numel() / (2 * H);
+    TORCH_CHECK(x.size(-1) % 2 == 0 && x.stride(-1) == 1, "glu: rows of gate and up with a contiguous last dim");
+    const auto x2 = x.reshape({rows, 2 * H});
+    std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+    shape.back() = H;
+    auto out = at::empty(shape, x.options());
+    (gelu ? glu_rows<T, true> : glu_rows<T, false>)(ptr(x2), ptr(out), rows, H, x2.stride(0));
+    return out;
   }
 
   // k, v [B, KV, q, D] into the pools kc, vc [NB, KV, BS, D] at (block, offset) [B, q] (int64)
@@ -263,6 +294,7 @@ inline at::Tensor top_positions(const at::Tensor& scores, const at::Tensor& hi, 
   m.def("rms_norm(Tensor x, Tensor w, float eps, Tensor(a!)? residual=None) -> Tensor",                     \
         &magicdec::layer::LayerOps<T>::rms_norm);                                                            \
   m.def("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor", &magicdec::layer::LayerOps<T>::rope);            \
+  m.def("glu(Tensor x, bool gelu) -> Tensor", &magicdec::layer::LayerOps<T>::glu);                            \
   m.def("store_kv(Tensor(a!) kc, Tensor(b!) vc, Tensor k, Tensor v, Tensor block, Tensor offset) -> ()",      \
         &magicdec::layer::LayerOps<T>::store_kv);                                                             \
   m.def("top_positions(Tensor scores, Tensor hi, int lo, int k) -> Tensor", &magicdec::layer::top_positions)

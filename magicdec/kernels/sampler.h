@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "common.h"
+#include "elementwise.h"
 
 #pragma GCC push_options
 #pragma GCC optimize("no-trapping-math", "fp-contract=off")
@@ -44,22 +45,6 @@ inline float noise(uint64_t key, int64_t token) {
   const uint64_t h = mix(key + static_cast<uint64_t>(token) * kGolden);
   const double u = (static_cast<double>(h >> 11) + 0.5) * 0x1p-53;
   return static_cast<float>(-std::log(u));
-}
-
-// exp(x) for x <= 0 (Cephes expf, as the attention kernels take it), 0 below -87; branch-free, so loops vectorize.
-inline float exp_nonpositive(float x) {
-  const bool zero = !(x >= -87.0f);
-  x = x > -87.0f ? x : -87.0f;  // (std::max and std::floor are not inlined under this file's optimize pragma)
-  const float n = __builtin_floorf(x * kLog2e + 0.5f);
-  float r = x - n * kLn2Hi;
-  r = r - n * kLn2Lo;
-  float p = kExpPoly[0];
-  for (int i = 1; i < 6; ++i) p = p * r + kExpPoly[i];
-  p = p * r * r + (r + 1.0f);
-  const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return zero ? 0.0f : p * scale;
 }
 
 struct Filters {
@@ -120,8 +105,8 @@ inline float denominator(const float* x, int64_t V, float T, float top) {
   float part[16] = {};
   int64_t i = 0;
   for (; i + 16 <= V; i += 16)
-    for (int j = 0; j < 16; ++j) part[j] += exp_nonpositive(x[i + j] / T - top);
-  for (; i < V; ++i) part[i % 16] += exp_nonpositive(x[i] / T - top);
+    for (int j = 0; j < 16; ++j) part[j] += elementwise::exp(x[i + j] / T - top);
+  for (; i < V; ++i) part[i % 16] += elementwise::exp(x[i] / T - top);
   float z = 0.0f;
   for (float v : part) z += v;
   return z;
@@ -162,7 +147,7 @@ inline std::pair<bool, int64_t> race_candidates(const float* x, int64_t K, const
   float kept_mass = 0.0f;
   for (int64_t j = 0; j < K; ++j) {
     const bool in_top_k = f.top_k == 0 || j < f.top_k;
-    s.p[j] = in_top_k ? exp_nonpositive(x[key_index(s.pool[j])] / f.temperature - top) / z : 0.0f;
+    s.p[j] = in_top_k ? elementwise::exp(x[key_index(s.pool[j])] / f.temperature - top) / z : 0.0f;
     kept_mass += s.p[j];
   }
   const bool k_fits = f.top_k > 0 && f.top_k <= K;
