@@ -293,6 +293,13 @@ def vegas_e2e() -> str:
     return text([rows[k] for k in sorted(rows)])
 
 
+def vegas_shares() -> str:
+    """vegas_shares.py: the share of a step's attention a draft's entries hold, by how they were chosen."""
+    from vegas_shares import table
+
+    return table(load("vegas_shares"))
+
+
 def gpu_check(name: str) -> str:
     """gpu_check.py on one GPU, its runs by label: forward times per shape (eager; replayed from a CUDA graph where the
     run timed it), then the engine's rounds of the runs that timed them."""
@@ -412,7 +419,7 @@ TABLES = {"attention": lambda: attention(False), "attention_prefill": lambda: at
           "positions": positions, "validate_planner": validate_planner, "paper_comparison": paper_comparison,
           "serving_8k": serving_8k, "chat": lambda: chat("chat"), "chat_shared": lambda: chat("chat_shared"),
           "prefix_hit": prefix_hit, "server_limits": server_limits,
-          "vegas_acceptance": vegas_acceptance, "vegas_e2e": vegas_e2e,
+          "vegas_acceptance": vegas_acceptance, "vegas_e2e": vegas_e2e, "vegas_shares": vegas_shares,
           "capacity": capacity, "layouts": layouts, "kv_dtype": kv_dtype, "phases": phases, "sampler": sampler, "tp": tp, "perplexity": perplexity,
           "gpu_check_h200": lambda: gpu_check("gpu_check_h200")}
 #: Tables followed by the model of a result file (or of a run of one).
