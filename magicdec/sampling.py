@@ -341,8 +341,8 @@ def _sample_candidates(
 
 def _sample_cpu(logits: Tensor, rows: RowParams, position: Tensor, ids: Tensor | None) -> Tensor:
     """`sample_tokens` for the sampled rows of a CPU batch: from each row's CPU_CANDIDATES most probable tokens where
-    that is the whole draw (in one native operator where the kernels run, `kernels.sample`; else `_candidate_draws`),
-    the other rows on the full path.
+    that is the whole draw (in one native operator where the kernels run, `kernels.sample`, which also races every token
+    of a row of temperature alone; else `_candidate_draws`), the other rows on the full path.
 
     logits [B, q, V] -> [B, q]; greedy rows get token 0 (the caller puts their argmax there)."""
     B, q, V = logits.shape

@@ -346,8 +346,9 @@ def sample(logits: Tensor, greedy: Tensor, temperature: Tensor, top_k: Tensor, t
     """The exponential race of `magicdec.sampling` over each row's `candidates` most probable tokens (the counts
     tried in turn), where that is the race over the whole vocabulary. logits [B, q, V]; greedy / temperature / top_k /
     top_p / seed [B] (bool, fp32, int64, fp32, int64); position [B, q]; ids [V] (the token id of each logit) or None
-    -> (tokens [B, q] int64, done [B, q] bool): a row not done (a wide nucleus, temperature alone, NaN or +inf logits)
-    is left to the full path; greedy rows are done with token 0. Call only where `samples(logits)`."""
+    -> (tokens [B, q] int64, done [B, q] bool): a row of temperature alone races every token; a row not done (a wide
+    nucleus, top-k past the candidates, NaN or +inf logits) is left to the full path; greedy rows are done with token 0.
+    Call only where `samples(logits)`."""
     return _ops().sample(logits, greedy, temperature, top_k, top_p, seed, position, ids, list(candidates))
 
 

@@ -5,8 +5,9 @@
 // A row's token is the exponential race of magicdec.sampling: argmax over the tokens its filters keep of p(x) / E(x),
 // E an Exp(1) variate hashed from (seed, position, token id). The race is run over the row's K most probable tokens
 // (K in `candidates`, smallest first) where that is the race over the whole vocabulary: where top-k keeps at most K
-// tokens, or top-p's nucleus ends before the K-th. A row for which no K suffices (a wide nucleus, temperature alone,
-// a logit that is NaN or +inf, or all -inf) is left to the full path (`done` false).
+// tokens, or top-p's nucleus ends before the K-th; a row of temperature alone races every token (`race_all`). A row
+// for which no K suffices (a wide nucleus, top-k past the largest K, a logit that is NaN or +inf, or all -inf) is left
+// to the full path (`done` false).
 //
 // Per row: one pass for the maxima of blocks of kBlock logits, one for the softmax's denominator, and the candidates
 // gathered from the blocks whose maximum reaches the K-th largest block maximum (the K-th largest logit is at least
@@ -172,15 +173,35 @@ inline std::pair<bool, int64_t> race_candidates(const float* x, int64_t K, const
   return {true, best};
 }
 
+// The race over every token (temperature alone: no filter leaves fewer): the row's probabilities in one vectorized
+// pass, then each token's noise; the index of the first largest ratio.
+inline int64_t race_all(const float* x, int64_t V, float T, float top, float z, uint64_t key, const int64_t* ids,
+                        Scratch& s) {
+  s.p.resize(V);
+  for (int64_t i = 0; i < V; ++i) s.p[i] = elementwise::exp(x[i] / T - top) / z;
+  int64_t best = 0;
+  float best_score = -1.0f;
+  for (int64_t i = 0; i < V; ++i) {
+    const float score = s.p[i] / noise(key, ids ? ids[i] : i);
+    if (score > best_score) best = i, best_score = score;
+  }
+  return best;
+}
+
 // One row of logits x [V]: (done, token id).
 inline std::pair<bool, int64_t> sample_row(const float* x, int64_t V, const Filters& f, uint64_t key,
                                            const int64_t* ids, const std::vector<int64_t>& candidates, Scratch& s) {
+  const bool whole = f.top_k == 0 && !(f.top_p < 1.0f);
   const bool filtered = (f.top_k > 0 && f.top_k <= candidates.back()) || (f.top_k == 0 && f.top_p < 1.0f);
-  if (!filtered || !block_maxima(x, V, s)) return {false, 0};
+  if (!(whole || filtered) || !block_maxima(x, V, s)) return {false, 0};
   const float x_max = *std::max_element(s.block_max.begin(), s.block_max.end());
   if (!(std::abs(x_max) <= std::numeric_limits<float>::max())) return {false, 0};  // all -inf, or a +inf
   const float top = x_max / f.temperature;  // the largest of x / T: division by T > 0 keeps the order
   const float z = denominator(x, V, f.temperature, top);
+  if (whole) {
+    const int64_t i = race_all(x, V, f.temperature, top, z, key, ids, s);
+    return {true, ids ? ids[i] : i};
+  }
   for (int64_t K : candidates) {
     if (K >= V) break;
     top_candidates(x, V, K, s);
