@@ -420,7 +420,8 @@ TABLES = {"attention": lambda: attention(False), "attention_prefill": lambda: at
           "serving_8k": serving_8k, "chat": lambda: chat("chat"), "chat_shared": lambda: chat("chat_shared"),
           "prefix_hit": prefix_hit, "server_limits": server_limits,
           "vegas_acceptance": vegas_acceptance, "vegas_e2e": vegas_e2e, "vegas_shares": vegas_shares,
-          "capacity": capacity, "layouts": layouts, "kv_dtype": kv_dtype, "phases": phases, "sampler": sampler, "tp": tp, "perplexity": perplexity,
+          "capacity": capacity, "layouts": layouts, "kv_dtype": kv_dtype, "phases": phases, "sampler": sampler,
+          "tp": tp, "perplexity": perplexity,
           "gpu_check_h200": lambda: gpu_check("gpu_check_h200")}
 #: Tables followed by the model of a result file (or of a run of one).
 MODELS = {"cpu_grid": ("cpu_grid", "avx512bf16"), "positions": ("acceptance", None)}

@@ -39,10 +39,10 @@ MAGICDEC_AMX=0 keeps both kernels on vector instructions.
 Beside the two, each path's library holds small operators of a decoder layer (`rms_norm` with the residual add fused,
 `rope`, `glu`: the MLP's activation times its up projection, `store_kv` of a forward's new K/V rows into the block
 pool; kernels/layer.h), which a decode-sized forward would otherwise run as chains of torch operators, each paying
-its dispatch: they run where the path computes in the model's dtype (`fuses`), and MAGICDEC_FUSED=0 gives those layers back to torch's operators; and a Vegas draft's
-selection (`top_positions`, `selects`), which MAGICDEC_FUSED=0 gives back to torch's topk; and the CPU sampler's draw
-from a row's most probable tokens (`sample`, `samples`; kernels/sampler.h), which MAGICDEC_FUSED=0 gives back to the
-same draw in torch's operators (magicdec.sampling).
+its dispatch: they run where the path computes in the model's dtype (`fuses`), and MAGICDEC_FUSED=0 gives those
+layers back to torch's operators; a Vegas draft's selection (`top_positions`, `selects`), which MAGICDEC_FUSED=0
+gives back to torch's topk; and the CPU sampler's draw from a row's most probable tokens (`sample`, `samples`;
+kernels/sampler.h), which MAGICDEC_FUSED=0 gives back to the same draw in torch's operators (magicdec.sampling).
 """
 
 from __future__ import annotations
@@ -336,7 +336,8 @@ def glu(x: Tensor, gelu: bool) -> Tensor:
 
 
 def samples(logits: Tensor) -> bool:
-    """Whether `sample` takes these logits: fp32 on the CPU with a contiguous last dim, where the layer operators run."""
+    """Whether `sample` takes these logits: fp32 on the CPU with a contiguous last dim, where the layer operators
+    run."""
     return (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.stride(-1) == 1
             and _layer_ops_run())
 

@@ -1,9 +1,9 @@
 // Small operators of a decoder layer, one pass each over a forward's rows: RMSNorm (with the residual add before
 // it, fused), RoPE, the gated MLP's activation times its up projection (`glu`), and the store of the new K/V rows
 // into the block pool; and a Vegas draft's selection of the positions a verification attended to most
-// (`top_positions`). In a decode-sized forward (a few tokens a
-// row) each is a few microseconds of arithmetic, where torch's operators spend tens on dispatch and on the chains of
-// elementwise kernels they are composed of (F.rms_norm alone was 74 us a call at 32 rows of SmolLM2 in bf16).
+// (`top_positions`). In a decode-sized forward (a few tokens a row) each is a few microseconds of arithmetic, where
+// torch's operators spend tens on dispatch and on the chains of elementwise kernels they are composed of (F.rms_norm
+// alone was 74 us a call at 32 rows of SmolLM2 in bf16).
 //
 // Plain C++ over the element type T of the path's compute dtype (bf16 on avx512bf16, held as uint16_t; float on avx2),
 // compiled with each path's flags, which vectorize the inner loops. Every row is computed by one thread in a fixed
