@@ -522,6 +522,8 @@ struct Task {
       tile_queries(qt);
       configure_tiles(16);
     }
+    K.prefetch_rows(b, h, l0, l1);
+    V.prefetch_rows(b, h, l0, l1);
     for (int64_t t = 0; t < tiles; ++t) {
       const int64_t l = l0 + t * kTile, n = std::min<int64_t>(kTile, l1 - l);
       visible[t] = tile_visible(b, l, n);
