@@ -590,15 +590,17 @@ def test_the_layer_ops_switch_gives_the_layers_back_to_torch(isa, monkeypatch):
 
 def test_top_positions_selects_by_score_and_breaks_ties_to_the_lower_position(isa):
     assert kernels.selects(torch.zeros(1))
-    scores = torch.rand(6, 500) ** 4
-    got = kernels.top_positions(scores, torch.tensor([480, 30, 9]), 4, 16)
-    for r in range(6):
-        hi = (480, 30, 9)[r % 3]
-        n = min(16, max(0, hi - 4))
-        want = (4 + scores[r, 4:hi].topk(n).indices).sort().values.tolist() if n else []
-        assert got[r].tolist() == [-1] * (16 - n) + want
-    scores = torch.zeros(4, 300)
-    scores[:, 250] = 0.5  # one clear winner, then 299 equal scores
+    for heads in (1, 3):
+        shares = torch.rand(6, heads, 500) ** 4
+        scores = shares.sum(1)  # selected by the sum over the heads
+        got = kernels.top_positions(shares, torch.tensor([480, 30, 9]), 4, 16)
+        for r in range(6):
+            hi = (480, 30, 9)[r % 3]
+            n = min(16, max(0, hi - 4))
+            want = (4 + scores[r, 4:hi].topk(n).indices).sort().values.tolist() if n else []
+            assert got[r].tolist() == [-1] * (16 - n) + want
+    scores = torch.zeros(4, 1, 300)
+    scores[:, :, 250] = 0.5  # one clear winner, then 299 equal scores
     got = kernels.top_positions(scores, torch.tensor([290, 100]), 4, 6)
     assert got[0].tolist() == [4, 5, 6, 7, 8, 250] and got[2].tolist() == [4, 5, 6, 7, 8, 250]
     assert got[1].tolist() == got[3].tolist() == [4, 5, 6, 7, 8, 9]  # row 1 ends before position 250

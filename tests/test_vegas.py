@@ -40,10 +40,11 @@ def test_select_keeps_the_top_positions_between_the_sink_and_the_window(native, 
         pytest.skip("no native layer operators on this CPU")
     if not native:
         monkeypatch.setenv("MAGICDEC_FUSED", "0")
-    layers, B, L, top, window = 2, 3, 64, 5, 8
-    scores = torch.rand(layers, B, L)
+    layers, B, KV, L, top, window = 2, 3, 2, 64, 5, 8
+    shares = torch.rand(layers, B, KV, L)
+    scores = shares.sum(2)  # selected by the sum over the KV heads
     lens = torch.tensor([60, 16, 12])  # row 1: 4 selectable positions; row 2: none
-    chosen = select(scores.clone(), lens, top, window)
+    chosen = select(shares, lens, top, window)
     assert chosen.shape == (B, layers, top)
     for b in range(B):
         lo, hi = DEFAULT_SINK, int(lens[b]) - window
@@ -80,7 +81,7 @@ def test_the_tables_name_the_rows_own_positions_once_each(default_model):
     cfg, target = paged_rows(default_model.model.cfg, 3, 6, [150, 40, 3])
     draft = VegasKVCache(cfg, target, top=6, window=8)
     draft.follow(target.lens.clone(), torch.tensor([True, True, False]))
-    shares = torch.rand(cfg.n_layers, 3, 192)
+    shares = torch.rand(cfg.n_layers, 3, cfg.n_kv_heads, 192)
     draft.selected.copy_(select(shares, target.lens, 6, 8))
     q = 3
     mask = draft.attn_mask(q)
@@ -111,7 +112,7 @@ def test_shares_recorder_keeps_the_global_layers_only(default_model):
     cfg = default_model.model.cfg
     shares = AttentionShares(cfg, torch.device("cpu"))
     assert all(shares.buffer(layer, (1, 1, 4)) is not None for layer in cfg.layers_of(GLOBAL))
-    assert shares.scores().shape == (len(cfg.layers_of(GLOBAL)), 1, 4)
+    assert shares.shares.shape == (len(cfg.layers_of(GLOBAL)), 1, 1, 4)
 
 
 @pytest.fixture(scope="module")

@@ -54,7 +54,7 @@ class VegasDrafter(SelfDrafter):
             return
         if self.model.cfg.hybrid:
             observer = global_observer(self.model.cfg, observer)
-        scores = torch.stack([s.sum(1) for s in observer.scores])  # [layers, 1, L]
+        scores = torch.stack(observer.scores)  # [layers, 1, KV, L]
         lens = torch.tensor([end], device=scores.device)
         paged_part(self.cache.row(slot)).selected.copy_(select(scores, lens, self.top, self.window))
 
@@ -73,6 +73,6 @@ class VegasDrafter(SelfDrafter):
         if self.shares is None:
             return
         draft = paged_part(self.cache)
-        chosen = select(self.shares.scores(), paged_part(self.target).lens[:n], self.top, self.window)
+        chosen = select(self.shares.shares, paged_part(self.target).lens[:n], self.top, self.window)
         draft.selected[:n] = torch.where(live[:, None, None], chosen, draft.selected[:n])
         self.shares = None

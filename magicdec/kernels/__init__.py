@@ -322,9 +322,9 @@ def selects(scores: Tensor) -> bool:
 
 
 def top_positions(scores: Tensor, hi: Tensor, lo: int, k: int) -> Tensor:
-    """Per row r of scores [R, L]: the k positions of largest score in [lo, hi[r % B]) (hi [B] int64), ascending,
-    -1 in the leading entries where there are fewer; ties to the lower position. [R, k] int64. Call only where
-    `selects(scores)`."""
+    """Per row r of scores [R, H, L], summed over its H heads (in order, as torch's `sum` adds them): the k positions
+    of largest sum in [lo, hi[r % B]) (hi [B] int64), ascending, -1 in the leading entries where there are fewer; ties
+    to the lower position. [R, k] int64. Call only where `selects(scores)`."""
     return _ops().top_positions(scores, hi, lo, k)
 
 

@@ -256,17 +256,19 @@ inline void top_of_row(const float* row, int64_t first, int64_t last, int64_t k,
   std::sort(taken, taken + k);
 }
 
-// Per row r of scores [R, L] (fp32, contiguous; batch row r % B of hi [B]): the k positions of largest score among
-// [lo, hi[r % B]) (within [0, L)), ascending, -1 in the leading entries where there are fewer than k. Scores must be
-// >= 0 (attention shares). Ties go to the lower position, so a row's selection depends on its scores alone
-// (`top_of_row`; torch's topk over 30 layers of 32 rows of 8k positions took 70 ms on a Zen 4).
+// Per row r of scores [R, H, L] (fp32, contiguous; batch row r % B of hi [B]), summed over its H heads (in order, as
+// torch sums them): the k positions of largest sum among [lo, hi[r % B]) (within [0, L)), ascending, -1 in the leading
+// entries where there are fewer than k. Scores must be >= 0 (attention shares). Ties go to the lower position, so a
+// row's selection depends on its scores alone (`top_of_row`; torch's topk over 30 layers of 32 rows of 8k positions
+// took 70 ms on a Zen 4). The heads are summed here, a row at a time in the thread's buffer, rather than by torch
+// beforehand, which took as long but left a temporary the size of the sums (31 MB at 30 layers x 32 rows x 8k).
 inline at::Tensor top_positions(const at::Tensor& scores, const at::Tensor& hi, int64_t lo, int64_t k) {
-  TORCH_CHECK(scores.dim() == 2 && scores.scalar_type() == at::kFloat && scores.is_contiguous(),
-              "top_positions: contiguous fp32 scores [R, L] expected, got ", scores.sizes());
+  TORCH_CHECK(scores.dim() == 3 && scores.scalar_type() == at::kFloat && scores.is_contiguous(),
+              "top_positions: contiguous fp32 scores [R, H, L] expected, got ", scores.sizes());
   TORCH_CHECK(hi.dim() == 1 && hi.scalar_type() == at::kLong && hi.size(0) > 0 && scores.size(0) % hi.size(0) == 0,
               "top_positions: int64 ends [B] with B dividing the rows of scores expected, got ", hi.sizes());
   TORCH_CHECK(k > 0, "top_positions: k must be positive");
-  const int64_t R = scores.size(0), L = scores.size(1), B = hi.size(0);
+  const int64_t R = scores.size(0), H = scores.size(1), L = scores.size(2), B = hi.size(0);
   const auto ends = hi.contiguous();
   auto out = at::empty({R, k}, hi.options());
   const float* s = scores.data_ptr<float>();
@@ -275,9 +277,17 @@ inline at::Tensor top_positions(const at::Tensor& scores, const at::Tensor& hi, 
   at::parallel_for(0, R, 1, [&](int64_t begin, int64_t end) {
     std::vector<uint32_t> counts(kSelectBins);
     std::vector<uint64_t> ties;
+    std::vector<float> summed(H > 1 ? L : 0);
     for (int64_t r = begin; r < end; ++r) {
-      const float* row = s + r * L;
+      const float* heads = s + r * H * L;
       const int64_t first = std::max<int64_t>(lo, 0), last = std::max(first, std::min(e[r % B], L));
+      const float* row = heads;
+      if (H > 1) {
+        for (int64_t i = first; i < last; ++i) summed[i] = heads[i];
+        for (int64_t h = 1; h < H; ++h)
+          for (int64_t i = first; i < last; ++i) summed[i] += heads[h * L + i];
+        row = summed.data();
+      }
       top_of_row(row, first, last, k, counts, ties, o + r * k);
     }
   });

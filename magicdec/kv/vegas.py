@@ -56,23 +56,19 @@ class AttentionShares:
             self.shares = torch.empty((len(self.index), *shape), dtype=torch.float32, device=self.device)
         return self.shares[i]
 
-    def scores(self) -> Tensor:
-        """[layers, B, L]: each position's share, summed over the KV heads."""
-        return self.shares.sum(2)
 
-
-def select(scores: Tensor, lens: Tensor, top: int, window: int) -> Tensor:
-    """Per row and layer, the `top` positions of largest score among [DEFAULT_SINK, lens - window): [B, layers, top],
-    ascending, -1 in the leading entries a short row cannot fill (as many in every layer). scores: [layers, B, L]
-    (overwritten); lens [B]: the positions each row holds."""
-    layers, B, L = scores.shape
-    if kernels.selects(scores):
-        return kernels.top_positions(scores.view(layers * B, L), lens - window, DEFAULT_SINK,
+def select(shares: Tensor, lens: Tensor, top: int, window: int) -> Tensor:
+    """Per row and layer, the `top` positions of largest share (summed over the KV heads) among
+    [DEFAULT_SINK, lens - window): [B, layers, top], ascending, -1 in the leading entries a short row cannot fill (as
+    many in every layer). shares: [layers, B, KV, L]; lens [B]: the positions each row holds."""
+    layers, B, KV, L = shares.shape
+    if kernels.selects(shares):
+        return kernels.top_positions(shares.view(layers * B, KV, L), lens - window, DEFAULT_SINK,
                                      top).view(layers, B, top).transpose(0, 1)
-    pos = torch.arange(L, device=scores.device)
+    pos = torch.arange(L, device=shares.device)
     selectable = (pos >= DEFAULT_SINK) & (pos < (lens - window)[:, None])  # [B, L]
     k = min(top, L)
-    values, index = scores.masked_fill_(~selectable, -1.0).topk(k, dim=-1)  # shares are >= 0; ties: topk's order
+    values, index = shares.sum(2).masked_fill_(~selectable, -1.0).topk(k, dim=-1)  # shares >= 0; ties: topk's order
     index = torch.where(values >= 0, index, -1)
     if k < top:
         index = torch.cat((index.new_full((*index.shape[:-1], top - k), -1), index), dim=-1)
