@@ -57,24 +57,24 @@ struct StridedOf {
   // Prefetches into L2, before a task's first tile, the rows of positions [l0, l1) of (b, h) that a draft reads
   // from all over a pool: a tile's own prefetches run only kPrefetch positions ahead, and no hardware prefetcher
   // follows a token table's single positions or short runs of scattered blocks, so a draft's few hundred positions
-  // were mostly demand misses. Where a position's heads lie side by side (a pool stored [NB, BS, H, W]) and the
-  // chunk's rows of every head fit in kPrefetchBytes, head 0's task prefetches them all, and the row's other heads'
-  // tasks, which follow it on the same thread (attend_in_chunks orders tasks by row, head, chunk), find them in L2:
-  // each position's lines read at once rather than a head's at a time. Otherwise a token table's own rows are
-  // prefetched; a longer chunk of blocks is left to the hardware (a verification's 1024 positions ran no faster).
-  // SmolLM2's 3 heads, 32 rows, 30 layers (Zen 4): 256 positions scattered over 8k, 25.8 -> 17.8 ms (AVX2 path
-  // 29.5 -> 15.7); 16 blocks scattered over the pool, 21.0 -> 13.1 ms; 16 blocks in a run, 10.0 -> 9.2 ms.
+  // were mostly demand misses. Where the chunk's rows of every head fit in kPrefetchBytes, head 0's task prefetches
+  // them all, and the row's other heads' tasks, which follow it on the same thread (attend_in_chunks orders tasks by
+  // row, head, chunk), find theirs in L2; otherwise a token table's own rows are prefetched, and a longer chunk of
+  // blocks (a verification's 1024 positions, which ran no faster) is left to the hardware. SmolLM2's 3 heads, 32
+  // rows, 30 layers of the engine's head-major pool (Zen 4): 256 positions scattered over 8k 26.0 -> 18.2 ms (AVX2
+  // path 28.2 -> 18.9), 16 blocks scattered over the pool 20.6 -> 14.3 ms, 32 such blocks 32.7 -> 25.9 ms, 16 blocks
+  // in a run 9.2 -> 9.9 ms (AVX2 path 11.3 -> 10.9).
   void prefetch_rows(int64_t b, int64_t h, int64_t l0, int64_t l1) const {
     constexpr int64_t kPrefetchBytes = 192 << 10;  // K's or V's: both within a 512 KB L2
     const int64_t row = W * static_cast<int64_t>(sizeof(T));
-    const bool together = H > 1 && sh == W && (l1 - l0) * H * row <= kPrefetchBytes;
+    const bool together = H > 1 && (l1 - l0) * H * row <= kPrefetchBytes;
     if ((together && h != 0) || (!together && shift != 0)) return;
-    const int64_t bytes = together ? H * row : row;
-    for (int64_t l = l0; l < l1; ++l) {
-      const char* p = reinterpret_cast<const char*>(at(b, together ? 0 : h, l));
-      for (int64_t c = 0; c < bytes; c += 64) __builtin_prefetch(p + c, 0, 1);
-      __builtin_prefetch(p + bytes - 1, 0, 1);  // the last line, where the rows do not start a line
-    }
+    for (int64_t l = l0; l < l1; ++l)
+      for (int64_t g = together ? 0 : h; g < (together ? H : h + 1); ++g) {
+        const char* p = reinterpret_cast<const char*>(at(b, g, l));
+        for (int64_t c = 0; c < row; c += 64) __builtin_prefetch(p + c, 0, 1);
+        __builtin_prefetch(p + row - 1, 0, 1);  // the last line, where the rows do not start a line
+      }
   }
 
   // rows[i] = at(b, h, l + i) for the N positions of the tile at l (a multiple of N): one block's rows sl apart where
