@@ -153,10 +153,12 @@ def hf_model(default_path):
 
 @pytest.fixture(scope="session")
 def llm():
-    """The engine over the default model, in fp32."""
+    """The engine over the default model, in fp32, with a KV pool of a fixed size: the default, half the memory
+    available when the session builds it, would leave a draft model's share of the same size to fit beside whatever
+    the tests before it hold."""
     from magicdec.engine import LLM
 
-    return LLM(device="cpu", dtype="fp32")
+    return LLM(device="cpu", dtype="fp32", kv_cache_gb=2)
 
 
 # --- tiny random Hugging Face checkpoints -------------------------------------------------------------
