@@ -55,7 +55,7 @@ def step_shares(model, ids: list[int], context: int, steps: int) -> list[Tensor]
             shares = AttentionShares(model.cfg, model.device)
             model(torch.tensor([[ids[context + k]]]), cache, shares=shares)
             cache.commit(1)
-            out.append(shares.scores()[:, 0, : context + k + 1].float().clone())
+            out.append(shares.shares[:, 0, :, : context + k + 1].sum(1))
     return out
 
 
