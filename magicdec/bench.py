@@ -60,6 +60,7 @@ class BenchGrid:
     positions: list[str | None] = field(default_factory=lambda: [None])  # sparse-cache key positions; None: default
     draft_vocabs: list[int] = field(default_factory=lambda: [0])  # draft head sizes (0: the whole vocabulary)
     vocab_corpus: str | None = None  # the text draft heads count tokens in
+    draft_stops: list[float | None] = field(default_factory=lambda: [None])  # per-row length thresholds (None: off)
     repeats: int = 1  # runs of each configuration, interleaved; a point keeps its median run
 
     def __post_init__(self) -> None:
@@ -92,8 +93,9 @@ class BenchGrid:
                 budgets = [0] if d == "self-quant" else self.budgets
                 positions = [None] if d in ("self-quant", "self-vegas") else self.positions
                 out += [{"mode": mode, "draft": d, "budget": b, "gamma": g, **({"positions": pos} if pos else {}),
-                         **self._head(v)}
-                        for b, g, pos, v in itertools.product(budgets, self.gammas, positions, self.draft_vocabs)]
+                         **self._head(v), **({"draft_stop": stop} if stop else {})}
+                        for b, g, pos, v, stop in itertools.product(budgets, self.gammas, positions,
+                                                                    self.draft_vocabs, self.draft_stops)]
         return out
 
     def _head(self, draft_vocab: int) -> dict:
@@ -105,13 +107,15 @@ def speculative_config(cfg: dict) -> SpeculativeConfig:
     """The speculative settings of one fixed-drafter configuration of `BenchGrid.configs`."""
     reindex = {"reindex": True, "original": False}.get(cfg.get("positions"))
     return SpeculativeConfig.drafting(cfg["draft"], cfg["budget"], gamma=cfg["gamma"], reindex=reindex,
-                                      draft_vocab=cfg.get("draft_vocab", 0), vocab_corpus=cfg.get("vocab_corpus"))
+                                      draft_vocab=cfg.get("draft_vocab", 0), vocab_corpus=cfg.get("vocab_corpus"),
+                                      draft_stop=cfg.get("draft_stop"))
 
 
 def point_key(batch: int, context: int, cfg: dict) -> str:
     pos = f"-{cfg['positions']}" if cfg.get("positions") else ""
     vocab = f"-V{cfg['draft_vocab']}" if cfg.get("draft_vocab") else ""
-    return f"B{batch}-S{context}-{cfg['mode']}-{cfg['draft']}-K{cfg['budget']}-g{cfg['gamma']}{pos}{vocab}"
+    stop = f"-stop{cfg['draft_stop']:g}" if cfg.get("draft_stop") else ""
+    return f"B{batch}-S{context}-{cfg['mode']}-{cfg['draft']}-K{cfg['budget']}-g{cfg['gamma']}{pos}{vocab}{stop}"
 
 
 def _save(path: Path, doc: dict) -> None:
@@ -237,6 +241,7 @@ def _run_config(llm: LLM, args, grid: BenchGrid, rows: list[list[int]], ctx: int
     return _auto_record(llm.last_auto) | {
         "throughput": stats.decode_tok_s, "tokens_per_step": stats.tokens_per_step,
         "acceptance": stats.acceptance_rate, "accepted_hist": stats.accepted_hist,
+        "drafted_tokens": stats.drafted_tokens, "verified_per_token": stats.verified_per_token,
         "steps": stats.steps, "gamma_changes": stats.gamma_changes, "decode_s": stats.decode_s,
         "draft_s": stats.draft_s, "verify_s": stats.verify_s, "max_batch": stats.max_batch,
         "peak_memory_gib": stats.peak_memory_bytes / 1024**3, "read_bandwidth_gbs": read_gbs,

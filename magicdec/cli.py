@@ -86,6 +86,25 @@ def megabytes(text: str) -> int:
     return _unit_size(text, "MB", 1_000_000, 1)
 
 
+def probability(text: str) -> float:
+    """'0.3' -> 0.3: a probability strictly between 0 and 1."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 < value < 1:  # nan too
+        raise argparse.ArgumentTypeError(f"a probability in (0, 1) expected, got {text!r}")
+    return value
+
+
+def probability_list(text: str) -> list[float | None]:
+    """'0,0.3' -> [None, 0.3]: probabilities, 0 standing for none; one at least."""
+    values = [x.strip() for x in text.split(",") if x.strip()]
+    if not values:
+        raise argparse.ArgumentTypeError(f"no values in {text!r} (e.g. 0,0.3)")
+    return [None if x in ("0", "0.0") else probability(x) for x in values]
+
+
 def port_number(text: str) -> int:
     if (v := positive_int(text)) > 65535:
         raise argparse.ArgumentTypeError(f"not a TCP port (1-65535): {text!r}")
@@ -145,6 +164,10 @@ def add_draft_args(p: argparse.ArgumentParser) -> None:
                         "self-vegas, or turns speculation off; default %(default)s)")
     g.add_argument("--budget", type=positive_int, default=256, help="KV entries the draft reads per sequence (default 256)")
     g.add_argument("--gamma", type=positive_int, default=3, help="tokens drafted per verification (default 3)")
+    g.add_argument("--draft-stop", type=probability, metavar="P",
+                   help="per-row draft lengths: a row stops drafting before the token that would bring the product of "
+                        "its draft's confidences (each draft step's largest probability) below P, and verification "
+                        "runs each row's own tokens only (default: every row drafts --gamma tokens)")
     g.add_argument("--draft-model", help="draft checkpoint for --draft model (same vocabulary as the target)")
     g.add_argument("--draft-cache", default="streaming", choices=["dense", "streaming", "snapkv"],
                    help="the draft model's cache for --draft model (default streaming)")
@@ -220,6 +243,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="draft head sizes to compare, comma separated: the N tokens most frequent in --vocab-corpus "
                         "(FR-Spec), 0 the whole vocabulary (default 0)")
     b.add_argument("--vocab-corpus", help="text or .jsonl file draft heads count tokens in (default --corpus)")
+    b.add_argument("--draft-stop", type=probability_list, default=[None],
+                   help="per-row draft length thresholds to compare, comma separated (see `generate --draft-stop`; "
+                        "0: every row drafts gamma tokens; default 0)")
     b.add_argument("--modes", default="greedy", help="greedy and/or sampling (temperature 0.7, top-p 0.9)")
     b.add_argument("--max-tokens", type=positive_int, default=128, help="new tokens per sequence (default 128)")
     b.add_argument("--distinct-prompts", type=positive_int,

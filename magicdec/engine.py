@@ -409,7 +409,9 @@ class LLM:
         policy = None
         if speculative is not None and speculative.draft == "auto":
             self.last_auto = self._choose(speculative, batch, context, rows)
-            speculative, policy = self.last_auto.speculative, self.last_auto.replanner
+            stop, (speculative, policy) = speculative.draft_stop, (self.last_auto.speculative, self.last_auto.replanner)
+            if speculative is not None and stop is not None:
+                speculative = dataclasses.replace(speculative, draft_stop=stop)
         if speculative is None:
             return None
         if speculative not in self._drafters:

@@ -15,7 +15,7 @@ that stay in place:
   its mask built from the device lengths), and one graph serves one (model, head, cache, rows, tokens) combination.
   The rows are the scheduler's buckets (`scheduler.cuda_row_bucket`), so a few graphs serve every batch size.
 
-Prefill chunks, forwards observed by SnapKV and forwards of more tokens than a verification's (a draft model catching
+Prefill chunks, forwards observed by SnapKV, ragged verifications (`model.Ragged`) and forwards of more tokens than a verification's (a draft model catching
 up after plain rounds) run eagerly. A graph's logits are its output buffer, and the graphs share one memory pool: the
 logits are valid until the next replay of any graph (the decode loop samples from them before its next forward).
 Graphs belong to one runner and its caches; `forget` drops those of a cache that goes (a drafter replaced).
@@ -66,9 +66,10 @@ class CudaGraphs:
     def wrap(self, model: Callable[..., Tensor]) -> Callable[..., Tensor]:
         """`model`'s forward, replayed from a graph where one serves the call (see the module), else eager."""
         def forward(tokens: Tensor, cache, logits_at: Tensor | None = None, observer=None, head=None,
-                    shares=None) -> Tensor:
-            if observer is not None or shares is not None or not cache.static or tokens.shape[1] > self.max_tokens:
-                return model(tokens, cache, logits_at, observer, head, shares)
+                    shares=None, ragged=None) -> Tensor:
+            if (observer is not None or shares is not None or ragged is not None or not cache.static
+                    or tokens.shape[1] > self.max_tokens):
+                return model(tokens, cache, logits_at, observer, head, shares, ragged)
             key = (id(model), id(head), cache.lens.data_ptr(), tuple(tokens.shape),
                    None if logits_at is None else tuple(logits_at.shape))
             if key not in self.graphs:

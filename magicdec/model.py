@@ -134,6 +134,75 @@ def attention_bias(mask: Tensor, groups: int, dtype: torch.dtype) -> Tensor:
     return bias.repeat(1, 1, groups, 1) if groups > 1 else bias
 
 
+class Ragged:
+    """The rows of a forward of q new tokens each, of which row b's first counts[b] (>= 1) are real: a verification
+    of drafts of different lengths. The linear layers, norms and LM head run over the N real tokens only, packed in
+    row order; attention runs each group of rows of one count with that many queries (`attend_ragged`). The padding
+    tokens' K/V are written past the real ones, where nothing reads them before they are rewritten."""
+
+    def __init__(self, counts: Tensor, q: int):
+        self.B, self.q = counts.shape[0], q
+        real = torch.arange(q, device=counts.device) < counts[:, None]  # [B, q]
+        self.index = real.view(-1).nonzero().squeeze(1)  # [N] into the flattened [B * q]
+        self.owner = self.index // q  # [N] each real token's row
+        host = counts.tolist()
+        self.groups = [(c, torch.tensor([b for b, n in enumerate(host) if n == c], device=counts.device))
+                       for c in sorted(set(host))]
+        self._parts: dict[int, tuple[Tensor, list[Tensor | None]]] = {}
+
+    @property
+    def tokens(self) -> int:
+        return self.index.shape[0]
+
+    def pick(self, x: Tensor) -> Tensor:
+        """x [B, q, ...] -> the real tokens' [N, ...]."""
+        return x.reshape(self.B * self.q, *x.shape[2:]).index_select(0, self.index)
+
+    def pad(self, x: Tensor, fill: float = 0) -> Tensor:
+        """x [N, ...] -> [B, q, ...], `fill` at the padding tokens."""
+        out = x.new_full((self.B * self.q, *x.shape[1:]), fill)
+        return out.index_copy_(0, self.index, x).view(self.B, self.q, *x.shape[1:])
+
+    def parts(self, t: Tensor | None, tokens_dim: int | None = None, once: bool = False) -> list[Tensor | None]:
+        """t [B, ...] cut into each group's rows (and its first c of the q entries of dimension `tokens_dim`, where
+        that dimension holds q tokens, or a multiple of q ordered head then token). `once`: a tensor every layer
+        passes (a bias, a block table), cut at its first call of the forward."""
+        if t is None:
+            return [None] * len(self.groups)
+        if once and id(t) in self._parts and self._parts[id(t)][0] is t:
+            return self._parts[id(t)][1]
+        cut = []
+        for c, rows in self.groups:
+            part = t.index_select(0, rows)
+            if tokens_dim is not None and c < self.q:
+                per_token = part.unflatten(tokens_dim, (part.shape[tokens_dim] // self.q, self.q))
+                part = per_token.narrow(tokens_dim + 1, 0, c).flatten(tokens_dim, tokens_dim + 1)
+            cut.append(part.contiguous())
+        if once:
+            self._parts[id(t)] = (t, cut)
+        return cut
+
+
+def attend_ragged(xq: Tensor, keys: Tensor, values: Tensor, bias: Tensor, table: Tensor | None, ragged: Ragged,
+                  shares: Tensor | None = None, share_row: int = 0) -> Tensor:
+    """`attend` of a `Ragged` forward's queries [B, KV, G*q, hd] over a block pool read through `table`: each group
+    of rows of count c attends with its first c tokens' queries alone (a query row's output has the same bits
+    whatever the other rows and tokens, see magicdec.kernels), so a padding token costs no attention. Returns
+    [B, KV, G*q, hd], 0 at the padding tokens' rows."""
+    B, KV, M, hd = xq.shape
+    out = None
+    pieces = zip(ragged.groups, ragged.parts(xq, 2), ragged.parts(bias, 2, once=True), ragged.parts(table, once=True))
+    for (c, rows), xq_c, bias_c, table_c in pieces:
+        shares_c = None if shares is None else shares.new_empty((len(rows), *shares.shape[1:]))
+        got = attend(xq_c, keys, values, bias_c, table_c, shares_c, share_row, c)  # [b, KV, G*c, hd]
+        if out is None:
+            out = got.new_zeros(B, KV, M // ragged.q, ragged.q, hd)
+        out[rows, :, :, :c] = got.unflatten(2, (M // ragged.q, c))
+        if shares is not None:
+            shares.index_copy_(0, rows, shares_c)
+    return out.flatten(2, 3)
+
+
 def attend(xq: Tensor, keys: Tensor, values: Tensor, bias: Tensor, table: Tensor | None = None,
            shares: Tensor | None = None, share_row: int = 0, tokens: int = 1) -> Tensor:
     """Attention of queries [B, KV, G*q, hd] (the model's dtype) over cached K/V [B, KV, L, row], or over a block
@@ -257,10 +326,14 @@ class Attention(nn.Module):
         cache: Cache,
         observer: AttentionObserver | None,
         shares: SharesRecorder | None = None,
+        ragged: Ragged | None = None,  # x holds the real tokens alone, [N, dim]
     ) -> Tensor:
-        B, q, _ = x.shape
+        B, _, q, _ = mask.shape
         H, KV, hd = self.n_heads, self.n_kv, self.hd
-        qkv = self.wqkv(x).view(B, q, H + 2 * KV, hd).transpose(1, 2)  # [B, H+2KV, q, hd]
+        qkv = self.wqkv(x)
+        if ragged is not None:
+            qkv = ragged.pad(qkv)
+        qkv = qkv.view(B, q, H + 2 * KV, hd).transpose(1, 2)  # [B, H+2KV, q, hd]
         xq, xk, xv = qkv.split((H, KV, KV), dim=1)
         if self.normed_qk:
             xq, xk = self.q_norm(xq), self.k_norm(xk)
@@ -275,11 +348,14 @@ class Attention(nn.Module):
         # attention over that head, so each cached K/V element is read once.
         xq = xq.reshape(B, KV, (H // KV) * q, hd)
         layer_shares = None if shares is None else shares.buffer(self.layer, (B, KV, bias.shape[-1]))
+        share_row = 0 if shares is None else shares.row
         with scopes.scope(scopes.ATTENTION):
-            out = attend(xq, keys, values, bias, table,
-                         layer_shares, 0 if shares is None else shares.row, q)  # [B, KV, G*q, hd]
+            if ragged is not None and table is not None:
+                out = attend_ragged(xq, keys, values, bias, table, ragged, layer_shares, share_row)
+            else:
+                out = attend(xq, keys, values, bias, table, layer_shares, share_row, q)  # [B, KV, G*q, hd]
         out = out.to(x.dtype).reshape(B, H, q, hd).transpose(1, 2).reshape(B, q, H * hd)
-        return self.wo(out)
+        return self.wo(out if ragged is None else ragged.pick(out))
 
 
 class FeedForward(nn.Module):
@@ -310,8 +386,8 @@ class Block(nn.Module):
             self.post_attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
             self.post_ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
 
-    def forward(self, x, cos, sin, mask, bias, cache, observer, shares=None):
-        h = self.attention(self.attention_norm(x), cos, sin, mask, bias, cache, observer, shares)
+    def forward(self, x, cos, sin, mask, bias, cache, observer, shares=None, ragged=None):
+        h = self.attention(self.attention_norm(x), cos, sin, mask, bias, cache, observer, shares, ragged)
         x, normed = self.ffn_norm.add_and_norm(x, self.post_attention_norm(h) if self.sandwich else h)
         h = self.feed_forward(normed)
         return x + (self.post_ffn_norm(h) if self.sandwich else h)
@@ -358,18 +434,19 @@ class Transformer(nn.Module):
         observer: AttentionObserver | None = None,
         head: nn.Module | None = None,  # in place of the LM head (a draft head over part of the vocabulary)
         shares: SharesRecorder | None = None,  # where attention leaves one token's shares of each position
+        ragged: Ragged | None = None,  # rows whose last tokens are padding (not with logits_at)
     ) -> Tensor:
         """Run q new tokens per sequence through the model, writing their K/V into `cache`.
 
         Returns logits [B, n, vocab] (n = q unless `logits_at` picks positions; vocab: `head`'s outputs where one is
-        given). The cache's lengths are not advanced: the caller commits how many of the q tokens to keep (see
-        `KVCache.commit`)."""
-        x = self.tok_embeddings(tokens)
+        given), or with `ragged` the real tokens' [N, vocab]. The cache's lengths are not advanced: the caller
+        commits how many of the q tokens to keep (see `KVCache.commit`)."""
+        x = self.tok_embeddings(tokens if ragged is None else ragged.pick(tokens))
         if self.cfg.scale_embeddings:  # by sqrt(dim) rounded to the model's dtype, as Gemma does
             x = x * torch.tensor(self.cfg.dim**0.5, dtype=x.dtype)
         contexts = self._layer_contexts(cache, tokens.shape[1], x.dtype)
         for layer, kind in zip(self.layers, self.cfg.kinds):
-            x = layer(x, *contexts[kind], cache, observer, shares)
+            x = layer(x, *contexts[kind], cache, observer, shares, ragged)
         if logits_at is not None:
             x = x.gather(1, logits_at[..., None].expand(-1, -1, x.shape[-1]))
         logits = (self.output if head is None else head)(self.norm(x)).float()

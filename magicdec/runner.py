@@ -29,7 +29,7 @@ from magicdec.kv.paged import PagedKVCache
 from magicdec.kv.sparse import SnapKVObserver
 from magicdec.logprobs import Logprobs, TokenLogprob, compute_logprobs, to_host
 from magicdec.memory import check_fits
-from magicdec.model import Transformer, attention_path
+from magicdec.model import Ragged, Transformer, attention_path
 from magicdec.prefill import OBSERVATION_WINDOW, prefill_upto
 from magicdec.sampling import RowParams, SamplingParams, sample_tokens
 from magicdec.step import LENGTH, RUNNING, STOPPED, PrefillWork, ScheduledStep, SlotAssignment, SlotOutput, StepResult
@@ -232,7 +232,7 @@ class ModelRunner:
         n, draft_s = step.n_rows, 0.0
         asking = [i for i, p in enumerate(self.rows.params[:n]) if p.logprobs is not None]
         empty = torch.zeros(0, dtype=torch.long, device=self.device)
-        decoded = (empty[:, None], empty, empty, empty, None)
+        decoded = (empty[:, None], empty, empty, empty, empty, None)
         if n:
             with scopes.scope(scopes.ROUND):
                 *decoded, draft_s = self._decode(n, step.gamma, asking)
@@ -241,16 +241,17 @@ class ModelRunner:
         return StepResult(first, outputs, t1 - t0, t2 - t1, draft_s, prompt_logprobs)
 
     def _to_host(self, prefilled: list[tuple[PrefillWork, Tensor | None, Logprobs | None, Logprobs | None]],
-                 new: Tensor, kept: Tensor, finish: Tensor, accepted: Tensor, logprobs: Logprobs | None,
+                 new: Tensor, kept: Tensor, finish: Tensor, accepted: Tensor, drafted: Tensor,
+                 logprobs: Logprobs | None,
                  asking: list[int]) -> tuple[list[SlotOutput], list[SlotOutput], list[tuple[int, list[TokenLogprob]]]]:
         """The step's results in one copy to the host: the first tokens of the prefills that finished, the decoded
         slots' tokens, and the prompt tokens' log-probabilities of the chunks whose requests asked."""
         firsts = [(work.slot, first, lp) for work, first, lp, _ in prefilled if first is not None]
         prompts = [(work, lp) for work, _, _, lp in prefilled if lp is not None]
         device_lps = [lp for *_, lp in firsts] + [lp for _, lp in prompts] + [logprobs]
-        host = iter(to_host([new, kept, finish, accepted, *(f for _, f, _ in firsts),
+        host = iter(to_host([new, kept, finish, accepted, drafted, *(f for _, f, _ in firsts),
                              *(part for lp in device_lps if lp is not None for part in lp.parts())]))
-        tokens, kept, finish, accepted = (next(host).tolist() for _ in range(4))
+        tokens, kept, finish, accepted, drafted = (next(host).tolist() for _ in range(5))
         first_ids = [next(host).tolist() for _ in firsts]
 
         def fetch(lp: Logprobs | None) -> Logprobs | None:  # in the order of device_lps
@@ -271,7 +272,7 @@ class ModelRunner:
             if kept[i]:
                 got = tokens[i][: kept[i]]
                 entries = lp.entries(row_of[i], got, self.rows.params[i].logprobs) if i in row_of else None
-                decoded.append(SlotOutput(i, got, finish[i], accepted[i], entries))
+                decoded.append(SlotOutput(i, got, finish[i], accepted[i], entries, drafted[i]))
         return first, decoded, prompt_logprobs
 
     def _prefill(self, work: PrefillWork) -> tuple[Tensor | None, Logprobs | None, Logprobs | None]:
@@ -317,26 +318,37 @@ class ModelRunner:
         index = torch.tensor(asking, device=self.device)
         return compute_logprobs(logits[index], tokens[index], max(self.rows.params[i].logprobs for i in asking))
 
-    def _decode(self, n: int, gamma: int, asking: list[int]) -> tuple[Tensor, Tensor, Tensor, Tensor, Logprobs | None,
-                                                                      float]:
-        """One round over slots [0, n): plain decoding (gamma 0) or draft, verify and commit; with the
-        log-probabilities of the rows in `asking`."""
+    def _decode(self, n: int, gamma: int, asking: list[int]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor,
+                                                                      Logprobs | None, float]:
+        """One round over slots [0, n): plain decoding (gamma 0) or draft, verify and commit; returns the tokens
+        [n, k], how many each row keeps, its finish code, its drafts accepted, its draft length, the log-probabilities
+        of the rows in `asking`, and the drafting's seconds."""
         cache, rows, live = self.cache.head(n), self.rows.head(n), self.live[:n]
         n_tokens = self.n_tokens[:n].clone()
         last = self.seq[:n].gather(1, (n_tokens - 1).clamp_min(0)[:, None])  # [n, 1]
         positions = n_tokens[:, None] + torch.arange(gamma + 1, device=self.device)  # of the tokens predicted
         draft_s = 0.0
+        lengths = torch.zeros(n, dtype=torch.long, device=self.device)
         if gamma:
             t = time.perf_counter()
-            draft = self.drafter.propose(n, gamma, self.seq[:n], n_tokens, live, rows, cache)
+            draft, lengths = self.drafter.propose(n, gamma, self.seq[:n], n_tokens, live, rows, cache)
             synchronize(self.device)
             draft_s = time.perf_counter() - t
-            with scopes.forward("verify", n, gamma + 1, cache.lens):
+            counts = torch.where(live, lengths + 1, 1)  # tokens each row verifies
+            ragged = None
+            if self.drafter.stop is not None:  # verify up to the longest draft; on the CPU, only the rows' real tokens
+                host = counts.tolist()
+                q = max(host)
+                draft, positions = draft[:, : q - 1], positions[:, :q]
+                ragged = Ragged(counts, q) if self.graphs is None and min(host) < q else None
+            with scopes.forward("verify", n, draft.shape[1] + 1, cache.lens):
                 logits = self.forward(torch.cat((last, draft), dim=1), cache,
-                                      shares=self.drafter.verification_shares())
+                                      shares=self.drafter.verification_shares(), ragged=ragged)
             with scopes.sampling("verify"):
-                accepted, nxt = accept_drafts(sample_tokens(logits, rows, positions), draft)
+                accepted, nxt = accept_drafts(self._targets(logits, rows, positions, ragged), draft, lengths * live)
                 new = torch.cat((draft, nxt[:, None]), dim=1).scatter(1, accepted[:, None], nxt[:, None])
+            if ragged is not None and asking:
+                logits = ragged.pad(logits)
         else:
             with scopes.forward("plain", n, 1, cache.lens):
                 logits = self.forward(last, cache)
@@ -347,7 +359,16 @@ class ModelRunner:
         kept, finish = self._emit(slice(0, n), new, accepted + 1)
         if gamma:
             self.drafter.accept(n, self.n_tokens[:n], live)
-        return new, kept, finish, accepted, self._logprobs(logits, new, asking), draft_s
+        return new, kept, finish, accepted, lengths, self._logprobs(logits, new, asking), draft_s
+
+    @staticmethod
+    def _targets(logits: Tensor, rows: RowParams, positions: Tensor, ragged: Ragged | None) -> Tensor:
+        """The target's token at each verified position, [n, q] (what plain decoding would produce there; 0 at a
+        ragged verification's padding); logits [n, q, V], or a ragged verification's [N, V]."""
+        if ragged is None:
+            return sample_tokens(logits, rows, positions)
+        packed = sample_tokens(logits[:, None], rows.select(ragged.owner), ragged.pick(positions)[:, None])
+        return ragged.pad(packed[:, 0])
 
     def _emit(self, rows: slice, new: Tensor, count: Tensor) -> tuple[Tensor, Tensor]:
         """Append the first count[b] tokens of new [m, k] to live slots, stopping at EOS and max_tokens. Returns

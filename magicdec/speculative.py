@@ -46,7 +46,9 @@ class SpeculativeConfig:
     dense | streaming | snapkv for a standalone draft model; reindex: rotate sparse-cache keys by slot (StreamingLLM
     style) instead of their original positions (None: per-kind default); draft_vocab: the draft proposes among the
     `draft_vocab` tokens most frequent in the text file `vocab_corpus` only (0: the whole vocabulary; see
-    `magicdec.drafters.vocab`)."""
+    `magicdec.drafters.vocab`); draft_stop: per-row draft lengths, each row drafting while the product of its draft's
+    confidences (`magicdec.drafters.base.confidence`) stays at or above it, and a verification taking each row's
+    tokens alone (None: every row drafts gamma tokens)."""
 
     draft: str = "self-streaming"
     budget: int = 256
@@ -58,6 +60,7 @@ class SpeculativeConfig:
     vocab_corpus: str | None = None
     hardware: HardwareProfile | str | None = None
     mode: str = "greedy"
+    draft_stop: float | None = None
 
     def __post_init__(self) -> None:
         if self.draft not in DRAFTERS:
@@ -68,6 +71,8 @@ class SpeculativeConfig:
             raise InvalidRequestError("a hardware profile is what draft 'auto' plans with: give draft='auto'")
         if not (isinstance(self.gamma, int) and not isinstance(self.gamma, bool) and 1 <= self.gamma <= MAX_GAMMA):
             raise InvalidRequestError(f"gamma must be an integer in [1, {MAX_GAMMA}], got {self.gamma!r}")
+        if self.draft_stop is not None and not (isinstance(self.draft_stop, (int, float)) and 0 < self.draft_stop < 1):
+            raise InvalidRequestError(f"draft_stop must be a probability in (0, 1), got {self.draft_stop!r}")
         if not (isinstance(self.budget, int) and self.budget >= 8):
             raise InvalidRequestError(f"budget must be an integer >= 8, got {self.budget!r}")
         if self.draft == "model" and not self.draft_model:
@@ -94,6 +99,8 @@ class SpeculativeConfig:
         if self.draft == "auto":
             raise InvalidRequestError("draft 'auto' is planned for an engine's batch and context: let LLM resolve it")
         drafter = self._drafter(target)
+        if drafter is not None:
+            drafter.stop = self.draft_stop
         if drafter is not None and self.draft_vocab:
             if tokenizer is None:
                 raise InvalidRequestError("a draft vocabulary is counted with the model's tokenizer: pass it")

@@ -67,6 +67,13 @@ class GenerationStats:
         return accepted / self.drafted_tokens if self.drafted_tokens else 0.0
 
     @property
+    def verified_per_token(self) -> float:
+        """Tokens the verifications ran (each sequence's drafts and the token before them) per token they produced."""
+        rounds = self.verify_steps
+        produced = sum(i * c for i, c in enumerate(self.accepted_hist)) + rounds
+        return (self.drafted_tokens + rounds) / produced if produced else 0.0
+
+    @property
     def tokens_per_step(self) -> float:
         """Tokens produced per verify round and sequence (accepted + 1)."""
         return self.mean_accepted + 1 if self.verify_steps else 1.0
@@ -82,10 +89,12 @@ class GenerationStats:
             self.decode_s += result.decode_s
             self.draft_s += result.draft_s
             self.decode_tokens += decoded
-            self._count_round(step.gamma, [out.accepted for out in result.decoded])
+            self._count_round(step.gamma, [out.accepted for out in result.decoded],
+                              [out.drafted for out in result.decoded])
 
-    def _count_round(self, gamma: int, accepted: list[int]) -> None:
-        """Record a decode round whose live sequences drafted `gamma` tokens each and accepted `accepted`."""
+    def _count_round(self, gamma: int, accepted: list[int], drafted: list[int]) -> None:
+        """Record a decode round of draft length `gamma` whose live sequences drafted `drafted` tokens each (gamma,
+        or fewer where drafts stop per row) and accepted `accepted`."""
         live = len(accepted)
         self.steps += 1
         self.max_batch = max(self.max_batch, live)
@@ -93,13 +102,14 @@ class GenerationStats:
             self.gamma_changes.append((self.steps - 1, gamma))
         if gamma:
             self.gamma = max(self.gamma, gamma)
-            self.drafted_tokens += gamma * live
+            self.drafted_tokens += sum(drafted)
             self.accepted_hist.extend([0] * (gamma + 1 - len(self.accepted_hist)))
             for n in accepted:
                 self.accepted_hist[n] += 1
 
     def as_dict(self) -> dict:
         d = dict(self.__dict__)
-        for k in ("verify_s", "prefill_tok_s", "decode_tok_s", "mean_accepted", "acceptance_rate", "tokens_per_step"):
+        for k in ("verify_s", "prefill_tok_s", "decode_tok_s", "mean_accepted", "acceptance_rate", "verified_per_token",
+                  "tokens_per_step"):
             d[k] = getattr(self, k)
         return d

@@ -66,14 +66,15 @@ class ScheduledStep:
 @dataclass
 class SlotOutput:
     """The tokens a slot gained in a step (after EOS and the token limit cut them), how they ended (RUNNING, STOPPED
-    or LENGTH), in a speculative round how many of its drafts the target accepted, and the tokens' log-probabilities
-    where the request asked for them."""
+    or LENGTH), in a speculative round how many of its drafts the target accepted, the tokens' log-probabilities
+    where the request asked for them, and in a speculative round how many tokens it drafted."""
 
     slot: int
     tokens: list[int]
     finish: int
     accepted: int = 0
     logprobs: list[TokenLogprob] | None = None
+    drafted: int = 0
 
 
 @dataclass

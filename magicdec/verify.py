@@ -8,10 +8,14 @@ therefore exactly the plain-decoding output.
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 
-def accept_drafts(target: Tensor, draft: Tensor) -> tuple[Tensor, Tensor]:
-    """target [B, g+1] and draft [B, g] tokens -> (n_accepted [B], next_token [B])."""
+def accept_drafts(target: Tensor, draft: Tensor, lengths: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """target [B, g+1] and draft [B, g] tokens -> (n_accepted [B], next_token [B]); with `lengths` [B], row b's draft
+    is its first lengths[b] tokens (per-row draft lengths: the target's tokens past lengths[b] are never read)."""
     n = (target[:, :-1] == draft).long().cumprod(dim=1).sum(dim=1)
+    if lengths is not None:
+        n = torch.minimum(n, lengths)
     return n, target.gather(1, n[:, None]).squeeze(1)

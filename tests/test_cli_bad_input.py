@@ -64,6 +64,8 @@ CASES = [
     (["generate", "--corpus", "{latin1.txt}"], "latin1.txt:1: not UTF-8 text"),
     (["generate", "--prompt", "ab", "--seed", "abc"], "argument --seed"),
     (["generate", "--prompt", "ab", "--gamma", "zero"], "argument --gamma"),
+    (["generate", "--prompt", "ab", "--draft-stop", "1.5"], "argument --draft-stop: a probability in (0, 1)"),
+    (["generate", "--prompt", "ab", "--draft-stop", "nan"], "argument --draft-stop: a probability in (0, 1)"),
     # generate: devices and planner files
     (["generate", "--prompt", "ab", "--device", "bogus"], "unknown device 'bogus'"),
     (["generate", "--prompt", "ab", "--device", "meta"], "device 'meta' is not supported"),
@@ -102,6 +104,7 @@ CASES = [
     (["bench", "--model", NO_MODEL, "--corpus", str(DATA), "--drafters", "none,bogus"], "unknown drafter bogus"),
     (["bench", "--model", NO_MODEL, "--corpus", str(DATA), "--gamma", "17"], "gamma must be an integer in [1, 16]"),
     (["bench", "--model", NO_MODEL, "--corpus", str(DATA), "--budget", "4"], "budget must be an integer >= 8"),
+    (["bench", "--model", NO_MODEL, "--corpus", str(DATA), "--draft-stop", "0,x"], "argument --draft-stop: not a number"),
     (["bench", "--model", NO_MODEL, "--corpus", str(DATA), "--draft-vocab", "0,1k", "--vocab-corpus", "/no/such.txt"],
      "corpus file not found: /no/such.txt"),
     (["bench", "--model", NO_MODEL, "--corpus", str(DATA), "--out", "{corrupt.json}"], "--out"),

@@ -282,6 +282,25 @@ def test_self_speculation_on_gemma_is_lossless(gemma, two_prompts, plain_greedy,
 
 
 @needs_gemma
+@pytest.mark.parametrize("kind", ["streaming", "vegas"])
+def test_per_row_draft_lengths_on_gemma_are_lossless(gemma, two_prompts, kind):
+    """Per-row draft lengths on the hybrid model (a ragged verification: the global layers' attention per group of
+    rows, the sliding layers' over their rings): a greedy and a seeded sampled row decoded together get plain
+    decoding's tokens."""
+    from magicdec.drafters import SelfSpecDrafter, VegasDrafter
+
+    drafter = (VegasDrafter(gemma.model, budget=64, gamma=4) if kind == "vegas"
+               else SelfSpecDrafter(gemma.model, kind, budget=64, gamma=4, reindex=True))
+    drafter.stop = 0.6
+    params = [SamplingParams(max_tokens=16, ignore_eos=True),
+              SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.8, seed=5)]
+    plain, _ = run_engine(gemma.model, two_prompts, params, prefill_chunk=256)
+    spec, stats = run_engine(gemma.model, two_prompts, params, drafter=drafter, gamma=4, prefill_chunk=256)
+    assert [r.output_ids for r in spec] == [r.output_ids for r in plain]
+    assert 0 < stats.drafted_tokens < 4 * stats.verify_steps
+
+
+@needs_gemma
 def test_a_draft_head_over_frequent_tokens_is_lossless_on_gemma(gemma, two_prompts):
     """FR-Spec on the real model: the draft proposes among the 4096 tokens (of 262144) most frequent in another book,
     and the output is plain decoding's, for a greedy and a seeded sampled row decoded together."""

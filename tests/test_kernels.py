@@ -19,7 +19,11 @@ from conftest import rel_err
 
 from magicdec import kernels
 from magicdec.kv import KVCache, quant
-from magicdec.model import (PackedLinear, Transformer, apply_rope, attention_bias, attention_path, pack_linears, rotate,
+from magicdec.kv.blocks import block_storage
+from magicdec.kv.paged import PagedKVCache
+from magicdec.kv.vegas import AttentionShares
+from magicdec.model import (PackedLinear, Ragged, Transformer, apply_rope, attention_bias, attention_path, pack_linears,
+                            rotate,
                             weight_dtype)
 from magicdec.sampling import CPU_CANDIDATES, RowParams, SamplingParams, sample_tokens
 
@@ -463,6 +467,40 @@ def verification_and_steps(model, corpus_prompt, lens: list[int], storage: torch
             steps.append(model(new[:, j : j + 1], cache)[:, 0])
             cache.commit(1)
     return verify, torch.stack(steps, 1)
+
+
+@pytest.mark.parametrize("counts", [[3, 1, 2], [1, 4, 4]])
+def test_ragged_verification_gives_the_padded_ones_logits_and_shares_bit_for_bit(isa, default_model,
+                                                                                  default_model_bf16, corpus_prompt,
+                                                                                  counts):
+    """A verification whose rows verify their own number of tokens (`Ragged`: linear layers over the real tokens,
+    attention per group of rows of one count) gives each real token the logits, and the first token the attention
+    shares, of the verification padded to the longest row, bit for bit: per-row draft lengths keep speculation
+    exact."""
+    model = model_on(isa, default_model, default_model_bf16)
+    q, lens = max(counts), [700, 300, 1030]
+    texts = [corpus_prompt(n + q, book=i, at=0.5) for i, n in enumerate(lens)]
+    new = torch.tensor([t[-q:] for t in texts])
+    ragged = Ragged(torch.tensor(counts), q)
+    for storage in storages(isa):
+        k, v = block_storage(model.cfg, 3 * 40 + 1, storage, "cpu")
+        k.zero_(), v.zero_()
+        cache = PagedKVCache(model.cfg, k, v, 3, 40)
+        for i, n in enumerate(lens):
+            cache.set_blocks(i, 0, list(range(1 + 40 * i, 1 + 40 * (i + 1))))
+            with torch.inference_mode():
+                model(torch.tensor([texts[i][:n]]), cache.row(i))
+            cache.row(i).commit(n)
+        cache.truncate(cache.lens.clone())
+        runs = []
+        for layout in (None, ragged):
+            shares = AttentionShares(model.cfg, torch.device("cpu"))
+            with torch.inference_mode():
+                runs.append((model(new, cache, shares=shares, ragged=layout), shares.shares.clone()))
+        (padded, padded_shares), (packed, packed_shares) = runs
+        assert packed.shape == (sum(counts), model.cfg.vocab_size)
+        assert torch.equal(ragged.pick(padded), packed), storage
+        assert torch.equal(padded_shares, packed_shares), storage
 
 
 # --- the packed linear layer ------------------------------------------------------------------------------

@@ -198,7 +198,7 @@ def test_seeded_spec_sampling_equals_plain_sampling(target, bad_draft, prompt, d
 
 # --- negative control: the same test fails for a verifier that is not lossless -----------------------------------
 def test_negative_control_detects_lossy_verification(monkeypatch, target, bad_draft, prompt, exact):
-    def accept_all(target_tokens, draft):
+    def accept_all(target_tokens, draft, lengths=None):
         """Buggy verifier: every draft token accepted (= sampling from the draft), bonus from the target."""
         return torch.full_like(draft[:, 0], draft.shape[1]), target_tokens[:, -1]
 

@@ -169,8 +169,8 @@ def test_eos_inside_a_draft(monkeypatch, model, draft_model, prompts, ar, cache,
     rounds = []
     real = runner_mod.accept_drafts
 
-    def record(target, draft):
-        n, nxt = real(target, draft)
+    def record(target, draft, lengths=None):
+        n, nxt = real(target, draft, lengths)
         rounds.append((draft.clone(), n.clone()))
         return n, nxt
 

@@ -10,5 +10,5 @@ def run(args) -> int:
                               new_tokens=args.max_tokens, n_texts=args.num_texts,
                               distinct_prompts=args.distinct_prompts, positions=positions,
                               draft_vocabs=args.draft_vocab, vocab_corpus=args.vocab_corpus or args.corpus,
-                              repeats=args.repeats))
+                              draft_stops=args.draft_stop, repeats=args.repeats))
     return 0

@@ -25,7 +25,7 @@ def speculative_from_args(args, llm: LLM) -> SpeculativeConfig | None:
         _check_draft_head(args)
     if args.draft == "none":
         return None
-    head = {"draft_vocab": args.draft_vocab, "vocab_corpus": args.vocab_corpus}
+    head = {"draft_vocab": args.draft_vocab, "vocab_corpus": args.vocab_corpus, "draft_stop": args.draft_stop}
     if args.draft == "auto":
         # `serve` has no temperature of its own (each request brings one) and plans for greedy requests.
         return SpeculativeConfig("auto", hardware=args.hardware or planning_profile(llm.model, llm.kv_dtype),
@@ -94,7 +94,8 @@ def format_stats(stats, label: str) -> str:
     if stats.gamma:
         changes = ", ".join(f"{g or 'plain'} from round {r}" for r, g in stats.gamma_changes)
         line += (f"\n[{label}] draft length {changes}: acceptance {stats.acceptance_rate:.3f}, "
-                 f"{stats.tokens_per_step:.2f} tokens/round, accepted-length histogram {stats.accepted_hist}, "
+                 f"{stats.tokens_per_step:.2f} tokens/round, {stats.verified_per_token:.2f} tokens verified per "
+                 f"token, accepted-length histogram {stats.accepted_hist}, "
                  f"draft {stats.draft_s:.2f}s verify {stats.verify_s:.2f}s")
     return line
 

@@ -14,7 +14,7 @@ from magicdec.kv.blocks import KVManager
 from magicdec.kv.hybrid import HybridCache, paged_part
 from magicdec.kv.sparse import SnapKVObserver
 from magicdec.model import SharesRecorder, Transformer
-from magicdec.sampling import RowParams, sample_tokens
+from magicdec.sampling import RowParams, exponential_noise, sample_tokens
 
 
 class Drafter(ABC):
@@ -42,6 +42,9 @@ class Drafter(ABC):
         #: whether it prefills prompts itself (a draft model: the scheduler then tracks which blocks hold its K/V),
         #: rather than taking a prompt's entries from the target's cache
         self.prefills = False
+        #: per-row draft lengths: a row stops drafting before the token that would bring the product of its drafted
+        #: tokens' confidences (`confidence`) below this (None: every row drafts the round's gamma tokens)
+        self.stop: float | None = None
 
     @property
     def slack(self) -> int:
@@ -118,8 +121,10 @@ class Drafter(ABC):
         return logits
 
     def propose(self, n: int, gamma: int, seq: Tensor, n_tokens: Tensor, live: Tensor, rows: RowParams,
-                target: KVCache) -> Tensor:
-        """Draft gamma tokens for each of the first n slots: [n, gamma].
+                target: KVCache) -> tuple[Tensor, Tensor]:
+        """Draft up to gamma tokens for each of the first n slots: (tokens [n, gamma], lengths [n]), row b's first
+        lengths[b] tokens its draft (all gamma unless `stop` is set; the tokens past a row's length are
+        meaningless). The loop ends early once every row has stopped.
 
         seq [n, C]: every slot's tokens (prompt and output); n_tokens [n]: how many are known; live [n]: slots that
         are decoding (others compute garbage and keep nothing); target: the target's cache over the same slots,
@@ -130,16 +135,24 @@ class Drafter(ABC):
         start = cache.next_pos.clone()
         x = self._feed(cache, seq, start, torch.where(live, n_tokens - start, 1), live)
         live_n, tokens = live.long(), []
+        lengths = torch.full((n,), gamma, dtype=torch.long, device=seq.device)
+        sure = torch.ones(n, device=seq.device)  # the product of each row's drafted tokens' confidences
         ids = None if self.head is None else self.head.ids
         for i in range(gamma):
             with scopes.sampling("draft"):
                 t = sample_tokens(x[:, None], rows, (n_tokens + i)[:, None], ids)[:, 0]
+                if self.stop is not None:
+                    sure *= confidence(x, rows, n_tokens + i, ids)
+                    lengths = torch.where((sure < self.stop) & (lengths == gamma), i, lengths)
             tokens.append(t)
+            if i < gamma - 1 and self.stop is not None and not bool(((lengths == gamma) & live).any()):
+                tokens += [t] * (gamma - 1 - i)
+                break
             if i < gamma - 1:
                 with scopes.forward("draft", n, 1, cache.entries_read):
                     x = self.forward(t[:, None], cache, head=self.head)[:, 0]
                 cache.commit(live_n)
-        return torch.stack(tokens, dim=1)
+        return torch.stack(tokens, dim=1), lengths
 
     def catch_up(self, cache: KVCache, seq: Tensor, n_tokens: Tensor, live: Tensor, target: KVCache,
                  gamma: int) -> None:
@@ -161,6 +174,29 @@ class Drafter(ABC):
         keep = torch.where(live, torch.minimum(n_tokens - 1, cache.next_pos), cache.next_pos)
         cache.truncate(cache.lens - (cache.next_pos - keep))
         cache.evict()  # a sparse cache slides its window back to its budget
+
+
+#: Tokens of a draft step `confidence` races: its most probable ones, where the winner and runner-up all but always lie.
+CONFIDENCE_CANDIDATES = 16
+
+
+def confidence(logits: Tensor, rows: RowParams, position: Tensor, ids: Tensor | None = None) -> Tensor:
+    """How surely a draft step's token is the target's too, [n] in [0, 1]: 1 - (runner-up / winner) of the race that
+    draws it (`magicdec.sampling`: probability over the token's noise, the noise 1 for a greedy row) among the row's
+    CONFIDENCE_CANDIDATES most probable tokens. The target draws with the same noise, so a token that wins its race
+    by far is kept by a target whose probabilities differ a little, and a near tie is not (a draft's largest
+    probability says less: a flat distribution the target shares is drawn alike).
+
+    logits [n, V] at each row's temperature (1 for a greedy row); position [n]: the drafted token's; ids: as
+    `sample_tokens` takes them. Top-k and top-p are not applied: this weighs a draw, it draws nothing."""
+    scaled = logits / rows.temperature[:, None]
+    top = scaled.topk(CONFIDENCE_CANDIDATES, dim=-1)
+    race = (top.values - top.values[:, :1]).exp()  # probabilities over the winner's, [n, k]
+    token = top.indices if ids is None else ids[top.indices]
+    noise = exponential_noise(rows.seed, position[:, None], token[:, None])[:, 0]
+    race = torch.where(rows.greedy[:, None], race, race / noise)
+    best = race.topk(2, dim=-1).values
+    return 1 - best[:, 1] / best[:, 0]
 
 
 class SelfDrafter(Drafter):
