@@ -293,6 +293,20 @@ def vegas_e2e() -> str:
     return text([rows[k] for k in sorted(rows)])
 
 
+def draft_lengths() -> str:
+    """`magicdec bench` at one batch and context with per-row draft lengths (`--draft-stop`) beside fixed ones: each
+    configuration's median run against plain decoding, and the tokens its verifications ran per token produced."""
+    points = load("draft_lengths")["points"].values()
+    plain = {p["mode"]: p["throughput"] for p in points if p["draft"] == "none"}
+    rows = [{"mode": p["mode"], "gamma": p["gamma"], "stop": p.get("draft_stop") or "-",
+             "tok/s (x plain)": f"{p['throughput']:.1f} ({p['throughput'] / plain[p['mode']]:.2f})",
+             "tokens/round": round(p["tokens_per_step"], 2), "accepted": round(p["acceptance"], 2),
+             "verified/token": round(p["verified_per_token"], 2), "draft/verify s": f"{p['draft_s']:.1f}/{p['verify_s']:.1f}"}
+            for p in points if p["draft"] != "none"]
+    rows.sort(key=lambda r: (r["mode"], r["gamma"], str(r["stop"])))
+    return text(rows)
+
+
 def vegas_shares() -> str:
     """vegas_shares.py: the share of a step's attention a draft's entries hold, by how they were chosen."""
     from vegas_shares import table
@@ -419,7 +433,7 @@ TABLES = {"attention": lambda: attention(False), "attention_prefill": lambda: at
           "positions": positions, "validate_planner": validate_planner, "paper_comparison": paper_comparison,
           "serving_8k": serving_8k, "chat": lambda: chat("chat"), "chat_shared": lambda: chat("chat_shared"),
           "prefix_hit": prefix_hit, "server_limits": server_limits,
-          "vegas_acceptance": vegas_acceptance, "vegas_e2e": vegas_e2e, "vegas_shares": vegas_shares,
+          "vegas_acceptance": vegas_acceptance, "vegas_e2e": vegas_e2e, "draft_lengths": draft_lengths, "vegas_shares": vegas_shares,
           "capacity": capacity, "layouts": layouts, "kv_dtype": kv_dtype, "phases": phases, "sampler": sampler,
           "tp": tp, "perplexity": perplexity,
           "gpu_check_h200": lambda: gpu_check("gpu_check_h200")}

@@ -105,9 +105,10 @@ def tiny(tmp_path_factory, tiny_checkpoint) -> tuple[str, str]:
 
 
 def test_tp2_matches_one_process_tiny(tmp_path, tiny):
-    # self-vegas: each rank selects the positions its own KV heads attended to
-    compare(tmp_path, *tiny, ["none", "self-streaming", "self-snapkv", "self-vegas", "model"], max_tokens=10,
-            sampled=True)
+    # self-vegas: each rank selects the positions its own KV heads attended to; draft-stop: every rank stops each row's
+    # draft where rank 0 does (the confidences come from the all-reduced logits) and verifies the same ragged rows
+    compare(tmp_path, *tiny, ["none", "self-streaming", "self-snapkv", "self-vegas", "draft-stop", "model"],
+            max_tokens=10, sampled=True)
 
 
 @pytest.mark.slow

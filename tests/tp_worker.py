@@ -39,8 +39,9 @@ def prompts(vocab: int) -> list[list[int]]:
 
 
 def run(model: str, draft_model: str, out: str, runs: str, max_tokens: int) -> None:
-    """runs: comma separated, of the drafters none, self-streaming, self-snapkv, self-vegas, model (greedy) and
-    sampled (plain decoding, unseeded, temperature 1)."""
+    """runs: comma separated, of the drafters none, self-streaming, self-snapkv, self-vegas, draft-stop
+    (self-streaming with per-row draft lengths), model (greedy) and sampled (plain decoding, unseeded, temperature
+    1)."""
     llm = LLM(model, device="cpu", dtype="fp32")
     ids = prompts(llm.model.cfg.vocab_size)
     # logits of a batch's prompt prefix, straight from the model
@@ -52,7 +53,8 @@ def run(model: str, draft_model: str, out: str, runs: str, max_tokens: int) -> N
     results = {"logits": logits.tolist(), "tokens": {}}
     drafters = [("none", None), ("self-streaming", SpeculativeConfig("self-streaming", budget=BUDGET, gamma=3)),
             ("self-snapkv", SpeculativeConfig("self-snapkv", budget=BUDGET, gamma=3)),
-            ("self-vegas", SpeculativeConfig("self-vegas", budget=BUDGET, gamma=3))]
+            ("self-vegas", SpeculativeConfig("self-vegas", budget=BUDGET, gamma=3)),
+            ("draft-stop", SpeculativeConfig("self-streaming", budget=BUDGET, gamma=3, draft_stop=0.5))]
     if draft_model:
         drafters.append(("model", SpeculativeConfig("model", budget=BUDGET, gamma=2, draft_model=draft_model)))
     for name, spec in drafters:
