@@ -74,9 +74,12 @@ def kernel_model(default_model_bf16):
 @pytest.mark.parametrize("params", [SamplingParams(max_tokens=20, logprobs=4, ignore_eos=True),
                                     SamplingParams(max_tokens=20, logprobs=4, ignore_eos=True, temperature=0.8,
                                                    top_p=0.9, seed=3)], ids=["greedy", "sampled"])
-def test_speculative_logprobs_equal_plain_decodings_bit_for_bit(kernel_model, prompts, params):
+@pytest.mark.parametrize("stop", [None, 0.6], ids=["gamma", "per-row"])
+def test_speculative_logprobs_equal_plain_decodings_bit_for_bit(kernel_model, prompts, params, stop):
+    """Also with per-row draft lengths, whose ragged verification gives each real token the padded one's logits."""
     plain, _ = run_engine(kernel_model, prompts, params)
     drafter = SelfSpecDrafter(kernel_model, "streaming", 64, 3, True)
+    drafter.stop = stop
     spec, stats = run_engine(kernel_model, prompts, params, drafter=drafter, gamma=3)
     assert stats.gamma == 3 and sum(stats.accepted_hist[1:]) > 0  # it drafted, and drafts were accepted
     for a, b in zip(plain, spec):
