@@ -318,14 +318,16 @@ class Replanner(GammaPolicy):
             return 1
         return gamma
 
-    def observe(self, gamma: int, accepted: Sequence[int], seconds: float) -> None:
+    def observe(self, gamma: int, accepted: Sequence[int], seconds: float,
+                drafted: Sequence[int] | None = None) -> None:
         """A round that drafted `gamma` tokens per row (0: a plain step) in `seconds`; `accepted` holds each live
-        row's accepted count."""
+        row's accepted count, `drafted` its draft's length where rows stop on their own (None: gamma each; a row that
+        kept all of a shorter draft met no rejection)."""
         self.accepted *= ACCEPTANCE_DECAY
         self.rejected *= ACCEPTANCE_DECAY
         if gamma:
             self.accepted += sum(accepted)
-            self.rejected += sum(1 for k in accepted if k < gamma)
+            self.rejected += sum(1 for k, d in zip(accepted, drafted or [gamma] * len(accepted)) if k < d)
         spec = gamma > 0
         predicted = self._predict(*self._planned, gamma)
         window, moved = self._slowness[spec], False

@@ -44,9 +44,11 @@ class GammaPolicy:
     def __call__(self, live: int, context: int) -> int:
         raise NotImplementedError
 
-    def observe(self, gamma: int, accepted: Sequence[int], seconds: float) -> None:
+    def observe(self, gamma: int, accepted: Sequence[int], seconds: float,
+                drafted: Sequence[int] | None = None) -> None:
         """A decode round that drafted `gamma` tokens per row (0: a plain step) took `seconds`; `accepted` holds each
-        live row's accepted drafts."""
+        live row's accepted drafts, and `drafted` its draft's length where rows stop drafting on their own (None:
+        gamma each)."""
 
 
 @dataclass(frozen=True)
@@ -391,7 +393,8 @@ class Scheduler:
             changed[out.slot] = request
             freed.extend(self._append(request, out))
         if result.decoded:  # (a round can find every row gone: first tokens that were EOS)
-            self.gamma_policy.observe(step.gamma, [out.accepted for out in result.decoded], result.decode_s)
+            self.gamma_policy.observe(step.gamma, [out.accepted for out in result.decoded], result.decode_s,
+                                      [out.drafted for out in result.decoded])
         for request in self.active:
             self._store(request)
         return list(changed.values()), freed

@@ -386,6 +386,18 @@ def test_replanner_follows_the_acceptance_it_observes():
     assert high.alpha == replan.alpha(32768) and high.predicted_throughput > plan.predicted_throughput
 
 
+def test_replanner_counts_a_shorter_draft_kept_whole_as_no_rejection():
+    """Rows that stop drafting on their own (per-row draft lengths) and keep all they drafted teach the re-planner
+    a rate near 1, not the rate of rows rejected at their last token."""
+    rates = []
+    for drafted in ([1] * 128, None):
+        _, replan, _ = choose(SMOL, 128, 32768, profile="h100")
+        for _ in range(30):
+            replan.observe(4, [1] * 128, 0.0, drafted)
+        rates.append(replan.alpha(32768))
+    assert rates[0] > 0.9 > 0.6 > rates[1]
+
+
 def test_replanner_follows_the_round_times_it_measures():
     """Speculative rounds that take longer than the cost model predicts, relative to plain steps, turn the
     re-planner to plain decoding; it still times a draft round now and then, less often while the times
