@@ -160,9 +160,12 @@ def pick_eos(ar, gamma: int) -> tuple[int, int, int]:
     pytest.fail("no suitable EOS stand-in in the AR output")
 
 
-@pytest.mark.parametrize("name,gamma,budget", [("model-dense", 5, 64), ("self-snapkv", 3, 64)])
+@pytest.mark.parametrize("name,gamma,budget,stop", [("model-dense", 5, 64, None), ("self-snapkv", 3, 64, None),
+                                                    ("self-streaming", 5, 64, 0.3)])
 def test_eos_inside_a_draft(monkeypatch, model, draft_model, prompts, ar, cache, draft_hits,
-                            name, gamma, budget):
+                            name, gamma, budget, stop):
+    """An EOS accepted inside a draft ends the request there, as in plain decoding (also where rows stop drafting on
+    their own: `stop`)."""
     row, k, tok = pick_eos(ar, gamma)
     params = SamplingParams(max_tokens=MAX_TOKENS)
     ar_eos, _ = run(model, prompts, params, [tok], cache)
@@ -175,7 +178,9 @@ def test_eos_inside_a_draft(monkeypatch, model, draft_model, prompts, ar, cache,
         return n, nxt
 
     monkeypatch.setattr(runner_mod, "accept_drafts", record)
-    spec, _ = run(model, prompts, params, [tok], cache, make_drafter(name, model, draft_model, gamma, budget, False), gamma)
+    drafter = make_drafter(name, model, draft_model, gamma, budget, False)
+    drafter.stop = stop
+    spec, _ = run(model, prompts, params, [tok], cache, drafter, gamma)
     assert ar_eos[row].output_ids == ar[row].output_ids[: k + 1] and ar_eos[row].finish_reason == "stop"
     for s, a in zip(spec, ar_eos):
         assert s.output_ids == a.output_ids and s.finish_reason == a.finish_reason
