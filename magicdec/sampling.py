@@ -281,7 +281,7 @@ def _token_of(index: Tensor, ids: Tensor | None) -> Tensor:
 CPU_CANDIDATES = (64, 1024)
 
 
-def _top_indices(logits: Tensor, k: int) -> Tensor:
+def top_indices(logits: Tensor, k: int) -> Tensor:
     """Indices [n, k] of each row's k largest logits [n, V], the largest first.
 
     torch's topk over a 262k vocabulary costs more than a draft forward of a large batch; the k largest logits lie in
@@ -323,7 +323,7 @@ def _sample_candidates(
     logits [n, V], temperature / top_k / top_p / seed / position [n]. Returns (done [n] bool, tokens [n]): a row is
     done when every token its filters keep is a candidate, so the race below (noise keyed by token id, as in
     `sample_probs`, whose `ids` this takes too) picks what the full race would."""
-    index = _top_indices(logits, k)  # [n, k], most probable first
+    index = top_indices(logits, k)  # [n, k], most probable first
     p = _candidate_probs(logits, temperature, index)
     in_top_k = (top_k[:, None] == 0) | (torch.arange(k, device=p.device) < top_k[:, None])
     p = p * in_top_k

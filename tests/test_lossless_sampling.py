@@ -332,12 +332,12 @@ def test_cpu_candidate_sampler_follows_the_distribution():
 def test_top_indices_are_the_k_largest_logits(vocab, k, ties):
     """The block-maxima top-k (candidates of a large vocabulary) picks logits of the values torch.topk picks, largest
     first, also where logits tie (quantized to a few values) and where the vocabulary has no whole blocks."""
-    from magicdec.sampling import _top_indices
+    from magicdec.sampling import top_indices
 
     logits = torch.randn(5, vocab, generator=torch.Generator().manual_seed(vocab + k))
     if ties:
         logits = (logits * 2).round()
-    got = _top_indices(logits, k)
+    got = top_indices(logits, k)
     assert got.shape == (5, k) and (got >= 0).all() and (got < vocab).all()
     assert all(len(set(row)) == k for row in got.tolist())  # distinct tokens
     assert torch.equal(logits.gather(1, got), logits.topk(k, dim=-1).values)

@@ -14,7 +14,7 @@ from magicdec.kv.blocks import KVManager
 from magicdec.kv.hybrid import HybridCache, paged_part
 from magicdec.kv.sparse import SnapKVObserver
 from magicdec.model import SharesRecorder, Transformer
-from magicdec.sampling import RowParams, exponential_noise, sample_tokens
+from magicdec.sampling import RowParams, exponential_noise, sample_tokens, top_indices
 
 
 class Drafter(ABC):
@@ -189,10 +189,10 @@ def confidence(logits: Tensor, rows: RowParams, position: Tensor, ids: Tensor | 
 
     logits [n, V] at each row's temperature (1 for a greedy row); position [n]: the drafted token's; ids: as
     `sample_tokens` takes them. Top-k and top-p are not applied: this weighs a draw, it draws nothing."""
-    scaled = logits / rows.temperature[:, None]
-    top = scaled.topk(CONFIDENCE_CANDIDATES, dim=-1)
-    race = (top.values - top.values[:, :1]).exp()  # probabilities over the winner's, [n, k]
-    token = top.indices if ids is None else ids[top.indices]
+    index = top_indices(logits, CONFIDENCE_CANDIDATES)  # [n, k], the largest first
+    scaled = logits.gather(-1, index) / rows.temperature[:, None]
+    race = (scaled - scaled[:, :1]).exp()  # probabilities over the winner's, [n, k]
+    token = index if ids is None else ids[index]
     noise = exponential_noise(rows.seed, position[:, None], token[:, None])[:, 0]
     race = torch.where(rows.greedy[:, None], race, race / noise)
     best = race.topk(2, dim=-1).values
