@@ -430,7 +430,8 @@ def test_replanner_follows_the_round_times_it_measures():
 
 
 def test_the_engine_reports_each_round_to_its_policy(tiny_llama):
-    """LLMEngine calls the policy's observe(gamma, accepted counts of the live rows, seconds) after every round."""
+    """LLMEngine calls the policy's observe(gamma, accepted counts of the live rows, seconds, their draft lengths)
+    after every round."""
     from magicdec.engine import LLMEngine
     from magicdec.sampling import SamplingParams
 
@@ -440,7 +441,8 @@ def test_the_engine_reports_each_round_to_its_policy(tiny_llama):
         def __call__(self, live, context):
             return 2
 
-        def observe(self, gamma, accepted, seconds):
+        def observe(self, gamma, accepted, seconds, drafted=None):
+            assert list(drafted) == [gamma] * len(accepted)  # every row drafts gamma without a draft stop
             self.rounds.append((gamma, list(accepted), seconds))
 
     model = tiny_llama[0].model
