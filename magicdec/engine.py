@@ -409,7 +409,8 @@ class LLM:
         policy = None
         if speculative is not None and speculative.draft == "auto":
             self.last_auto = self._choose(speculative, batch, context, rows)
-            stop, (speculative, policy) = speculative.draft_stop, (self.last_auto.speculative, self.last_auto.replanner)
+            stop = speculative.draft_stop
+            speculative, policy = self.last_auto.speculative, self.last_auto.replanner
             if speculative is not None and stop is not None:
                 speculative = dataclasses.replace(speculative, draft_stop=stop)
         if speculative is None:

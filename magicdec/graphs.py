@@ -15,9 +15,10 @@ that stay in place:
   its mask built from the device lengths), and one graph serves one (model, head, cache, rows, tokens) combination.
   The rows are the scheduler's buckets (`scheduler.cuda_row_bucket`), so a few graphs serve every batch size.
 
-Prefill chunks, forwards observed by SnapKV, ragged verifications (`model.Ragged`) and forwards of more tokens than a verification's (a draft model catching
-up after plain rounds) run eagerly. A graph's logits are its output buffer, and the graphs share one memory pool: the
-logits are valid until the next replay of any graph (the decode loop samples from them before its next forward).
+Prefill chunks, forwards observed by SnapKV, ragged verifications (`model.Ragged`) and forwards of more tokens than
+a verification's (a draft model catching up after plain rounds) run eagerly. A graph's logits are its output buffer,
+and the graphs share one memory pool: the logits are valid until the next replay of any graph (the decode loop
+samples from them before its next forward).
 Graphs belong to one runner and its caches; `forget` drops those of a cache that goes (a drafter replaced).
 """
 

@@ -135,24 +135,19 @@ def attention_bias(mask: Tensor, groups: int, dtype: torch.dtype) -> Tensor:
 
 
 class Ragged:
-    """The rows of a forward of q new tokens each, of which row b's first counts[b] (>= 1) are real: a verification
-    of drafts of different lengths. The linear layers, norms and LM head run over the N real tokens only, packed in
-    row order; attention runs each group of rows of one count with that many queries (`attend_ragged`). The padding
-    tokens' K/V are written past the real ones, where nothing reads them before they are rewritten."""
+    """The rows of a forward of q = max(counts) new tokens each, of which row b's first counts[b] (>= 1) are real: a
+    verification of drafts of different lengths. The linear layers, norms and LM head run over the N real tokens only,
+    packed in row order; attention runs each group of rows of one count with that many queries (`attend_ragged`). The
+    padding tokens' K/V are written past the real ones, where nothing reads them before they are rewritten."""
 
-    def __init__(self, counts: Tensor, q: int):
-        self.B, self.q = counts.shape[0], q
-        real = torch.arange(q, device=counts.device) < counts[:, None]  # [B, q]
-        self.index = real.view(-1).nonzero().squeeze(1)  # [N] into the flattened [B * q]
-        self.owner = self.index // q  # [N] each real token's row
-        host = counts.tolist()
-        self.groups = [(c, torch.tensor([b for b, n in enumerate(host) if n == c], device=counts.device))
-                       for c in sorted(set(host))]
+    def __init__(self, counts: list[int], device: torch.device | str):
+        self.B, self.q = len(counts), max(counts)
+        # [N] into the flattened [B * q], and each real token's row
+        self.index = torch.tensor([b * self.q + j for b, n in enumerate(counts) for j in range(n)], device=device)
+        self.owner = self.index // self.q
+        self.groups = [(c, torch.tensor([b for b, n in enumerate(counts) if n == c], device=device))
+                       for c in sorted(set(counts))]
         self._parts: dict[int, tuple[Tensor, list[Tensor | None]]] = {}
-
-    @property
-    def tokens(self) -> int:
-        return self.index.shape[0]
 
     def pick(self, x: Tensor) -> Tensor:
         """x [B, q, ...] -> the real tokens' [N, ...]."""
@@ -183,7 +178,7 @@ class Ragged:
         return cut
 
 
-def attend_ragged(xq: Tensor, keys: Tensor, values: Tensor, bias: Tensor, table: Tensor | None, ragged: Ragged,
+def attend_ragged(xq: Tensor, keys: Tensor, values: Tensor, bias: Tensor, table: Tensor, ragged: Ragged,
                   shares: Tensor | None = None, share_row: int = 0) -> Tensor:
     """`attend` of a `Ragged` forward's queries [B, KV, G*q, hd] over a block pool read through `table`: each group
     of rows of count c attends with its first c tokens' queries alone (a query row's output has the same bits

@@ -340,7 +340,7 @@ class ModelRunner:
                 host = counts.tolist()
                 q = max(host)
                 draft, positions = draft[:, : q - 1], positions[:, :q]
-                ragged = Ragged(counts, q) if self.graphs is None and min(host) < q else None
+                ragged = Ragged(host, self.device) if self.graphs is None and min(host) < q else None
             with scopes.forward("verify", n, draft.shape[1] + 1, cache.lens):
                 logits = self.forward(torch.cat((last, draft), dim=1), cache,
                                       shares=self.drafter.verification_shares(), ragged=ragged)

@@ -55,22 +55,26 @@ class GenerationStats:
         return sum(self.accepted_hist)
 
     @property
+    def accepted_tokens(self) -> int:
+        """Draft tokens accepted over every verify round and sequence."""
+        return sum(i * c for i, c in enumerate(self.accepted_hist))
+
+    @property
     def mean_accepted(self) -> float:
         """Mean draft tokens accepted per verify round and sequence."""
         n = self.verify_steps
-        return sum(i * c for i, c in enumerate(self.accepted_hist)) / n if n else 0.0
+        return self.accepted_tokens / n if n else 0.0
 
     @property
     def acceptance_rate(self) -> float:
         """Fraction of drafted tokens the target accepted."""
-        accepted = sum(i * c for i, c in enumerate(self.accepted_hist))
-        return accepted / self.drafted_tokens if self.drafted_tokens else 0.0
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
 
     @property
     def verified_per_token(self) -> float:
         """Tokens the verifications ran (each sequence's drafts and the token before them) per token they produced."""
         rounds = self.verify_steps
-        produced = sum(i * c for i, c in enumerate(self.accepted_hist)) + rounds
+        produced = self.accepted_tokens + rounds
         return (self.drafted_tokens + rounds) / produced if produced else 0.0
 
     @property

@@ -108,7 +108,7 @@ def test_acceptance_never_passes_a_rows_draft_length():
 
 
 def test_ragged_layout_packs_and_pads_the_real_tokens():
-    ragged = Ragged(torch.tensor([2, 1, 3]), 3)
+    ragged = Ragged([2, 1, 3], "cpu")
     x = torch.arange(9).view(3, 3)
     assert ragged.pick(x).tolist() == [0, 1, 3, 6, 7, 8] and ragged.owner.tolist() == [0, 0, 1, 2, 2, 2]
     assert ragged.pad(ragged.pick(x), fill=-1).tolist() == [[0, 1, -1], [3, -1, -1], [6, 7, 8]]

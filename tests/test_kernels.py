@@ -481,7 +481,7 @@ def test_ragged_verification_gives_the_padded_ones_logits_and_shares_bit_for_bit
     q, lens = max(counts), [700, 300, 1030]
     texts = [corpus_prompt(n + q, book=i, at=0.5) for i, n in enumerate(lens)]
     new = torch.tensor([t[-q:] for t in texts])
-    ragged = Ragged(torch.tensor(counts), q)
+    ragged = Ragged(counts, "cpu")
     for storage in storages(isa):
         k, v = block_storage(model.cfg, 3 * 40 + 1, storage, "cpu")
         k.zero_(), v.zero_()
