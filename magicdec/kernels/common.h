@@ -144,7 +144,8 @@ struct Bias {
   const uint16_t* data;
   int64_t sb, sr, R, first;
   const uint16_t* at(int64_t b, int64_t r, int64_t l) const { return data + b * sb + r * sr + l; }  // bias row r
-  int64_t row(int64_t m) const { return (first + m) % R; }  // bias row of the task's query row m
+  // bias row of the task's query row m (no division where one row serves all: a plain step's)
+  int64_t row(int64_t m) const { return R == 1 ? 0 : (first + m) % R; }
   int64_t distinct(int64_t M) const { return std::min(M, R); }  // bias rows that M consecutive query rows take
 };
 

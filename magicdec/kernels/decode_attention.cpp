@@ -75,8 +75,9 @@ inline __m512 bf16_to_fp32(__m256i x) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16));
 }
 
-// In-place transpose of a 16 x 16 matrix of 32-bit words held in 16 registers.
-inline void transpose16(__m512i r[16]) {
+// In-place transpose of a 16 x 16 matrix of 32-bit words held in 16 registers. Always inlined: GCC kept it out of
+// line, and its registers went through memory on every K tile (a plain step's attention 1.2x slower, Zen 4).
+__attribute__((always_inline)) inline void transpose16(__m512i r[16]) {
   __m512i t[16];
   for (int i = 0; i < 16; i += 2) {
     t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
