@@ -15,7 +15,7 @@ from conftest import kv_pool, run_engine
 from magicdec.config import EngineConfig, ModelConfig
 from magicdec.engine import LLM, LLMEngine, resolve_config
 from magicdec.errors import InvalidRequestError
-from magicdec.kv.blocks import BLOCK_SIZE, NULL_BLOCK, KVManager, block_keys, blocks_for
+from magicdec.kv.blocks import BLOCK_SIZE, NULL_BLOCK, BlockPool, KVManager, block_keys, blocks_for
 from magicdec.sampling import SamplingParams
 
 # --- pool accounting ------------------------------------------------------------------------------------------
@@ -47,6 +47,21 @@ def check_pool(kv: KVManager) -> None:
     assert not set(free_ids) & set(pool.key_of) and set(evictable) <= set(pool.key_of)
     for request_id, keys in kv.keyed.items():  # a request's keys name its leading blocks' prefixes
         assert len(keys) <= len(kv.held.get(request_id, []))
+
+
+def test_blocks_let_go_are_taken_again_before_blocks_never_used():
+    """A request's unkeyed blocks, once let go, are handed out again (the last let go first, each request's in
+    ascending order) before blocks never used, whose memory has not been touched; keyed blocks nobody holds only after
+    both, least recently used first."""
+    pool = BlockPool(10)
+    first, second = pool.take(3), pool.take(2)
+    assert (first, second) == ([1, 2, 3], [4, 5])
+    pool.register(4, b"a prefix")
+    pool.release(first)
+    pool.release(second)  # 4 stays cached, 5 is free
+    assert pool.take(5) == [5, 1, 2, 3, 6]
+    assert pool.take(4) == [7, 8, 9, 4]
+    assert pool.num_free == 0
 
 
 #: (op, request, tokens): "step" admits a waiting request (its hit, then a first chunk) or grows a running one
