@@ -145,17 +145,18 @@ def choose(
 
 
 def default_strategies(work: Workload, model: Transformer | ModelShape) -> tuple[str, ...]:
-    """What `choose` searches by default: AR, StreamingLLM and SnapKV self-speculation, and self-quant over a 16-bit
-    cache on a GPU (a model on CUDA; for a ModelShape, a profile that is not a CPU's), where attention is bound by the
-    bytes the profile prices. On a CPU the profile's attention rate is its 16-bit kernel's, while the int8 kernel there
-    is bound by its instructions (1.2-1.5x a bf16 step's speed at half the bytes; benchmarks/README.md), and over an
-    int8 cache a self-quant draft step reads what a decode step reads: neither searches it. Not self-vegas, which
-    `strategies` may name: it accepts more than StreamingLLM at the same budget, but its draft forwards read scattered
-    positions and its rounds select, which the cost model does not price, and at B = 32 x 8k on a Zen 4 its best
-    configuration decoded no faster (benchmarks/README.md, "self-vegas against StreamingLLM")."""
+    """What `choose` searches by default: AR, StreamingLLM and SnapKV self-speculation; Vegas self-speculation where
+    the profile measured what its rounds add (`HardwareProfile.selection_s_per_share`: the selection, and the draft's
+    reads through token tables), which calibrated and quick CPU profiles do and GPU presets do not; and self-quant
+    over a 16-bit cache on a GPU (a model on CUDA; for a ModelShape, a profile that is not a CPU's), where attention
+    is bound by the bytes the profile prices. On a CPU the profile's attention rate is its 16-bit kernel's, while the
+    int8 kernel there is bound by its instructions (1.2-1.5x a bf16 step's speed at half the bytes;
+    benchmarks/README.md), and over an int8 cache a self-quant draft step reads what a decode step reads: neither
+    searches it."""
     gpu = model.device.type == "cuda" if isinstance(model, Transformer) else "cpu" not in work.hw.name
+    vegas = ("self-vegas",) if work.hw.selection_s_per_share > 0 else ()
     quant = ("self-quant",) if gpu and work.kv_dtype_bytes >= 2 else ()
-    return ("ar", *SELF_STRATEGIES, *quant)
+    return ("ar", *SELF_STRATEGIES, *vegas, *quant)
 
 
 def _draft_heads(draft_vocab: int, vocab_corpus: str | None, tokenizer: Tokenizer | None) -> dict[int, float]:
@@ -204,7 +205,7 @@ def _replanner(work: Workload, table: AcceptanceTable, best: Plan, gammas: list[
     def at(live: int, context: int) -> Workload:
         return dataclasses.replace(work, batch=live, context=context)
 
-    kv_bytes = strategy_kv_bytes(best.strategy, work.shape)
+    kv_bytes = strategy_kv_bytes(best.strategy, work)
 
     return Replanner(
         lambda live, context, alpha, scale: plan(
@@ -213,7 +214,8 @@ def _replanner(work: Workload, table: AcceptanceTable, best: Plan, gammas: list[
             strategies=[best.strategy, *(["ar"] if plain else [])],
             rows=1, margin=MIN_PREDICTED_SPEEDUP, spec_time_scale=scale, draft_heads={best.draft_vocab: 1.0}),
         lambda live, context, gamma: round_time(at(live, context), gamma, mode, budget=best.budget,
-                                                draft_vocab=best.draft_vocab, draft_kv_bytes=kv_bytes),
+                                                draft_vocab=best.draft_vocab, draft_kv_bytes=kv_bytes,
+                                                selects=best.strategy == "self-vegas"),
         prior=lambda context: table.alpha(best.strategy, best.budget, context, mode) * coverage,
         min_context=(best.budget or 0) + 1,
         planned=(work.batch, work.context),

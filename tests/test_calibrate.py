@@ -71,6 +71,9 @@ def test_quick_calibration_is_valid(quick_calibration, tmp_path, monkeypatch):
     # The measurements' shape, not their values: how well a profile predicts forwards depends on what else the machine
     # runs, and is measured by benchmarks/validate_planner.py (and recorded in the profile's `check`).
     assert len(hw.linear_rates) == 4 and len(hw.attention_rates) == 4
+    vegas = cal.measurements["vegas"]  # what a Vegas round adds: selection, reads through token tables
+    assert hw.selection_s_per_share == vegas["seconds_select"] / (vegas["rows"] * vegas["layers"] * 3 * 8192) > 0
+    assert hw.table_read_factor == max(1.0, vegas["seconds_token_table"] / vegas["seconds_block_table"])
     forwards = cal.measurements["forwards"]
     assert forwards and all(p["seconds"] > 0 and 0 < p["predicted"] < math.inf for p in forwards)
     shapes = {}
@@ -255,7 +258,7 @@ def test_read_bandwidth_is_never_the_linear_rate(att_rate):
                         "kv_bytes_per_s": att_rate / q} for q in (1, 4)],
          "overhead": {"fixed_s": 0.001, "per_layer_s": 1e-4, "decode_loop_extra_s": 0.001},
          "square_matmul": [{"flops_per_s": 1e12}], "read_bandwidth": {"sum": 38 * gb, "mv": 30 * gb},
-         "sampling": {"seconds_per_logit": 1e-9}}
+         "sampling": {"seconds_per_logit": 1e-9}, "vegas": {"seconds_per_share": 1e-9, "table_read_factor": 1.4}}
     hw = profile_from(m, SMOL, "test", torch.device("cpu"), torch.float32)
     assert hw.mem_bandwidth == max(38 * gb, att_rate)
     assert hw.bandwidth_efficiency == 1.0 and hw.linear_rates[0] == (1, 86 * gb)
@@ -269,7 +272,7 @@ def test_an_overhead_longer_than_the_forwards_does_not_inflate_the_flop_rate():
                         "kv_bytes_per_s": 2e10}],
          "overhead": {"fixed_s": 0.3, "per_layer_s": 0.0, "decode_loop_extra_s": 0.0},
          "square_matmul": [{"flops_per_s": 1e11}], "read_bandwidth": {"sum": 3e10, "mv": 3e10},
-         "sampling": {"seconds_per_logit": 1e-9}}
+         "sampling": {"seconds_per_logit": 1e-9}, "vegas": {"seconds_per_share": 1e-9, "table_read_factor": 1.4}}
     hw = profile_from(m, SMOL, "test", torch.device("cpu"), torch.float32)
     raw = 2 * 64 * SMOL.n_params_linear / 0.64
     assert hw.flops_per_s * hw.matmul_efficiency == pytest.approx(20 * raw)

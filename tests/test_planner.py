@@ -27,10 +27,11 @@ from magicdec.planner import (
     plot_speedup,
     strategy_kv_bytes,
     round_time,
+    selection_time,
     verify_step_time,
     Workload,
 )
-from magicdec.autoplan import choose, describe
+from magicdec.autoplan import choose, default_strategies, describe
 from magicdec.planner.hardware import GPU_LAUNCH_PER_LAYER_S, eager
 from magicdec.profiles import preset_for_device
 
@@ -468,9 +469,9 @@ def test_a_quantized_draft_reads_the_whole_context_at_int8_bytes():
     acceptance outweighs reading the whole context (half the target's bytes a draft step, against a sparse draft's
     few)."""
     w = Workload(LLAMA3, TOY_HW, batch=64, context=32768)
-    int8 = dataclasses.replace(w, kv_dtype_bytes=strategy_kv_bytes("self-quant", LLAMA3))
-    assert strategy_kv_bytes("self-quant", LLAMA3) == (LLAMA3.head_dim + 4) / LLAMA3.head_dim
-    assert strategy_kv_bytes("self-streaming", LLAMA3) is None
+    int8 = dataclasses.replace(w, kv_dtype_bytes=strategy_kv_bytes("self-quant", w))
+    assert strategy_kv_bytes("self-quant", w) == (LLAMA3.head_dim + 4) / LLAMA3.head_dim
+    assert strategy_kv_bytes("self-streaming", w) is None
     assert round_time(w, 3, draft_kv_bytes=int8.kv_dtype_bytes) == pytest.approx(
         draft_time(int8, None, 3, first_tokens=1) + verify_step_time(w, 3))
     table = AcceptanceTable()
@@ -502,3 +503,46 @@ def test_auto_searches_a_quantized_draft_where_its_profile_prices_it():
     assert choice.plan.strategy == "self-quant" and choice.speculative.draft == "self-quant"
     assert "self-quant gamma" in describe(choice.plan)
     assert choice.replanner.plan_at(64, 32768).strategy == "self-quant"
+
+
+def test_a_vegas_round_pays_its_selection_and_its_drafts_scattered_reads():
+    """A Vegas draft reads the target's K/V through token tables, priced at the profile's `table_read_factor` times
+    their bytes, and its round adds the verification's shares written ((G + 1) 4 bytes per row, global layer, KV head
+    and position) and their ranking (`selection_s_per_share` each); it holds no K/V of its own. The planner takes it
+    over StreamingLLM at the same budget only where its higher acceptance outweighs that."""
+    hw = dataclasses.replace(TOY_HW, selection_s_per_share=1e-9, table_read_factor=1.5)
+    w = Workload(LLAMA3, hw, batch=32, context=8192)
+    shares = 32 * LLAMA3.n_layers * LLAMA3.n_kv_heads * 8192
+    assert selection_time(w) == pytest.approx(shares * ((32 // 8 + 1) * 4 / (1e12 * 0.5) + 1e-9))
+    assert selection_time(dataclasses.replace(w, batch=64, context=16384)) == pytest.approx(4 * selection_time(w))
+    assert strategy_kv_bytes("self-vegas", w) == 2 * 1.5
+    assert strategy_kv_bytes("self-vegas", dataclasses.replace(w, hw=TOY_HW)) is None  # not measured: as read
+    scattered = dataclasses.replace(w, kv_dtype_bytes=3.0)
+    assert round_time(w, 2, budget=256, draft_kv_bytes=3.0, selects=True) == pytest.approx(
+        draft_time(scattered, 256, 2, first_tokens=1) + verify_step_time(w, 2) + selection_time(w))
+    both = {"budgets": [256], "strategies": ["self-streaming", "self-vegas"]}
+    # +0.02 acceptance does not pay for a round's selection, which a profile that did not measure it leaves out
+    assert plan(w, _rates(0.80, 0.82), **both).strategy == "self-streaming"
+    assert plan(dataclasses.replace(w, hw=TOY_HW), _rates(0.80, 0.82), **both).strategy == "self-vegas"
+    vegas = plan(w, _rates(0.60, 0.90), **both)
+    assert (vegas.strategy, vegas.budget) == ("self-vegas", 256)
+    assert vegas.predicted_throughput == pytest.approx(32 * expected_tokens(0.90, vegas.gamma) / round_time(
+        w, vegas.gamma, budget=256, draft_kv_bytes=3.0, selects=True))
+    assert vegas.fits_in_memory
+
+
+def _rates(streaming: float, vegas: float) -> AcceptanceTable:
+    table = AcceptanceTable()
+    table.add("self-streaming", streaming, budget=256)
+    table.add("self-vegas", vegas, budget=256)
+    return table
+
+
+def test_auto_searches_vegas_where_the_profile_measured_its_selection():
+    """`--draft auto` searches self-vegas with a profile that priced its rounds (calibrated and quick CPU profiles),
+    not with one that did not (GPU presets, profiles kept by an older magicdec)."""
+    w = Workload(LLAMA3, TOY_HW, batch=32, context=8192)
+    assert "self-vegas" not in default_strategies(w, LLAMA3)
+    measured = dataclasses.replace(w, hw=dataclasses.replace(TOY_HW, selection_s_per_share=1e-9))
+    assert "self-vegas" in default_strategies(measured, LLAMA3)
+    assert "self-vegas" not in default_strategies(Workload(LLAMA3, get_profile("h100"), 32, 8192), LLAMA3)

@@ -37,6 +37,7 @@ from magicdec.calibrate.acceptance import CalibrationProgress, sampling_params
 from magicdec.calibrate.machine import device_memory_bytes, machine_info
 from magicdec.calibrate.timing import (best_time, median_time, model_config_from_shape, read_rate, synthetic_model,
                                       time_forward)
+from magicdec.calibrate.vegas import measure_vegas
 from magicdec.config import EngineConfig, ModelConfig
 from magicdec.cpu import cpu_kind, dtype_name
 from magicdec.engine import LLMEngine
@@ -51,7 +52,7 @@ from magicdec.sampling import RowParams, SamplingParams, sample_tokens
 
 GiB = 1024**3
 #: Stages `measure_hardware` reports progress over.
-STAGES = 7
+STAGES = 8
 #: Cache length of the forwards whose attention is negligible.
 SHORT = 16
 #: KV bytes the attention measurement's long cache holds at least, in up to ATTENTION_MAX_ROWS rows.
@@ -165,21 +166,23 @@ def measure_hardware(
     else:
         shape = target_shape(model.cfg)
     t_overhead = m["overhead"]["fixed_s"] + m["overhead"]["per_layer_s"] * shape.n_layers
+    report(4, STAGES, "Vegas selection")
+    m["vegas"] = measure_vegas(shape, dev, run.dtype, run.storage, reps=10 if quick else 30)
     # Attention in two sweeps with the linear layers' measurement between them, the faster of each forward kept: a
     # burst of other work on the machine during one sweep would price every forward's attention slow (measured: 7.4
     # against an idle 14-16 GB/s on the AVX2 path, and `--draft auto` drafted where plain decoding was faster).
-    report(4, STAGES, "attention")
+    report(5, STAGES, "attention")
     first = time_attention(run, model, shape)
-    report(5, STAGES, "linear layers")
+    report(6, STAGES, "linear layers")
     m["linear"] = measure_linear(run, model, shape, t_overhead)
     m["attention"] = attention_rates(run, shape, first, time_attention(run, model, shape))
-    report(6, STAGES, "check")
+    report(7, STAGES, "check")
     profile = profile_from(m, shape, name or _default_name(dev, run.storage, run.kv), dev, run.storage)
     m["forwards"] = check_forwards(run, model, shape, profile, m["overhead"]["decode_loop_extra_s"])
     m["model_shape"] = dataclasses.asdict(shape)
     errors = [abs(f["predicted"] / f["seconds"] - 1) for f in m["forwards"]]
     m["check"] = {"median_relative_error": statistics.median(errors), "worst_relative_error": max(errors)}
-    report(7, STAGES, "done")
+    report(8, STAGES, "done")
     return HardwareCalibration(profile, m)
 
 
@@ -317,7 +320,8 @@ def profile_from(m: dict[str, Any], shape: ModelShape, name: str, device: torch.
         fixed_overhead_s=overhead["fixed_s"] + overhead["decode_loop_extra_s"],
         per_layer_overhead_s=overhead["per_layer_s"],
         linear_rates=linear_rates, attention_rates=attention_rates,
-        sampling_s_per_logit=m["sampling"]["seconds_per_logit"], attention=attention_path(device, dtype),
+        sampling_s_per_logit=m["sampling"]["seconds_per_logit"], selection_s_per_share=m["vegas"]["seconds_per_share"],
+        table_read_factor=m["vegas"]["table_read_factor"], attention=attention_path(device, dtype),
         linear=linear_path(device, dtype),
     )
 

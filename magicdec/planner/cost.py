@@ -185,3 +185,14 @@ def draft_time(w: Workload, budget: int | None, gamma: int, *, first_tokens: int
     whole `context`) or its sparse budget. A budget larger than the context is the context."""
     kv_len = w.context if budget is None else min(budget, w.context)
     return forward_cost(w, first_tokens, kv_len).time + (gamma - 1) * forward_cost(w, 1, kv_len).time
+
+
+def selection_time(w: Workload) -> float:
+    """Seconds a Vegas round spends on its selection beside its forwards' own work: its verification leaves each
+    cached position's share of the first token's attention (per row, global layer and KV head: the G query heads'
+    fp32 numerators and their sum, (G + 1) 4 bytes written at the streaming bandwidth), and the round ranks the
+    shares (`hw.selection_s_per_share` each)."""
+    shape = w.shape
+    shares = w.batch * (shape.n_layers - shape.sliding_layers) * shape.n_kv_heads * w.context / w.tp
+    written = (shape.n_heads // shape.n_kv_heads + 1) * 4
+    return shares * (written / (w.hw.mem_bandwidth * w.hw.bandwidth_efficiency) + w.hw.selection_s_per_share)

@@ -73,13 +73,20 @@ class HardwareProfile:
     pays five times what one of 49k does, and a draft head of 32k rows an eighth of its model's. The planner charges
     it per token drawn in sampling mode (a plain step draws one per row, a speculative round 2 gamma + 1). 0 for
     datasheet figures."""
+    selection_s_per_share: float = 0.0
+    """Seconds a Vegas round's selection (`magicdec.kv.vegas.select`) takes per attention share it ranks: per row,
+    global layer, KV head and cached position. 0 for datasheet figures (not measured)."""
+    table_read_factor: float = 1.0
+    """How many times longer attention takes over positions read one by one through a token table (scattered over
+    the block pool, as a Vegas draft reads them) than over as many read block by block. 1 for datasheet figures (not
+    measured)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str):
             raise ValueError(f"name must be a string, got {self.name!r}")
         numbers = ["flops_per_s", "mem_bandwidth", "mem_bytes", "matmul_efficiency", "bandwidth_efficiency",
                    "attention_efficiency", "fixed_overhead_s", "per_layer_overhead_s", "launch_per_layer_s",
-                   "allreduce_latency_s", "sampling_s_per_logit"]
+                   "allreduce_latency_s", "sampling_s_per_logit", "selection_s_per_share", "table_read_factor"]
         for field in numbers + (["ici_bandwidth"] if self.ici_bandwidth is not None else []):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
@@ -104,8 +111,10 @@ class HardwareProfile:
             if not 0 < value <= 1:
                 raise ValueError(f"{field} must be in (0, 1], got {value}")
         if min(self.fixed_overhead_s, self.per_layer_overhead_s, self.launch_per_layer_s, self.allreduce_latency_s,
-               self.sampling_s_per_logit) < 0:
+               self.sampling_s_per_logit, self.selection_s_per_share) < 0:
             raise ValueError("overheads must be non-negative")
+        if self.table_read_factor < 1:
+            raise ValueError(f"table_read_factor must be >= 1, got {self.table_read_factor}")
         if self.ici_bandwidth is not None and self.ici_bandwidth <= 0:
             raise ValueError(f"ici_bandwidth must be positive or None, got {self.ici_bandwidth}")
 

@@ -10,7 +10,8 @@ from typing import Any
 
 from magicdec import dtypes
 from magicdec.planner.acceptance import AcceptanceTable, check_mode, expected_tokens
-from magicdec.planner.cost import Workload, decode_step_time, draft_time, forward_cost, verify_step_time
+from magicdec.planner.cost import (Workload, decode_step_time, draft_time, forward_cost, selection_time,
+                                   verify_step_time)
 from magicdec.planner.models import ModelShape
 
 STRATEGIES = ("ar", "self-streaming", "self-snapkv", "self-vegas", "self-quant", "model")
@@ -60,27 +61,35 @@ class _Drafter:
     kv_bytes: float | None = None  # bytes per K/V value the draft reads (None: the target's)
 
 
-def strategy_kv_bytes(strategy: str, shape: ModelShape) -> float | None:
-    """Bytes per K/V value a drafter of `strategy` reads where they are not the target's: self-quant's 4-bit levels
-    sit in int8 rows with their scale (`magicdec.kv.lowbit`); None for the others."""
-    return dtypes.kv_nbytes("int8", shape.head_dim) if strategy == "self-quant" else None
+def strategy_kv_bytes(strategy: str, w: Workload) -> float | None:
+    """Bytes per K/V value a drafter of `strategy` is priced at where they are not the target's (`w.kv_dtype_bytes`):
+    self-quant's 4-bit levels sit in int8 rows with their scale (`magicdec.kv.lowbit`); a Vegas draft reads the
+    target's one position at a time through token tables, priced as `w.hw.table_read_factor` times their bytes; None
+    for the others."""
+    if strategy == "self-quant":
+        return dtypes.kv_nbytes("int8", w.shape.head_dim)
+    if strategy == "self-vegas" and w.hw.table_read_factor != 1:
+        return w.kv_dtype_bytes * w.hw.table_read_factor
+    return None
 
 
 def _drafters(
-    target: ModelShape, draft: ModelShape | None, budgets: Iterable[int], context: int, tp: int,
-    strategies: set[str], draft_heads: Mapping[int, float],
+    w: Workload, draft: ModelShape | None, budgets: Iterable[int], strategies: set[str],
+    draft_heads: Mapping[int, float],
 ) -> Iterator[_Drafter]:
+    target, tp = w.shape, w.tp
     # A sparse cache whose budget reaches the context holds every token: it is a dense cache.
-    sparse_budgets = sorted(b for b in set(budgets) if b < context)
+    sparse_budgets = sorted(b for b in set(budgets) if b < w.context)
     drafters = []
-    # A Vegas draft reads `budget` positions per layer, as a sparse cache does; its selection, the verification's
-    # shares and the scattered reads of its tables are not priced (`autoplan.default_strategies` leaves it out).
+    # A Vegas draft reads `budget` positions per layer as a sparse cache does, through token tables (its bytes priced
+    # by `strategy_kv_bytes`); its rounds' selection is priced by `round_time`.
     for strategy in ("self-streaming", "self-snapkv", "self-vegas"):
         if strategy in strategies:
-            drafters += [_Drafter(strategy, None, budget, strategy, target, tp) for budget in sparse_budgets]
+            drafters += [_Drafter(strategy, None, budget, strategy, target, tp,
+                                  kv_bytes=strategy_kv_bytes(strategy, w)) for budget in sparse_budgets]
     if "self-quant" in strategies:  # the whole context, at int8 rows' bytes
         drafters.append(_Drafter("self-quant", None, None, "self-quant", target, tp,
-                                 kv_bytes=strategy_kv_bytes("self-quant", target)))
+                                 kv_bytes=strategy_kv_bytes("self-quant", w)))
     if draft is not None and "model" in strategies:
         # Tensor parallelism splits KV heads, so a draft with fewer KV heads than devices runs on gcd(tp, n_kv_heads)
         # of them (as MagicDec runs TinyLlama on 4 of 8 GPUs).
@@ -96,14 +105,15 @@ def _drafters(
 
 def round_time(w: Workload, gamma: int, mode: str = "greedy", draft: ModelShape | None = None,
                budget: int | None = None, draft_tp: int | None = None, draft_vocab: int = 0,
-               draft_kv_bytes: float | None = None) -> float:
+               draft_kv_bytes: float | None = None, selects: bool = False) -> float:
     """Predicted seconds of one decode round of the workload: a plain step for gamma 0, else gamma forwards of
     `draft` (default: the target itself, self-speculation) over its cache (`budget` entries; None: dense; its values
     of `draft_kv_bytes`, default the target's) on `draft_tp` devices (default: the target's) and the target's
     verification of gamma + 1 tokens. `draft_vocab`: the rows of the draft's LM head (a draft head,
     `magicdec.drafters.vocab`; 0: its whole vocabulary). In sampling mode, every position drawn costs the profile's
     `sampling_s_per_logit` per row and logit it draws from: gamma positions from the draft's head, gamma + 1 from the
-    target's."""
+    target's. `selects`: a Vegas round, whose verification leaves the attention shares its selection ranks
+    (`selection_time`)."""
     t_logit = w.batch * w.hw.sampling_s_per_logit if mode == "sampling" else 0.0
     vocab = w.shape.vocab_size
     if gamma == 0:
@@ -111,7 +121,7 @@ def round_time(w: Workload, gamma: int, mode: str = "greedy", draft: ModelShape 
     drafting = _drafting(w, draft or w.shape, draft_vocab, draft_tp, draft_kv_bytes)
     t_draft = draft_time(drafting, budget, gamma, first_tokens=2 if draft is not None else 1)
     t_sample = (gamma * drafting.shape.vocab_size + (gamma + 1) * vocab) * t_logit
-    return t_draft + verify_step_time(w, gamma) + t_sample
+    return t_draft + verify_step_time(w, gamma) + t_sample + (selection_time(w) if selects else 0.0)
 
 
 def _drafting(w: Workload, shape: ModelShape, draft_vocab: int, tp: int | None, kv_bytes: float | None) -> Workload:
@@ -168,16 +178,16 @@ def _best_speculative(
             alpha = acceptance.alpha(d.key, d.budget, w.context, mode, rows=rows) * d.coverage
         except KeyError:
             continue
-        kv_len = w.context if d.budget is None else d.budget
-        # Self-speculation shares the target's weights; a draft model brings its own.
+        # Self-speculation shares the target's weights, and a Vegas draft its K/V; a draft model brings its own.
+        held = 0 if d.strategy == "self-vegas" else w.context if d.budget is None else d.budget
         drafting = _drafting(w, d.shape, d.vocab, d.tp, d.kv_bytes)
-        fits = target_memory + _memory(drafting, d.shape, kv_len, d.tp, weights=d.strategy == "model") \
+        fits = target_memory + _memory(drafting, d.shape, held, d.tp, weights=d.strategy == "model") \
             <= w.hw.mem_bytes
         if ar_fits and not fits:
             continue
         for g in gammas:
             t_round = round_time(w, g, mode, d.shape if d.strategy == "model" else None, d.budget, d.tp, d.vocab,
-                                 d.kv_bytes)
+                                 d.kv_bytes, selects=d.strategy == "self-vegas")
             throughput = w.batch * expected_tokens(alpha, g) / (spec_time_scale * t_round)
             if best is None or throughput > best.throughput:
                 best = _Candidate(throughput, d, g, alpha, fits)
@@ -217,7 +227,7 @@ def plan(
     gammas = sorted(set(gammas))
     rows = w.batch if rows is None else rows
     _check_plan_args(w, chosen, gammas, mode, rows)
-    drafters = _drafters(w.shape, draft, budgets, w.context, w.tp, chosen, draft_heads or {0: 1.0})
+    drafters = _drafters(w, draft, budgets, chosen, draft_heads or {0: 1.0})
     best = _best_speculative(w, acceptance, drafters, gammas, mode, rows, spec_time_scale)
     ar_throughput = w.batch / round_time(w, 0, mode)
     if "ar" in chosen and (best is None or best.throughput <= margin * ar_throughput):
