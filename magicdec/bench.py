@@ -372,7 +372,7 @@ def plot_results(doc: dict, folder: Path, stem: str) -> list[Path]:
         for key in sorted({(p["draft"], p["mode"], p["gamma"], p["context"]) for p in acc}):
             ps = sorted((p for p in acc if (p["draft"], p["mode"], p["gamma"], p["context"]) == key
                          and not p.get("positions")), key=lambda p: p["budget"])
-            if len(ps) < 2:
+            if not ps:
                 continue
             ax.plot([p["budget"] for p in ps], [p["tokens_per_step"] for p in ps], marker="o",
                     label=f"{key[0]} {key[1]} g={key[2]} S={key[3]}")
