@@ -587,6 +587,29 @@ def test_append_from_copies_the_entries_a_row_missed(target, reindex):
     check_slots(cache, 2, held_after([0, 1, 2, 3], list(range(4, 30)), budget, sink), base, inv_freq)  # not selected
 
 
+@pytest.mark.parametrize("G", [1, 3])
+def test_snapkv_observer_scores_are_each_positions_softmax_weight_summed_over_heads_and_queries(G):
+    """The observer's scores [B, KV, L]: each query row's softmax over the positions its mask shows, in bf16 products
+    scaled in fp32, summed over the G heads of a KV head and the q observation queries: the bits of the plain chain of
+    tensor operations."""
+    B, KV, q, L, hd = 2, 2, 5, 40, 16
+    g = torch.Generator().manual_seed(0)
+    xq = torch.randn(B, KV * G, q, hd, generator=g)
+    keys = torch.randn(B, KV, L, hd, generator=g).bfloat16()
+    mask = torch.rand(B, 1, q, L, generator=g) > 0.3
+    mask[..., 0] = True
+    obs = SnapKVObserver(1)
+    obs(0, xq, keys, mask)
+    dots = (xq.reshape(B, KV, G * q, hd).bfloat16() @ keys.transpose(-1, -2)).float() / hd**0.5
+    expected = dots.masked_fill(~mask.repeat(1, 1, G, 1), float("-inf")).softmax(-1).sum(2)
+    assert torch.equal(obs.scores[0], expected)
+    per_head = torch.zeros(B, KV, L)
+    for h in range(KV * G):  # head h's rows: its G heads' queries are KV head h // G's rows, head-major
+        head = (xq[:, h].bfloat16() @ keys[:, h // G].transpose(-1, -2)).float() / hd**0.5  # [B, q, L]
+        per_head[:, h // G] += head.masked_fill(~mask[:, 0], float("-inf")).softmax(-1).sum(1)
+    torch.testing.assert_close(obs.scores[0], per_head, rtol=1e-6, atol=1e-6)
+
+
 def test_snapkv_selects_top_pooled_scores_before_window(target):
     cfg, inv_freq = target.cfg, target.inv_freq
     budget, gamma = 16, 3
