@@ -23,7 +23,7 @@ from magicdec.kv import quant
 from magicdec.kv.base import KVCache
 from magicdec.kv.blocks import BLOCK_SIZE, blocks_for
 from magicdec.kv.paged import PagedKVCache
-from magicdec.model import apply_rope, rope_cos_sin
+from magicdec.model import apply_rope, attention_bias, rope_cos_sin
 
 #: StreamingLLM's attention sinks: the first few tokens take a large share of attention in every layer.
 DEFAULT_SINK = 4
@@ -220,8 +220,7 @@ class SnapKVObserver:
         att = (qg @ keys.transpose(-1, -2)).float()  # [B, KV, G*q, L]
         # masked in place by adding -inf, broadcast over the group's heads: a tenth of the time of a broadcast
         # masked_fill_, a quarter of the observation's time with a repeated mask and out-of-place steps
-        hidden = torch.zeros(mask.shape, device=att.device).masked_fill_(~mask, float("-inf"))  # [B, 1, q, L]
-        att.view(B, KV, G, q, -1).add_(hidden[:, :, None])
+        att.view(B, KV, G, q, -1).add_(attention_bias(mask, 1, att.dtype)[:, :, None])
         self.scores[layer] = att.div_(hd**0.5).softmax(dim=-1).sum(dim=2)  # [B, KV, L]: summed over heads, queries
 
 
