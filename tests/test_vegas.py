@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from magicdec.config import GLOBAL
+from magicdec.config import GLOBAL, ModelConfig
 from magicdec.engine import LLM
 from magicdec.kv.blocks import BLOCK_SIZE, NULL_BLOCK, block_storage
 from magicdec.kv.paged import PagedKVCache
@@ -113,6 +113,22 @@ def test_shares_recorder_keeps_the_global_layers_only(default_model):
     shares = AttentionShares(cfg, torch.device("cpu"))
     assert all(shares.buffer(layer, (1, 1, 4)) is not None for layer in cfg.layers_of(GLOBAL))
     assert shares.shares.shape == (len(cfg.layers_of(GLOBAL)), 1, 1, 4)
+
+
+def test_shares_storage_is_kept_from_forward_to_forward():
+    """Each forward's shares are a view of one storage, grown (with room for a longer context) only when a forward
+    outgrows it: a buffer allocated each round was faulted in afresh."""
+    cfg = ModelConfig(vocab_size=64, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=64, head_dim=8)
+    shares = AttentionShares(cfg, torch.device("cpu"))
+    first = shares.buffer(0, (4, 2, 100))
+    storage = shares.shares.data_ptr()
+    for L in (100, 101, 60, 125):  # the context grows by a round's tokens, a batch shrinks: the same storage
+        shares.start()
+        assert shares.buffer(1, (4, 2, L)).shape == (4, 2, L)
+        assert shares.shares.shape == (3, 4, 2, L) and shares.shares.data_ptr() == storage
+    shares.start()
+    shares.buffer(0, (4, 2, 126))
+    assert shares.shares.data_ptr() != storage and first.shape == (4, 2, 100)
 
 
 @pytest.fixture(scope="module")

@@ -33,7 +33,8 @@ class VegasDrafter(SelfDrafter):
             raise InvalidRequestError(f"a Vegas draft's budget ({budget}) must leave room for a selection beside its "
                                       f"sink and window: 8 entries or more")
         self.target: KVCache | HybridCache | None = None
-        self.shares: AttentionShares | None = None
+        self.shares = AttentionShares(model.cfg, model.device)
+        self.observed = False  # whether a verification left shares since the last selection
 
     def allocate(self, slots: int, capacity: int, dtype: torch.dtype, device: torch.device,
                  target: KVCache | None = None, kv: KVManager | None = None) -> None:
@@ -64,15 +65,16 @@ class VegasDrafter(SelfDrafter):
 
     def verification_shares(self) -> AttentionShares:
         """Where the coming verification forward leaves its attention shares (read back by `accept`)."""
-        self.shares = AttentionShares(self.model.cfg, self.model.device)
+        self.shares.start()
+        self.observed = True
         return self.shares
 
     def accept(self, n: int, n_tokens: Tensor, live: Tensor) -> None:
         """Select each live row's positions for its next rounds from the verification's shares."""
         super().accept(n, n_tokens, live)
-        if self.shares is None:
+        if not self.observed:
             return
         draft = paged_part(self.cache)
         chosen = select(self.shares.shares, paged_part(self.target).lens[:n], self.top, self.window)
         draft.selected[:n] = torch.where(live[:, None, None], chosen, draft.selected[:n])
-        self.shares = None
+        self.observed = False

@@ -39,21 +39,32 @@ def vegas_top(budget: int) -> int:
 class AttentionShares:
     """One forward's shares of token `row`'s attention over each cached position, per layer whose K/V grow with the
     context (a hybrid model's global layers): `buffer` hands the attention of such a layer an fp32 [B, KV, L] tensor
-    to fill (see `magicdec.model.SharesRecorder`)."""
+    to fill (see `magicdec.model.SharesRecorder`); `start` begins the next forward's. The storage is kept from forward
+    to forward: one allocated for each verification (94 MB at SmolLM2 x 32 rows x 8k) was now and then faulted in
+    afresh, and a verification's attention took up to a quarter longer."""
 
     row = 0  # the verification's first token: the last one the target accepted, always kept
+    GROWTH = 1.25  # storage grown this much beyond the forward that outgrew it: the context grows every round
 
     def __init__(self, cfg: ModelConfig, device: torch.device):
         self.index = {layer: i for i, layer in enumerate(cfg.layers_of(GLOBAL))}
         self.device = device
-        self.shares: Tensor | None = None  # [layers, B, KV, L], allocated at the first layer's call
+        self.shares: Tensor | None = None  # [layers, B, KV, L], the current forward's, taken at its first layer's call
+        self._storage = torch.empty(0, dtype=torch.float32, device=device)
+
+    def start(self) -> None:
+        """The next forward fills shares of its own shape."""
+        self.shares = None
 
     def buffer(self, layer: int, shape: tuple[int, int, int]) -> Tensor | None:
         i = self.index.get(layer)
         if i is None:
             return None
         if self.shares is None:
-            self.shares = torch.empty((len(self.index), *shape), dtype=torch.float32, device=self.device)
+            n = len(self.index) * shape[0] * shape[1] * shape[2]
+            if self._storage.numel() < n:
+                self._storage = torch.empty(int(n * self.GROWTH), dtype=torch.float32, device=self.device)
+            self.shares = self._storage[:n].view(len(self.index), *shape)
         return self.shares[i]
 
 
