@@ -67,4 +67,3 @@ def _reads(shape: ModelShape, device: torch.device, dtype: torch.dtype, kv_dtype
         t_blocks += times(lambda: attend(xq, k, v, bias, block_table), device, 1, warmup=0)
         t_tokens += times(lambda: attend(xq, k_tokens, v_tokens, bias, token_table), device, 1, warmup=0)
     return statistics.median(t_blocks), statistics.median(t_tokens)
-
