@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from magicdec.config import GLOBAL, ModelConfig
+from magicdec.drafters import VegasDrafter
 from magicdec.engine import LLM
 from magicdec.kv.blocks import BLOCK_SIZE, NULL_BLOCK, block_storage
 from magicdec.kv.paged import PagedKVCache
@@ -129,6 +130,21 @@ def test_shares_storage_is_kept_from_forward_to_forward():
     shares.start()
     shares.buffer(0, (4, 2, 126))
     assert shares.shares.data_ptr() != storage and first.shape == (4, 2, 100)
+
+
+def test_planned_memory_covers_the_largest_shares_storage(default_model):
+    """A Vegas drafter's planned bytes (what the engine's memory check counts) cover its selections and the shares'
+    storage grown for a verification of every slot over the whole capacity."""
+    model = default_model.model
+    drafter = VegasDrafter(model, 256, 2)
+    slots, capacity = 4, 1000
+    cfg = model.cfg
+    for L in (capacity - 1, capacity):  # grown once past the last-but-one forward, then by the last
+        drafter.shares.start()
+        drafter.shares.buffer(0, (slots, cfg.n_kv_heads, L))
+    selections = slots * (cfg.n_layers * vegas_top(256) * 8 + 1)
+    storage = drafter.shares._storage
+    assert selections + storage.numel() * storage.element_size() <= drafter.cache_bytes(slots, capacity, model.dtype)
 
 
 @pytest.fixture(scope="module")

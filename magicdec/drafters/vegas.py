@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -45,8 +47,12 @@ class VegasDrafter(SelfDrafter):
         self.cache = self._over_target(full, target)
 
     def cache_bytes(self, slots: int, capacity: int, dtype: torch.dtype) -> int:
-        layers = global_config(self.model.cfg).n_layers
-        return slots * (layers * self.top * 8 + 1)  # each row's selected positions (int64) and its flag
+        """Each row's selected positions (int64) and its flag, and the verification's attention shares, which
+        `AttentionShares` keeps from round to round (fp32 per global layer, KV head and position; at most GROWTH
+        times the largest forward's)."""
+        cfg = global_config(self.model.cfg)
+        shares = cfg.n_layers * cfg.n_kv_heads * capacity * 4 * AttentionShares.GROWTH
+        return slots * (cfg.n_layers * self.top * 8 + 1 + math.ceil(shares))
 
     def prefill(self, slot: int, prompt: Tensor, end: int, target: KVCache, observer: SnapKVObserver | None) -> None:
         """Nothing to copy: the row reads the target's entries. Its first selection, once the prompt is prefilled, is
