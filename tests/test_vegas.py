@@ -139,7 +139,7 @@ def test_planned_memory_covers_the_largest_shares_storage(default_model):
     drafter = VegasDrafter(model, 256, 2)
     slots, capacity = 4, 1000
     cfg = model.cfg
-    for L in (capacity - 1, capacity):  # grown once past the last-but-one forward, then by the last
+    for L in (capacity - 1, capacity):  # grown at the last-but-one forward, with room left for the last
         drafter.shares.start()
         drafter.shares.buffer(0, (slots, cfg.n_kv_heads, L))
     selections = slots * (cfg.n_layers * vegas_top(256) * 8 + 1)

@@ -31,7 +31,7 @@ def measure_vegas(shape: ModelShape, device: torch.device, dtype: torch.dtype, k
     """The selection's seconds per share, over `ROWS` rows of softmax-like shares at `CONTEXT` positions, and the
     attention's time through token tables over its time through block tables (at least 1), one token's queries in
     `dtype` per row over `BUDGET` positions of a pool of `shape`'s K/V heads stored in `kv_dtype` (16-bit); medians of
-    `reps` (at least 10) alternated runs each."""
+    `reps` (at least 10) runs each, the two kinds of read alternated."""
     reps = max(reps, 10)
     generator = torch.Generator().manual_seed(0)
     layers = max(1, shape.n_layers - shape.sliding_layers)

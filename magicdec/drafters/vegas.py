@@ -35,8 +35,7 @@ class VegasDrafter(SelfDrafter):
             raise InvalidRequestError(f"a Vegas draft's budget ({budget}) must leave room for a selection beside its "
                                       f"sink and window: 8 entries or more")
         self.target: KVCache | HybridCache | None = None
-        self.shares = AttentionShares(model.cfg, model.device)
-        self.observed = False  # whether a verification left shares since the last selection
+        self.shares = AttentionShares(model.cfg, model.device)  # its `shares`: a verification's not selected from yet
 
     def allocate(self, slots: int, capacity: int, dtype: torch.dtype, device: torch.device,
                  target: KVCache | None = None, kv: KVManager | None = None) -> None:
@@ -72,15 +71,14 @@ class VegasDrafter(SelfDrafter):
     def verification_shares(self) -> AttentionShares:
         """Where the coming verification forward leaves its attention shares (read back by `accept`)."""
         self.shares.start()
-        self.observed = True
         return self.shares
 
     def accept(self, n: int, n_tokens: Tensor, live: Tensor) -> None:
         """Select each live row's positions for its next rounds from the verification's shares."""
         super().accept(n, n_tokens, live)
-        if not self.observed:
+        if self.shares.shares is None:
             return
         draft = paged_part(self.cache)
         chosen = select(self.shares.shares, paged_part(self.target).lens[:n], self.top, self.window)
         draft.selected[:n] = torch.where(live[:, None, None], chosen, draft.selected[:n])
-        self.observed = False
+        self.shares.start()  # selected from: the next selection waits for the next verification's shares
