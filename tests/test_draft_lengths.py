@@ -3,12 +3,16 @@ verification runs each row's own tokens only (`magicdec.model.Ragged`); the outp
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
+from magicdec import scopes
 from magicdec.drafters.base import confidence
 from magicdec.engine import LLM
 from magicdec.errors import InvalidRequestError
+from magicdec.kv.base import KVCache
 from magicdec.model import Ragged
 from magicdec.sampling import RowParams, SamplingParams, exponential_noise
 from magicdec.speculative import SpeculativeConfig
@@ -45,6 +49,35 @@ def test_per_row_draft_lengths_equal_plain_decoding(native_llm, prompts, draft, 
     assert 0 < stats.drafted_tokens < 4 * rounds  # rows stopped early, not all at once
     accepted = sum(i * c for i, c in enumerate(stats.accepted_hist))
     assert stats.verified_per_token == pytest.approx((stats.drafted_tokens + rounds) / (accepted + rounds))
+
+
+@pytest.mark.parametrize("draft", ["self-streaming", "self-vegas"])
+def test_rows_that_stop_leave_the_later_draft_forwards(native_llm, prompts, draft, monkeypatch):
+    """Rows that stop drafting leave the round's later forwards, which run over the rows still drafting alone
+    (`KVCache.take`), and every row drafts what it drafts with all rows in every forward: the same tokens, drafts and
+    acceptances as where no row leaves."""
+    forwards = []
+
+    @contextlib.contextmanager
+    def note(kind, rows, tokens, lens):
+        forwards.append((kind, rows))
+        yield
+
+    monkeypatch.setattr(scopes, "forward", note)
+    spec = SpeculativeConfig(draft, budget=64, gamma=4, draft_stop=0.6)
+    runs = []
+    for leave in (True, False):
+        if not leave:
+            monkeypatch.setattr(KVCache, "take", lambda self, index: None)
+        forwards.clear()
+        outs = native_llm.generate(prompt_token_ids=prompts, params=PARAMS[1], speculative=spec)
+        stats = native_llm.last_stats
+        runs.append(([o.token_ids for o in outs], stats.drafted_tokens, stats.accepted_hist,
+                     [rows for kind, rows in forwards if kind == "draft"]))
+    (tokens, drafted, accepted, rows), (all_tokens, all_drafted, all_accepted, all_rows) = runs
+    assert (tokens, drafted, accepted) == (all_tokens, all_drafted, all_accepted)
+    assert len(rows) == len(all_rows) and all(a <= b for a, b in zip(rows, all_rows))
+    assert sum(rows) < sum(all_rows)  # some forwards ran without the rows that had stopped
 
 
 def test_per_row_draft_lengths_equal_plain_decoding_in_fp32(llm, prompts):

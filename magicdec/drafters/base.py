@@ -124,7 +124,9 @@ class Drafter(ABC):
                 target: KVCache) -> tuple[Tensor, Tensor]:
         """Draft up to gamma tokens for each of the first n slots: (tokens [n, gamma], lengths [n]), row b's first
         lengths[b] tokens its draft (all gamma unless `stop` is set; the tokens past a row's length are
-        meaningless). The loop ends early once every row has stopped.
+        meaningless). With `stop`, the rows that stopped leave the round's later forwards where the cache can run
+        some rows alone (`KVCache.take`; each row's logits are the same bits in any batch), and the loop ends once
+        every row has stopped.
 
         seq [n, C]: every slot's tokens (prompt and output); n_tokens [n]: how many are known; live [n]: slots that
         are decoding (others compute garbage and keep nothing); target: the target's cache over the same slots,
@@ -134,25 +136,47 @@ class Drafter(ABC):
         self.catch_up(cache, seq, n_tokens, live, target, gamma)
         start = cache.next_pos.clone()
         x = self._feed(cache, seq, start, torch.where(live, n_tokens - start, 1), live)
-        live_n, tokens = live.long(), []
+        tokens = torch.zeros(n, gamma, dtype=torch.long, device=seq.device)
         lengths = torch.full((n,), gamma, dtype=torch.long, device=seq.device)
-        sure = torch.ones(n, device=seq.device)  # the product of each row's drafted tokens' confidences
+        # the rows the forwards run over (`index` into the n; all of them until some stop), their cache and parameters
+        index, part, part_rows = torch.arange(n, device=seq.device), cache, rows
+        sure = torch.ones(n, device=seq.device)  # the product of each drafting row's tokens' confidences
         ids = None if self.head is None else self.head.ids
         for i in range(gamma):
             with scopes.sampling("draft"):
-                t = sample_tokens(x[:, None], rows, (n_tokens + i)[:, None], ids)[:, 0]
+                position = n_tokens[index] + i
+                t = sample_tokens(x[:, None], part_rows, position[:, None], ids)[:, 0]
+                tokens[index, i] = t
                 if self.stop is not None:
-                    sure *= confidence(x, rows, n_tokens + i, ids)
-                    lengths = torch.where((sure < self.stop) & (lengths == gamma), i, lengths)
-            tokens.append(t)
-            if i < gamma - 1 and self.stop is not None and not bool(((lengths == gamma) & live).any()):
-                tokens += [t] * (gamma - 1 - i)
+                    sure = sure * confidence(x, part_rows, position, ids)
+                    going = (sure >= self.stop) & live[index]
+                    lengths[index] = torch.where(going, gamma, lengths[index].clamp_max(i))
+            if i == gamma - 1:
                 break
-            if i < gamma - 1:
-                with scopes.forward("draft", n, 1, cache.entries_read):
-                    x = self.forward(t[:, None], cache, head=self.head)[:, 0]
-                cache.commit(live_n)
-        return torch.stack(tokens, dim=1), lengths
+            if self.stop is not None and not bool(going.all()):
+                if not bool(going.any()):
+                    break
+                part, index, kept = self._drafting(cache, part, index, going)
+                if kept is not None:
+                    x, t, sure, part_rows = x[kept], t[kept], sure[kept], rows.select(index)
+            with scopes.forward("draft", len(index), 1, part.entries_read):
+                x = self.forward(t[:, None], part, head=self.head)[:, 0]
+            part.commit(live[index].long())
+        if part is not cache:
+            cache.put(index, part)
+        return tokens, lengths
+
+    @staticmethod
+    def _drafting(cache: KVCache, part: KVCache, index: Tensor,
+                  going: Tensor) -> tuple[KVCache, Tensor, Tensor | None]:
+        """The rows that draft on (`going` [len(index)] of the rows at `index` the last forward ran over) as the next
+        forward's: (their cache, their index into the round's rows, which of the last forward's rows they are), or
+        the same rows as before (None) where the cache cannot run some rows alone."""
+        kept = going.nonzero()[:, 0]
+        if part is not cache:
+            cache.put(index, part)  # what the last forwards left, before the rows are taken again
+        taken = cache.take(index[kept])
+        return (part, index, None) if taken is None else (taken, index[kept], kept)
 
     def catch_up(self, cache: KVCache, seq: Tensor, n_tokens: Tensor, live: Tensor, target: KVCache,
                  gamma: int) -> None:

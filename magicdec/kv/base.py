@@ -166,7 +166,21 @@ class KVCache:
         """A view of row i alone."""
         return self._view(slice(i, i + 1))
 
-    def _view(self, rows: slice) -> "KVCache":
+    def take(self, index: Tensor) -> "KVCache | None":
+        """The rows at `index` [m] as a cache of their own for the next forwards, their per-row state copied (`put`
+        writes it back): a forward over some rows alone (the rows still drafting, `Drafter.propose`). None where rows
+        own their storage (a copy of it would cost more than the forward saves) or forwards replay graphs captured
+        over whole heads of rows."""
+        return None if self.ROWS_IN_STORAGE or self.static else self._view(index)
+
+    def put(self, index: Tensor, part: "KVCache") -> None:
+        """Take back the per-row state of `part`, the rows `take(index)` gave."""
+        for name in self.PER_ROW:
+            getattr(self, name)[index] = getattr(part, name)
+        self.max_len = max(self.max_len, part.max_len)
+
+    def _view(self, rows: slice | Tensor) -> "KVCache":
+        """The rows of a slice (views of the per-row state: changes are the cache's) or at an index (copies)."""
         view = copy.copy(self)
         if self.ROWS_IN_STORAGE:
             view.k, view.v = self.k[:, rows], self.v[:, rows]

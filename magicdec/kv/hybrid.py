@@ -163,6 +163,10 @@ class HybridCache:
     def row(self, i: int) -> "HybridCache":
         return HybridCache(self.cfg, self.full.row(i), self.window.row(i))
 
+    def take(self, index: Tensor) -> None:
+        """None: the sliding layers' rings are rows of their own storage (see `KVCache.take`)."""
+        return None
+
     # --- a draft's `full` (a sparse cache, or a 4-bit copy) -------------------------------------------------------
     def evict(self) -> None:
         self.full.evict()

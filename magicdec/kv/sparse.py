@@ -193,7 +193,7 @@ class SparseKVCache(PagedKVCache):
         self.n_prefix.zero_()
         self.max_len = self.capacity
 
-    def _view(self, rows: slice) -> "SparseKVCache":
+    def _view(self, rows: slice | Tensor) -> "SparseKVCache":
         view = super()._view(rows)
         view.max_len = self.capacity
         return view

@@ -161,6 +161,12 @@ class VegasKVCache(PagedKVCache):
         self.max_len = int(self.lens.max()) if self.lens.numel() else 0
         self._selection_tables = None  # a new round: the selection may have changed since the last
 
+    def _view(self, rows: slice | Tensor) -> "VegasKVCache":
+        view = super()._view(rows)
+        if self._selection_tables is not None:  # the round's tables, cut to the rows
+            view._selection_tables = self._selection_tables[:, rows]
+        return view
+
     def clear(self) -> None:
         super().clear()
         self.selected.fill_(-1)
