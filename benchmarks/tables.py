@@ -271,8 +271,8 @@ def vegas_acceptance() -> str:
         for p in sorted(doc["points"].values(), key=lambda p: (p["draft"] == "self-quant", p["budget"])):
             row = rows.setdefault((name, p["context_used"], p["mode"]),
                                   {"model": name, "context": p["context_used"], "mode": p["mode"]})
-            column = p["draft"].removeprefix("self-") + (" (whole)" if p["draft"] == "self-quant" else "")
-            row[column] = " / ".join(filter(None, (row.get(column), f"{p['acceptance']:.2f}")))
+            column = p["draft"].removeprefix("self-")
+            row[column] = "/".join(filter(None, (row.get(column), f"{p['acceptance']:.2f}")))
     budgets = sorted({p["budget"] for doc in runs for p in doc["points"].values() if p["budget"]})
     return text([rows[k] for k in sorted(rows)]) + f"\n\nBudgets {' / '.join(map(str, budgets))}."
 
