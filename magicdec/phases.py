@@ -9,7 +9,8 @@ them.
 
 The split of one kind of forward, from the profiler's events inside its scopes:
 - attention: the model's `attend` calls (the native or Triton kernel, or torch's operators where they attend);
-- linear: the linear layers' operators (the packed kernel, or torch's `aten::linear`);
+- linear: the linear layers' operators (the packed kernel, on vector instructions or AMX tiles, or torch's
+  `aten::linear`);
 - other: every other operator of the forward (embedding, norms, RoPE, activations, residual adds, casts, the K/V
   writes into the cache, masks);
 - host: the forward's wall time that no operator accounts for (Python between operators, dispatch);
@@ -170,7 +171,7 @@ def _split(event, us: dict[str, float]) -> None:
     for child in event.cpu_children:
         if child.name == scopes.ATTENTION:
             us["attention"] += _us(child)
-        elif child.name.endswith("::linear"):
+        elif child.name.endswith(("::linear", "::linear_tiles")):
             us["linear"] += _us(child)
         elif child.name.startswith(scopes.PREFIX):
             _split(child, us)

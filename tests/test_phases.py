@@ -4,13 +4,14 @@ its floor; profiling changes no output."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
 from magicdec import scopes
 from magicdec.cli import main
 from magicdec.errors import InvalidRequestError
-from magicdec.phases import PhaseRecorder
+from magicdec.phases import PhaseRecorder, _split
 from magicdec.sampling import SamplingParams
 from magicdec.speculative import SpeculativeConfig
 
@@ -65,6 +66,22 @@ def test_plain_decoding_is_accounted_and_a_long_window_closes_with_the_run(llm, 
     assert recorder.closed and not recorder.running and scopes.active is None
     assert llm.generate(prompt_token_ids=[corpus_prompt(100)], params=SamplingParams(max_tokens=2)) is not None
     assert llm.last_stats.phases is None
+
+
+def test_operators_are_split_by_name():
+    """Attention is our scope, linear layers are any library's `linear` (the packed kernel on vector instructions or
+    on AMX tiles, torch's), nested scopes of ours are looked into, and everything else is other."""
+    def event(name, us, *children):
+        return SimpleNamespace(name=name, time_range=SimpleNamespace(start=0, end=us), cpu_children=list(children))
+
+    forward = event(scopes.FORWARD + "draft", 100, event(scopes.ATTENTION, 30), event("aten::linear", 1),
+                    event("magicdec_avx512bf16::linear", 2), event("magicdec_avx512bf16::linear_tiles", 4),
+                    event(scopes.PREFIX + "inner", 20, event("magicdec_avx512bf16::linear_tiles", 8),
+                          event("aten::add", 16)),
+                    event("magicdec_avx512bf16::rms_norm", 32))
+    us = dict.fromkeys(("attention", "linear", "other"), 0.0)
+    _split(forward, us)
+    assert us == {"attention": 30, "linear": 15, "other": 48}
 
 
 @pytest.mark.parametrize("rounds", [0, -1, 1.5])
