@@ -68,6 +68,10 @@ TIMING_WINDOW = 3
 #: doubles, up to EXPLORE_MOST, while the choice holds and the other kind's time stays within EXPLORE_MOVED
 #: of its median, and starts again otherwise.
 EXPLORE_EVERY = 32
+#: Rounds before the other kind is timed for the first time: a plan the timings contradict (a cost the profile
+#: does not price, such as K/V that several rows share staying in the last-level cache) is corrected within a few
+#: rounds, not after EXPLORE_EVERY of a run that may be only a few dozen rounds long.
+EXPLORE_FIRST = 4
 EXPLORE_MOST = 256
 EXPLORE_MOVED = 0.2
 
@@ -244,7 +248,8 @@ class Replanner(GammaPolicy):
     - cost: the seconds of recent speculative rounds over the cost model's prediction, relative to the same ratio of
       plain steps, scales the predicted cost of speculation (the model errs differently for the two, e.g. at a batch
       or context the profile did not measure; per-forward overheads weigh most at a few rows). So that both are
-      known, a round of the kind not chosen runs now and then (EXPLORE_EVERY, and soon after the live batch changes):
+      known, a round of the kind not chosen runs early (EXPLORE_FIRST), then now and then (EXPLORE_EVERY, and soon
+      after the live batch changes):
       a plain step costs nothing against plain decoding; a one-token draft round, where the timings alone turned
       drafting off, risks a fraction of one step."""
 
@@ -312,7 +317,8 @@ class Replanner(GammaPolicy):
             self._drafting, self._since, self._interval = gamma > 0, 0, EXPLORE_EVERY
         if self._timed_live[not self._drafting] not in (None, live):  # the batch changed since: time it soon
             self._interval = min(self._interval, EXPLORE_EVERY)
-        if self._since < self._interval:
+        never_timed = self._timed_live[not self._drafting] is None
+        if self._since < (min(self._interval, EXPLORE_FIRST) if never_timed else self._interval):
             return gamma
         if gamma and self._plain:
             return 0
