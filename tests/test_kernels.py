@@ -217,6 +217,30 @@ def test_a_paged_cache_gives_the_bits_of_the_contiguous_one(isa, tiles, q, hd, b
             assert torch.equal(kernels.decode_attention(xq, pk, pv, bias, table), want), (storage, L)
 
 
+@pytest.mark.parametrize("hd", [64, 128, 256])
+@pytest.mark.parametrize("q", [1, 3, 9])
+def test_rows_sharing_blocks_get_the_bits_of_rows_of_their_own(isa, tiles, q, hd, monkeypatch):
+    """Rows whose chunks of context are the same blocks of the pool (a prompt prefix the prefix cache shares) attend
+    over them in one task, their query rows together, and each row gets exactly the bits it gets over a copy of its
+    own: groups over whole chunks, a chunk shared only in part, a row over the same blocks behind another bias (its
+    context ends inside a shared chunk), rows of their own; and so with MAGICDEC_CASCADE=0 (a pass per row)."""
+    B, KV, G, L, shared = 6, 2, 3, 2600, 2100
+    lens = [L - q, 900, L - q, L - q - 5, 1200, 1500]
+    for storage in storages(isa):
+        xq, k, v, mask = ragged(B, KV, G, q, L, hd, lens, L + 37, isa.compute, storage, seed=q + hd)
+        for x in (k, v):
+            x[[2, 3, 5], :, :shared] = x[0, :, :shared]
+        bias = attention_bias(mask, 1, bias_dtype(storage, isa))
+        want = kernels.decode_attention(xq, k, v, bias)
+        pk, pv, table = paged(k, v, 16, seed=hd)
+        assert torch.equal(kernels.decode_attention(xq, pk, pv, bias, table), want), storage
+        table[[2, 3, 5], : shared // 16] = table[0, : shared // 16]  # the same blocks, not copies
+        for cascade in ("1", "0"):
+            monkeypatch.setenv("MAGICDEC_CASCADE", cascade)
+            assert kernels.groups() == (cascade == "1")
+            assert torch.equal(kernels.decode_attention(xq, pk, pv, bias, table), want), (storage, cascade)
+
+
 def test_a_paged_cache_is_checked(isa):
     """Block tables the kernel cannot read are refused by `takes` and by the operator, not read past a pool."""
     storage = isa.storage[0]

@@ -36,6 +36,11 @@ build fails, the path's kernels are off, the reason is logged, and torch's opera
 MAGICDEC_ISA=<path> forces a path (say `avx2` on a CPU with AVX-512, to run and test it there), `none` none;
 MAGICDEC_AMX=0 keeps both kernels on vector instructions.
 
+Rows whose context holds the same blocks of the pool (a shared prompt prefix) attend over each such chunk in one task,
+their query rows together, so that each K/V tile is read, transposed and interleaved once for all of them, and on AMX
+tiles up to 16 query rows cost about one (`groups`; MAGICDEC_CASCADE=0 turns it off; benchmarks/README.md, "Rows that
+share a prompt: one pass over its blocks"). A row's bits are those of its own pass.
+
 Beside the two, each path's library holds small operators of a decoder layer (`rms_norm` with the residual add fused,
 `rope`, `glu`: the MLP's activation times its up projection, `store_kv` of a forward's new K/V rows into the block
 pool; kernels/layer.h), which a decode-sized forward would otherwise run as chains of torch operators, each paying
@@ -141,6 +146,14 @@ def tiles() -> bool:
         return False
     ops = _ops()
     return ops is not None and bool(ops.tiles_ready())
+
+
+def groups() -> bool:
+    """Whether the attention kernels attend over the blocks that rows share (a prompt prefix the prefix cache hands to
+    several requests, or to the samples of one) once for all of them, their query rows together (cascade attention;
+    the same bits); MAGICDEC_CASCADE=0 gives each row its own pass over them. Read at every call, so that a benchmark
+    can alternate the two in one process."""
+    return os.environ.get("MAGICDEC_CASCADE", "1") != "0"
 
 
 def path_name() -> str:
@@ -424,13 +437,14 @@ def decode_attention(xq: Tensor, keys: Tensor, values: Tensor, bias: Tensor, tab
     bias hides from all of a row's queries are not read. A row's output has the bits it has over the same positions
     stored contiguously. BS may be below 16, down to 1: a token table [B, L], each entry naming one position's row,
     reads arbitrary positions of a block pool in place through its `token_view` (entries block * step + offset).
-    Blocks of fewer than 16 positions run on vector instructions (a tile reads 16 positions of one block).
+    Blocks of fewer than 16 positions run on vector instructions (a tile reads 16 positions of one block). Rows whose
+    chunk of `CHUNK` positions is the same blocks behind the same bias attend over it in one task (`groups`).
 
     `shares` (fp32, contiguous [B, KV, L]), where given, receives the attention shares of new token `share_row` (a
     bias row, in [0, R)): shares[b, h, l] = the sum over the query rows m of KV head h with m % R == share_row (the G
     query heads of that token) of their softmax probability at l, 0 where the bias hides l from them. A row of shares
     sums to about G. The output has the same bits with shares as without."""
-    extra = (shares, share_row)
+    extra = (shares, share_row, groups())
     if keys.dtype == torch.int8:
         return _ops().decode_attention_int8(xq, keys, values, bias, CHUNK, table, *extra)
     if on_tiles is None:

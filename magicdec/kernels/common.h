@@ -11,7 +11,9 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <cstring>
 #include <cstdint>
 #include <limits>
 #include <optional>
@@ -19,10 +21,11 @@
 #include <vector>
 
 // The schema of an attention operator `name` of any path: queries, K, V, the bias, the chunk size, an optional block
-// table and an optional shares output [B, KV, L] (fp32) for the query rows of bias row share_row (Shares).
+// table, an optional shares output [B, KV, L] (fp32) for the query rows of bias row share_row (Shares), and whether
+// rows that share blocks attend over them together (`groups`, Sharing).
 #define MAGICDEC_ATTENTION_SCHEMA(name)                                                                           \
   name "(Tensor q, Tensor k, Tensor v, Tensor bias, int chunk, Tensor? block_table=None, Tensor(a!)? shares=None, " \
-       "int share_row=0) -> Tensor"
+       "int share_row=0, bool groups=True) -> Tensor"
 
 namespace magicdec {
 
@@ -274,6 +277,99 @@ void merge_chunks(int64_t rows, int64_t M, int64_t C, const float* pm, const flo
   });
 }
 
+// Rows that attend over the same chunk of context (the same blocks of a pool, behind the same bias: a prompt prefix the
+// prefix cache shares among requests, or among the samples of one prompt) are one group per chunk, which one task
+// attends for all its rows, their query rows gathered (cascade attention): each K/V tile is read, and transposed or
+// interleaved, once for the group, and on AMX tiles up to 16 query rows cost about what one does. A row's arithmetic
+// does not depend on the other rows of its task, so each gets the bits of its own task.
+struct Sharing {
+  std::vector<int32_t> members;  // the rows of each group, group after group, each in increasing order
+  std::vector<int32_t> first;    // [C, B]: where the group row b leads (its lowest row) starts in `members`; -1: none
+  std::vector<int32_t> count;    // [C, B]: the rows of the group row b leads (1: b alone)
+  bool any = false;              // whether some group holds more than one row
+};
+
+// The groups of rows over chunks of `chunk` positions of L: rows whose K and V blocks (the offsets `K.blocks` and
+// `V.blocks` name) over the chunk are the same and whose bias rows agree over it. Called for pools read through a
+// block table; those of blocks of fewer than 16 positions (a draft's token tables) are not looked at: their rows
+// select positions of their own.
+template <class T>
+Sharing sharing_of(const StridedOf<T>& K, const StridedOf<T>& V, const Bias& bias, int64_t B, int64_t L,
+                   int64_t chunk) {
+  Sharing sharing;
+  if (K.shift < 4 || B < 2) return sharing;
+  const int64_t C = (L + chunk - 1) / chunk;
+  sharing.first.assign(C * B, -1);
+  sharing.count.assign(C * B, 0);
+  std::vector<int32_t> group(B), leaders;
+  for (int64_t c = 0; c < C; ++c) {
+    const int64_t l0 = c * chunk, l1 = std::min(L, l0 + chunk), j0 = l0 >> K.shift, nj = ((l1 - 1) >> K.shift) - j0 + 1;
+    const auto same = [&](int64_t a, int64_t b) {
+      if (K.blocks[a * K.nblk + j0] != K.blocks[b * K.nblk + j0]) return false;  // most rows, at once
+      if (std::memcmp(K.blocks + a * K.nblk + j0, K.blocks + b * K.nblk + j0, nj * sizeof(int64_t)) != 0 ||
+          std::memcmp(V.blocks + a * V.nblk + j0, V.blocks + b * V.nblk + j0, nj * sizeof(int64_t)) != 0)
+        return false;
+      for (int64_t r = 0; r < bias.R; ++r)
+        if (std::memcmp(bias.at(a, r, l0), bias.at(b, r, l0), (l1 - l0) * sizeof(uint16_t)) != 0) return false;
+      return true;
+    };
+    leaders.clear();
+    for (int64_t b = 0; b < B; ++b) {
+      const auto found = std::find_if(leaders.begin(), leaders.end(), [&](int32_t a) { return same(a, b); });
+      group[b] = found == leaders.end() ? static_cast<int32_t>(b) : *found;
+      if (found == leaders.end()) leaders.push_back(static_cast<int32_t>(b));
+    }
+    for (const int32_t a : leaders) {
+      sharing.first[c * B + a] = static_cast<int32_t>(sharing.members.size());
+      for (int64_t b = a; b < B; ++b)
+        if (group[b] == a) sharing.members.push_back(static_cast<int32_t>(b));
+      sharing.count[c * B + a] = static_cast<int32_t>(sharing.members.size()) - sharing.first[c * B + a];
+      sharing.any |= sharing.count[c * B + a] > 1;
+    }
+  }
+  return sharing;
+}
+
+// attend_in_chunks's tasks where rows share chunks (Sharing): for each (row, head, chunk) in that order, the task of
+// the row's group where the row leads it, none where another row does. The threads take the tasks one by one as
+// they finish the last (a group's task costs more than a row's, and the rows that lead groups are the first ones).
+template <int D, class MakeTask, class MakeGroup>
+void attend_groups(int64_t B, int64_t H, int64_t M, int64_t L, int64_t chunk, const Bias& bias, const Sharing& sharing,
+                   float* pm, float* ps, float* po, MakeTask& make_task, MakeGroup& make_group) {
+  const int64_t C = (L + chunk - 1) / chunk;
+  std::vector<int64_t> tasks;  // b * H * C + h * C + c: the (row, head, chunk) whose task runs
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t c = 0; c < C; ++c)
+        if (sharing.first[c * B + b] >= 0) tasks.push_back((b * H + h) * C + c);
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    typename std::invoke_result_t<MakeTask, int64_t, int64_t, int64_t, Bias>::Buffers buffers;
+    std::vector<float> gm, gs, go;  // a group's partial results, its rows one after another
+    for (int64_t i = next++; i < static_cast<int64_t>(tasks.size()); i = next++) {
+      const int64_t bhc = tasks[i], c = bhc % C, bh = bhc / C, h = bh % H, b = bh / H;
+      const int64_t l0 = c * chunk, l1 = std::min(L, l0 + chunk), n = sharing.count[c * B + b];
+      if (n == 1) {
+        auto work = make_task(bh, 0, M, bias);
+        work.run(b, h, l0, l1, buffers, pm + bhc * M, ps + bhc * M, po + bhc * M * D);
+        continue;
+      }
+      const int32_t* rows = sharing.members.data() + sharing.first[c * B + b];
+      auto work = make_group(rows, n, h, bias, buffers);
+      gm.resize(n * M);
+      gs.resize(n * M);
+      go.resize(n * M * D);
+      work.run(b, h, l0, l1, buffers, gm.data(), gs.data(), go.data());
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t at = ((rows[j] * H + h) * C + c) * M;
+        std::copy_n(gm.data() + j * M, M, pm + at);
+        std::copy_n(gs.data() + j * M, M, ps + at);
+        std::copy_n(go.data() + j * M * D, M * D, po + at * D);
+      }
+    }
+  });
+}
+
 // Attention of M query rows per (row, KV head) over L positions in chunks of `chunk`, returning [B, H, M, D] fp32,
 // and the attention shares where `shares` holds an output (Shares).
 // make_task(bh, m0, rows, bias) builds the task of rows [m0, m0 + rows) of head bh (with the bias from its row m0);
@@ -281,14 +377,26 @@ void merge_chunks(int64_t rows, int64_t M, int64_t C, const float* pm, const flo
 // numerators of its rows that its member `share` (ShareRows) names.
 // A prefill chunk's many query rows are split into blocks of at most kBlockRows. A row's arithmetic does not depend
 // on the block it is in: a tile hidden from all of a block's rows adds nothing to them whether skipped or not.
-template <int D, class MakeTask>
+// With `sharing` (whose groups hold more than one row: Sharing::any; queries of a block of rows alone and no shares
+// asked for), make_group(rows, n, h, bias, buffers) builds the task of head h of the n rows of a group over a chunk,
+// their queries gathered into `buffers.queries` (the thread's Buffers); its partial results go to each row's place.
+template <int D, class MakeTask, class MakeGroup = std::nullptr_t>
 at::Tensor attend_in_chunks(int64_t B, int64_t H, int64_t M, int64_t L, int64_t chunk, const Bias& bias,
-                            const at::TensorOptions& opts, const Shares& shares, MakeTask make_task) {
+                            const at::TensorOptions& opts, const Shares& shares, MakeTask make_task,
+                            const Sharing& sharing = {}, MakeGroup make_group = nullptr) {
   const int64_t C = (L + chunk - 1) / chunk, BHC = B * H * C;
   auto part_out = at::empty({BHC, M, D}, opts), part_max = at::empty({BHC, M}, opts);
   auto part_sum = at::empty({BHC, M}, opts);
   float *po = part_out.data_ptr<float>(), *pm = part_max.data_ptr<float>(), *ps = part_sum.data_ptr<float>();
   const int64_t blocks = (M + kBlockRows - 1) / kBlockRows;
+  if constexpr (!std::is_same_v<MakeGroup, std::nullptr_t>) {
+    if (sharing.any && blocks == 1 && shares.out == nullptr) {
+      attend_groups<D>(B, H, M, L, chunk, bias, sharing, pm, ps, po, make_task, make_group);
+      auto out = at::empty({B, H, M, D}, opts);
+      merge_chunks<D>(B * H * M, M, C, pm, ps, po, out.data_ptr<float>());
+      return out;
+    }
+  }
   const int64_t rows = (M + blocks - 1) / blocks, per_head = C * blocks;  // a head's tasks, one after another
   std::vector<char> merged(shares.out != nullptr ? B * H : 0, 0);  // the heads whose shares are done
   at::parallel_for(0, BHC * blocks, 1, [&](int64_t begin, int64_t end) {

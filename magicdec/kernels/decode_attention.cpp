@@ -166,6 +166,7 @@ struct Task {
     std::vector<__m512> lanes;  // [M]: each row's maxima, then sums, lane by lane
     std::vector<float> v_scale;  // int8: [tiles * 16] each position's V scale (0 past the chunk's end)
     std::vector<float> v_max;    // int8: [M] the largest V scale each row sees in the chunk
+    std::vector<uint32_t> queries;  // a group's queries (magicdec::attend_groups)
   };
 
   // Scores of queries [M] against tile positions [l, l + 16) (n of them real), into s[m * 16 + i]. With 128 or 256
@@ -514,7 +515,7 @@ struct Task {
   // Positions [l0, l1) of (b, h): the chunk's maxima [M], softmax sums [M] and unnormalized out [M, D].
   void run(int64_t b, int64_t h, int64_t l0, int64_t l1, Buffers& buffers, float* row_max, float* row_sum,
            float* out) const {
-    auto& [scores, probs, visible, qt, vt, lanes, v_scale, v_max] = buffers;
+    auto& [scores, probs, visible, qt, vt, lanes, v_scale, v_max, queries] = buffers;  // queries: a group's q
     const int64_t tiles = (l1 - l0 + kTile - 1) / kTile;
     scores.resize(tiles * M * kTile);
     probs.resize(M * tiles * kTile);
@@ -653,7 +654,8 @@ struct Int8Queries {
 
 template <int D, bool kTiles, bool kInt8>
 at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& bias,
-                  int64_t chunk, const std::optional<at::Tensor>& table, int64_t L, const magicdec::Shares& shares) {
+                  int64_t chunk, const std::optional<at::Tensor>& table, int64_t L, const magicdec::Shares& shares,
+                  bool groups) {
   using Elem = typename Task<D, kTiles, kInt8>::Elem;
   const int64_t M = q.size(2);
   std::vector<int64_t> k_blocks, v_blocks;
@@ -675,10 +677,19 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   } else {
     const auto qb = q.to(at::kBFloat16).contiguous();
     const uint32_t* pairs = reinterpret_cast<const uint32_t*>(qb.data_ptr<at::BFloat16>());
+    const int64_t H = q.size(1);
     return magicdec::attend_in_chunks<D>(
-        q.size(0), q.size(1), M, L, chunk, bias_rows, opts, shares,
+        q.size(0), H, M, L, chunk, bias_rows, opts, shares,
         [&](int64_t bh, int64_t m0, int64_t rows, Bias block_bias) {
           return Task<D, kTiles, kInt8>{pairs + (bh * M + m0) * (D / 2), rows, K, V, block_bias, scale};
+        },
+        table && groups ? magicdec::sharing_of(K, V, bias_rows, q.size(0), L, chunk) : magicdec::Sharing{},
+        [&](const int32_t* rows, int64_t n, int64_t h, Bias block_bias, auto& buffers) {
+          auto& queries = buffers.queries;
+          queries.resize(n * M * (D / 2));
+          for (int64_t j = 0; j < n; ++j)
+            std::copy_n(pairs + (rows[j] * H + h) * M * (D / 2), M * (D / 2), queries.data() + j * M * (D / 2));
+          return Task<D, kTiles, kInt8>{queries.data(), n * M, K, V, block_bias, scale};
         });
   }
 }
@@ -688,7 +699,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 template <bool kTiles, bool kInt8>
 at::Tensor attend_any(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& bias,
                       int64_t chunk, const std::optional<at::Tensor>& table, const std::optional<at::Tensor>& shares,
-                      int64_t share_row) {
+                      int64_t share_row, bool groups) {
   const auto kv_type = kInt8 ? at::kChar : at::kBFloat16;
   TORCH_CHECK(k.scalar_type() == kv_type && v.scalar_type() == kv_type && bias.scalar_type() == at::kBFloat16,
               "decode_attention: K and V must be ", kInt8 ? "int8" : "bf16", ", the bias bf16");
@@ -706,9 +717,9 @@ at::Tensor attend_any(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   }
   const auto share = magicdec::shares_of(shares, share_row, q.size(0), q.size(1), q.size(2), bias.size(2), L, kTile);
   switch (q.size(3)) {
-    case 64: return attend<64, kTiles, kInt8>(q, k, v, bias, chunk, table, L, share);
-    case 128: return attend<128, kTiles, kInt8>(q, k, v, bias, chunk, table, L, share);
-    case 256: return attend<256, kTiles, kInt8>(q, k, v, bias, chunk, table, L, share);  // Gemma 3
+    case 64: return attend<64, kTiles, kInt8>(q, k, v, bias, chunk, table, L, share, groups);
+    case 128: return attend<128, kTiles, kInt8>(q, k, v, bias, chunk, table, L, share, groups);
+    case 256: return attend<256, kTiles, kInt8>(q, k, v, bias, chunk, table, L, share, groups);  // Gemma 3
     default: TORCH_CHECK(false, "decode_attention: head dim ", q.size(3), " is not 64, 128 or 256");
   }
 }
@@ -717,20 +728,20 @@ at::Tensor attend_any(const at::Tensor& q, const at::Tensor& k, const at::Tensor
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& bias,
                             int64_t chunk, const std::optional<at::Tensor>& block_table,
-                            const std::optional<at::Tensor>& shares, int64_t share_row) {
-  return attend_any<false, false>(q, k, v, bias, chunk, block_table, shares, share_row);
+                            const std::optional<at::Tensor>& shares, int64_t share_row, bool groups) {
+  return attend_any<false, false>(q, k, v, bias, chunk, block_table, shares, share_row, groups);
 }
 
 at::Tensor decode_attention_tiles(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                   const at::Tensor& bias, int64_t chunk, const std::optional<at::Tensor>& block_table,
-                                  const std::optional<at::Tensor>& shares, int64_t share_row) {
-  return attend_any<true, false>(q, k, v, bias, chunk, block_table, shares, share_row);
+                                  const std::optional<at::Tensor>& shares, int64_t share_row, bool groups) {
+  return attend_any<true, false>(q, k, v, bias, chunk, block_table, shares, share_row, groups);
 }
 
 at::Tensor decode_attention_int8(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& bias,
                                  int64_t chunk, const std::optional<at::Tensor>& block_table,
-                                 const std::optional<at::Tensor>& shares, int64_t share_row) {
-  return attend_any<false, true>(q, k, v, bias, chunk, block_table, shares, share_row);
+                                 const std::optional<at::Tensor>& shares, int64_t share_row, bool groups) {
+  return attend_any<false, true>(q, k, v, bias, chunk, block_table, shares, share_row, groups);
 }
 
 // Decode/verification attention over a bf16 KV cache (AVX512-BF16; decode_attention_tiles: products on AMX tiles,

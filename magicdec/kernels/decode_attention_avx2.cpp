@@ -96,6 +96,7 @@ struct Task {
     std::vector<float> scores;  // [tiles, M, 8]: scores, then softmax numerators in place
     std::vector<char> visible;
     std::vector<__m256> lanes;  // [M]: each row's maxima, then sums, lane by lane
+    std::vector<float> queries;  // a group's queries (magicdec::attend_groups)
   };
 
   // Pointers to the tile's rows [l, l + 8) of K or V; rows past n point at zeros (never read from the cache).
@@ -232,28 +233,38 @@ struct Task {
 
 template <int D, class S>
 at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& bias,
-                  int64_t chunk, const std::optional<at::Tensor>& table, int64_t L, const magicdec::Shares& shares) {
+                  int64_t chunk, const std::optional<at::Tensor>& table, int64_t L, const magicdec::Shares& shares,
+                  bool groups) {
   const int64_t M = q.size(2);
   auto qf = q.to(at::kFloat).contiguous();
   const float* qp = qf.data_ptr<float>();
   std::vector<int64_t> k_blocks, v_blocks;
   const Strided K = magicdec::strided(k, table, k_blocks), V = magicdec::strided(v, table, v_blocks);
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  const auto bias_rows = magicdec::bias_of(bias, M, L);
+  const int64_t H = q.size(1);
   return magicdec::attend_in_chunks<D>(
-      q.size(0), q.size(1), M, L, chunk, magicdec::bias_of(bias, M, L), qf.options(), shares,
+      q.size(0), H, M, L, chunk, bias_rows, qf.options(), shares,
       [&](int64_t bh, int64_t m0, int64_t rows, magicdec::Bias block_bias) {
         return Task<D, S>{qp + (bh * M + m0) * D, rows, K, V, block_bias, scale};
+      },
+      table && groups ? magicdec::sharing_of(K, V, bias_rows, q.size(0), L, chunk) : magicdec::Sharing{},
+      [&](const int32_t* rows, int64_t n, int64_t h, magicdec::Bias block_bias, auto& buffers) {
+        auto& queries = buffers.queries;
+        queries.resize(n * M * D);
+        for (int64_t j = 0; j < n; ++j) std::copy_n(qp + (rows[j] * H + h) * M * D, M * D, queries.data() + j * M * D);
+        return Task<D, S>{queries.data(), n * M, K, V, block_bias, scale};
       });
 }
 
 template <class S>
 at::Tensor attend_head_dim(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& bias,
                            int64_t chunk, const std::optional<at::Tensor>& table, int64_t L,
-                           const magicdec::Shares& shares) {
+                           const magicdec::Shares& shares, bool groups) {
   switch (q.size(3)) {
-    case 64: return attend<64, S>(q, k, v, bias, chunk, table, L, shares);
-    case 128: return attend<128, S>(q, k, v, bias, chunk, table, L, shares);
-    case 256: return attend<256, S>(q, k, v, bias, chunk, table, L, shares);  // Gemma 3
+    case 64: return attend<64, S>(q, k, v, bias, chunk, table, L, shares, groups);
+    case 128: return attend<128, S>(q, k, v, bias, chunk, table, L, shares, groups);
+    case 256: return attend<256, S>(q, k, v, bias, chunk, table, L, shares, groups);  // Gemma 3
     default: TORCH_CHECK(false, "decode_attention: head dim ", q.size(3), " is not 64, 128 or 256");
   }
 }
@@ -262,7 +273,7 @@ at::Tensor attend_head_dim(const at::Tensor& q, const at::Tensor& k, const at::T
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& bias,
                             int64_t chunk, const std::optional<at::Tensor>& block_table,
-                            const std::optional<at::Tensor>& shares, int64_t share_row) {
+                            const std::optional<at::Tensor>& shares, int64_t share_row, bool groups) {
   const auto type = k.scalar_type();
   TORCH_CHECK((type == at::kHalf || type == at::kBFloat16) && v.scalar_type() == type &&
                   bias.scalar_type() == type, "decode_attention: K, V and bias must be all fp16 or all bf16");
@@ -270,8 +281,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   // Tiles start at multiples of 8: in blocks of 8 positions or more one lies in one block (Strided).
   TORCH_CHECK(chunk > 0 && chunk % kTile == 0, "decode_attention: chunk must be a positive multiple of 8");
   const auto share = magicdec::shares_of(shares, share_row, q.size(0), q.size(1), q.size(2), bias.size(2), L, kTile);
-  return type == at::kHalf ? attend_head_dim<Fp16>(q, k, v, bias, chunk, block_table, L, share)
-                           : attend_head_dim<Bf16>(q, k, v, bias, chunk, block_table, L, share);
+  return type == at::kHalf ? attend_head_dim<Fp16>(q, k, v, bias, chunk, block_table, L, share, groups)
+                           : attend_head_dim<Bf16>(q, k, v, bias, chunk, block_table, L, share, groups);
 }
 
 // Attention over an fp16 or bf16 KV cache in fp32 (AVX2, FMA, F16C), contiguous or paged (a block table over blocks
