@@ -1,11 +1,13 @@
-"""Where a decode round's time goes on the CPU, per kind of forward, with the layer operators on and off, side by side.
+"""Where a decode round's time goes on the CPU, per kind of forward, with a kernel switch on and off, side by side.
 
     PYTHONPATH=. python benchmarks/bench_phases.py --batch 32 --context 8000 --distinct 8                 # SmolLM2
     PYTHONPATH=. python benchmarks/bench_phases.py --model gemma3-270m --batch 32 --context 32000 --distinct 4
+    PYTHONPATH=. python benchmarks/bench_phases.py --switch cascade --label "SmolLM2 32 x 8000, cascade"
 
 `--distinct` prompts of `--context` tokens cut from the corpus are prefilled once into the prefix cache, and the batch
-tiles them. Then, `--repeats` times, for each setting of the layer operators (`MAGICDEC_FUSED` on, then off: torch's
-operators for the norms and RoPE, what ran before them) every configuration decodes the batch, sampled (T 0.7, top-p
+tiles them. Then, `--repeats` times, for each setting of `--switch` (`layer-ops`: MAGICDEC_FUSED on, then off, torch's
+operators for the norms and RoPE, what ran before them; `cascade`: MAGICDEC_CASCADE on, then off, a pass over the
+shared prompt's blocks per group of rows or per row) every configuration decodes the batch, sampled (T 0.7, top-p
 0.9, a seed per row): plain decoding, self-speculation with StreamingLLM at `--budget` and `--gamma`, and
 `--draft auto`. Each run profiles its first `--rounds` decode rounds (`magicdec.phases`: each kind of forward split
 into attention, linear layers, other operators, host time and sampling, against its floor); each configuration keeps
@@ -39,8 +41,9 @@ from magicdec.speculative import SpeculativeConfig  # noqa: E402
 
 RESULT = ROOT / "benchmarks" / "results" / "phases.json"
 DATA = ROOT.parent / "shared" / "data" / "pg19_dev.jsonl"
-#: The layer operators' settings, in the order they take turns.
-SETTINGS = {"native": "1", "torch": "0"}
+#: Each switch's variable and settings, in the order they take turns.
+SWITCHES = {"layer-ops": ("MAGICDEC_FUSED", {"native": "1", "torch": "0"}),
+            "cascade": ("MAGICDEC_CASCADE", {"grouped": "1", "per row": "0"})}
 
 
 def configs(llm: LLM, budget: int, gamma: int) -> dict[str, SpeculativeConfig | None]:
@@ -65,12 +68,13 @@ def measure(llm: LLM, rows: list[list[int]], args) -> dict:
     params = [sampling_params("sampling", args.max_tokens, seed=i) for i in range(len(rows))]
     runs: dict[str, list[dict]] = {}
     specs = configs(llm, args.budget, args.gamma)
+    variable, settings = SWITCHES[args.switch]
     for _ in range(args.repeats):
-        for setting, switch in SETTINGS.items():
-            os.environ["MAGICDEC_FUSED"] = switch
+        for setting, value in settings.items():
+            os.environ[variable] = value
             for name, spec in specs.items():
                 runs.setdefault(f"{setting} | {name}", []).append(run_once(llm, rows, params, spec, args.rounds))
-    os.environ.pop("MAGICDEC_FUSED", None)
+    os.environ.pop(variable, None)
     out = {}
     for key, rs in runs.items():
         median = statistics.median_low(r["throughput"] for r in rs)
@@ -79,21 +83,21 @@ def measure(llm: LLM, rows: list[list[int]], args) -> dict:
 
 
 def table(doc: dict) -> str:
-    """Per run and setting of the layer operators: each kind of forward of plain decoding and of the fixed draft, its
-    parts in ms per forward against its floor; then each configuration's throughput against plain decoding's."""
+    """Per run and setting of its switch: each kind of forward of plain decoding and of the fixed draft, its parts in ms
+    per forward against its floor; then each configuration's throughput against plain decoding's."""
     forwards, speeds = [], []
     for label, run in doc["runs"].items():
-        for setting in SETTINGS:
+        for setting in SWITCHES[run.get("switch", "layer-ops")][1]:
             configs = {key.split(" | ")[1]: r for key, r in run["configs"].items() if key.startswith(setting + " |")}
             plain = configs["plain"]["throughput"]
             fixed = next(name for name in configs if name.startswith("self-"))
             for r in (configs["plain"], configs[fixed]):
                 for kind, k in r["phases"]["kinds"].items():
-                    forwards.append({"run": label, "layer ops": setting, "forward": kind, "ms": k["ms"],
+                    forwards.append({"run": label, "setting": setting, "forward": kind, "ms": k["ms"],
                                      "attention": k["attention_ms"], "linear": k["linear_ms"], "other": k["other_ms"],
                                      "host": k["host_ms"], "sampling": k["sampling_ms"], "floor": k["floor_ms"],
                                      "x floor": k["ratio"]})
-            speeds.append({"run": label, "layer ops": setting, "plain tok/s": plain,
+            speeds.append({"run": label, "setting": setting, "plain tok/s": plain,
                            fixed: configs[fixed]["throughput"] / plain, "auto": configs["auto"]["throughput"] / plain,
                            "auto ran": configs["auto"]["chosen"]})
     if not forwards:
@@ -114,6 +118,7 @@ def main() -> None:
     p.add_argument("--gamma", type=int, default=2)
     p.add_argument("--rounds", type=int, default=6, help="decode rounds profiled per run")
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--switch", choices=SWITCHES, default="layer-ops", help="what the two settings turn on and off")
     p.add_argument("--label", help="the run's label (default: model, batch x context)")
     args = p.parse_args()
     llm = LLM(args.model)
@@ -124,7 +129,7 @@ def main() -> None:
     label = args.label or f"{name}, B={args.batch} x {args.context}"
     run = {"model": model_identity(llm.loaded.source), "batch": args.batch, "context": args.context,
            "distinct_prompts": args.distinct, "max_tokens": args.max_tokens, "kernels": llm.kernels,
-           "machine": machine_info(llm.model.device), "configs": measure(llm, rows, args)}
+           "switch": args.switch, "machine": machine_info(llm.model.device), "configs": measure(llm, rows, args)}
     print(table(save_run(RESULT, label, run)))
 
 

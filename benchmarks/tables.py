@@ -349,6 +349,13 @@ def phases() -> str:
     return "```\n" + table(load("phases")) + "\n```"
 
 
+def shared_prefix() -> str:
+    """bench_shared_prefix.py: attention over a shared prompt's blocks, a pass per row against one per group."""
+    from bench_shared_prefix import table
+
+    return table(load("shared_prefix"))
+
+
 def sampler() -> str:
     """bench_sampler.py: the draw from the candidates, native and in torch's operators, against the full path."""
     from bench_sampler import table
@@ -435,6 +442,7 @@ TABLES = {"attention": lambda: attention(False), "attention_prefill": lambda: at
           "prefix_hit": prefix_hit, "server_limits": server_limits,
           "vegas_acceptance": vegas_acceptance, "vegas_e2e": vegas_e2e, "draft_lengths": draft_lengths, "vegas_shares": vegas_shares,
           "capacity": capacity, "layouts": layouts, "kv_dtype": kv_dtype, "phases": phases, "sampler": sampler,
+          "shared_prefix": shared_prefix,
           "tp": tp, "perplexity": perplexity,
           "gpu_check_h200": lambda: gpu_check("gpu_check_h200")}
 #: Tables followed by the model of a result file (or of a run of one).
