@@ -94,7 +94,7 @@ def choose(
     budgets: Iterable[int] = DEFAULT_BUDGETS, gammas: Iterable[int] = DEFAULT_GAMMAS,
     strategies: Iterable[str] | None = None, dtype: Dtype | None = None, draft_vocab: int = 0,
     vocab_corpus: str | None = None, tokenizer: Tokenizer | None = None, rows: int | None = None,
-    graphs: bool = False,
+    graphs: bool = False, prefix_rows: float = 1.0,
 ) -> Choice:
     """The predicted-fastest way to decode `batch` sequences of `context` tokens with `model`.
 
@@ -119,7 +119,8 @@ def choose(
     is done, so the plan prices the slowest of `rows`; greedy copies of one prompt decode alike and count once.
 
     `graphs`: the engine replays its decode forwards from CUDA graphs (`magicdec.graphs`), so an uncalibrated GPU's
-    preset is priced without the host's kernel launches (`planner.hardware.eager` where not)."""
+    preset is priced without the host's kernel launches (`planner.hardware.eager` where not). `prefix_rows`: rows
+    per shared prompt prefix (1: distinct prompts; `HardwareProfile.shared_attention_factor` prices it)."""
     if dtype is None and isinstance(model, Transformer):
         dtype = weight_dtype(model)  # what the planner counts bytes of: 16-bit on the AVX2 kernels
     device = str(model.device) if isinstance(model, Transformer) else "cpu"
@@ -130,7 +131,7 @@ def choose(
             if acceptance is None else AcceptanceTable.from_json(acceptance))
     except (ValueError, OSError) as e:
         raise InvalidRequestError(str(e)) from None
-    work = _workload(model, hw, batch, context, dtype, kv_dtype)
+    work = dataclasses.replace(_workload(model, hw, batch, context, dtype, kv_dtype), prefix_rows=prefix_rows)
     strategies = tuple(strategies) if strategies is not None else default_strategies(work, model)
     heads = _draft_heads(draft_vocab, vocab_corpus, tokenizer)
     # The decode loop caps gamma (MAX_GAMMA) and sparse budgets must be >= 8 (SpeculativeConfig).

@@ -189,7 +189,7 @@ def _open_results(doc: dict, llm: LLM, grid: BenchGrid) -> tuple[dict, Callable[
     doc["settings"] = {**asdict(grid), "model": model_identity(llm.loaded.source), "dtype": str(llm.model.dtype),
                        "dtype_choice": str(llm.loaded.dtype_choice), "kv_dtype": str(llm.kv_dtype),
                        "attention": llm.attention, "linear": llm.linear, "kernels": llm.kernels,
-                       "layer_ops": llm.layer_ops,
+                       "layer_ops": llm.layer_ops, "cascade": llm.cascade,
                        "sampling": {k: getattr(sampled, k) for k in ("temperature", "top_p", "top_k")}}
     return doc, _save if tp is None or tp.is_main else lambda path, doc: None
 

@@ -279,6 +279,15 @@ def per_prompt_params(params: SamplingParams | Sequence[SamplingParams], n: int)
     return per_prompt
 
 
+def prefix_rows(ids: Sequence[Sequence[int]]) -> float:
+    """Rows per shared prompt prefix among the prompts `ids`: prompts that agree over all their whole chunks of the
+    attention kernels (`kernels.CHUNK` positions: what rows sharing cached blocks attend over together) count once;
+    a prompt shorter than a chunk shares nothing."""
+    keys = {tuple(p[: len(p) // kernels.CHUNK * kernels.CHUNK]) if len(p) >= kernels.CHUNK else i
+            for i, p in enumerate(ids)}
+    return len(ids) / max(1, len(keys))
+
+
 def check_token_ids(ids: Sequence[int], vocab_size: int) -> list[int]:
     """A prompt as a list of in-vocabulary ints, or InvalidRequestError."""
     if isinstance(ids, (str, bytes)) or not hasattr(ids, "__len__"):
@@ -344,6 +353,10 @@ class LLM:
         # where a layer's norms and RoPE run: the path's layer operators, or torch's (MAGICDEC_FUSED=0, no path)
         self.layer_ops = "native" if kernels.fuses(torch.empty(0, dtype=self.model.dtype, device=self.model.device)) \
             else "torch"
+        # whether rows that share cached blocks attend over them together (MAGICDEC_CASCADE: the native kernels, over
+        # 16-bit caches)
+        self.cascade = "on" if self.attention == "native" and kernels.groups() and self.kv_dtype.itemsize == 2 \
+            else "off"
         self.kv = make_kv_manager(self.model, self.config)  # shared by the engines built here
         self.last_stats: GenerationStats | None = None
         #: What `SpeculativeConfig("auto")` resolved to in the last `generate` or `engine` call (None where that call
@@ -385,30 +398,31 @@ class LLM:
         return self._choose(speculative, *self._generate_shape(ids, per_prompt, speculative.mode))
 
     def _generate_shape(self, ids: list[list[int]], per_prompt: list[SamplingParams],
-                        mode: str) -> tuple[int, int, int]:
-        """(batch, context, rows that differ) of a `generate` call, as `plan` says."""
+                        mode: str) -> tuple[int, int, int, float]:
+        """(batch, context, rows that differ, rows per shared prompt prefix) of a `generate` call, as `plan` says."""
         batch = min(len(ids), self.config.max_num_seqs)
         context = max(len(p) + sp.max_tokens // 2 for p, sp in zip(ids, per_prompt))
         rows = len({tuple(p) for p in ids}) if mode == "greedy" else batch
-        return batch, context, min(rows, batch)
+        return batch, context, min(rows, batch), prefix_rows(ids)
 
-    def _choose(self, speculative: SpeculativeConfig, batch: int, context: int, rows: int | None = None) -> Choice:
-        """`auto` planned for `batch` sequences of `context` tokens (`rows` of them differing; default all), with the
-        acceptance measured for this model and its KV dtype."""
+    def _choose(self, speculative: SpeculativeConfig, batch: int, context: int, rows: int | None = None,
+                shared: float = 1.0) -> Choice:
+        """`auto` planned for `batch` sequences of `context` tokens (`rows` of them differing, default all; `shared`
+        rows per prompt prefix), with the acceptance measured for this model and its KV dtype."""
         return choose(self.model, batch, context, kv_dtype=self.kv_dtype, model_name=model_key(self.loaded.source),
                       profile=speculative.hardware, mode=speculative.mode, draft_vocab=speculative.draft_vocab,
                       vocab_corpus=speculative.vocab_corpus, tokenizer=self.tokenizer, rows=rows,
-                      graphs=uses_graphs(self.model, self.kv_dtype, self.config))
+                      graphs=uses_graphs(self.model, self.kv_dtype, self.config), prefix_rows=shared)
 
     def _speculation(self, speculative: SpeculativeConfig | None, batch: int, context: int,
-                     rows: int | None = None) -> Speculation | None:
+                     rows: int | None = None, shared: float = 1.0) -> Speculation | None:
         """The drafter of `speculative` (built once per setting: a draft model's weights load once) and its gamma
-        policy: `auto` planned at (`batch`, `context`, `rows`) and kept in `last_auto`, its Replanner re-planning each
-        step; else the config's fixed gamma. None for plain decoding."""
+        policy: `auto` planned at (`batch`, `context`, `rows`, `shared`) and kept in `last_auto`, its Replanner
+        re-planning each step; else the config's fixed gamma. None for plain decoding."""
         self.last_auto = None
         policy = None
         if speculative is not None and speculative.draft == "auto":
-            self.last_auto = self._choose(speculative, batch, context, rows)
+            self.last_auto = self._choose(speculative, batch, context, rows, shared)
             stop = speculative.draft_stop
             speculative, policy = self.last_auto.speculative, self.last_auto.replanner
             if speculative is not None and stop is not None:

@@ -74,6 +74,8 @@ def test_quick_calibration_is_valid(quick_calibration, tmp_path, monkeypatch):
     vegas = cal.measurements["vegas"]  # what a Vegas round adds: selection, reads through token tables
     assert hw.selection_s_per_share == vegas["seconds_select"] / (vegas["rows"] * vegas["layers"] * 3 * 8192) > 0
     assert hw.table_read_factor == max(1.0, vegas["seconds_token_table"] / vegas["seconds_block_table"])
+    assert hw.shared_attention_factor == cal.measurements["shared_attention_factor"] and \
+        0 < hw.shared_attention_factor <= 1
     forwards = cal.measurements["forwards"]
     assert forwards and all(p["seconds"] > 0 and 0 < p["predicted"] < math.inf for p in forwards)
     shapes = {}

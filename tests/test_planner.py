@@ -505,6 +505,47 @@ def test_auto_searches_a_quantized_draft_where_its_profile_prices_it():
     assert choice.replanner.plan_at(64, 32768).strategy == "self-quant"
 
 
+def test_rows_sharing_a_prompt_pay_its_attention_as_measured():
+    """`shared_attention_factor` (4 rows a prompt against rows of their own) prices every forward over the whole
+    context at `prefix_rows`: 4 rows a prompt take the factor, distinct rows nothing off, 32 rows a prompt less than
+    4 do; a sparse draft reads entries of its own, and a profile that did not measure it prices nothing off. The
+    planner then finds plain decoding faster, and drafting gaining less."""
+    hw = dataclasses.replace(TOY_HW, shared_attention_factor=0.4)
+    w = Workload(LLAMA3, hw, batch=32, context=16384)
+
+    def attention(work, q=1, kv_len=16384):
+        cost = forward_cost(work, q, kv_len)
+        linear = forward_cost(dataclasses.replace(work, context=0), q, 0)
+        return cost.time - linear.time
+
+    alone, grouped = attention(w), (16384 - 1024) / 16384  # the last chunk of 1024 positions each row's own
+    assert attention(dataclasses.replace(w, prefix_rows=4)) == pytest.approx((grouped * 0.4 + 1 - grouped) * alone)
+    assert attention(dataclasses.replace(w, prefix_rows=1)) == pytest.approx(alone)
+    assert attention(dataclasses.replace(w, prefix_rows=32)) < (grouped * 0.4 + 1 - grouped) * alone
+    assert attention(dataclasses.replace(w, prefix_rows=4), q=3) == pytest.approx(
+        (grouped * 0.4 + 1 - grouped) * attention(w, q=3))
+    assert attention(dataclasses.replace(w, prefix_rows=4), kv_len=512) == pytest.approx(attention(w, kv_len=512))
+    assert attention(dataclasses.replace(w, hw=TOY_HW, prefix_rows=4)) == pytest.approx(attention(
+        dataclasses.replace(w, hw=TOY_HW)))
+    table = _rates(0.8, 0.8)
+    distinct, shared = plan(w, table), plan(dataclasses.replace(w, prefix_rows=4), table)
+    assert decode_step_time(dataclasses.replace(w, prefix_rows=4)) < decode_step_time(w)
+    assert shared.predicted_speedup < distinct.predicted_speedup
+    with pytest.raises(ValueError, match="shared_attention_factor"):
+        dataclasses.replace(TOY_HW, shared_attention_factor=0)
+
+
+def test_prompts_count_as_one_prefix_where_their_whole_chunks_agree():
+    """`engine.prefix_rows`: rows per prompt prefix, prompts that agree over all their whole chunks of 1024 positions
+    counted once (what the kernels group rows over); prompts shorter than a chunk share nothing."""
+    from magicdec.engine import prefix_rows
+
+    doc = list(range(3000))
+    assert prefix_rows([doc] * 4 + [doc[::-1]] * 4) == 4
+    assert prefix_rows([doc + [1], doc + [2, 3], doc[:1500]]) == 1.5  # the first two agree over 2 whole chunks
+    assert prefix_rows([[5] * 1000] * 8) == 1 and prefix_rows([doc]) == 1
+
+
 def test_a_vegas_round_pays_its_selection_and_its_drafts_scattered_reads():
     """A Vegas draft reads the target's K/V through token tables, priced at the profile's `table_read_factor` times
     their bytes, and its round adds the verification's shares written ((G + 1) 4 bytes per row, global layer, KV head

@@ -34,6 +34,7 @@ import torch
 
 from magicdec import dtypes
 from magicdec.calibrate.acceptance import CalibrationProgress, sampling_params
+from magicdec.calibrate.cascade import measure_shared_attention
 from magicdec.calibrate.machine import device_memory_bytes, machine_info
 from magicdec.calibrate.timing import (best_time, median_time, model_config_from_shape, read_rate, synthetic_model,
                                       time_forward)
@@ -166,8 +167,10 @@ def measure_hardware(
     else:
         shape = target_shape(model.cfg)
     t_overhead = m["overhead"]["fixed_s"] + m["overhead"]["per_layer_s"] * shape.n_layers
-    report(4, STAGES, "Vegas selection")
+    report(4, STAGES, "Vegas selection, shared prefixes")
     m["vegas"] = measure_vegas(shape, dev, run.dtype, run.storage, reps=10 if quick else 30)
+    m["shared_attention_factor"] = measure_shared_attention(shape, dev, run.dtype, run.storage,
+                                                            reps=10 if quick else 30)
     # Attention in two sweeps with the linear layers' measurement between them, the faster of each forward kept: a
     # burst of other work on the machine during one sweep would price every forward's attention slow (measured: 7.4
     # against an idle 14-16 GB/s on the AVX2 path, and `--draft auto` drafted where plain decoding was faster).
@@ -322,6 +325,7 @@ def profile_from(m: dict[str, Any], shape: ModelShape, name: str, device: torch.
         linear_rates=linear_rates, attention_rates=attention_rates,
         sampling_s_per_logit=m["sampling"]["seconds_per_logit"], selection_s_per_share=m["vegas"]["seconds_per_share"],
         table_read_factor=m["vegas"]["table_read_factor"], attention=attention_path(device, dtype),
+        shared_attention_factor=m.get("shared_attention_factor", 1.0),
         linear=linear_path(device, dtype),
     )
 

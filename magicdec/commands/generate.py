@@ -49,7 +49,7 @@ def dtype_line(llm) -> str:
     """The dtypes a run computes and caches in, and why (printed with the run's stats; `calibrate` too)."""
     kv = str(llm.kv_dtype).removeprefix("torch.")
     return (f"dtype {llm.loaded.dtype_choice}; KV cache {kv}; attention {llm.attention}; linear {llm.linear}; "
-            f"kernels {llm.kernels}; layer ops {llm.layer_ops}")
+            f"kernels {llm.kernels}; layer ops {llm.layer_ops}; cascade {llm.cascade}")
 
 
 def collect_prompts(args, tok) -> tuple[list[str] | None, list[list[int]]]:

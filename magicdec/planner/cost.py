@@ -17,6 +17,11 @@ A calibrated profile may carry measured rates instead of a single efficiency per
 linear layers against the tokens per forward, and the KV bytes/s of attention against the new tokens per sequence
 (`HardwareProfile.linear_rates`, `attention_rates`). A group's time is then its bytes over the rate interpolated at
 its shape; the roofline still names the bound ("weights", "kv" or "compute").
+
+Rows that share a prompt prefix (`Workload.prefix_rows` of them per prompt) attend over its blocks once per group on
+the native kernels (cascade attention), and those blocks stay in the caches: a forward over the whole context takes
+the attention time of `shared_attention` of its rows (`HardwareProfile.shared_attention_factor`, measured at
+SHARED_ROWS rows per prompt).
 """
 
 from __future__ import annotations
@@ -51,12 +56,20 @@ class ForwardCost:
     """The largest share of `time`: "weights", "kv", "compute" or "overhead" (incl. comm)."""
 
 
+#: Rows per prompt that `HardwareProfile.shared_attention_factor` is measured at.
+SHARED_ROWS = 4
+#: Positions the native kernels group rows over (`magicdec.kernels.CHUNK`): a row's last chunk, which holds its own
+#: tokens, is its own.
+GROUP_CHUNK = 1024
+
+
 @dataclass(frozen=True)
 class Workload:
     """`batch` sequences at `context` tokens of one model on one machine: what the cost model and the planner price.
     `dtype_bytes` and `kv_dtype_bytes` are bytes per weight and per KV-cache element; `tp` is the number of devices
     the model is split over (tensor parallelism). A draft model's forwards are priced on the same workload with its
-    own shape and TP degree (`dataclasses.replace`)."""
+    own shape and TP degree (`dataclasses.replace`). `prefix_rows`: rows per prompt prefix (1: every row's context its
+    own), which read the prefix's K/V together (`shared_attention`)."""
 
     shape: ModelShape
     hw: HardwareProfile
@@ -65,6 +78,18 @@ class Workload:
     dtype_bytes: float = 2
     kv_dtype_bytes: float = 2
     tp: int = 1
+    prefix_rows: float = 1.0
+
+
+def shared_attention(w: Workload) -> float:
+    """The share of its rows' attention time that a forward over the whole context takes where `w.prefix_rows` rows
+    share each prompt: over the context before the last chunk, per group the first row's time and a fraction f of it
+    for each other row, f from the profile's factor at SHARED_ROWS rows, (1 + (SHARED_ROWS - 1) f) / SHARED_ROWS; the
+    last chunk each row's own."""
+    factor, rows = w.hw.shared_attention_factor, max(1.0, w.prefix_rows)
+    extra = min(1.0, max(0.0, (SHARED_ROWS * factor - 1) / (SHARED_ROWS - 1)))
+    grouped = max(0, w.context - GROUP_CHUNK) / max(1, w.context)
+    return grouped * (1 + (rows - 1) * extra) / rows + 1 - grouped
 
 
 def _activation_elements_per_token(shape: ModelShape) -> int:
@@ -148,6 +173,8 @@ def forward_cost(w: Workload, q: int, kv_len: int) -> ForwardCost:
     t_kv, t_attention_compute = _group_times(
         bytes_kv / bandwidth, flops_attention / (hw.flops_per_s * hw.attention_efficiency),
         hw.attention_rates if bytes_kv > 0 else None, bytes_kv, q)
+    if kv_len == w.context:  # the whole context, shared prefixes included (a sparse draft's own entries are not)
+        t_kv, t_attention_compute = (t * shared_attention(w) for t in (t_kv, t_attention_compute))
     t_comm = _allreduce_time(w, tokens * shape.dim * act_dtype_bytes)
     t_overhead = hw.fixed_overhead_s + hw.per_layer_overhead_s * shape.n_layers
 

@@ -80,13 +80,18 @@ class HardwareProfile:
     """How many times longer attention takes over positions read one by one through a token table (scattered over
     the block pool, as a Vegas draft reads them) than over as many read block by block. 1 for datasheet figures (not
     measured)."""
+    shared_attention_factor: float = 1.0
+    """Attention time of rows that share their prompt's blocks, 4 rows a prompt (`magicdec.planner.cost.SHARED_ROWS`),
+    over its time where every row reads blocks of its own (cascade attention, and the shared blocks kept in the
+    caches; `magicdec.calibrate.cascade`). 1 for datasheet figures (not measured)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str):
             raise ValueError(f"name must be a string, got {self.name!r}")
         numbers = ["flops_per_s", "mem_bandwidth", "mem_bytes", "matmul_efficiency", "bandwidth_efficiency",
                    "attention_efficiency", "fixed_overhead_s", "per_layer_overhead_s", "launch_per_layer_s",
-                   "allreduce_latency_s", "sampling_s_per_logit", "selection_s_per_share", "table_read_factor"]
+                   "allreduce_latency_s", "sampling_s_per_logit", "selection_s_per_share", "table_read_factor",
+                   "shared_attention_factor"]
         for field in numbers + (["ici_bandwidth"] if self.ici_bandwidth is not None else []):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
@@ -115,6 +120,8 @@ class HardwareProfile:
             raise ValueError("overheads must be non-negative")
         if self.table_read_factor < 1:
             raise ValueError(f"table_read_factor must be >= 1, got {self.table_read_factor}")
+        if not 0 < self.shared_attention_factor <= 1:
+            raise ValueError(f"shared_attention_factor must be in (0, 1], got {self.shared_attention_factor}")
         if self.ici_bandwidth is not None and self.ici_bandwidth <= 0:
             raise ValueError(f"ici_bandwidth must be positive or None, got {self.ici_bandwidth}")
 
