@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import re
 import sys
 from pathlib import Path
@@ -121,6 +122,13 @@ def bf16_flips() -> str:
 
 def cpu_grid() -> str:
     return markdown(grid_rows(load("cpu_grid", "avx512bf16")))
+
+
+def cpu_grid_amx() -> str:
+    """The grid of 32 distinct prompts on the Xeon AMX, its floor at the read rate the run measured."""
+    run = load("cpu_grid", "avx512bf16-amx, 32 distinct prompts")
+    rate = statistics.median(p["read_bandwidth_gbs"] for p in run["points"].values()) * 1e9
+    return markdown(grid_rows(run, bandwidth=rate))
 
 
 def llamacpp() -> str:
@@ -431,7 +439,7 @@ TABLES = {"attention": lambda: attention(False), "attention_prefill": lambda: at
           "linear_tiles": lambda: linear("avx512bf16-amx", "gflop_per_s", "kernel", "tiles"),
           "gemma_attention": lambda: attention(False, "gemma3-270m, avx512bf16-amx"),
           "bf16_flips": bf16_flips, "avx2_storage": avx2_storage,
-          "cpu_grid": cpu_grid, "llamacpp": llamacpp,
+          "cpu_grid": cpu_grid, "cpu_grid_amx": cpu_grid_amx, "llamacpp": llamacpp,
           "avx2_grid_zen4": avx2_grid, "avx2_llamacpp_zen4": avx2_llamacpp,
           "gemma_auto_32k": lambda: gemma_auto("auto_32k", "avx512bf16-amx", "avx512bf16"),
           "gemma_llamacpp_32k": lambda: llamacpp_32k("avx512bf16-amx", "avx512bf16"),
@@ -446,7 +454,7 @@ TABLES = {"attention": lambda: attention(False), "attention_prefill": lambda: at
           "tp": tp, "perplexity": perplexity,
           "gpu_check_h200": lambda: gpu_check("gpu_check_h200")}
 #: Tables followed by the model of a result file (or of a run of one).
-MODELS = {"cpu_grid": ("cpu_grid", "avx512bf16"), "positions": ("acceptance", None)}
+MODELS = {"cpu_grid": ("cpu_grid", "avx512bf16"), "cpu_grid_amx": ("cpu_grid", "avx512bf16-amx, 32 distinct prompts"), "positions": ("acceptance", None)}
 
 
 def render(readme: str) -> tuple[str, list[str]]:
