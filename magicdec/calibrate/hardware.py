@@ -167,7 +167,7 @@ def measure_hardware(
     else:
         shape = target_shape(model.cfg)
     t_overhead = m["overhead"]["fixed_s"] + m["overhead"]["per_layer_s"] * shape.n_layers
-    report(4, STAGES, "Vegas selection, shared prefixes")
+    report(4, STAGES, "Vegas, shared prefixes")
     m["vegas"] = measure_vegas(shape, dev, run.dtype, run.storage, reps=10 if quick else 30)
     m["shared_attention_factor"] = measure_shared_attention(shape, dev, run.dtype, run.storage,
                                                             reps=10 if quick else 30)
