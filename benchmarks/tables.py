@@ -454,7 +454,8 @@ TABLES = {"attention": lambda: attention(False), "attention_prefill": lambda: at
           "tp": tp, "perplexity": perplexity,
           "gpu_check_h200": lambda: gpu_check("gpu_check_h200")}
 #: Tables followed by the model of a result file (or of a run of one).
-MODELS = {"cpu_grid": ("cpu_grid", "avx512bf16"), "cpu_grid_amx": ("cpu_grid", "avx512bf16-amx, 32 distinct prompts"), "positions": ("acceptance", None)}
+MODELS = {"cpu_grid": ("cpu_grid", "avx512bf16"),
+          "cpu_grid_amx": ("cpu_grid", "avx512bf16-amx, 32 distinct prompts"), "positions": ("acceptance", None)}
 
 
 def render(readme: str) -> tuple[str, list[str]]:

@@ -421,7 +421,8 @@ def test_replanner_follows_the_round_times_it_measures():
         return chosen
 
     first = run(4 * EXPLORE_EVERY, {False: 1.0, True: 1.0})
-    assert first[0] >= 1 and 2 <= first.count(0) <= 3  # drafting; plain steps after EXPLORE_FIRST rounds, 2 x EXPLORE_EVERY later
+    # drafting; plain steps after EXPLORE_FIRST rounds, then 2 x EXPLORE_EVERY later
+    assert first[0] >= 1 and 2 <= first.count(0) <= 3
     assert replan.spec_time_scale() == 1.0
     slow = run(8 * EXPLORE_EVERY, {False: 1.0, True: 3.0})
     assert replan.spec_time_scale() == 3.0

@@ -538,8 +538,11 @@ def test_rows_sharing_a_prompt_pay_its_attention_as_measured():
 def test_prompts_count_as_one_prefix_where_their_whole_chunks_agree():
     """`engine.prefix_rows`: rows per prompt prefix, prompts that agree over all their whole chunks of 1024 positions
     counted once (what the kernels group rows over); prompts shorter than a chunk share nothing."""
+    from magicdec import kernels
     from magicdec.engine import prefix_rows
+    from magicdec.planner.cost import GROUP_CHUNK
 
+    assert GROUP_CHUNK == kernels.CHUNK  # the planner's copy of the kernels' chunk
     doc = list(range(3000))
     assert prefix_rows([doc] * 4 + [doc[::-1]] * 4) == 4
     assert prefix_rows([doc + [1], doc + [2, 3], doc[:1500]]) == 1.5  # the first two agree over 2 whole chunks
