@@ -72,7 +72,7 @@ def table(doc: dict) -> str:
     rows = []
     for label, run in doc["runs"].items():
         for c in run["cells"]:
-            rows.append({"run": label, "B x L": f"{run['batch']} x {run['context']}", "prompts": c["distinct"],
+            rows.append({**({"run": label} if len(doc["runs"]) > 1 else {}), "prompts": c["distinct"],
                          "q": c["q"], "products": "AMX tiles" if c["tiles"] else "vector",
                          "own blocks": round(c["own ms"], 2), "shared, per row": round(c["per row ms"], 2),
                          "shared, grouped": round(c["grouped ms"], 2),

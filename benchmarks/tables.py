@@ -120,8 +120,6 @@ def bf16_flips() -> str:
     return text(list(rows.values()))
 
 
-def cpu_grid() -> str:
-    return markdown(grid_rows(load("cpu_grid", "avx512bf16")))
 
 
 def cpu_grid_amx() -> str:
@@ -215,13 +213,6 @@ def tp() -> str:
     return text(rows)
 
 
-def validate_planner() -> str:
-    s = load("validate_planner")["summary"]
-    parts = [("seconds per round (the cost model)", "round_time_rel_error"), ("rounds (the acceptance model)",
-             "rounds_rel_error"), ("throughput (both)", "throughput_rel_error"), ("speedup over AR", "speedup_rel_error")]
-    return text([{"measure": label, "median error": f"{s[k]['median']:.1%}", "worst": f"{s[k]['worst']:.1%}"}
-                 for label, k in parts]) + f"\n\n{s['n_points']} points; the planner's choice within 10% of the best " \
-                                          f"measured configuration in {s['choice_within_10pct']} cells."
 
 
 def _cells(doc: dict) -> dict[tuple, list[dict]]:
@@ -323,14 +314,16 @@ def vegas_shares() -> str:
 
 
 def gpu_check(name: str) -> str:
-    """gpu_check.py on one GPU, its runs by label: forward times per shape (eager; replayed from a CUDA graph where the
-    run timed it), then the engine's rounds of the runs that timed them."""
+    """gpu_check.py on one GPU, its runs by label: the last run's forward times per shape (eager; replayed from a CUDA
+    graph where the run timed it: it times every shape the earlier runs did), then the engine's rounds of the runs that
+    timed them."""
     steps = ("decode", "verify", "draft")
     runs = load(name)["runs"]
+    label, last = list(runs.items())[-1]
     rows = [{"run": label, "model": r["model"], "B": r["B"], "S": r["S"], **{k: r[f"{k}_ms"] for k in steps},
              **{f"graph {k}": r[f"graph_{k}_ms"] for k in steps if f"graph_{k}_ms" in r},
              "pred decode": r["pred_decode_ms"]}
-            for label, doc in runs.items() for r in doc["rows"]]
+            for r in last["rows"]]
     engine = [{"run": label, **{k: v for k, v in doc["engine"].items() if "prefill" not in k}}
               for label, doc in runs.items() if "engine" in doc]
     return text(rows) + "\n\n" + text(engine)
@@ -371,16 +364,6 @@ def sampler() -> str:
     return table(load("sampler"))
 
 
-def capacity() -> str:
-    """bench_capacity.py: the paged KV pool against the slot layout it replaced, at the same KV memory."""
-    from bench_capacity import table
-
-    doc = load("capacity")
-    load_avg = doc["machine"]["loadavg_before"][0], doc["machine"]["loadavg_after"][0]
-    return (f"```\n{table(doc)}\n```\n\nModel: {model(doc)}; {doc['kv_mem_gib']} GiB of {doc['kv_dtype']} K/V "
-            f"({doc['kv_bytes_per_token']} bytes a token): {doc['old_slots']} slots of {doc['old_slot_tokens']} "
-            f"tokens, or a pool of {doc['new_pool_tokens']} tokens; load average {load_avg[0]:.1f} before, "
-            f"{load_avg[1]:.1f} after, on {doc['machine']['cpu_count']} CPUs.")
 
 
 def server_limits() -> str:
@@ -439,23 +422,22 @@ TABLES = {"attention": lambda: attention(False), "attention_prefill": lambda: at
           "linear_tiles": lambda: linear("avx512bf16-amx", "gflop_per_s", "kernel", "tiles"),
           "gemma_attention": lambda: attention(False, "gemma3-270m, avx512bf16-amx"),
           "bf16_flips": bf16_flips, "avx2_storage": avx2_storage,
-          "cpu_grid": cpu_grid, "cpu_grid_amx": cpu_grid_amx, "llamacpp": llamacpp,
+          "cpu_grid_amx": cpu_grid_amx, "llamacpp": llamacpp,
           "avx2_grid_zen4": avx2_grid, "avx2_llamacpp_zen4": avx2_llamacpp,
           "gemma_auto_32k": lambda: gemma_auto("auto_32k", "avx512bf16-amx", "avx512bf16"),
           "gemma_llamacpp_32k": lambda: llamacpp_32k("avx512bf16-amx", "avx512bf16"),
           "gemma_auto_32k_int8": lambda: gemma_auto("auto_32k", "avx512bf16, int8 KV"),
           "gemma_auto_grid": lambda: gemma_auto("auto_grid"),
-          "positions": positions, "validate_planner": validate_planner, "paper_comparison": paper_comparison,
+          "positions": positions, "paper_comparison": paper_comparison,
           "serving_8k": serving_8k, "chat": lambda: chat("chat"), "chat_shared": lambda: chat("chat_shared"),
           "prefix_hit": prefix_hit, "server_limits": server_limits,
           "vegas_acceptance": vegas_acceptance, "vegas_e2e": vegas_e2e, "draft_lengths": draft_lengths, "vegas_shares": vegas_shares,
-          "capacity": capacity, "layouts": layouts, "kv_dtype": kv_dtype, "phases": phases, "sampler": sampler,
+          "layouts": layouts, "kv_dtype": kv_dtype, "phases": phases, "sampler": sampler,
           "shared_prefix": shared_prefix,
           "tp": tp, "perplexity": perplexity,
           "gpu_check_h200": lambda: gpu_check("gpu_check_h200")}
 #: Tables followed by the model of a result file (or of a run of one).
-MODELS = {"cpu_grid": ("cpu_grid", "avx512bf16"),
-          "cpu_grid_amx": ("cpu_grid", "avx512bf16-amx, 32 distinct prompts"), "positions": ("acceptance", None)}
+MODELS = {"cpu_grid_amx": ("cpu_grid", "avx512bf16-amx, 32 distinct prompts"), "positions": ("acceptance", None)}
 
 
 def render(readme: str) -> tuple[str, list[str]]:
