@@ -330,6 +330,16 @@ Sharing sharing_of(const StridedOf<T>& K, const StridedOf<T>& V, const Bias& bia
   return sharing;
 }
 
+// The query rows of head h of the n rows `rows` of a group, one row's `width` words after another, gathered from
+// queries [B, H, width] into `out`; returns its data.
+template <class T>
+const T* gather_queries(const T* queries, const int32_t* rows, int64_t n, int64_t h, int64_t H, int64_t width,
+                        std::vector<T>& out) {
+  out.resize(n * width);
+  for (int64_t j = 0; j < n; ++j) std::copy_n(queries + (rows[j] * H + h) * width, width, out.data() + j * width);
+  return out.data();
+}
+
 // attend_in_chunks's tasks where rows share chunks (Sharing): for each (row, head, chunk) in that order, the task of
 // the row's group where the row leads it, none where another row does. The threads take the tasks one by one as
 // they finish the last (a group's task costs more than a row's, and the rows that lead groups are the first ones).
@@ -377,20 +387,22 @@ void attend_groups(int64_t B, int64_t H, int64_t M, int64_t L, int64_t chunk, co
 // numerators of its rows that its member `share` (ShareRows) names.
 // A prefill chunk's many query rows are split into blocks of at most kBlockRows. A row's arithmetic does not depend
 // on the block it is in: a tile hidden from all of a block's rows adds nothing to them whether skipped or not.
-// With `sharing` (whose groups hold more than one row: Sharing::any; queries of a block of rows alone and no shares
-// asked for), make_group(rows, n, h, bias, buffers) builds the task of head h of the n rows of a group over a chunk,
-// their queries gathered into `buffers.queries` (the thread's Buffers); its partial results go to each row's place.
-template <int D, class MakeTask, class MakeGroup = std::nullptr_t>
+// Where a task takes one block of query rows and no shares are asked for, find_sharing() gives the groups of rows
+// over chunks (Sharing); where some group holds more than one row, make_group(rows, n, h, bias, buffers) builds the
+// task of head h of the n rows of a group over a chunk (their queries gathered into the thread's Buffers,
+// gather_queries), and its partial results go to each row's place.
+template <int D, class MakeTask, class FindSharing = std::nullptr_t, class MakeGroup = std::nullptr_t>
 at::Tensor attend_in_chunks(int64_t B, int64_t H, int64_t M, int64_t L, int64_t chunk, const Bias& bias,
                             const at::TensorOptions& opts, const Shares& shares, MakeTask make_task,
-                            const Sharing& sharing = {}, MakeGroup make_group = nullptr) {
+                            FindSharing find_sharing = nullptr, MakeGroup make_group = nullptr) {
   const int64_t C = (L + chunk - 1) / chunk, BHC = B * H * C;
   auto part_out = at::empty({BHC, M, D}, opts), part_max = at::empty({BHC, M}, opts);
   auto part_sum = at::empty({BHC, M}, opts);
   float *po = part_out.data_ptr<float>(), *pm = part_max.data_ptr<float>(), *ps = part_sum.data_ptr<float>();
   const int64_t blocks = (M + kBlockRows - 1) / kBlockRows;
   if constexpr (!std::is_same_v<MakeGroup, std::nullptr_t>) {
-    if (sharing.any && blocks == 1 && shares.out == nullptr) {
+    const Sharing sharing = blocks == 1 && shares.out == nullptr ? find_sharing() : Sharing{};
+    if (sharing.any) {
       attend_groups<D>(B, H, M, L, chunk, bias, sharing, pm, ps, po, make_task, make_group);
       auto out = at::empty({B, H, M, D}, opts);
       merge_chunks<D>(B * H * M, M, C, pm, ps, po, out.data_ptr<float>());

@@ -683,13 +683,12 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
         [&](int64_t bh, int64_t m0, int64_t rows, Bias block_bias) {
           return Task<D, kTiles, kInt8>{pairs + (bh * M + m0) * (D / 2), rows, K, V, block_bias, scale};
         },
-        table && groups ? magicdec::sharing_of(K, V, bias_rows, q.size(0), L, chunk) : magicdec::Sharing{},
+        [&] {
+          return table && groups ? magicdec::sharing_of(K, V, bias_rows, q.size(0), L, chunk) : magicdec::Sharing{};
+        },
         [&](const int32_t* rows, int64_t n, int64_t h, Bias block_bias, auto& buffers) {
-          auto& queries = buffers.queries;
-          queries.resize(n * M * (D / 2));
-          for (int64_t j = 0; j < n; ++j)
-            std::copy_n(pairs + (rows[j] * H + h) * M * (D / 2), M * (D / 2), queries.data() + j * M * (D / 2));
-          return Task<D, kTiles, kInt8>{queries.data(), n * M, K, V, block_bias, scale};
+          const auto* queries = magicdec::gather_queries(pairs, rows, n, h, H, M * (D / 2), buffers.queries);
+          return Task<D, kTiles, kInt8>{queries, n * M, K, V, block_bias, scale};
         });
   }
 }

@@ -248,12 +248,12 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
       [&](int64_t bh, int64_t m0, int64_t rows, magicdec::Bias block_bias) {
         return Task<D, S>{qp + (bh * M + m0) * D, rows, K, V, block_bias, scale};
       },
-      table && groups ? magicdec::sharing_of(K, V, bias_rows, q.size(0), L, chunk) : magicdec::Sharing{},
+      [&] {
+        return table && groups ? magicdec::sharing_of(K, V, bias_rows, q.size(0), L, chunk) : magicdec::Sharing{};
+      },
       [&](const int32_t* rows, int64_t n, int64_t h, magicdec::Bias block_bias, auto& buffers) {
-        auto& queries = buffers.queries;
-        queries.resize(n * M * D);
-        for (int64_t j = 0; j < n; ++j) std::copy_n(qp + (rows[j] * H + h) * M * D, M * D, queries.data() + j * M * D);
-        return Task<D, S>{queries.data(), n * M, K, V, block_bias, scale};
+        return Task<D, S>{magicdec::gather_queries(qp, rows, n, h, H, M * D, buffers.queries), n * M, K, V, block_bias,
+                          scale};
       });
 }
 
