@@ -223,7 +223,8 @@ def test_rows_sharing_blocks_get_the_bits_of_rows_of_their_own(isa, tiles, q, hd
     """Rows whose chunks of context are the same blocks of the pool (a prompt prefix the prefix cache shares) attend
     over them in one task, their query rows together, and each row gets exactly the bits it gets over a copy of its
     own: groups over whole chunks, a chunk shared only in part, a row over the same blocks behind another bias (its
-    context ends inside a shared chunk), rows of their own; and so with MAGICDEC_CASCADE=0 (a pass per row)."""
+    context ends inside a shared chunk), rows of their own; and so with MAGICDEC_CASCADE=0 (a pass per row). The
+    attention shares of a token's query rows (a Vegas verification asks for them) keep their bits too."""
     B, KV, G, L, shared = 6, 2, 3, 2600, 2100
     lens = [L - q, 900, L - q, L - q - 5, 1200, 1500]
     for storage in storages(isa):
@@ -231,7 +232,8 @@ def test_rows_sharing_blocks_get_the_bits_of_rows_of_their_own(isa, tiles, q, hd
         for x in (k, v):
             x[[2, 3, 5], :, :shared] = x[0, :, :shared]
         bias = attention_bias(mask, 1, bias_dtype(storage, isa))
-        want = kernels.decode_attention(xq, k, v, bias)
+        want, want_shares = kernels.decode_attention(xq, k, v, bias), torch.empty(B, KV, L)
+        assert torch.equal(kernels.decode_attention(xq, k, v, bias, shares=want_shares, share_row=q - 1), want)
         pk, pv, table = paged(k, v, 16, seed=hd)
         assert torch.equal(kernels.decode_attention(xq, pk, pv, bias, table), want), storage
         table[[2, 3, 5], : shared // 16] = table[0, : shared // 16]  # the same blocks, not copies
@@ -239,6 +241,9 @@ def test_rows_sharing_blocks_get_the_bits_of_rows_of_their_own(isa, tiles, q, hd
             monkeypatch.setenv("MAGICDEC_CASCADE", cascade)
             assert kernels.groups() == (cascade == "1")
             assert torch.equal(kernels.decode_attention(xq, pk, pv, bias, table), want), (storage, cascade)
+            shares = torch.full((B, KV, L), float("nan"))
+            out = kernels.decode_attention(xq, pk, pv, bias, table, shares=shares, share_row=q - 1)
+            assert torch.equal(out, want) and torch.equal(shares, want_shares), (storage, cascade)
 
 
 def test_a_paged_cache_is_checked(isa):

@@ -246,12 +246,13 @@ def test_every_drafter_is_exact_from_a_hit_on_the_real_model(default_model, real
     assert stats.cached_tokens >= 2 * 288 and stats2.cached_tokens >= sum(len(p) for p in real_prompts) - 3 * 64
 
 
-@pytest.mark.parametrize("drafter", [None, "self-streaming"])
-def test_rows_over_the_same_cached_blocks_attend_together_exactly(default_model_bf16, corpus_prompt, drafter):
+@pytest.mark.parametrize("drafter", [None, "self-streaming", "self-vegas"])
+def test_rows_over_the_same_cached_blocks_attend_together_exactly(default_model_bf16, corpus_prompt, drafter,
+                                                                  monkeypatch):
     """On SmolLM2 with the native bf16 kernels: rows whose prompts hit the same cached blocks over whole chunks of
     the attention (1024 positions) attend over them in one task (`kernels.groups`), plain steps and verifications
-    alike, and decode exactly the tokens of the same requests prefilled cold into blocks of their own, greedy and
-    seeded-sampled."""
+    alike (a Vegas verification's attention shares too, which its next draft selects from), and decode exactly the
+    tokens of the same requests prefilled cold into blocks of their own, greedy and seeded-sampled."""
     from magicdec import kernels
 
     model = default_model_bf16.model
@@ -261,9 +262,15 @@ def test_rows_over_the_same_cached_blocks_attend_together_exactly(default_model_
     prompts = [doc + corpus_prompt(n, book=b, at=0.6) for n, b in ((30, 1), (70, 2), (30, 1))]
     params = [SamplingParams(max_tokens=8, ignore_eos=True), SAMPLED,
               SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.7, top_p=0.9, seed=4)]
-    spec = {} if drafter is None else {"drafter": SelfSpecDrafter(model, "streaming", 128, 3, reindex=True), "gamma": 3}
+    drafters = {"self-streaming": lambda: SelfSpecDrafter(model, "streaming", 128, 3, reindex=True),
+                "self-vegas": lambda: VegasDrafter(model, 128, 3)}
+    spec = {} if drafter is None else {"drafter": drafters[drafter](), "gamma": 3}
     cold, _ = run_engine(model, prompts, params, **spec)
     kv = kv_pool(model, 1 << 28)
     run_engine(model, prompts, params, kv=kv, **spec)
     warm, stats = run_engine(model, prompts, params, kv=kv, **spec)
     assert stats.cached_tokens >= 3 * 2048 and outputs(warm) == outputs(cold)
+    if drafter == "self-vegas":  # the shares its drafts select from are a pass per row's: the same drafts accepted
+        monkeypatch.setenv("MAGICDEC_CASCADE", "0")
+        apart, stats_apart = run_engine(model, prompts, params, kv=kv, **spec)
+        assert outputs(apart) == outputs(cold) and stats_apart.accepted_hist == stats.accepted_hist

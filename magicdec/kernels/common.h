@@ -343,9 +343,11 @@ const T* gather_queries(const T* queries, const int32_t* rows, int64_t n, int64_
 // attend_in_chunks's tasks where rows share chunks (Sharing): for each (row, head, chunk) in that order, the task of
 // the row's group where the row leads it, none where another row does. The threads take the tasks one by one as
 // they finish the last (a group's task costs more than a row's, and the rows that lead groups are the first ones).
+// A group's share rows write their numerators into the thread's buffer (`chunk` floats a share row), copied to each
+// row's place as its partial results are; the heads' shares are merged after all tasks.
 template <int D, class MakeTask, class MakeGroup>
 void attend_groups(int64_t B, int64_t H, int64_t M, int64_t L, int64_t chunk, const Bias& bias, const Sharing& sharing,
-                   float* pm, float* ps, float* po, MakeTask& make_task, MakeGroup& make_group) {
+                   const Shares& shares, float* pm, float* ps, float* po, MakeTask& make_task, MakeGroup& make_group) {
   const int64_t C = (L + chunk - 1) / chunk;
   std::vector<int64_t> tasks;  // b * H * C + h * C + c: the (row, head, chunk) whose task runs
   for (int64_t b = 0; b < B; ++b)
@@ -355,12 +357,13 @@ void attend_groups(int64_t B, int64_t H, int64_t M, int64_t L, int64_t chunk, co
   std::atomic<int64_t> next{0};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     typename std::invoke_result_t<MakeTask, int64_t, int64_t, int64_t, Bias>::Buffers buffers;
-    std::vector<float> gm, gs, go;  // a group's partial results, its rows one after another
+    std::vector<float> gm, gs, go, ge;  // a group's partial results and share numerators, its rows one after another
     for (int64_t i = next++; i < static_cast<int64_t>(tasks.size()); i = next++) {
       const int64_t bhc = tasks[i], c = bhc % C, bh = bhc / C, h = bh % H, b = bh / H;
       const int64_t l0 = c * chunk, l1 = std::min(L, l0 + chunk), n = sharing.count[c * B + b];
       if (n == 1) {
         auto work = make_task(bh, 0, M, bias);
+        work.share = shares.rows_of(bh, 0, M, l0);
         work.run(b, h, l0, l1, buffers, pm + bhc * M, ps + bhc * M, po + bhc * M * D);
         continue;
       }
@@ -369,15 +372,24 @@ void attend_groups(int64_t B, int64_t H, int64_t M, int64_t L, int64_t chunk, co
       gm.resize(n * M);
       gs.resize(n * M);
       go.resize(n * M * D);
+      if (shares.out != nullptr) {
+        ge.resize(n * shares.S * chunk);
+        work.share = {ge.data(), chunk, shares.row, shares.R};  // row j's k-th share row: j * S + k
+      }
       work.run(b, h, l0, l1, buffers, gm.data(), gs.data(), go.data());
+      const int64_t width = std::min(chunk, shares.Lp - l0);  // whole tiles, as the task wrote them
       for (int64_t j = 0; j < n; ++j) {
         const int64_t at = ((rows[j] * H + h) * C + c) * M;
         std::copy_n(gm.data() + j * M, M, pm + at);
         std::copy_n(gs.data() + j * M, M, ps + at);
         std::copy_n(go.data() + j * M * D, M * D, po + at * D);
+        for (int64_t k = 0; shares.out != nullptr && k < shares.S; ++k)
+          std::copy_n(ge.data() + (j * shares.S + k) * chunk, width,
+                      shares.numer + ((rows[j] * H + h) * shares.S + k) * shares.Lp + l0);
       }
     }
   });
+  shares.merge(B * H, M, C, chunk, pm, ps, std::vector<char>(B * H, 0));
 }
 
 // Attention of M query rows per (row, KV head) over L positions in chunks of `chunk`, returning [B, H, M, D] fp32,
@@ -387,7 +399,7 @@ void attend_groups(int64_t B, int64_t H, int64_t M, int64_t L, int64_t chunk, co
 // numerators of its rows that its member `share` (ShareRows) names.
 // A prefill chunk's many query rows are split into blocks of at most kBlockRows. A row's arithmetic does not depend
 // on the block it is in: a tile hidden from all of a block's rows adds nothing to them whether skipped or not.
-// Where a task takes one block of query rows and no shares are asked for, find_sharing() gives the groups of rows
+// Where a task takes one block of query rows, find_sharing() gives the groups of rows
 // over chunks (Sharing); where some group holds more than one row, make_group(rows, n, h, bias, buffers) builds the
 // task of head h of the n rows of a group over a chunk (their queries gathered into the thread's Buffers,
 // gather_queries), and its partial results go to each row's place.
@@ -401,9 +413,9 @@ at::Tensor attend_in_chunks(int64_t B, int64_t H, int64_t M, int64_t L, int64_t 
   float *po = part_out.data_ptr<float>(), *pm = part_max.data_ptr<float>(), *ps = part_sum.data_ptr<float>();
   const int64_t blocks = (M + kBlockRows - 1) / kBlockRows;
   if constexpr (!std::is_same_v<MakeGroup, std::nullptr_t>) {
-    const Sharing sharing = blocks == 1 && shares.out == nullptr ? find_sharing() : Sharing{};
+    const Sharing sharing = blocks == 1 ? find_sharing() : Sharing{};
     if (sharing.any) {
-      attend_groups<D>(B, H, M, L, chunk, bias, sharing, pm, ps, po, make_task, make_group);
+      attend_groups<D>(B, H, M, L, chunk, bias, sharing, shares, pm, ps, po, make_task, make_group);
       auto out = at::empty({B, H, M, D}, opts);
       merge_chunks<D>(B * H * M, M, C, pm, ps, po, out.data_ptr<float>());
       return out;
