@@ -508,8 +508,10 @@ def test_auto_searches_a_quantized_draft_where_its_profile_prices_it():
 def test_rows_sharing_a_prompt_pay_its_attention_as_measured():
     """`shared_attention_factor` (4 rows a prompt against rows of their own) prices every forward over the whole
     context at `prefix_rows`: 4 rows a prompt take the factor, distinct rows nothing off, 32 rows a prompt less than
-    4 do; a sparse draft reads entries of its own, and a profile that did not measure it prices nothing off. The
-    planner then finds plain decoding faster, and drafting gaining less."""
+    4 do; a sparse draft reads entries of its own, and a profile that did not measure it prices nothing off. A
+    group's task computes all its rows' queries: where attention is compute-bound past 4 new tokens a row (measured
+    rates), a verification of 3 tokens at 4 rows a prompt saves little. The planner then finds plain decoding
+    faster, and drafting gaining less."""
     hw = dataclasses.replace(TOY_HW, shared_attention_factor=0.4)
     w = Workload(LLAMA3, hw, batch=32, context=16384)
 
@@ -524,6 +526,12 @@ def test_rows_sharing_a_prompt_pay_its_attention_as_measured():
     assert attention(dataclasses.replace(w, prefix_rows=32)) < (grouped * 0.4 + 1 - grouped) * alone
     assert attention(dataclasses.replace(w, prefix_rows=4), q=3) == pytest.approx(
         (grouped * 0.4 + 1 - grouped) * attention(w, q=3))
+    rated = Workload(LLAMA3, dataclasses.replace(hw, attention_rates=((1.0, 4e11), (4.0, 4e11))), 32, 16384)
+    assert attention(dataclasses.replace(rated, prefix_rows=4)) == pytest.approx(
+        (grouped * 0.4 + 1 - grouped) * attention(rated))
+    # a group of 4 rows x 3 tokens takes 3 rows' passes (12 new tokens, compute-bound), plus 3 x 0.2 for the others
+    assert attention(dataclasses.replace(rated, prefix_rows=4), q=3) == pytest.approx(
+        (grouped * (3 + 3 * 0.2) / 4 + 1 - grouped) * attention(rated, q=3))
     assert attention(dataclasses.replace(w, prefix_rows=4), kv_len=512) == pytest.approx(attention(w, kv_len=512))
     assert attention(dataclasses.replace(w, hw=TOY_HW, prefix_rows=4)) == pytest.approx(attention(
         dataclasses.replace(w, hw=TOY_HW)))

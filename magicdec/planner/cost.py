@@ -19,14 +19,15 @@ linear layers against the tokens per forward, and the KV bytes/s of attention ag
 its shape; the roofline still names the bound ("weights", "kv" or "compute").
 
 Rows that share a prompt prefix (`Workload.prefix_rows` of them per prompt) attend over its blocks once per group on
-the native kernels (cascade attention), and those blocks stay in the caches: a forward over the whole context takes
-the attention time of `shared_attention` of its rows (`HardwareProfile.shared_attention_factor`, measured at
-SHARED_ROWS rows per prompt).
+the native kernels (cascade attention): a group's task reads the blocks once and computes all its rows' queries, so
+a forward over the whole context takes `shared_attention` of its rows' attention time, from the attention's time at
+the group's query rows and `HardwareProfile.shared_attention_factor` (measured at SHARED_ROWS rows per prompt).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from magicdec.planner.hardware import HardwareProfile
@@ -81,15 +82,23 @@ class Workload:
     prefix_rows: float = 1.0
 
 
-def shared_attention(w: Workload) -> float:
-    """The share of its rows' attention time that a forward over the whole context takes where `w.prefix_rows` rows
-    share each prompt: over the context before the last chunk, per group the first row's time and a fraction f of it
-    for each other row, f from the profile's factor at SHARED_ROWS rows, (1 + (SHARED_ROWS - 1) f) / SHARED_ROWS; the
-    last chunk each row's own."""
-    factor, rows = w.hw.shared_attention_factor, max(1.0, w.prefix_rows)
-    extra = min(1.0, max(0.0, (SHARED_ROWS * factor - 1) / (SHARED_ROWS - 1)))
+def shared_attention(w: Workload, q: int, attention_time: Callable[[float], float]) -> float:
+    """The share of its rows' attention time that a forward of `q` new tokens a row over the whole context takes where
+    `w.prefix_rows` rows share each prompt. Over the context before the last chunk, one task attends for a group of r
+    rows as for one row of r q new tokens (`attention_time(x)`: the forward's attention time at x new tokens a row, so
+    a group costs what its query rows cost where attention is compute-bound, as a verification's is on vector
+    instructions), plus, for each other row, a fraction e of a row's own pass (its queries gathered, its partial
+    results copied), e fitted to the profile's factor at SHARED_ROWS rows of one new token; the last chunk each row's
+    own. Never more than a pass per row."""
+    rows = max(1.0, w.prefix_rows)
+    one, own = attention_time(1), attention_time(q)
+    if rows == 1 or own <= 0:
+        return 1.0
+    fitted = SHARED_ROWS * w.hw.shared_attention_factor * one - attention_time(SHARED_ROWS)
+    extra = max(0.0, fitted / ((SHARED_ROWS - 1) * one))
+    together = min(1.0, (attention_time(rows * q) + (rows - 1) * extra * own) / (rows * own))
     grouped = max(0, w.context - GROUP_CHUNK) / max(1, w.context)
-    return grouped * (1 + (rows - 1) * extra) / rows + 1 - grouped
+    return grouped * together + 1 - grouped
 
 
 def _activation_elements_per_token(shape: ModelShape) -> int:
@@ -170,11 +179,15 @@ def forward_cost(w: Workload, q: int, kv_len: int) -> ForwardCost:
     t_linear_memory, t_linear_compute = _group_times(
         (bytes_weights + bytes_activations) / bandwidth, flops_linear / (hw.flops_per_s * hw.matmul_efficiency),
         hw.linear_rates, bytes_weights, tokens)
-    t_kv, t_attention_compute = _group_times(
-        bytes_kv / bandwidth, flops_attention / (hw.flops_per_s * hw.attention_efficiency),
-        hw.attention_rates if bytes_kv > 0 else None, bytes_kv, q)
+
+    def attention_times(x: float) -> tuple[float, float]:  # (memory, compute) at x new tokens a row
+        return _group_times(bytes_kv / bandwidth, flops_attention * x / q / (hw.flops_per_s * hw.attention_efficiency),
+                            hw.attention_rates if bytes_kv > 0 else None, bytes_kv, x)
+
+    t_kv, t_attention_compute = attention_times(q)
     if kv_len == w.context:  # the whole context, shared prefixes included (a sparse draft's own entries are not)
-        t_kv, t_attention_compute = (t * shared_attention(w) for t in (t_kv, t_attention_compute))
+        share = shared_attention(w, q, lambda x: max(attention_times(x)))
+        t_kv, t_attention_compute = t_kv * share, t_attention_compute * share
     t_comm = _allreduce_time(w, tokens * shape.dim * act_dtype_bytes)
     t_overhead = hw.fixed_overhead_s + hw.per_layer_overhead_s * shape.n_layers
 
