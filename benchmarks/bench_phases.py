@@ -8,8 +8,8 @@
 tiles them. Then, `--repeats` times, for each setting of `--switch` (`layer-ops`: MAGICDEC_FUSED on, then off, torch's
 operators for the norms and RoPE, what ran before them; `cascade`: MAGICDEC_CASCADE on, then off, a pass over the
 shared prompt's blocks per group of rows or per row) every configuration decodes the batch, sampled (T 0.7, top-p
-0.9, a seed per row): plain decoding, self-speculation with StreamingLLM at `--budget` and `--gamma`, and
-`--draft auto`. Each run profiles its first `--rounds` decode rounds (`magicdec.phases`: each kind of forward split
+0.9, a seed per row): plain decoding, self-speculation (`--draft`: StreamingLLM, or Vegas) at `--budget` and
+`--gamma`, and `--draft auto`. Each run profiles its first `--rounds` decode rounds (`magicdec.phases`: each kind of forward split
 into attention, linear layers, other operators, host time and sampling, against its floor); each configuration keeps
 its median-throughput run. Writes the run into benchmarks/results/phases.json (a run per model and shape, the others
 kept) with the machine info, and prints the file's table.
@@ -46,9 +46,8 @@ SWITCHES = {"layer-ops": ("MAGICDEC_FUSED", {"native": "1", "torch": "0"}),
             "cascade": ("MAGICDEC_CASCADE", {"grouped": "1", "per row": "0"})}
 
 
-def configs(llm: LLM, budget: int, gamma: int) -> dict[str, SpeculativeConfig | None]:
-    return {"plain": None, f"self-streaming K={budget} g={gamma}": SpeculativeConfig("self-streaming", budget=budget,
-                                                                                        gamma=gamma),
+def configs(llm: LLM, draft: str, budget: int, gamma: int) -> dict[str, SpeculativeConfig | None]:
+    return {"plain": None, f"{draft} K={budget} g={gamma}": SpeculativeConfig(draft, budget=budget, gamma=gamma),
             "auto": SpeculativeConfig("auto", hardware=planning_profile(llm.model, llm.kv_dtype), mode="sampling")}
 
 
@@ -67,7 +66,7 @@ def measure(llm: LLM, rows: list[list[int]], args) -> dict:
     """Every (setting, configuration)'s median-throughput run, the settings and configurations taking turns."""
     params = [sampling_params("sampling", args.max_tokens, seed=i) for i in range(len(rows))]
     runs: dict[str, list[dict]] = {}
-    specs = configs(llm, args.budget, args.gamma)
+    specs = configs(llm, args.draft, args.budget, args.gamma)
     variable, settings = SWITCHES[args.switch]
     for _ in range(args.repeats):
         for setting, value in settings.items():
@@ -114,6 +113,8 @@ def main() -> None:
     p.add_argument("--context", type=int, default=8000)
     p.add_argument("--distinct", type=int, default=8, help="distinct prompts the batch tiles")
     p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--draft", choices=("self-streaming", "self-vegas"), default="self-streaming",
+                   help="the fixed draft timed beside plain decoding and auto")
     p.add_argument("--budget", type=int, default=512)
     p.add_argument("--gamma", type=int, default=2)
     p.add_argument("--rounds", type=int, default=6, help="decode rounds profiled per run")
