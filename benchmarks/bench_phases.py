@@ -83,7 +83,7 @@ def measure(llm: LLM, rows: list[list[int]], args) -> dict:
 
 def table(doc: dict) -> str:
     """Per run and setting of its switch: each kind of forward of plain decoding and of the fixed draft, its parts in ms
-    per forward against its floor; then each configuration's throughput against plain decoding's."""
+    per forward against its floor; then the fixed draft's and auto's throughput against plain decoding's."""
     forwards, speeds = [], []
     for label, run in doc["runs"].items():
         for setting in SWITCHES[run.get("switch", "layer-ops")][1]:
@@ -96,9 +96,9 @@ def table(doc: dict) -> str:
                                      "attention": k["attention_ms"], "linear": k["linear_ms"], "other": k["other_ms"],
                                      "host": k["host_ms"], "sampling": k["sampling_ms"], "floor": k["floor_ms"],
                                      "x floor": k["ratio"]})
-            speeds.append({"run": label, "setting": setting, "plain tok/s": plain,
-                           fixed: configs[fixed]["throughput"] / plain, "auto": configs["auto"]["throughput"] / plain,
-                           "auto ran": configs["auto"]["chosen"]})
+            speeds.append({"run": label, "setting": setting, "plain tok/s": plain, "draft": fixed,
+                           "draft x plain": configs[fixed]["throughput"] / plain,
+                           "auto x plain": configs["auto"]["throughput"] / plain, "auto ran": configs["auto"]["chosen"]})
     if not forwards:
         return "no runs"
     return "\n\n".join(format_table(rows, list(dict.fromkeys(k for row in rows for k in row)))
