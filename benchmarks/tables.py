@@ -122,11 +122,19 @@ def bf16_flips() -> str:
 
 
 
-def cpu_grid_amx() -> str:
-    """The grid of 32 distinct prompts on the Xeon AMX, its floor at the read rate the run measured."""
-    run = load("cpu_grid", "avx512bf16-amx, 32 distinct prompts")
+def distinct_grid(label: str) -> str:
+    """A grid of 32 distinct prompts, its floor at the read rate the run measured."""
+    run = load("cpu_grid", label)
     rate = statistics.median(p["read_bandwidth_gbs"] for p in run["points"].values()) * 1e9
     return markdown(grid_rows(run, bandwidth=rate))
+
+
+def cpu_grid_amx() -> str:
+    return distinct_grid("avx512bf16-amx, 32 distinct prompts")
+
+
+def cpu_grid_zen4() -> str:
+    return distinct_grid("avx512bf16, 32 distinct prompts")
 
 
 def llamacpp() -> str:
@@ -422,7 +430,7 @@ TABLES = {"attention": lambda: attention(False), "attention_prefill": lambda: at
           "linear_tiles": lambda: linear("avx512bf16-amx", "gflop_per_s", "kernel", "tiles"),
           "gemma_attention": lambda: attention(False, "gemma3-270m, avx512bf16-amx"),
           "bf16_flips": bf16_flips, "avx2_storage": avx2_storage,
-          "cpu_grid_amx": cpu_grid_amx, "llamacpp": llamacpp,
+          "cpu_grid_amx": cpu_grid_amx, "cpu_grid_zen4": cpu_grid_zen4, "llamacpp": llamacpp,
           "avx2_grid_zen4": avx2_grid, "avx2_llamacpp_zen4": avx2_llamacpp,
           "gemma_auto_32k": lambda: gemma_auto("auto_32k", "avx512bf16-amx", "avx512bf16"),
           "gemma_llamacpp_32k": lambda: llamacpp_32k("avx512bf16-amx", "avx512bf16"),
@@ -437,7 +445,7 @@ TABLES = {"attention": lambda: attention(False), "attention_prefill": lambda: at
           "tp": tp, "perplexity": perplexity,
           "gpu_check_h200": lambda: gpu_check("gpu_check_h200")}
 #: Tables followed by the model of a result file (or of a run of one).
-MODELS = {"cpu_grid_amx": ("cpu_grid", "avx512bf16-amx, 32 distinct prompts"), "positions": ("acceptance", None)}
+MODELS = {"cpu_grid_zen4": ("cpu_grid", "avx512bf16, 32 distinct prompts"), "positions": ("acceptance", None)}
 
 
 def render(readme: str) -> tuple[str, list[str]]:
