@@ -389,7 +389,7 @@ void attend_groups(int64_t B, int64_t H, int64_t M, int64_t L, int64_t chunk, co
       }
     }
   });
-  shares.merge(B * H, M, C, chunk, pm, ps, std::vector<char>(B * H, 0));
+  if (shares.out != nullptr) shares.merge(B * H, M, C, chunk, pm, ps, std::vector<char>(B * H, 0));
 }
 
 // Attention of M query rows per (row, KV head) over L positions in chunks of `chunk`, returning [B, H, M, D] fp32,
