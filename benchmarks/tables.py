@@ -259,15 +259,6 @@ def _auto_row(b: int, s: int, mode: str, plain: float, p: dict) -> dict:
     return row
 
 
-def positions() -> str:
-    rows: dict[tuple, dict] = {}
-    for p in load("acceptance")["points"].values():
-        if p.get("positions") and p.get("budget") == 256 and "tokens_per_step" in p:
-            row = rows.setdefault((p["draft"], p["context_used"]), {"drafter": p["draft"], "context": p["context_used"]})
-            row[f"{p['mode']} {p['positions']}"] = p["tokens_per_step"]
-    return text([rows[k] for k in sorted(rows)])
-
-
 def vegas_acceptance() -> str:
     """`magicdec bench` acceptance sweeps, a run per model: each self-speculative drafter's per-token acceptance by
     model, context and mode, at each budget (self-quant reads the whole context, without a budget)."""
@@ -436,7 +427,7 @@ TABLES = {"attention": lambda: attention(False), "attention_prefill": lambda: at
           "gemma_llamacpp_32k": lambda: llamacpp_32k("avx512bf16-amx", "avx512bf16"),
           "gemma_auto_32k_int8": lambda: gemma_auto("auto_32k", "avx512bf16, int8 KV"),
           "gemma_auto_grid": lambda: gemma_auto("auto_grid"),
-          "positions": positions, "paper_comparison": paper_comparison,
+          "paper_comparison": paper_comparison,
           "serving_8k": serving_8k, "chat": lambda: chat("chat"), "chat_shared": lambda: chat("chat_shared"),
           "prefix_hit": prefix_hit, "server_limits": server_limits,
           "vegas_acceptance": vegas_acceptance, "vegas_e2e": vegas_e2e, "draft_lengths": draft_lengths, "vegas_shares": vegas_shares,
@@ -445,7 +436,7 @@ TABLES = {"attention": lambda: attention(False), "attention_prefill": lambda: at
           "tp": tp, "perplexity": perplexity,
           "gpu_check_h200": lambda: gpu_check("gpu_check_h200")}
 #: Tables followed by the model of a result file (or of a run of one).
-MODELS = {"cpu_grid_zen4": ("cpu_grid", "avx512bf16, 32 distinct prompts"), "positions": ("acceptance", None)}
+MODELS = {"cpu_grid_zen4": ("cpu_grid", "avx512bf16, 32 distinct prompts")}
 
 
 def render(readme: str) -> tuple[str, list[str]]:
