@@ -282,7 +282,9 @@ def per_prompt_params(params: SamplingParams | Sequence[SamplingParams], n: int)
 def prefix_rows(ids: Sequence[Sequence[int]]) -> float:
     """Rows per shared prompt prefix among the prompts `ids`: prompts that agree over all their whole chunks of the
     attention kernels (`kernels.CHUNK` positions: what rows sharing cached blocks attend over together) count once;
-    a prompt shorter than a chunk shares nothing."""
+    a prompt shorter than a chunk shares nothing, and with MAGICDEC_CASCADE=0 (`kernels.groups`) no row does."""
+    if not kernels.groups():
+        return 1.0
     keys = {tuple(p[: len(p) // kernels.CHUNK * kernels.CHUNK]) if len(p) >= kernels.CHUNK else i
             for i, p in enumerate(ids)}
     return len(ids) / max(1, len(keys))

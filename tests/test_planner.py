@@ -543,9 +543,10 @@ def test_rows_sharing_a_prompt_pay_its_attention_as_measured():
         dataclasses.replace(TOY_HW, shared_attention_factor=0)
 
 
-def test_prompts_count_as_one_prefix_where_their_whole_chunks_agree():
+def test_prompts_count_as_one_prefix_where_their_whole_chunks_agree(monkeypatch):
     """`engine.prefix_rows`: rows per prompt prefix, prompts that agree over all their whole chunks of 1024 positions
-    counted once (what the kernels group rows over); prompts shorter than a chunk share nothing."""
+    counted once (what the kernels group rows over); prompts shorter than a chunk share nothing, and no prompt does
+    where MAGICDEC_CASCADE=0 gives each row its own pass."""
     from magicdec import kernels
     from magicdec.engine import prefix_rows
     from magicdec.planner.cost import GROUP_CHUNK
@@ -555,6 +556,8 @@ def test_prompts_count_as_one_prefix_where_their_whole_chunks_agree():
     assert prefix_rows([doc] * 4 + [doc[::-1]] * 4) == 4
     assert prefix_rows([doc + [1], doc + [2, 3], doc[:1500]]) == 1.5  # the first two agree over 2 whole chunks
     assert prefix_rows([[5] * 1000] * 8) == 1 and prefix_rows([doc]) == 1
+    monkeypatch.setenv("MAGICDEC_CASCADE", "0")
+    assert prefix_rows([doc] * 4) == 1
 
 
 def test_a_vegas_round_pays_its_selection_and_its_drafts_scattered_reads():
