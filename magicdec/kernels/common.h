@@ -399,10 +399,10 @@ void attend_groups(int64_t B, int64_t H, int64_t M, int64_t L, int64_t chunk, co
 // numerators of its rows that its member `share` (ShareRows) names.
 // A prefill chunk's many query rows are split into blocks of at most kBlockRows. A row's arithmetic does not depend
 // on the block it is in: a tile hidden from all of a block's rows adds nothing to them whether skipped or not.
-// Where a task takes one block of query rows, find_sharing() gives the groups of rows
-// over chunks (Sharing); where some group holds more than one row, make_group(rows, n, h, bias, buffers) builds the
-// task of head h of the n rows of a group over a chunk (their queries gathered into the thread's Buffers,
-// gather_queries), and its partial results go to each row's place.
+// Where a task takes one block of query rows, find_sharing() gives the groups of rows over chunks (Sharing); where
+// some group holds more than one row, make_group(rows, n, h, bias, buffers) builds the task of head h of the n rows of
+// a group over a chunk (their queries gathered into the thread's Buffers, gather_queries), and its partial results
+// and share numerators go to each row's place.
 template <int D, class MakeTask, class FindSharing = std::nullptr_t, class MakeGroup = std::nullptr_t>
 at::Tensor attend_in_chunks(int64_t B, int64_t H, int64_t M, int64_t L, int64_t chunk, const Bias& bias,
                             const at::TensorOptions& opts, const Shares& shares, MakeTask make_task,
