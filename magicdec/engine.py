@@ -494,17 +494,17 @@ class LLM:
         All prompts are queued at once; up to `max_num_seqs` (fewer if memory is short) run together, and a finished
         one's slot goes to the next. Stats land in `self.last_stats`."""
         ids, per_prompt = self._requests(prompts, prompt_token_ids, params)
-        shape = self._generate_shape(ids, per_prompt, speculative.mode if speculative is not None else "greedy")
-        config = dataclasses.replace(self.config, max_num_seqs=shape[0],
+        planned = self._generate_shape(ids, per_prompt, speculative.mode if speculative is not None else "greedy")
+        config = dataclasses.replace(self.config, max_num_seqs=planned[0],
                                      max_model_len=max(len(p) + sp.max_tokens for p, sp in zip(ids, per_prompt)))
-        engine = self._engine_with(self._speculation(speculative, *shape), config, fit_memory=True)
+        engine = self._engine_with(self._speculation(speculative, *planned), config, fit_memory=True)
         stats = engine.reset_stats()
         requests = engine.generate(ids, per_prompt, progress, phases)
         stats.peak_memory_bytes = peak_bytes(self.model.device)
         if phases is not None:
             shape = target_shape(self.model.cfg)
             stats.phases = phases.report(shape, dtypes.nbytes(weight_dtype(self.model)),
-                                         dtypes.kv_nbytes(self.kv_dtype, shape.head_dim))
+                                         dtypes.kv_nbytes(self.kv_dtype, shape.head_dim), prefix_rows=planned[3])
         engine.record_graphs(stats)
         self.last_stats = stats
         return [RequestOutput(i, prompts[i] if prompts is not None else None, r.prompt_ids, engine.text_of(r),

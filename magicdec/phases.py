@@ -20,7 +20,8 @@ copying the target's new entries, commits, EOS checks): `outside_ms`.
 
 The floor of a forward is what its bytes take at the memory's read rate, or its multiply-adds at the rate of a large
 square matmul in the model's dtype, whichever is longer (the planner's `forward_cost` counts both); both rates are
-measured right after the window. Where a last-level cache holds the weights, the true floor is lower. The profiler
+measured right after the window. A plain step's or a verification's K/V bytes are counted once where rows over one
+prompt read its blocks together (`prefix_rows`; the planner's `distinct_kv`). Where a last-level cache holds the weights, the true floor is lower. The profiler
 adds about a microsecond to each operator it records, which lands in `host`. The accounting is a CPU's: on CUDA the
 times are the host's launches (kernels run asynchronously).
 """
@@ -35,12 +36,14 @@ from torch.profiler import ProfilerActivity, profile
 from magicdec import scopes
 from magicdec.calibrate.timing import best_time, memory_read_rate
 from magicdec.errors import InvalidRequestError
-from magicdec.planner.cost import Workload, forward_cost
+from magicdec.planner.cost import Workload, distinct_kv, forward_cost
 from magicdec.planner.hardware import HardwareProfile
 from magicdec.planner.models import ModelShape
 
 #: The kinds of forward a round runs.
 KINDS = ("plain", "draft", "verify")
+#: The kinds of forward that read the target's whole cache (a draft reads entries of its own).
+TARGET_KINDS = ("plain", "verify")
 #: The size of the square matmul whose rate prices multiply-adds.
 MATMUL_N = 1024
 #: Any profile: `forward_cost` is asked for bytes and flops only, which do not depend on it.
@@ -132,9 +135,10 @@ class PhaseRecorder:
                 us["wall"] += _us(event)
                 _split(event, us)
 
-    def report(self, shape: ModelShape, dtype_bytes: float, kv_bytes: float) -> dict:
+    def report(self, shape: ModelShape, dtype_bytes: float, kv_bytes: float, prefix_rows: float = 1.0) -> dict:
         """Per kind of forward that ran: ms per forward of each part, host time, floor and ratio; and the rounds'
-        time outside the forwards. `dtype_bytes`, `kv_bytes`: bytes per weight and per KV element."""
+        time outside the forwards. `dtype_bytes`, `kv_bytes`: bytes per weight and per KV element; `prefix_rows`: rows
+        per shared prompt prefix (`engine.prefix_rows`)."""
         kinds = {}
         forward_us = 0.0
         for kind, f in self.forwards.items():
@@ -145,7 +149,7 @@ class PhaseRecorder:
             ops = us["attention"] + us["linear"] + us["other"]
             part = {name: us[name] / f.count / 1e3 for name in ("attention", "linear", "other", "sampling")}
             ms = us["wall"] / f.count / 1e3
-            floor = self._floor(shape, dtype_bytes, kv_bytes, f)
+            floor = self._floor(shape, dtype_bytes, kv_bytes, f, prefix_rows if kind in TARGET_KINDS else 1.0)
             kinds[kind] = {"forwards": f.count, "rows": f.rows / f.count, "tokens": f.tokens / f.count,
                            "entries": f.entries / f.count, "ms": ms, **{f"{k}_ms": v for k, v in part.items()},
                            "host_ms": (us["wall"] - ops) / f.count / 1e3, "floor_ms": floor * 1e3,
@@ -154,11 +158,13 @@ class PhaseRecorder:
                 "outside_ms": (self.round_us - forward_us) / max(self.rounds, 1) / 1e3,
                 "read_rate_gbs": self.read_rate / 1e9, "matmul_gflops": self.matmul_rate / 1e9, "kinds": kinds}
 
-    def _floor(self, shape: ModelShape, dtype_bytes: float, kv_bytes: float, f: _Forwards) -> float:
+    def _floor(self, shape: ModelShape, dtype_bytes: float, kv_bytes: float, f: _Forwards,
+               prefix_rows: float) -> float:
         """Seconds of the mean forward of `f` at its floor (see the module)."""
         rows, tokens, entries = round(f.rows / f.count), round(f.tokens / f.count), round(f.entries / f.count)
-        cost = forward_cost(Workload(shape, _ANY, rows, max(entries, 1), dtype_bytes, kv_bytes), tokens, entries)
-        memory = (cost.bytes_weights + cost.bytes_kv + cost.bytes_activations) / self.read_rate
+        w = Workload(shape, _ANY, rows, max(entries, 1), dtype_bytes, kv_bytes, prefix_rows=prefix_rows)
+        cost = forward_cost(w, tokens, entries)
+        memory = (cost.bytes_weights + cost.bytes_kv * distinct_kv(w) + cost.bytes_activations) / self.read_rate
         return max(memory, (cost.flops_linear + cost.flops_attention) / self.matmul_rate)
 
 

@@ -12,6 +12,7 @@ from magicdec import scopes
 from magicdec.cli import main
 from magicdec.errors import InvalidRequestError
 from magicdec.phases import PhaseRecorder, _split
+from magicdec.planner.models import MODEL_PRESETS
 from magicdec.sampling import SamplingParams
 from magicdec.speculative import SpeculativeConfig
 
@@ -82,6 +83,29 @@ def test_operators_are_split_by_name():
     us = dict.fromkeys(("attention", "linear", "other"), 0.0)
     _split(forward, us)
     assert us == {"attention": 30, "linear": 15, "other": 48}
+
+
+def test_a_floor_counts_a_shared_prompts_blocks_once():
+    """Rows over one prompt read its blocks together (cascade attention): a plain step's and a verification's floor
+    count the K/V bytes before the last chunk once per group of `prefix_rows` rows; a draft's entries are its own."""
+    shape = MODEL_PRESETS["smollm2-135m"]
+    rows, entries = 32, 8192
+
+    def floors(prefix_rows: float) -> dict[str, float]:
+        recorder = PhaseRecorder(1)
+        recorder.read_rate, recorder.matmul_rate = 20e9, 1e18  # bytes bound every forward
+        for kind, tokens, n in (("plain", 1, entries), ("verify", 3, entries), ("draft", 1, 512)):
+            f = recorder.forwards[kind]
+            f.count, f.rows, f.tokens, f.entries = 1, rows, tokens, n
+        report = recorder.report(shape, 2, 2, prefix_rows=prefix_rows)
+        return {kind: k["floor_ms"] for kind, k in report["kinds"].items()}
+
+    alone, shared = floors(1.0), floors(4.0)
+    kv = rows * entries * shape.kv_bytes_per_token(2) / 20e9 * 1e3  # ms of every row's K/V
+    once = (entries - 1024) / entries * 3 / 4  # the share of it a group of 4 does not read again
+    for kind in ("plain", "verify"):
+        assert alone[kind] - shared[kind] == pytest.approx(kv * once)
+    assert shared["draft"] == alone["draft"]
 
 
 @pytest.mark.parametrize("rounds", [0, -1, 1.5])

@@ -97,8 +97,20 @@ def shared_attention(w: Workload, q: int, attention_time: Callable[[float], floa
     fitted = SHARED_ROWS * w.hw.shared_attention_factor * one - attention_time(SHARED_ROWS)
     extra = max(0.0, fitted / ((SHARED_ROWS - 1) * one))
     together = min(1.0, (attention_time(rows * q) + (rows - 1) * extra * own) / (rows * own))
-    grouped = max(0, w.context - GROUP_CHUNK) / max(1, w.context)
+    grouped = _grouped(w)
     return grouped * together + 1 - grouped
+
+
+def distinct_kv(w: Workload) -> float:
+    """The share of its rows' K/V bytes that a forward over the whole context reads once where `w.prefix_rows` rows
+    share each prompt: a group's blocks before the last chunk once for all its rows (the bytes a floor counts)."""
+    grouped = _grouped(w)
+    return grouped / max(1.0, w.prefix_rows) + 1 - grouped
+
+
+def _grouped(w: Workload) -> float:
+    """The share of the context that rows over one prompt attend over in groups: all but the last chunk."""
+    return max(0, w.context - GROUP_CHUNK) / max(1, w.context)
 
 
 def _activation_elements_per_token(shape: ModelShape) -> int:
