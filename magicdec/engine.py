@@ -282,9 +282,7 @@ def per_prompt_params(params: SamplingParams | Sequence[SamplingParams], n: int)
 def prefix_rows(ids: Sequence[Sequence[int]]) -> float:
     """Rows per shared prompt prefix among the prompts `ids`: prompts that agree over all their whole chunks of the
     attention kernels (`kernels.CHUNK` positions: what rows sharing cached blocks attend over together) count once;
-    a prompt shorter than a chunk shares nothing, and with MAGICDEC_CASCADE=0 (`kernels.groups`) no row does."""
-    if not kernels.groups():
-        return 1.0
+    a prompt shorter than a chunk shares nothing."""
     keys = {tuple(p[: len(p) // kernels.CHUNK * kernels.CHUNK]) if len(p) >= kernels.CHUNK else i
             for i, p in enumerate(ids)}
     return len(ids) / max(1, len(keys))
@@ -355,10 +353,7 @@ class LLM:
         # where a layer's norms and RoPE run: the path's layer operators, or torch's (MAGICDEC_FUSED=0, no path)
         self.layer_ops = "native" if kernels.fuses(torch.empty(0, dtype=self.model.dtype, device=self.model.device)) \
             else "torch"
-        # whether rows that share cached blocks attend over them together (MAGICDEC_CASCADE: the native kernels, over
-        # 16-bit caches)
-        self.cascade = "on" if self.attention == "native" and kernels.groups() and self.kv_dtype.itemsize == 2 \
-            else "off"
+        self.cascade = "on" if self._groups_rows() else "off"  # as the model loaded (`_groups_rows` reads it per call)
         self.kv = make_kv_manager(self.model, self.config)  # shared by the engines built here
         self.last_stats: GenerationStats | None = None
         #: What `SpeculativeConfig("auto")` resolved to in the last `generate` or `engine` call (None where that call
@@ -399,13 +394,19 @@ class LLM:
         ids, per_prompt = self._requests(None, prompt_token_ids, params)
         return self._choose(speculative, *self._generate_shape(ids, per_prompt, speculative.mode))
 
+    def _groups_rows(self) -> bool:
+        """Whether rows that share cached blocks attend over them together now: the native kernels over a 16-bit
+        cache, with MAGICDEC_CASCADE on (`kernels.groups`, read at each call)."""
+        return self.attention == "native" and self.kv_dtype.itemsize == 2 and kernels.groups()
+
     def _generate_shape(self, ids: list[list[int]], per_prompt: list[SamplingParams],
                         mode: str) -> tuple[int, int, int, float]:
-        """(batch, context, rows that differ, rows per shared prompt prefix) of a `generate` call, as `plan` says."""
+        """(batch, context, rows that differ, rows per shared prompt prefix where the kernels group them, else 1) of a
+        `generate` call, as `plan` says."""
         batch = min(len(ids), self.config.max_num_seqs)
         context = max(len(p) + sp.max_tokens // 2 for p, sp in zip(ids, per_prompt))
         rows = len({tuple(p) for p in ids}) if mode == "greedy" else batch
-        return batch, context, min(rows, batch), prefix_rows(ids)
+        return batch, context, min(rows, batch), prefix_rows(ids) if self._groups_rows() else 1.0
 
     def _choose(self, speculative: SpeculativeConfig, batch: int, context: int, rows: int | None = None,
                 shared: float = 1.0) -> Choice:

@@ -543,10 +543,9 @@ def test_rows_sharing_a_prompt_pay_its_attention_as_measured():
         dataclasses.replace(TOY_HW, shared_attention_factor=0)
 
 
-def test_prompts_count_as_one_prefix_where_their_whole_chunks_agree(monkeypatch):
+def test_prompts_count_as_one_prefix_where_their_whole_chunks_agree():
     """`engine.prefix_rows`: rows per prompt prefix, prompts that agree over all their whole chunks of 1024 positions
-    counted once (what the kernels group rows over); prompts shorter than a chunk share nothing, and no prompt does
-    where MAGICDEC_CASCADE=0 gives each row its own pass."""
+    counted once (what the kernels group rows over); prompts shorter than a chunk share nothing."""
     from magicdec import kernels
     from magicdec.engine import prefix_rows
     from magicdec.planner.cost import GROUP_CHUNK
@@ -556,8 +555,23 @@ def test_prompts_count_as_one_prefix_where_their_whole_chunks_agree(monkeypatch)
     assert prefix_rows([doc] * 4 + [doc[::-1]] * 4) == 4
     assert prefix_rows([doc + [1], doc + [2, 3], doc[:1500]]) == 1.5  # the first two agree over 2 whole chunks
     assert prefix_rows([[5] * 1000] * 8) == 1 and prefix_rows([doc]) == 1
+
+
+def test_a_prefix_is_planned_as_shared_only_where_the_kernels_group_its_rows(llm, monkeypatch):
+    """`LLM` plans rows per shared prefix only where they attend over it together: the native kernels over a 16-bit
+    cache with MAGICDEC_CASCADE on; not over an int8 cache, not through torch's attention (fp32), not with
+    MAGICDEC_CASCADE=0 (read at each call, as the kernels read it)."""
+    from magicdec.engine import LLM
+    from magicdec.sampling import SamplingParams
+
+    ids, params = [list(range(3000))] * 4, [SamplingParams(max_tokens=8)] * 4
+    bf16 = LLM(device="cpu", dtype="bf16", kv_cache_gb=1)
+    int8 = LLM(device="cpu", dtype="bf16", kv_cache_gb=1, kv_cache_dtype="int8")
+    assert bf16._generate_shape(ids, params, "sampling")[3] == (4 if bf16.attention == "native" else 1)
+    assert int8._generate_shape(ids, params, "sampling")[3] == 1 and int8.cascade == "off"
+    assert llm._generate_shape(ids, params, "sampling")[3] == 1 and llm.cascade == "off"
     monkeypatch.setenv("MAGICDEC_CASCADE", "0")
-    assert prefix_rows([doc] * 4) == 1
+    assert bf16._generate_shape(ids, params, "sampling")[3] == 1
 
 
 def test_a_vegas_round_pays_its_selection_and_its_drafts_scattered_reads():
