@@ -9,10 +9,10 @@ tiles them. Then, `--repeats` times, for each setting of `--switch` (`layer-ops`
 operators for the norms and RoPE, what ran before them; `cascade`: MAGICDEC_CASCADE on, then off, a pass over the
 shared prompt's blocks per group of rows or per row) every configuration decodes the batch, sampled (T 0.7, top-p
 0.9, a seed per row): plain decoding, self-speculation (`--draft`: StreamingLLM, or Vegas) at `--budget` and
-`--gamma`, and `--draft auto`. Each run profiles its first `--rounds` decode rounds (`magicdec.phases`: each kind of forward split
-into attention, linear layers, other operators, host time and sampling, against its floor); each configuration keeps
-its median-throughput run. Writes the run into benchmarks/results/phases.json (a run per model and shape, the others
-kept) with the machine info, and prints the file's table.
+`--gamma`, and `--draft auto`. Each run profiles its first `--rounds` decode rounds (`magicdec.phases`: each kind of
+forward split into attention, linear layers, other operators, host time and sampling, against its floor); each
+configuration keeps its median-throughput run. Writes the run into benchmarks/results/phases.json (a run per model
+and shape, the others kept) with the machine info, and prints the file's table.
 """
 
 from __future__ import annotations
@@ -98,7 +98,8 @@ def table(doc: dict) -> str:
                                      "x floor": k["ratio"]})
             speeds.append({"run": label, "setting": setting, "plain tok/s": plain, "draft": fixed,
                            "draft x plain": configs[fixed]["throughput"] / plain,
-                           "auto x plain": configs["auto"]["throughput"] / plain, "auto ran": configs["auto"]["chosen"]})
+                           "auto x plain": configs["auto"]["throughput"] / plain,
+                           "auto ran": configs["auto"]["chosen"]})
     if not forwards:
         return "no runs"
     return "\n\n".join(format_table(rows, list(dict.fromkeys(k for row in rows for k in row)))

@@ -21,9 +21,9 @@ copying the target's new entries, commits, EOS checks): `outside_ms`.
 The floor of a forward is what its bytes take at the memory's read rate, or its multiply-adds at the rate of a large
 square matmul in the model's dtype, whichever is longer (the planner's `forward_cost` counts both); both rates are
 measured right after the window. A plain step's or a verification's K/V bytes are counted once where rows over one
-prompt read its blocks together (`prefix_rows`; the planner's `distinct_kv`). Where a last-level cache holds the weights, the true floor is lower. The profiler
-adds about a microsecond to each operator it records, which lands in `host`. The accounting is a CPU's: on CUDA the
-times are the host's launches (kernels run asynchronously).
+prompt read its blocks together (`prefix_rows`; the planner's `distinct_kv`). Where a last-level cache holds the
+weights, the true floor is lower. The profiler adds about a microsecond to each operator it records, which lands in
+`host`. The accounting is a CPU's: on CUDA the times are the host's launches (kernels run asynchronously).
 """
 
 from __future__ import annotations
