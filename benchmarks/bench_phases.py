@@ -6,7 +6,8 @@
 
 `--distinct` prompts of `--context` tokens cut from the corpus are prefilled once into the prefix cache, and the batch
 tiles them. Then, `--repeats` times, for each setting of `--switch` (`layer-ops`: MAGICDEC_FUSED on, then off, torch's
-operators for the norms and RoPE, what ran before them; `cascade`: MAGICDEC_CASCADE on, then off, a pass over the
+operators for the norms and RoPE, what ran before them; `sublayers`: MAGICDEC_FUSED=1, then `ops`, a layer's
+operators in two calls around its attention or a call each; `cascade`: MAGICDEC_CASCADE on, then off, a pass over the
 shared prompt's blocks per group of rows or per row) every configuration decodes the batch, sampled (T 0.7, top-p
 0.9, a seed per row): plain decoding, self-speculation (`--draft`: StreamingLLM, or Vegas) at `--budget` and
 `--gamma`, and `--draft auto`. Each run profiles its first `--rounds` decode rounds (`magicdec.phases`: each kind of
@@ -43,6 +44,7 @@ RESULT = ROOT / "benchmarks" / "results" / "phases.json"
 DATA = ROOT.parent / "shared" / "data" / "pg19_dev.jsonl"
 #: Each switch's variable and settings, in the order they take turns.
 SWITCHES = {"layer-ops": ("MAGICDEC_FUSED", {"native": "1", "torch": "0"}),
+            "sublayers": ("MAGICDEC_FUSED", {"two calls": "1", "one by one": "ops"}),
             "cascade": ("MAGICDEC_CASCADE", {"grouped": "1", "per row": "0"})}
 
 

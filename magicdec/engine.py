@@ -350,9 +350,10 @@ class LLM:
         self.attention = attention_path(self.model.device, self.kv_dtype)  # builds a native kernel now, not mid-run
         self.linear = linear_path(self.model.device, weight_dtype(self.model))  # "packed" where load_model packed them
         self.kernels = kernels.path_name()  # the native kernels' instruction-set path, "torch" where none runs
-        # where a layer's norms and RoPE run: the path's layer operators, or torch's (MAGICDEC_FUSED=0, no path)
-        self.layer_ops = "native" if kernels.fuses(torch.empty(0, dtype=self.model.dtype, device=self.model.device)) \
-            else "torch"
+        # where a layer's norms and RoPE run: the path's layer operators, two calls a layer ("sublayers") or one
+        # operator a call ("native", MAGICDEC_FUSED=ops), or torch's ("torch": MAGICDEC_FUSED=0, no path)
+        x = torch.empty(0, dtype=self.model.dtype, device=self.model.device)
+        self.layer_ops = "sublayers" if kernels.sublayers(x) else "native" if kernels.fuses(x) else "torch"
         self.cascade = "on" if self._groups_rows() else "off"  # as the model loaded (`_groups_rows` reads it per call)
         self.kv = make_kv_manager(self.model, self.config)  # shared by the engines built here
         self.last_stats: GenerationStats | None = None

@@ -335,22 +335,29 @@ class Attention(nn.Module):
         xq, xk = rotate(xq, cos, sin), rotate(xk, cos, sin)
         if self.q_scale is not None:
             xq = xq * self.q_scale
+        out = self.attend_cached(xq, xk, xv, mask, bias, cache, observer, shares, ragged)
+        out = out.to(x.dtype).reshape(B, H, q, hd).transpose(1, 2).reshape(B, q, H * hd)
+        return self.wo(out if ragged is None else ragged.pick(out))
+
+    def attend_cached(self, xq: Tensor, xk: Tensor, xv: Tensor, mask: Tensor, bias: Tensor, cache: Cache,
+                      observer: AttentionObserver | None, shares: SharesRecorder | None = None,
+                      ragged: Ragged | None = None) -> Tensor:
+        """The new tokens' K/V xk, xv [B, KV, q, hd] into `cache`, and the queries xq [B, H, q, hd] (rotated, scaled)
+        attending over it: [B, KV, G*q, hd] (see `attend`)."""
+        B, _, q, _ = mask.shape
         keys, values, table = cache.update(self.layer, xk, xv)
         if observer is not None:
             seen = keys if table is None else gather(keys, table, mask.shape[-1])
-            observer(self.layer, xq, quant.load(seen, x.dtype) if quant.quantized(seen.dtype) else seen, mask)
+            observer(self.layer, xq, quant.load(seen, xq.dtype) if quant.quantized(seen.dtype) else seen, mask)
         # Grouped-query attention without repeating K/V: the G query heads of a KV head become G*q rows of one
         # attention over that head, so each cached K/V element is read once.
-        xq = xq.reshape(B, KV, (H // KV) * q, hd)
-        layer_shares = None if shares is None else shares.buffer(self.layer, (B, KV, bias.shape[-1]))
+        xq = xq.reshape(B, self.n_kv, (self.n_heads // self.n_kv) * q, self.hd)
+        layer_shares = None if shares is None else shares.buffer(self.layer, (B, self.n_kv, bias.shape[-1]))
         share_row = 0 if shares is None else shares.row
         with scopes.scope(scopes.ATTENTION):
             if ragged is not None and table is not None:
-                out = attend_ragged(xq, keys, values, bias, table, ragged, layer_shares, share_row)
-            else:
-                out = attend(xq, keys, values, bias, table, layer_shares, share_row, q)  # [B, KV, G*q, hd]
-        out = out.to(x.dtype).reshape(B, H, q, hd).transpose(1, 2).reshape(B, q, H * hd)
-        return self.wo(out if ragged is None else ragged.pick(out))
+                return attend_ragged(xq, keys, values, bias, table, ragged, layer_shares, share_row)
+            return attend(xq, keys, values, bias, table, layer_shares, share_row, q)
 
 
 class FeedForward(nn.Module):
@@ -382,10 +389,33 @@ class Block(nn.Module):
             self.post_ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
 
     def forward(self, x, cos, sin, mask, bias, cache, observer, shares=None, ragged=None):
+        if ragged is None and self._in_two_calls(x):
+            return self._forward_native(x, cos, sin, mask, bias, cache, observer, shares)
         h = self.attention(self.attention_norm(x), cos, sin, mask, bias, cache, observer, shares, ragged)
         x, normed = self.ffn_norm.add_and_norm(x, self.post_attention_norm(h) if self.sandwich else h)
         h = self.feed_forward(normed)
         return x + (self.post_ffn_norm(h) if self.sandwich else h)
+
+    def _in_two_calls(self, x: Tensor) -> bool:
+        """Whether the layer runs as the path's two sublayer operators around its attention (`_forward_native`):
+        where they take x (`kernels.sublayers`), over packed linear layers, and no hook (tensor parallelism's
+        all-reduce) waits on a sublayer's output."""
+        a, f = self.attention, self.feed_forward
+        return (kernels.sublayers(x) and not (a._forward_hooks or f._forward_hooks)
+                and all(isinstance(m, PackedLinear) for m in (a.wqkv, a.wo, f.w13, f.w2)))
+
+    def _forward_native(self, x, cos, sin, mask, bias, cache, observer, shares):
+        """`forward` in two native calls around the attention (`kernels.attention_in`, `kernels.attention_out`):
+        the operators the modules run, in their order, so the same bits, for one dispatch each where a decode-sized
+        forward paid a dozen."""
+        a, f, eps = self.attention, self.feed_forward, self.attention_norm.eps
+        normed_qk = (a.q_norm.weight, a.k_norm.weight) if a.normed_qk else (None, None)
+        xq, xk, xv = kernels.attention_in(x, self.attention_norm.weight, eps, a.wqkv.packed, a.wqkv.bias, a.n_heads,
+                                          a.n_kv, cos, sin, *normed_qk, a.q_scale)
+        out = a.attend_cached(xq, xk, xv, mask, bias, cache, observer, shares)
+        post = (self.post_attention_norm.weight, self.post_ffn_norm.weight) if self.sandwich else (None, None)
+        return kernels.attention_out(x, out, a.wo.packed, post[0], self.ffn_norm.weight, eps, f.w13.packed,
+                                     f.w13.out_features // 2, f.w2.packed, f.gelu, post[1])
 
 
 class Transformer(nn.Module):

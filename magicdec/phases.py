@@ -10,9 +10,10 @@ them.
 The split of one kind of forward, from the profiler's events inside its scopes:
 - attention: the model's `attend` calls (the native or Triton kernel, or torch's operators where they attend);
 - linear: the linear layers' operators (the packed kernel, on vector instructions or AMX tiles, or torch's
-  `aten::linear`);
+  `aten::linear`; inside a layer's sublayer operators, `kernels.attention_in` and `attention_out`, the events they
+  record for their linear layers);
 - other: every other operator of the forward (embedding, norms, RoPE, activations, residual adds, casts, the K/V
-  writes into the cache, masks);
+  writes into the cache, masks; the rest of a sublayer operator's time);
 - host: the forward's wall time that no operator accounts for (Python between operators, dispatch);
 - sampling: turning the forward's logits into tokens (verification's acceptance included), timed apart.
 Besides the forwards, a round spends time on the drafter's bookkeeping and the engine's (a self-speculative draft
@@ -44,6 +45,9 @@ from magicdec.planner.models import ModelShape
 KINDS = ("plain", "draft", "verify")
 #: The kinds of forward that read the target's whole cache (a draft reads entries of its own).
 TARGET_KINDS = ("plain", "verify")
+#: Operator names (their endings) of the linear layers, and of the sublayer operators that run some of them inside.
+LINEARS = ("::linear", "::linear_tiles")
+SUBLAYERS = ("::attention_in", "::attention_out")
 #: The size of the square matmul whose rate prices multiply-adds.
 MATMUL_N = 1024
 #: Any profile: `forward_cost` is asked for bytes and flops only, which do not depend on it.
@@ -177,8 +181,12 @@ def _split(event, us: dict[str, float]) -> None:
     for child in event.cpu_children:
         if child.name == scopes.ATTENTION:
             us["attention"] += _us(child)
-        elif child.name.endswith(("::linear", "::linear_tiles")):
+        elif child.name.endswith(LINEARS):
             us["linear"] += _us(child)
+        elif child.name.endswith(SUBLAYERS):  # the linear layers it records apart, the rest its other operators
+            linear = sum(_us(c) for c in child.cpu_children if c.name.endswith(LINEARS))
+            us["linear"] += linear
+            us["other"] += _us(child) - linear
         elif child.name.startswith(scopes.PREFIX):
             _split(child, us)
         else:

@@ -15,16 +15,15 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import rel_err
+from conftest import randomize_, rel_err
 
 from magicdec import kernels
 from magicdec.kv import KVCache, quant
 from magicdec.kv.blocks import block_storage
 from magicdec.kv.paged import PagedKVCache
 from magicdec.kv.vegas import AttentionShares
-from magicdec.model import (PackedLinear, Ragged, Transformer, apply_rope, attention_bias, attention_path, pack_linears,
-                            rotate,
-                            weight_dtype)
+from magicdec.model import (PackedLinear, Ragged, Transformer, apply_rope, attention_bias, attention_path,
+                            pack_linears, rotate, weight_dtype)
 from magicdec.sampling import CPU_CANDIDATES, RowParams, SamplingParams, sample_tokens
 
 CPU = torch.device("cpu")
@@ -651,8 +650,59 @@ def test_the_layer_ops_switch_gives_the_layers_back_to_torch(isa, monkeypatch):
     x = torch.randn(2, 64).to(isa.compute)
     monkeypatch.setenv("MAGICDEC_FUSED", "0")
     assert not kernels.fuses(x)
+    monkeypatch.setenv("MAGICDEC_FUSED", "ops")
+    assert kernels.fuses(x) and not kernels.sublayers(x)
     monkeypatch.setenv("MAGICDEC_FUSED", "1")
-    assert kernels.fuses(x) and not kernels.fuses(x.to("meta"))
+    assert kernels.fuses(x) and kernels.sublayers(x) and not kernels.fuses(x.to("meta"))
+
+
+def forward_both_ways(model, forwards, monkeypatch) -> None:
+    """Run `forwards` (token batches [B, q], in turn over one cache) with each layer in its two sublayer calls and with
+    the modules' operators one by one: the same logits, bit for bit, and the same K/V written."""
+    runs = []
+    for two_calls in (True, False):
+        monkeypatch.setenv("MAGICDEC_FUSED", "1" if two_calls else "ops")  # ops: the operators a call at a time
+        B = forwards[0].shape[0]
+        cache = KVCache(model.cfg, B, sum(t.shape[1] for t in forwards), weight_dtype(model), "cpu")
+        logits = []
+        with torch.inference_mode():
+            for tokens in forwards:
+                assert model.layers[0]._in_two_calls(model.tok_embeddings(tokens)) == two_calls
+                logits.append(model(tokens, cache))
+                cache.commit(tokens.shape[1])
+        runs.append((logits, cache.k.clone(), cache.v.clone()))
+    (native, k1, v1), (modules, k2, v2) = runs
+    assert all(torch.equal(a, b) for a, b in zip(native, modules))
+    assert torch.equal(k1, k2) and torch.equal(v1, v2)
+
+
+LAYER_VARIANTS = {"llama": {}, "gemma-like": dict(qkv_bias=True, qk_norm=True, sandwich_norms=True,
+                                                   activation="gelu_tanh", query_pre_attn_scalar=24.0)}
+
+
+@pytest.mark.parametrize("variant", LAYER_VARIANTS)
+def test_a_layer_in_two_sublayer_calls_gives_the_modules_bits(isa, tiny_llama, variant, monkeypatch):
+    """`kernels.attention_in` / `attention_out` (a layer's operators before and after its attention, one call each)
+    give what the modules' operators give, over a prefill, a one-token step and a verification-sized forward: with
+    QKV biases, Q/K norms, sandwich norms, GELU and a query scale (Gemma's) as without."""
+    cfg = dataclasses.replace(tiny_llama[0].model.cfg, **LAYER_VARIANTS[variant])
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    randomize_(model, seed=3)
+    model = model.to(isa.compute).eval().requires_grad_(False)
+    pack_linears(model, isa.storage[0])
+    g = torch.Generator().manual_seed(1)
+    forwards = [torch.randint(0, cfg.vocab_size, (3, q), generator=g) for q in (9, 1, 3)]
+    forward_both_ways(model, forwards, monkeypatch)
+
+
+def test_the_real_model_in_two_sublayer_calls_gives_the_modules_bits(default_model_bf16, corpus_prompt, monkeypatch):
+    """The same on the default model in bf16 over a book, where the CPU's path computes in bf16."""
+    model = default_model_bf16.model
+    ids = torch.tensor([corpus_prompt(200, book=2), corpus_prompt(200, book=4)])
+    if not model.layers[0]._in_two_calls(model.tok_embeddings(ids)):
+        pytest.skip("the layer operators do not compute in bf16 on this path")
+    forward_both_ways(model, [ids[:, :196], ids[:, 196:197], ids[:, 197:200]], monkeypatch)
 
 
 def test_top_positions_selects_by_score_and_breaks_ties_to_the_lower_position(isa):

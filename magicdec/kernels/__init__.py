@@ -44,8 +44,9 @@ share a prompt: one pass over its blocks"). A row's bits are those of its own pa
 Beside the two, each path's library holds small operators of a decoder layer (`rms_norm` with the residual add fused,
 `rope`, `glu`: the MLP's activation times its up projection, `store_kv` of a forward's new K/V rows into the block
 pool; kernels/layer.h), which a decode-sized forward would otherwise run as chains of torch operators, each paying
-its dispatch: they run where the path computes in the model's dtype (`fuses`), and MAGICDEC_FUSED=0 gives those
-layers back to torch's operators; a Vegas draft's selection (`top_positions`, `selects`), which MAGICDEC_FUSED=0
+its dispatch, and the runs of them and the linear layers before a layer's attention and after it in one call each
+(`attention_in`, `attention_out`; MAGICDEC_FUSED=ops runs them a call at a time): they run where the path computes in
+the model's dtype (`fuses`), and MAGICDEC_FUSED=0 gives those layers back to torch's operators; a Vegas draft's selection (`top_positions`, `selects`), which MAGICDEC_FUSED=0
 gives back to torch's topk; and the CPU sampler's draw from a row's most probable tokens (`sample`, `samples`;
 kernels/sampler.h), which MAGICDEC_FUSED=0 gives back to the same draw in torch's operators (magicdec.sampling).
 """
@@ -328,6 +329,12 @@ def fuses(x: Tensor) -> bool:
     return path is not None and x.dtype == path.compute and x.device.type == "cpu" and _layer_ops_run()
 
 
+def sublayers(x: Tensor) -> bool:
+    """Whether a decoder layer's operators before its attention and after it run as one call each (`attention_in`,
+    `attention_out`): where `fuses(x)`, unless MAGICDEC_FUSED=ops (the same operators one call at a time, to compare)."""
+    return fuses(x) and os.environ.get("MAGICDEC_FUSED", "1") != "ops"
+
+
 def selects(scores: Tensor) -> bool:
     """Whether `top_positions` takes these scores: contiguous fp32 on the CPU, where the layer operators run."""
     return (scores.device.type == "cpu" and scores.dtype == torch.float32 and scores.is_contiguous()
@@ -384,6 +391,29 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """x [B, H, q, D] (a contiguous last dim) rotated by cos / sin [B, q, D] in the half-split convention, with
     torch's roundings (`magicdec.model.apply_rope`'s bits); contiguous. Call only where `fuses(x)`."""
     return _ops().rope(x, cos, sin)
+
+
+def attention_in(x: Tensor, norm: Tensor, eps: float, wqkv: Tensor, bias: Tensor | None, heads: int, kv_heads: int,
+                 cos: Tensor, sin: Tensor, q_norm: Tensor | None, k_norm: Tensor | None,
+                 q_scale: float | None) -> tuple[Tensor, Tensor, Tensor]:
+    """A decoder layer up to its attention, in one call: x [B, q, dim] -> queries [B, heads, q, hd] and keys [B,
+    kv_heads, q, hd] rotated by cos / sin [B, 1, q, hd], and values [B, kv_heads, q, hd] (a view): the attention's
+    RMSNorm (weight `norm`), the QKV projection packed by `pack_linear` (with `bias` where given), the Q/K norms and
+    the queries' scale where given, RoPE: the operators `magicdec.model.Attention` calls, with their bits. Call only
+    where `fuses(x)`."""
+    return _ops().attention_in(x, norm, eps, wqkv, bias, heads, kv_heads, cos, sin, q_norm, k_norm, q_scale, tiles())
+
+
+def attention_out(x: Tensor, attn: Tensor, wo: Tensor, post_attention_norm: Tensor | None, ffn_norm: Tensor,
+                  eps: float, w13: Tensor, ffn_dim: int, w2: Tensor, gelu: bool,
+                  post_ffn_norm: Tensor | None) -> Tensor:
+    """A decoder layer after its attention, in one call: the residual stream x [B, q, dim] (added into in place where
+    contiguous) and attention's output [B, KV, G*q, hd] -> the layer's output [B, q, dim]: the output projection (its
+    norm where given), the residual add with the MLP's RMSNorm, the gated MLP over packed `w13` (gate, then up, of
+    `ffn_dim` each; GELU where `gelu`, else SiLU) and `w2` (its norm where given), the residual add: the operators of
+    `magicdec.model.Block`, with their bits. Call only where `fuses(x)`."""
+    return _ops().attention_out(x, attn, wo, post_attention_norm, ffn_norm, eps, w13, ffn_dim, w2, gelu,
+                                post_ffn_norm, tiles())
 
 
 def attends(device: torch.device, kv_dtype: torch.dtype, head_dim: int) -> bool:

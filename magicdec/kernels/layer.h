@@ -12,6 +12,8 @@
 // x * cos and rot(x) * sin before their sum; RMSNorm once, after the weight), so RoPE gives torch's bits and RMSNorm
 // differs only where its own order of adding the squares rounds the scale otherwise.
 #pragma once
+#include <ATen/record_function.h>
+
 #include <algorithm>
 #include <cstring>
 #include <functional>
@@ -294,15 +296,96 @@ inline at::Tensor top_positions(const at::Tensor& scores, const at::Tensor& hi, 
   return out;
 }
 
+// The signature of a path's linear kernel: x [M, K] (contiguous) @ packed weights -> [M, N] (fp32: fp32 outputs;
+// tiles: on AMX tiles).
+using LinearFn = at::Tensor (*)(const at::Tensor&, const at::Tensor&, int64_t, const std::optional<at::Tensor>&, bool,
+                                bool);
+
+// A decoder layer's operators before its attention and after it, one call each, so that a decode-sized forward pays
+// one dispatch for each run of them where it paid a dozen (magicdec.model.Block). Each calls the operators above and
+// the path's linear kernel as the Python layer calls them, in the same order on the same tensors: the same bits.
+template <class T, LinearFn Linear>
+struct Sublayers {
+  // x [..., K] @ W^T (+ bias) -> [..., N], as magicdec.kernels.linear; recorded as its own event, so that a
+  // profile tells the linear layers from the rest (magicdec.phases).
+  static at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
+                           const std::optional<at::Tensor>& bias, bool tiles) {
+    RECORD_FUNCTION("magicdec::linear", std::vector<c10::IValue>());
+    std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+    shape.back() = N;
+    return Linear(x.reshape({-1, x.size(-1)}).contiguous(), packed, N, bias, false, tiles).view(shape);
+  }
+
+  static at::Tensor norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+    return LayerOps<T>::rms_norm(x, w, eps, std::nullopt);
+  }
+
+  // x [B, q, dim] -> the queries [B, H, q, hd] and keys [B, KV, q, hd], rotated by cos / sin [B, 1, q, hd], and the
+  // values [B, KV, q, hd] (a view of the projection): the attention norm, the fused QKV projection, the Q/K norms
+  // (where given), RoPE and the queries' scale (where given).
+  static std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_in(
+      const at::Tensor& x, const at::Tensor& norm_w, double eps, const at::Tensor& wqkv,
+      const std::optional<at::Tensor>& bias, int64_t heads, int64_t kv_heads, const at::Tensor& cos,
+      const at::Tensor& sin, const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm,
+      std::optional<double> q_scale, bool tiles) {
+    const int64_t B = x.size(0), q = x.size(1), hd = cos.size(-1);
+    const auto qkv = linear(norm(x, norm_w, eps), wqkv, (heads + 2 * kv_heads) * hd, bias, tiles)
+                         .view({B, q, heads + 2 * kv_heads, hd})
+                         .transpose(1, 2);
+    const auto parts = qkv.split_with_sizes({heads, kv_heads, kv_heads}, 1);
+    at::Tensor xq = parts[0], xk = parts[1];
+    if (q_norm) xq = norm(xq, *q_norm, eps);
+    if (k_norm) xk = norm(xk, *k_norm, eps);
+    const auto c = cos.select(1, 0), s = sin.select(1, 0);
+    xq = LayerOps<T>::rope(xq, c, s);
+    xk = LayerOps<T>::rope(xk, c, s);
+    if (q_scale) xq = xq.mul(*q_scale);
+    return {xq, xk, parts[2]};
+  }
+
+  // The rest of the layer after attention: x [B, q, dim] (the residual stream; added into in place where
+  // contiguous), attention's output [B, KV, G*q, hd] -> the layer's output [B, q, dim]: the output projection (and
+  // its norm, where given), the residual add with the MLP's norm, the gated MLP (and its norm, where given) and its
+  // residual add.
+  static at::Tensor attention_out(at::Tensor x, const at::Tensor& attn, const at::Tensor& wo,
+                                  const std::optional<at::Tensor>& post_attention_norm, const at::Tensor& ffn_norm,
+                                  double eps, const at::Tensor& w13, int64_t ffn_dim, const at::Tensor& w2, bool gelu,
+                                  const std::optional<at::Tensor>& post_ffn_norm, bool tiles) {
+    const int64_t B = x.size(0), q = x.size(1), dim = x.size(2), hd = attn.size(3);
+    const int64_t heads = attn.size(1) * attn.size(2) / q;
+    const auto out = attn.to(x.scalar_type()).reshape({B, heads, q, hd}).transpose(1, 2).reshape({B, q, heads * hd});
+    auto h = linear(out, wo, dim, std::nullopt, tiles);
+    if (post_attention_norm) h = norm(h, *post_attention_norm, eps);
+    at::Tensor normed;
+    if (x.is_contiguous()) {
+      normed = LayerOps<T>::rms_norm(h, ffn_norm, eps, x);
+    } else {
+      x = x.add(h);
+      normed = norm(x, ffn_norm, eps);
+    }
+    h = linear(LayerOps<T>::glu(linear(normed, w13, 2 * ffn_dim, std::nullopt, tiles), gelu), w2, dim, std::nullopt,
+               tiles);
+    if (post_ffn_norm) h = norm(h, *post_ffn_norm, eps);
+    return x.add(h);
+  }
+};
+
 }  // namespace layer
 }  // namespace magicdec
 
 #pragma GCC pop_options
 
 // Registers the operators into the path's library (TORCH_LIBRARY_FRAGMENT(magicdec_<path>, m)), over T.
-#define MAGICDEC_REGISTER_LAYER_OPS(m, T)                                                                    \
+// linear: the path's magicdec::layer::LinearFn.
+#define MAGICDEC_REGISTER_LAYER_OPS(m, T, linear)                                                            \
   m.def("rms_norm(Tensor x, Tensor w, float eps, Tensor(a!)? residual=None) -> Tensor",                     \
         &magicdec::layer::LayerOps<T>::rms_norm);                                                            \
+  m.def("attention_in(Tensor x, Tensor norm, float eps, Tensor wqkv, Tensor? bias, int heads, int kv_heads, " \
+        "Tensor cos, Tensor sin, Tensor? q_norm, Tensor? k_norm, float? q_scale, bool tiles) "                 \
+        "-> (Tensor, Tensor, Tensor)", &magicdec::layer::Sublayers<T, linear>::attention_in);                  \
+  m.def("attention_out(Tensor(a!) x, Tensor attn, Tensor wo, Tensor? post_attention_norm, Tensor ffn_norm, "   \
+        "float eps, Tensor w13, int ffn_dim, Tensor w2, bool gelu, Tensor? post_ffn_norm, bool tiles) -> Tensor", \
+        &magicdec::layer::Sublayers<T, linear>::attention_out);                                                \
   m.def("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor", &magicdec::layer::LayerOps<T>::rope);            \
   m.def("glu(Tensor x, bool gelu) -> Tensor", &magicdec::layer::LayerOps<T>::glu);                            \
   m.def("store_kv(Tensor(a!) kc, Tensor(b!) vc, Tensor k, Tensor v, Tensor block, Tensor offset) -> ()",      \

@@ -191,6 +191,6 @@ TORCH_LIBRARY_FRAGMENT(magicdec_avx512bf16, m) {
   m.def("linear(Tensor x, Tensor packed, int N, Tensor? bias, bool fp32) -> Tensor", &linear);
   m.def("linear_tiles(Tensor x, Tensor packed, int N, Tensor? bias, bool fp32) -> Tensor", &linear_tiles);
   m.def("tiles_ready() -> bool", &magicdec::tiles_ready);
-  MAGICDEC_REGISTER_LAYER_OPS(m, uint16_t);
+  MAGICDEC_REGISTER_LAYER_OPS(m, uint16_t, linear_on);
   MAGICDEC_REGISTER_SAMPLER(m);
 }

@@ -84,9 +84,15 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t N, cons
   return y;
 }
 
+// linear with magicdec::layer::LinearFn's signature (no tiles on this path)
+at::Tensor linear_on(const at::Tensor& x, const at::Tensor& packed, int64_t N, const std::optional<at::Tensor>& bias,
+                     bool fp32, bool /*tiles*/) {
+  return linear(x, packed, N, bias, fp32);
+}
+
 // fp32 linear layer over packed fp16 or bf16 weights (AVX2, FMA, F16C), the same bits for a row in any batch
 TORCH_LIBRARY_FRAGMENT(magicdec_avx2, m) {
   m.def("linear(Tensor x, Tensor packed, int N, Tensor? bias, bool fp32) -> Tensor", &linear);
-  MAGICDEC_REGISTER_LAYER_OPS(m, float);
+  MAGICDEC_REGISTER_LAYER_OPS(m, float, linear_on);
   MAGICDEC_REGISTER_SAMPLER(m);
 }
