@@ -328,13 +328,6 @@ def gpu_check(name: str) -> str:
     return text(rows) + "\n\n" + text(engine)
 
 
-def layouts() -> str:
-    """bench_layouts.py: decode throughput of the paged layout against the per-slot one, alternated."""
-    from bench_layouts import table
-
-    return "```\n" + table(load("layouts")) + "\n```"
-
-
 def kv_dtype() -> str:
     """bench_kv_dtype.py: decode and verification forwards over bf16 and int8 KV caches, alternated."""
     from bench_kv_dtype import table
@@ -354,6 +347,13 @@ def shared_prefix() -> str:
     from bench_shared_prefix import table
 
     return table(load("shared_prefix"))
+
+
+def switch() -> str:
+    """bench_switch.py: plain decoding with a kernel switch's settings taking turns, by batch size."""
+    from bench_switch import table
+
+    return table(load("switch"))
 
 
 def sampler() -> str:
@@ -431,7 +431,7 @@ TABLES = {"attention": lambda: attention(False), "attention_prefill": lambda: at
           "serving_8k": serving_8k, "chat": lambda: chat("chat"), "chat_shared": lambda: chat("chat_shared"),
           "prefix_hit": prefix_hit, "server_limits": server_limits,
           "vegas_acceptance": vegas_acceptance, "vegas_e2e": vegas_e2e, "draft_lengths": draft_lengths, "vegas_shares": vegas_shares,
-          "layouts": layouts, "kv_dtype": kv_dtype, "phases": phases, "sampler": sampler,
+          "kv_dtype": kv_dtype, "phases": phases, "switch": switch, "sampler": sampler,
           "shared_prefix": shared_prefix,
           "tp": tp, "perplexity": perplexity,
           "gpu_check_h200": lambda: gpu_check("gpu_check_h200")}
