@@ -389,8 +389,8 @@ class Block(nn.Module):
             self.post_ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
 
     def forward(self, x, cos, sin, mask, bias, cache, observer, shares=None, ragged=None):
-        if ragged is None and self._in_two_calls(x):
-            return self._forward_native(x, cos, sin, mask, bias, cache, observer, shares)
+        if self._in_two_calls(x):
+            return self._forward_native(x, cos, sin, mask, bias, cache, observer, shares, ragged)
         h = self.attention(self.attention_norm(x), cos, sin, mask, bias, cache, observer, shares, ragged)
         x, normed = self.ffn_norm.add_and_norm(x, self.post_attention_norm(h) if self.sandwich else h)
         h = self.feed_forward(normed)
@@ -404,18 +404,19 @@ class Block(nn.Module):
         return (kernels.sublayers(x) and not (a._forward_hooks or f._forward_hooks)
                 and all(isinstance(m, PackedLinear) for m in (a.wqkv, a.wo, f.w13, f.w2)))
 
-    def _forward_native(self, x, cos, sin, mask, bias, cache, observer, shares):
+    def _forward_native(self, x, cos, sin, mask, bias, cache, observer, shares, ragged):
         """`forward` in two native calls around the attention (`kernels.attention_in`, `kernels.attention_out`):
         the operators the modules run, in their order, so the same bits, for one dispatch each where a decode-sized
         forward paid a dozen."""
         a, f, eps = self.attention, self.feed_forward, self.attention_norm.eps
+        real = None if ragged is None else ragged.index
         normed_qk = (a.q_norm.weight, a.k_norm.weight) if a.normed_qk else (None, None)
         xq, xk, xv = kernels.attention_in(x, self.attention_norm.weight, eps, a.wqkv.packed, a.wqkv.bias, a.n_heads,
-                                          a.n_kv, cos, sin, *normed_qk, a.q_scale)
-        out = a.attend_cached(xq, xk, xv, mask, bias, cache, observer, shares)
+                                          a.n_kv, cos, sin, *normed_qk, a.q_scale, real)
+        out = a.attend_cached(xq, xk, xv, mask, bias, cache, observer, shares, ragged)
         post = (self.post_attention_norm.weight, self.post_ffn_norm.weight) if self.sandwich else (None, None)
-        return kernels.attention_out(x, out, a.wo.packed, post[0], self.ffn_norm.weight, eps, f.w13.packed,
-                                     f.w13.out_features // 2, f.w2.packed, f.gelu, post[1])
+        return kernels.attention_out(x, out, mask.shape[2], a.wo.packed, post[0], self.ffn_norm.weight, eps,
+                                     f.w13.packed, f.w13.out_features // 2, f.w2.packed, f.gelu, post[1], real)
 
 
 class Transformer(nn.Module):

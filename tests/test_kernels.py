@@ -656,20 +656,24 @@ def test_the_layer_ops_switch_gives_the_layers_back_to_torch(isa, monkeypatch):
     assert kernels.fuses(x) and kernels.sublayers(x) and not kernels.fuses(x.to("meta"))
 
 
-def forward_both_ways(model, forwards, monkeypatch) -> None:
-    """Run `forwards` (token batches [B, q], in turn over one cache) with each layer in its two sublayer calls and with
-    the modules' operators one by one: the same logits, bit for bit, and the same K/V written."""
+def forward_both_ways(model, forwards, monkeypatch, ragged: list[int] | None = None) -> None:
+    """Run `forwards` (token batches [B, q], in turn over one cache; then, with `ragged`, a forward of its counts of
+    real tokens a row) with each layer in its two sublayer calls and with the modules' operators one by one: the same
+    logits, bit for bit, and the same K/V written."""
     runs = []
     for two_calls in (True, False):
         monkeypatch.setenv("MAGICDEC_FUSED", "1" if two_calls else "ops")  # ops: the operators a call at a time
         B = forwards[0].shape[0]
-        cache = KVCache(model.cfg, B, sum(t.shape[1] for t in forwards), weight_dtype(model), "cpu")
+        q = max(ragged) if ragged else 0
+        cache = KVCache(model.cfg, B, sum(t.shape[1] for t in forwards) + q, weight_dtype(model), "cpu")
         logits = []
         with torch.inference_mode():
             for tokens in forwards:
                 assert model.layers[0]._in_two_calls(model.tok_embeddings(tokens)) == two_calls
                 logits.append(model(tokens, cache))
                 cache.commit(tokens.shape[1])
+            if ragged:  # a verification of drafts of different lengths: [N, vocab] for the real tokens
+                logits.append(model(forwards[-1][:, :q], cache, ragged=Ragged(ragged, "cpu")))
         runs.append((logits, cache.k.clone(), cache.v.clone()))
     (native, k1, v1), (modules, k2, v2) = runs
     assert all(torch.equal(a, b) for a, b in zip(native, modules))
@@ -683,8 +687,9 @@ LAYER_VARIANTS = {"llama": {}, "gemma-like": dict(qkv_bias=True, qk_norm=True, s
 @pytest.mark.parametrize("variant", LAYER_VARIANTS)
 def test_a_layer_in_two_sublayer_calls_gives_the_modules_bits(isa, tiny_llama, variant, monkeypatch):
     """`kernels.attention_in` / `attention_out` (a layer's operators before and after its attention, one call each)
-    give what the modules' operators give, over a prefill, a one-token step and a verification-sized forward: with
-    QKV biases, Q/K norms, sandwich norms, GELU and a query scale (Gemma's) as without."""
+    give what the modules' operators give, over a prefill, a one-token step, a verification-sized forward and a ragged
+    one (per-row draft lengths): with QKV biases, Q/K norms, sandwich norms, GELU and a query scale (Gemma's) as
+    without."""
     cfg = dataclasses.replace(tiny_llama[0].model.cfg, **LAYER_VARIANTS[variant])
     torch.manual_seed(0)
     model = Transformer(cfg)
@@ -693,7 +698,7 @@ def test_a_layer_in_two_sublayer_calls_gives_the_modules_bits(isa, tiny_llama, v
     pack_linears(model, isa.storage[0])
     g = torch.Generator().manual_seed(1)
     forwards = [torch.randint(0, cfg.vocab_size, (3, q), generator=g) for q in (9, 1, 3)]
-    forward_both_ways(model, forwards, monkeypatch)
+    forward_both_ways(model, forwards, monkeypatch, ragged=[3, 1, 2])
 
 
 def test_the_real_model_in_two_sublayer_calls_gives_the_modules_bits(default_model_bf16, corpus_prompt, monkeypatch):

@@ -394,26 +394,29 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 def attention_in(x: Tensor, norm: Tensor, eps: float, wqkv: Tensor, bias: Tensor | None, heads: int, kv_heads: int,
-                 cos: Tensor, sin: Tensor, q_norm: Tensor | None, k_norm: Tensor | None,
-                 q_scale: float | None) -> tuple[Tensor, Tensor, Tensor]:
+                 cos: Tensor, sin: Tensor, q_norm: Tensor | None, k_norm: Tensor | None, q_scale: float | None,
+                 real: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """A decoder layer up to its attention, in one call: x [B, q, dim] -> queries [B, heads, q, hd] and keys [B,
     kv_heads, q, hd] rotated by cos / sin [B, 1, q, hd], and values [B, kv_heads, q, hd] (a view): the attention's
     RMSNorm (weight `norm`), the QKV projection packed by `pack_linear` (with `bias` where given), the Q/K norms and
-    the queries' scale where given, RoPE: the operators `magicdec.model.Attention` calls, with their bits. Call only
-    where `fuses(x)`."""
-    return _ops().attention_in(x, norm, eps, wqkv, bias, heads, kv_heads, cos, sin, q_norm, k_norm, q_scale, tiles())
+    the queries' scale where given, RoPE: the operators `magicdec.model.Attention` calls, with their bits. `real` [N]
+    (a ragged forward's real tokens, `magicdec.model.Ragged.index`): x holds their [N, dim] alone, the padding tokens'
+    projections are zeros. Call only where `fuses(x)`."""
+    return _ops().attention_in(x, norm, eps, wqkv, bias, heads, kv_heads, cos, sin, q_norm, k_norm, q_scale, real,
+                               tiles())
 
 
-def attention_out(x: Tensor, attn: Tensor, wo: Tensor, post_attention_norm: Tensor | None, ffn_norm: Tensor,
-                  eps: float, w13: Tensor, ffn_dim: int, w2: Tensor, gelu: bool,
-                  post_ffn_norm: Tensor | None) -> Tensor:
+def attention_out(x: Tensor, attn: Tensor, tokens: int, wo: Tensor, post_attention_norm: Tensor | None,
+                  ffn_norm: Tensor, eps: float, w13: Tensor, ffn_dim: int, w2: Tensor, gelu: bool,
+                  post_ffn_norm: Tensor | None, real: Tensor | None = None) -> Tensor:
     """A decoder layer after its attention, in one call: the residual stream x [B, q, dim] (added into in place where
-    contiguous) and attention's output [B, KV, G*q, hd] -> the layer's output [B, q, dim]: the output projection (its
-    norm where given), the residual add with the MLP's RMSNorm, the gated MLP over packed `w13` (gate, then up, of
-    `ffn_dim` each; GELU where `gelu`, else SiLU) and `w2` (its norm where given), the residual add: the operators of
-    `magicdec.model.Block`, with their bits. Call only where `fuses(x)`."""
-    return _ops().attention_out(x, attn, wo, post_attention_norm, ffn_norm, eps, w13, ffn_dim, w2, gelu,
-                                post_ffn_norm, tiles())
+    contiguous) and attention's output [B, KV, G*q, hd] for q = `tokens` -> the layer's output [B, q, dim]: the output
+    projection (its norm where given), the residual add with the MLP's RMSNorm, the gated MLP over packed `w13` (gate,
+    then up, of `ffn_dim` each; GELU where `gelu`, else SiLU) and `w2` (its norm where given), the residual add: the
+    operators of `magicdec.model.Block`, with their bits. `real` [N]: x holds a ragged forward's real tokens alone (see
+    `attention_in`), and so does the output. Call only where `fuses(x)`."""
+    return _ops().attention_out(x, attn, tokens, wo, post_attention_norm, ffn_norm, eps, w13, ffn_dim, w2, gelu,
+                                post_ffn_norm, real, tiles())
 
 
 def attends(device: torch.device, kv_dtype: torch.dtype, head_dim: int) -> bool:

@@ -322,16 +322,17 @@ struct Sublayers {
 
   // x [B, q, dim] -> the queries [B, H, q, hd] and keys [B, KV, q, hd], rotated by cos / sin [B, 1, q, hd], and the
   // values [B, KV, q, hd] (a view of the projection): the attention norm, the fused QKV projection, the Q/K norms
-  // (where given), RoPE and the queries' scale (where given).
+  // (where given), RoPE and the queries' scale (where given). With `real` [N] (a ragged forward's real tokens, indices
+  // into the B * q): x is their [N, dim], projected alone and padded with zeros, as magicdec.model.Ragged pads.
   static std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_in(
       const at::Tensor& x, const at::Tensor& norm_w, double eps, const at::Tensor& wqkv,
       const std::optional<at::Tensor>& bias, int64_t heads, int64_t kv_heads, const at::Tensor& cos,
       const at::Tensor& sin, const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm,
-      std::optional<double> q_scale, bool tiles) {
-    const int64_t B = x.size(0), q = x.size(1), hd = cos.size(-1);
-    const auto qkv = linear(norm(x, norm_w, eps), wqkv, (heads + 2 * kv_heads) * hd, bias, tiles)
-                         .view({B, q, heads + 2 * kv_heads, hd})
-                         .transpose(1, 2);
+      std::optional<double> q_scale, const std::optional<at::Tensor>& real, bool tiles) {
+    const int64_t B = cos.size(0), q = cos.size(2), hd = cos.size(-1), width = (heads + 2 * kv_heads) * hd;
+    auto qkv = linear(norm(x, norm_w, eps), wqkv, width, bias, tiles);
+    if (real) qkv = qkv.new_full({B * q, width}, 0).index_copy_(0, *real, qkv);
+    qkv = qkv.view({B, q, heads + 2 * kv_heads, hd}).transpose(1, 2);
     const auto parts = qkv.split_with_sizes({heads, kv_heads, kv_heads}, 1);
     at::Tensor xq = parts[0], xk = parts[1];
     if (q_norm) xq = norm(xq, *q_norm, eps);
@@ -344,16 +345,19 @@ struct Sublayers {
   }
 
   // The rest of the layer after attention: x [B, q, dim] (the residual stream; added into in place where
-  // contiguous), attention's output [B, KV, G*q, hd] -> the layer's output [B, q, dim]: the output projection (and
-  // its norm, where given), the residual add with the MLP's norm, the gated MLP (and its norm, where given) and its
-  // residual add.
-  static at::Tensor attention_out(at::Tensor x, const at::Tensor& attn, const at::Tensor& wo,
+  // contiguous), attention's output [B, KV, G*q, hd] for q = `tokens` -> the layer's output [B, q, dim]: the output
+  // projection (and its norm, where given), the residual add with the MLP's norm, the gated MLP (and its norm, where
+  // given) and its residual add. With `real` [N] (a ragged forward's real tokens): x is their [N, dim], and the rest
+  // runs over them alone.
+  static at::Tensor attention_out(at::Tensor x, const at::Tensor& attn, int64_t tokens, const at::Tensor& wo,
                                   const std::optional<at::Tensor>& post_attention_norm, const at::Tensor& ffn_norm,
                                   double eps, const at::Tensor& w13, int64_t ffn_dim, const at::Tensor& w2, bool gelu,
-                                  const std::optional<at::Tensor>& post_ffn_norm, bool tiles) {
-    const int64_t B = x.size(0), q = x.size(1), dim = x.size(2), hd = attn.size(3);
+                                  const std::optional<at::Tensor>& post_ffn_norm, const std::optional<at::Tensor>& real,
+                                  bool tiles) {
+    const int64_t B = attn.size(0), q = tokens, dim = x.size(-1), hd = attn.size(3);
     const int64_t heads = attn.size(1) * attn.size(2) / q;
-    const auto out = attn.to(x.scalar_type()).reshape({B, heads, q, hd}).transpose(1, 2).reshape({B, q, heads * hd});
+    auto out = attn.to(x.scalar_type()).reshape({B, heads, q, hd}).transpose(1, 2).reshape({B, q, heads * hd});
+    if (real) out = out.reshape({B * q, heads * hd}).index_select(0, *real);
     auto h = linear(out, wo, dim, std::nullopt, tiles);
     if (post_attention_norm) h = norm(h, *post_attention_norm, eps);
     at::Tensor normed;
@@ -381,10 +385,11 @@ struct Sublayers {
   m.def("rms_norm(Tensor x, Tensor w, float eps, Tensor(a!)? residual=None) -> Tensor",                     \
         &magicdec::layer::LayerOps<T>::rms_norm);                                                            \
   m.def("attention_in(Tensor x, Tensor norm, float eps, Tensor wqkv, Tensor? bias, int heads, int kv_heads, " \
-        "Tensor cos, Tensor sin, Tensor? q_norm, Tensor? k_norm, float? q_scale, bool tiles) "                 \
+        "Tensor cos, Tensor sin, Tensor? q_norm, Tensor? k_norm, float? q_scale, Tensor? real, bool tiles) "   \
         "-> (Tensor, Tensor, Tensor)", &magicdec::layer::Sublayers<T, linear>::attention_in);                  \
-  m.def("attention_out(Tensor(a!) x, Tensor attn, Tensor wo, Tensor? post_attention_norm, Tensor ffn_norm, "   \
-        "float eps, Tensor w13, int ffn_dim, Tensor w2, bool gelu, Tensor? post_ffn_norm, bool tiles) -> Tensor", \
+  m.def("attention_out(Tensor(a!) x, Tensor attn, int tokens, Tensor wo, Tensor? post_attention_norm, "        \
+        "Tensor ffn_norm, float eps, Tensor w13, int ffn_dim, Tensor w2, bool gelu, Tensor? post_ffn_norm, "   \
+        "Tensor? real, bool tiles) -> Tensor",                                                                 \
         &magicdec::layer::Sublayers<T, linear>::attention_out);                                                \
   m.def("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor", &magicdec::layer::LayerOps<T>::rope);            \
   m.def("glu(Tensor x, bool gelu) -> Tensor", &magicdec::layer::LayerOps<T>::glu);                            \
