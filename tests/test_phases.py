@@ -7,11 +7,14 @@ import json
 from types import SimpleNamespace
 
 import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
 
 from magicdec import scopes
 from magicdec.cli import main
 from magicdec.errors import InvalidRequestError
-from magicdec.phases import PhaseRecorder, _split
+from magicdec.kv.hybrid import make_cache
+from magicdec.phases import LINEARS, PhaseRecorder, _split
 from magicdec.planner.models import MODEL_PRESETS
 from magicdec.sampling import SamplingParams
 from magicdec.speculative import SpeculativeConfig
@@ -71,7 +74,8 @@ def test_plain_decoding_is_accounted_and_a_long_window_closes_with_the_run(llm, 
 
 def test_operators_are_split_by_name():
     """Attention is our scope, linear layers are any library's `linear` (the packed kernel on vector instructions or
-    on AMX tiles, torch's), nested scopes of ours are looked into, and everything else is other."""
+    on AMX tiles, torch's, and those a layer's sublayer call records inside it, the rest of whose time is other),
+    nested scopes of ours are looked into, and everything else is other."""
     def event(name, us, *children):
         return SimpleNamespace(name=name, time_range=SimpleNamespace(start=0, end=us), cpu_children=list(children))
 
@@ -79,10 +83,31 @@ def test_operators_are_split_by_name():
                     event("magicdec_avx512bf16::linear", 2), event("magicdec_avx512bf16::linear_tiles", 4),
                     event(scopes.PREFIX + "inner", 20, event("magicdec_avx512bf16::linear_tiles", 8),
                           event("aten::add", 16)),
-                    event("magicdec_avx512bf16::rms_norm", 32))
+                    event("magicdec_avx512bf16::rms_norm", 32),
+                    event("magicdec_avx2::attention_out", 40, event("magicdec::linear", 25), event("aten::add", 5)))
     us = dict.fromkeys(("attention", "linear", "other"), 0.0)
     _split(forward, us)
-    assert us == {"attention": 30, "linear": 15, "other": 48}
+    assert us == {"attention": 30, "linear": 40, "other": 63}
+
+
+def test_a_layers_sublayer_calls_record_their_linear_layers(default_model_bf16, corpus_prompt):
+    """Where a layer runs as two native calls (the default model in bf16 on a path computing in bf16), each records its
+    linear layers as events of their own inside it, which `_split` counts as linear: one in `attention_in` (QKV), three
+    in `attention_out` (output, gate and up, down)."""
+    model = default_model_bf16.model
+    tokens = torch.tensor([corpus_prompt(24)])
+    if not model.layers[0]._in_two_calls(model.tok_embeddings(tokens)):
+        pytest.skip("the layer operators do not compute in bf16 on this path")
+    cache = make_cache(model.cfg, 1, 32, model.dtype, model.device, max_q=32)
+    with profile(activities=[ProfilerActivity.CPU]) as prof, torch.inference_mode():
+        model(tokens, cache)
+    for name, linears in (("::attention_in", 1), ("::attention_out", 3)):
+        calls = [e for e in prof.events() if e.name.endswith(name)]
+        assert len(calls) == model.cfg.n_layers
+        assert all(sum(c.name.endswith(LINEARS) for c in e.cpu_children) == linears for e in calls)
+        us = dict.fromkeys(("attention", "linear", "other"), 0.0)
+        _split(SimpleNamespace(cpu_children=calls), us)
+        assert 0 < us["linear"] < sum(e.time_range.end - e.time_range.start for e in calls)
 
 
 def test_a_floor_counts_a_shared_prompts_blocks_once():
