@@ -1,7 +1,8 @@
 """Plain decoding's throughput with a kernel switch's settings taking turns in one process, by batch size.
 
     PYTHONPATH=. python benchmarks/bench_switch.py --switch MAGICDEC_FUSED=1,ops --label "SmolLM2, Zen 4"
-    PYTHONPATH=. python benchmarks/bench_switch.py --model gemma3-270m --switch MAGICDEC_FUSED=1,ops --label "Gemma 3, Zen 4"
+    PYTHONPATH=. python benchmarks/bench_switch.py --model gemma3-270m --switch MAGICDEC_FUSED=1,ops \
+        --label "Gemma 3, Zen 4"
 
 For each of `--batches`, that many prompts of `--context` tokens cut from the corpus are prefilled once into the
 prefix cache; then, `--repeats` times, each setting of the environment variable (`--switch VAR=A,B,...`, read by the

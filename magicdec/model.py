@@ -408,7 +408,7 @@ class Block(nn.Module):
         """`forward` in two native calls around the attention (`kernels.attention_in`, `kernels.attention_out`):
         the operators the modules run, in their order, so the same bits, for one dispatch each where a decode-sized
         forward paid a dozen."""
-        a, f, eps = self.attention, self.feed_forward, self.attention_norm.eps
+        a, f, eps = self.attention, self.feed_forward, self.attention_norm.eps  # every norm of a layer: cfg.norm_eps
         real = None if ragged is None else ragged.index
         normed_qk = (a.q_norm.weight, a.k_norm.weight) if a.normed_qk else (None, None)
         xq, xk, xv = kernels.attention_in(x, self.attention_norm.weight, eps, a.wqkv.packed, a.wqkv.bias, a.n_heads,

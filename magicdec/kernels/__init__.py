@@ -46,9 +46,10 @@ Beside the two, each path's library holds small operators of a decoder layer (`r
 pool; kernels/layer.h), which a decode-sized forward would otherwise run as chains of torch operators, each paying
 its dispatch, and the runs of them and the linear layers before a layer's attention and after it in one call each
 (`attention_in`, `attention_out`; MAGICDEC_FUSED=ops runs them a call at a time): they run where the path computes in
-the model's dtype (`fuses`), and MAGICDEC_FUSED=0 gives those layers back to torch's operators; a Vegas draft's selection (`top_positions`, `selects`), which MAGICDEC_FUSED=0
-gives back to torch's topk; and the CPU sampler's draw from a row's most probable tokens (`sample`, `samples`;
-kernels/sampler.h), which MAGICDEC_FUSED=0 gives back to the same draw in torch's operators (magicdec.sampling).
+the model's dtype (`fuses`), and MAGICDEC_FUSED=0 gives those layers back to torch's operators; a Vegas draft's
+selection (`top_positions`, `selects`), which MAGICDEC_FUSED=0 gives back to torch's topk; and the CPU sampler's draw
+from a row's most probable tokens (`sample`, `samples`; kernels/sampler.h), which MAGICDEC_FUSED=0 gives back to the
+same draw in torch's operators (magicdec.sampling).
 """
 
 from __future__ import annotations
@@ -331,7 +332,7 @@ def fuses(x: Tensor) -> bool:
 
 def sublayers(x: Tensor) -> bool:
     """Whether a decoder layer's operators before its attention and after it run as one call each (`attention_in`,
-    `attention_out`): where `fuses(x)`, unless MAGICDEC_FUSED=ops (the same operators one call at a time, to compare)."""
+    `attention_out`): where `fuses(x)`, unless MAGICDEC_FUSED=ops (the same operators a call at a time, to compare)."""
     return fuses(x) and os.environ.get("MAGICDEC_FUSED", "1") != "ops"
 
 
