@@ -415,7 +415,7 @@ class Block(nn.Module):
                                           a.n_kv, cos, sin, *normed_qk, a.q_scale, real)
         out = a.attend_cached(xq, xk, xv, mask, bias, cache, observer, shares, ragged)
         post = (self.post_attention_norm.weight, self.post_ffn_norm.weight) if self.sandwich else (None, None)
-        return kernels.attention_out(x, out, mask.shape[2], a.wo.packed, post[0], self.ffn_norm.weight, eps,
+        return kernels.attention_out(x, out, xq.shape[2], a.wo.packed, post[0], self.ffn_norm.weight, eps,
                                      f.w13.packed, f.w13.out_features // 2, f.w2.packed, f.gelu, post[1], real)
 
 
