@@ -275,6 +275,17 @@ def vegas_acceptance() -> str:
     return text([rows[k] for k in sorted(rows)]) + f"\n\nBudgets {' / '.join(map(str, budgets))}."
 
 
+def vegas_budgets() -> str:
+    """`magicdec bench` of StreamingLLM and Vegas self-speculation over one model's budgets: per context and mode,
+    each budget's acceptance, StreamingLLM's / Vegas's."""
+    rows: dict[tuple, dict] = {}
+    for p in sorted(load("gemma/vegas_budgets")["points"].values(), key=lambda p: (p["budget"], p["draft"])):
+        row = rows.setdefault((p["context_used"], p["mode"]), {"context": p["context_used"], "mode": p["mode"]})
+        column = str(p["budget"])
+        row[column] = "/".join(filter(None, (row.get(column), f"{p['acceptance']:.2f}")))
+    return text([rows[k] for k in sorted(rows)])
+
+
 def vegas_e2e() -> str:
     """`magicdec bench` at one batch and context, sampled: StreamingLLM and Vegas self-speculation at each budget and
     gamma against plain decoding (each configuration's median run)."""
@@ -430,7 +441,8 @@ TABLES = {"attention": lambda: attention(False), "attention_prefill": lambda: at
           "paper_comparison": paper_comparison,
           "serving_8k": serving_8k, "chat": lambda: chat("chat"), "chat_shared": lambda: chat("chat_shared"),
           "prefix_hit": prefix_hit, "server_limits": server_limits,
-          "vegas_acceptance": vegas_acceptance, "vegas_e2e": vegas_e2e, "draft_lengths": draft_lengths, "vegas_shares": vegas_shares,
+          "vegas_acceptance": vegas_acceptance, "vegas_budgets": vegas_budgets,
+          "vegas_e2e": vegas_e2e, "draft_lengths": draft_lengths, "vegas_shares": vegas_shares,
           "kv_dtype": kv_dtype, "phases": phases, "switch": switch, "sampler": sampler,
           "shared_prefix": shared_prefix,
           "tp": tp, "perplexity": perplexity,
