@@ -24,6 +24,7 @@ import statistics
 import re
 import sys
 from pathlib import Path
+from typing import Callable
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE)]
@@ -259,31 +260,36 @@ def _auto_row(b: int, s: int, mode: str, plain: float, p: dict) -> dict:
     return row
 
 
+def acceptance_cells(points: list[dict], lead: Callable[[dict], dict], column: Callable[[dict], str]) -> list[dict]:
+    """`magicdec bench` points as table rows: a row per distinct `lead(p)` (its leading cells), in their order, and in
+    it a cell per `column(p)` holding the acceptances of its points joined by "/", in the points' order."""
+    rows: dict[tuple, dict] = {}
+    for p in points:
+        cells = lead(p)
+        row = rows.setdefault(tuple(cells.values()), cells)
+        row[column(p)] = "/".join(filter(None, (row.get(column(p)), f"{p['acceptance']:.2f}")))
+    return [rows[k] for k in sorted(rows)]
+
+
 def vegas_acceptance() -> str:
     """`magicdec bench` acceptance sweeps, a run per model: each self-speculative drafter's per-token acceptance by
     model, context and mode, at each budget (self-quant reads the whole context, without a budget)."""
-    rows: dict[tuple, dict] = {}
     runs = load("acceptance_vegas")["runs"].values()
-    for doc in runs:
-        name = doc["settings"]["model"]["name"].split("-")[0]  # SmolLM2, gemma
-        for p in sorted(doc["points"].values(), key=lambda p: (p["draft"] == "self-quant", p["budget"])):
-            row = rows.setdefault((name, p["context_used"], p["mode"]),
-                                  {"model": name, "context": p["context_used"], "mode": p["mode"]})
-            column = p["draft"].removeprefix("self-")
-            row[column] = "/".join(filter(None, (row.get(column), f"{p['acceptance']:.2f}")))
-    budgets = sorted({p["budget"] for doc in runs for p in doc["points"].values() if p["budget"]})
-    return text([rows[k] for k in sorted(rows)]) + f"\n\nBudgets {' / '.join(map(str, budgets))}."
+    points = [p | {"model": doc["settings"]["model"]["name"].split("-")[0]}  # SmolLM2, gemma
+              for doc in runs for p in sorted(doc["points"].values(),
+                                              key=lambda p: (p["draft"] == "self-quant", p["budget"]))]
+    rows = acceptance_cells(points, lambda p: {"model": p["model"], "context": p["context_used"], "mode": p["mode"]},
+                            lambda p: p["draft"].removeprefix("self-"))
+    budgets = sorted({p["budget"] for p in points if p["budget"]})
+    return text(rows) + f"\n\nBudgets {' / '.join(map(str, budgets))}."
 
 
 def vegas_budgets() -> str:
     """`magicdec bench` of StreamingLLM and Vegas self-speculation over one model's budgets: per context and mode,
     each budget's acceptance, StreamingLLM's / Vegas's."""
-    rows: dict[tuple, dict] = {}
-    for p in sorted(load("gemma/vegas_budgets")["points"].values(), key=lambda p: (p["budget"], p["draft"])):
-        row = rows.setdefault((p["context_used"], p["mode"]), {"context": p["context_used"], "mode": p["mode"]})
-        column = str(p["budget"])
-        row[column] = "/".join(filter(None, (row.get(column), f"{p['acceptance']:.2f}")))
-    return text([rows[k] for k in sorted(rows)])
+    points = sorted(load("gemma/vegas_budgets")["points"].values(), key=lambda p: (p["budget"], p["draft"]))
+    return text(acceptance_cells(points, lambda p: {"context": p["context_used"], "mode": p["mode"]},
+                                 lambda p: str(p["budget"])))
 
 
 def vegas_e2e() -> str:
