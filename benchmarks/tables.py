@@ -88,7 +88,7 @@ ATTENTION = {"SDPA, bias": "sdpa additive bias", "bf16 matmuls": "matmul, bf16 s
 
 def attention(prefill: bool, run: str = "smollm2-135m, avx512bf16") -> str:
     rows = []
-    for p in load("attention", run)["points"]:
+    for p in sorted(load("attention", run)["points"], key=lambda p: (p["batch"], p["context"], p["q"])):
         if (p["q"] >= 128) != prefill:
             continue
         v = p["variants"]
