@@ -169,16 +169,21 @@ def torch_path(xq: Tensor, kp: Tensor, vp: Tensor, table: Tensor, bias: Tensor) 
 
 
 def time_cell(model: str, B: int, S: int, q: int, device: torch.device) -> dict:
-    """ms of the kernels (bias as the model passes it today, G*q rows; lengths), of the torch path and of a plain
-    sum over the same K/V bytes, at one cell (every row S positions)."""
+    """ms of the kernels (a bias of G*q rows; of q rows, as the model passes it, with and without a Vegas draft's
+    attention shares; lengths), of the torch path and of a plain sum over the same K/V bytes, at one cell (every row
+    S positions)."""
     KV, G, hd = SHAPES[model]
     gen = torch.Generator(device).manual_seed(0)
     kp, vp, table = paged(B, S, KV, hd, torch.bfloat16, device, gen, nan=False)  # the sum reads the whole pool
     xq = torch.randn(B, KV, G * q, hd, generator=gen, device=device, dtype=torch.bfloat16)
     lengths = torch.full((B,), S - q, dtype=torch.int32, device=device)
-    bias = bias_of(lengths, q, S, 0, torch.bfloat16).repeat(1, 1, G, 1)
+    tokens_bias = bias_of(lengths, q, S, 0, torch.bfloat16)
+    bias = tokens_bias.repeat(1, 1, G, 1)
+    shares = torch.empty(B, KV, S, device=device)
     ms = {
         "triton_bias_ms": lambda: ta.attention(xq, kp, vp, table, bias=bias),
+        "triton_token_bias_ms": lambda: ta.attention(xq, kp, vp, table, bias=tokens_bias),
+        "triton_shares_ms": lambda: ta.attention(xq, kp, vp, table, bias=tokens_bias, shares=shares),
         "triton_lens_ms": lambda: ta.attention(xq, kp, vp, table, lens=lengths, tokens=q),
         "torch_ms": lambda: torch_path(xq, kp, vp, table, bias),
         "kv_sum_ms": lambda: (kp.sum(), vp.sum()),
@@ -188,6 +193,7 @@ def time_cell(model: str, B: int, S: int, q: int, device: torch.device) -> dict:
         row[name] = median_time(fn, device, reps=10, warmup=2) * 1e3
     row["speedup_over_torch"] = row["torch_ms"] / row["triton_lens_ms"]
     row["over_floor"] = row["triton_lens_ms"] / row["kv_sum_ms"]
+    row["shares_over_attention"] = row["triton_shares_ms"] / row["triton_token_bias_ms"]
     print_row(row)
     return row
 

@@ -211,8 +211,8 @@ def attend(xq: Tensor, keys: Tensor, values: Tensor, bias: Tensor, table: Tensor
     without."""
     if kernels.takes(xq, keys, values, bias, table):  # queries as they are: fp32 on the AVX2 path
         return kernels.decode_attention(xq, keys, values, bias, table, shares=shares, share_row=share_row)
-    if shares is None and triton_attention.takes(xq, keys, values, bias, table):
-        return triton_attention.attend(xq, keys, values, bias, table)
+    if triton_attention.takes(xq, keys, values, bias, table):
+        return triton_attention.attend(xq, keys, values, bias, table, shares, share_row)
     if table is not None:
         keys, values = gather(keys, table, bias.shape[-1]), gather(values, table, bias.shape[-1])
     if quant.quantized(keys.dtype):

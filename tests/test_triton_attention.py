@@ -24,7 +24,7 @@ use_triton_interpreter()
 from magicdec.kernels import triton_attention  # noqa: E402
 from magicdec.kv import quant  # noqa: E402
 from magicdec.kv.paged import gather  # noqa: E402
-from magicdec.model import attention_path  # noqa: E402
+from magicdec.model import attention_path, attention_shares  # noqa: E402
 
 BS = 32  # positions per block, as magicdec.kv.blocks
 
@@ -164,6 +164,28 @@ def test_verification_rows_equal_one_token_steps(ta):
         step = ta.attention(rows, kp, vp, table, bias=to_bias(causal_mask(step_lens, 1, max(step_lens) + 1),
                                                                  torch.bfloat16))
         assert torch.equal(step, verify[:, :, t::q])
+
+
+@pytest.mark.parametrize("G,q,share_row,dtype", [(3, 3, 0, torch.bfloat16), (3, 3, 2, torch.bfloat16),
+                                                  (4, 1, 0, torch.float32), (1, 4, 1, torch.float16)])
+def test_shares_match_reference(ta, G, q, share_row, dtype):
+    """Each position's share of token `share_row`'s attention (its G query heads' probabilities summed) against
+    torch's reference, over ragged rows through shuffled blocks (one row over two splits, one that sees nothing of a
+    split); hidden positions get exactly 0, and the output keeps its bits."""
+    lens = [3, 40, 530]
+    xq, kp, vp, table, keys, _ = paged_case(lens, q, G, 2, 64, dtype, seed=6)
+    L = keys.shape[2]
+    bias = to_bias(causal_mask(lens, q, L), dtype)
+    shares = torch.full((len(lens), 2, L), float("nan"))
+    out = ta.attention(xq, kp, vp, table, bias=bias, shares=shares, share_row=share_row)
+    assert torch.equal(out, ta.attention(xq, kp, vp, table, bias=bias))
+    expected = attention_shares(xq, keys.nan_to_num(), bias, share_row, q)
+    torch.testing.assert_close(shares, expected, atol=1e-5, rtol=1e-4)
+    hidden = bias[:, :, share_row].expand_as(shares) < 0
+    assert hidden.any() and (shares[hidden] == 0).all()
+    torch.testing.assert_close(shares.sum(-1), torch.full((len(lens), 2), float(G)))
+    with pytest.raises(ValueError):
+        ta.attention(xq, kp, vp, table, bias=bias, shares=shares[:, :, :-1])
 
 
 @pytest.mark.parametrize("q", [1, 4])

@@ -6,6 +6,10 @@ h and one split of `SPLIT` consecutive positions, and reads each K/V element of 
 (a verification of q = gamma + 1 tokens reads the cache as a decode step does). It writes the split's running
 maximum, sum and unnormalised output; `_merge_kernel` combines a (row, head)'s splits in split order.
 
+On request (`shares`, for `magicdec.drafters.vegas`) the split kernel also stores one new token's raw scores (its G
+query heads', as the softmax takes them), the merge each row's final maximum and sum, and `_shares_kernel` turns
+the scores into each position's share of that token's attention: no K is read twice, and the output keeps its bits.
+
 K/V are read in place, either
 
 - paged: pools [NB, KV, BS, hd] (vLLM's "HND" layout, any strides but a contiguous last dim) through a block table
@@ -116,19 +120,26 @@ def head_dim(keys: Tensor) -> int:
     return keys.shape[-1] - (INT8_SCALE_BYTES if keys.dtype == torch.int8 else 0)
 
 
-def attend(xq: Tensor, keys: Tensor, values: Tensor, bias: Tensor, table: Tensor | None = None) -> Tensor:
+def attend(xq: Tensor, keys: Tensor, values: Tensor, bias: Tensor, table: Tensor | None = None,
+           shares: Tensor | None = None, share_row: int = 0) -> Tensor:
     """`magicdec.model.attend` on these kernels (call where `takes` is True): the bias read on the device."""
-    return attention(xq, keys, values, table, bias=bias)
+    return attention(xq, keys, values, table, bias=bias, shares=shares, share_row=share_row)
 
 
 def attention(xq: Tensor, keys: Tensor, values: Tensor, table: Tensor | None = None, *, bias: Tensor | None = None,
-              lens: Tensor | None = None, tokens: int = 1, window: int = 0, length: int | None = None) -> Tensor:
+              lens: Tensor | None = None, tokens: int = 1, window: int = 0, length: int | None = None,
+              shares: Tensor | None = None, share_row: int = 0) -> Tensor:
     """Softmax attention (scale hd^-0.5) of queries [B, KV, M, hd] over K/V, dense [B, KV, L, hd] or paged pools
     [NB, KV, BS, hd] read through `table` [B, nblk] int32; returns [B, KV, M, hd] in K's dtype (the queries' over
     int8 rows). Visibility: exactly one of `bias` [B, 1, R, L], or `lens` [B] int32 with the q = `tokens` new tokens
     per query head (M = G*q) and an optional sliding `window` (see the module's docstring). `length`: the positions
     L spanned (default: the bias's L; with `lens`, the dense L or the table's nblk * BS), which sizes the grid;
-    programs past a row's own positions do nothing. Under Triton's interpreter the tensors are CPU tensors."""
+    programs past a row's own positions do nothing. Under Triton's interpreter the tensors are CPU tensors.
+
+    `shares` (fp32, contiguous [B, KV, L]), where given, receives the attention shares of new token `share_row` (in
+    [0, R)): shares[b, h, l] = the sum over the query rows m of KV head h with m % R == share_row of their softmax
+    probability at l, 0 where it is hidden (as `magicdec.kernels.decode_attention` writes them). The output has the
+    same bits with shares as without."""
     if (bias is None) == (lens is None):
         raise ValueError("pass exactly one of bias or lens")
     B, KV, M, hd = xq.shape
@@ -140,17 +151,31 @@ def attention(xq: Tensor, keys: Tensor, values: Tensor, table: Tensor | None = N
     stats = torch.empty(B * KV, splits, 2, M, dtype=torch.float32, device=xq.device)  # per split: maximum, sum
     period = bias.shape[2] if bias is not None else tokens  # query row m is bias row / token m % period
     mask = bias if bias is not None else lens
+    if shares is not None and (shares.shape != (B, KV, length) or not shares.is_contiguous()
+                               or not 0 <= share_row < period):
+        raise ValueError(f"shares must be contiguous [{B}, {KV}, {length}] for a token row in [0, {period})")
+    # one token's raw scores (log2 units; -inf where a split's range leaves them unwritten) and each row's final
+    # maximum and sum, for `_shares_kernel`
+    scores = None if shares is None else torch.full((B * KV, M // period, length), float("-inf"), device=xq.device)
+    final = None if shares is None else torch.empty(B * KV, 2, M, dtype=torch.float32, device=xq.device)
     quantized = keys.dtype == torch.int8
-    _split(xq if quantized else xq.to(keys.dtype), keys, values, table, mask, period, window, length, acc, stats)
+    _split(xq if quantized else xq.to(keys.dtype), keys, values, table, mask, period, window, length, acc, stats,
+           scores, share_row)
     out = torch.empty(B, KV, M, hd, dtype=xq.dtype if quantized else keys.dtype, device=xq.device)
     # the merge is elementwise per row: its tile of rows can fit M without changing a row's bits
-    _merge_kernel[(B * KV,)](acc, stats, out, splits, M, ROWS=triton.next_power_of_2(M), HD=hd)
+    _merge_kernel[(B * KV,)](acc, stats, out, final if final is not None else stats, splits, M,
+                             ROWS=triton.next_power_of_2(M), HD=hd, SHARES=shares is not None)
+    if shares is not None:
+        G = M // period
+        _shares_kernel[(B * KV, -(-length // TILE))](scores, final, shares, G, M, length, period, share_row,
+                                                     HEADS=triton.next_power_of_2(G), TILE=TILE)
     return out
 
 
 def _split(xq: Tensor, keys: Tensor, values: Tensor, table: Tensor | None, mask: Tensor, period: int, window: int,
-           length: int, acc: Tensor, stats: Tensor) -> None:
-    """Launch `_split_kernel` over (row and KV head, split); `mask`: the bias [B, 1, R, L] or the lengths [B]."""
+           length: int, acc: Tensor, stats: Tensor, scores: Tensor | None, share_row: int) -> None:
+    """Launch `_split_kernel` over (row and KV head, split); `mask`: the bias [B, 1, R, L] or the lengths [B];
+    `scores`, where given, receives query rows share_row, share_row + period, ...'s scores."""
     B, KV, M, hd = xq.shape
     paged, use_bias = table is not None, mask.dim() == 4
     # K/V addressed as base + outer * s0 + head * s1 + inner * s2: (block, offset) paged, (row, position) dense
@@ -158,10 +183,11 @@ def _split(xq: Tensor, keys: Tensor, values: Tensor, table: Tensor | None, mask:
     mask_strides = (mask.stride(0), mask.stride(2)) if use_bias else (0, 0)
     _split_kernel[(B * KV, acc.shape[1])](
         xq, keys, values, table if paged else mask, mask, acc, stats,  # an unused pointer is still a tensor
+        scores if scores is not None else stats, share_row,
         KV, M, length, period, window if window > 0 else NO_WINDOW, hd**-0.5 * LOG2E,
         *xq.stride()[:3], *kv_strides, table.stride(0) if paged else 0, *mask_strides,
         PAGE=keys.shape[2] if paged else 1, PAGED=paged, USE_BIAS=use_bias, ROWS=ROWS, TILE=TILE, SPLIT=SPLIT,
-        HD=hd, QUANT=keys.dtype == torch.int8,
+        HD=hd, QUANT=keys.dtype == torch.int8, SHARES=scores is not None,
         UPCAST=interpreted() and keys.dtype == torch.bfloat16, IEEE=keys.dtype in (torch.float32, torch.int8),
         num_warps=8 if hd > 128 else 4)  # a [ROWS, 256] fp32 accumulator on 4 warps would spill registers
 
@@ -229,14 +255,15 @@ if triton is not None:
         return out
 
     @triton.jit
-    def _split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, mask_ptr, acc_ptr, stats_ptr,
+    def _split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, mask_ptr, acc_ptr, stats_ptr, scores_ptr, share_row,
                       KV, M, L, P, window, qk_scale,
                       sq_b, sq_h, sq_m, sk_0, sk_1, sk_2, sv_0, sv_1, sv_2, st_b, sm_b, sm_r,
                       PAGE: tl.constexpr, PAGED: tl.constexpr, USE_BIAS: tl.constexpr, ROWS: tl.constexpr,
                       TILE: tl.constexpr, SPLIT: tl.constexpr, HD: tl.constexpr, QUANT: tl.constexpr,
-                      UPCAST: tl.constexpr, IEEE: tl.constexpr):
+                      SHARES: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
         """One (row b, KV head h, split): online softmax over its tiles for all M query rows; writes the split's
-        maximum and sum [M] (log2 units) and unnormalised output [M, HD]."""
+        maximum and sum [M] (log2 units) and unnormalised output [M, HD], and with SHARES the scores of query rows
+        share_row, share_row + P, ... (one token's G heads) to scores [B * KV, G, L]."""
         bh, split = tl.program_id(0), tl.program_id(1)
         b, h = bh // KV, (bh % KV).to(tl.int64)
         rows, dims = tl.arange(0, ROWS), tl.arange(0, HD)
@@ -255,6 +282,10 @@ if triton is not None:
             outer, inner = _kv_index(table_ptr, b, pos, seen, st_b, PAGE, PAGED)
             k = _load_rows(k_ptr + outer * sk_0 + h * sk_1 + inner * sk_2, dims, seen, HD, QUANT)
             s = _dot(q, tl.trans(k), UPCAST, IEEE) * qk_scale + bias
+            if SHARES:
+                mine = (rows < M) & (rows % P == share_row)
+                at = scores_ptr + (bh.to(tl.int64) * (M // P) + rows // P)[:, None] * L + pos[None, :]
+                tl.store(at, s, mask=mine[:, None] & (pos < L)[None, :])
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet: no NaN
             p = tl.exp2(s - m_safe[:, None])
@@ -270,9 +301,11 @@ if triton is not None:
         tl.store(stats_ptr + 2 * base + M + rows, l_i, mask=ok)
 
     @triton.jit
-    def _merge_kernel(acc_ptr, stats_ptr, out_ptr, S, M, ROWS: tl.constexpr, HD: tl.constexpr):
+    def _merge_kernel(acc_ptr, stats_ptr, out_ptr, final_ptr, S, M, ROWS: tl.constexpr, HD: tl.constexpr,
+                      SHARES: tl.constexpr):
         """One (row, KV head): its S splits combined in split order, splits that saw nothing skipped exactly (a
-        row's result does not change with trailing empty splits, i.e. with the batch's longest row)."""
+        row's result does not change with trailing empty splits, i.e. with the batch's longest row). With SHARES,
+        each query row's final maximum and sum go to final [B * KV, 2, M]."""
         bh = tl.program_id(0)
         rows, dims = tl.arange(0, ROWS), tl.arange(0, HD)
         ok = rows < M
@@ -295,3 +328,22 @@ if triton is not None:
         out = acc / tl.where(total > 0, total, 1.0)[:, None]  # a row that sees nothing (padding): zeros
         tl.store(out_ptr + (bh.to(tl.int64) * M + rows[:, None]) * HD + dims[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=ok[:, None])
+        if SHARES:
+            tl.store(final_ptr + bh.to(tl.int64) * 2 * M + rows, m_safe, mask=ok)
+            tl.store(final_ptr + bh.to(tl.int64) * 2 * M + M + rows, total, mask=ok)
+
+    @triton.jit
+    def _shares_kernel(scores_ptr, final_ptr, shares_ptr, G, M, L, P, share_row, HEADS: tl.constexpr,
+                       TILE: tl.constexpr):
+        """One (row and KV head, tile of positions): each position's probability under the token's G query rows
+        (m = g * P + share_row), from their raw scores and final maxima and sums, summed over the rows."""
+        bh, tile = tl.program_id(0).to(tl.int64), tl.program_id(1)
+        heads, pos = tl.arange(0, HEADS), tile * TILE + tl.arange(0, TILE)
+        ok = heads < G
+        m = heads * P + share_row
+        top = tl.load(final_ptr + bh * 2 * M + m, mask=ok, other=0.0)
+        total = tl.load(final_ptr + bh * 2 * M + M + m, mask=ok, other=0.0)
+        raw = tl.load(scores_ptr + (bh * G + heads)[:, None] * L + pos[None, :],
+                      mask=ok[:, None] & (pos < L)[None, :], other=float("-inf"))
+        p = tl.exp2(raw - top[:, None]) / tl.where(total > 0, total, 1.0)[:, None]
+        tl.store(shares_ptr + bh * L + pos, tl.sum(p, 0), mask=pos < L)
