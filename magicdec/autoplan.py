@@ -74,6 +74,12 @@ EXPLORE_EVERY = 32
 EXPLORE_FIRST = 4
 EXPLORE_MOST = 256
 EXPLORE_MOVED = 0.2
+#: Priced per-row draft lengths (`draft_stop="auto"`): bins of the product of a row's draft confidences, in which
+#: the chance that a drafted token is accepted is learned; each bin starts from its midpoint as if it had seen
+#: STOP_PRIOR_TOKENS tokens; every STOP_EXPLORE-th round no row stops, so that the bins below the threshold learn too.
+STOP_BINS = 10
+STOP_PRIOR_TOKENS = 4
+STOP_EXPLORE = 8
 
 #: A dtype as `choose` takes it: a torch dtype, a name (fp32, bf16, fp16) or bytes per element.
 Dtype = torch.dtype | str | float
@@ -94,7 +100,7 @@ def choose(
     budgets: Iterable[int] = DEFAULT_BUDGETS, gammas: Iterable[int] = DEFAULT_GAMMAS,
     strategies: Iterable[str] | None = None, dtype: Dtype | None = None, draft_vocab: int = 0,
     vocab_corpus: str | None = None, tokenizer: Tokenizer | None = None, rows: int | None = None,
-    graphs: bool = False, prefix_rows: float = 1.0,
+    graphs: bool = False, prefix_rows: float = 1.0, draft_stop: float | str | None = None,
 ) -> Choice:
     """The predicted-fastest way to decode `batch` sequences of `context` tokens with `model`.
 
@@ -120,7 +126,8 @@ def choose(
 
     `graphs`: the engine replays its decode forwards from CUDA graphs (`magicdec.graphs`), so an uncalibrated GPU's
     preset is priced without the host's kernel launches (`planner.hardware.eager` where not). `prefix_rows`: rows
-    per shared prompt prefix (1: distinct prompts; `HardwareProfile.shared_attention_factor` prices it)."""
+    per shared prompt prefix (1: distinct prompts; `HardwareProfile.shared_attention_factor` prices it). `draft_stop`:
+    per-row draft lengths, the Replanner's `draft_stop` (a threshold, or "auto": priced by the cost model)."""
     if dtype is None and isinstance(model, Transformer):
         dtype = weight_dtype(model)  # what the planner counts bytes of: 16-bit on the AVX2 kernels
     device = str(model.device) if isinstance(model, Transformer) else "cpu"
@@ -135,15 +142,14 @@ def choose(
     strategies = tuple(strategies) if strategies is not None else default_strategies(work, model)
     heads = _draft_heads(draft_vocab, vocab_corpus, tokenizer)
     # The decode loop caps gamma (MAX_GAMMA) and sparse budgets must be >= 8 (SpeculativeConfig).
-    gammas = [g for g in gammas if 1 <= g <= 16]
-    budgets = [b for b in budgets if b >= 8]
+    gammas, budgets = [g for g in gammas if 1 <= g <= 16], [b for b in budgets if b >= 8]
     best = plan(work, table, budgets=budgets, gammas=gammas, mode=mode, strategies=strategies, rows=rows,
                 margin=MIN_PREDICTED_SPEEDUP, draft_heads=heads)
     if isinstance(model, Transformer) and model.tp is not None:
         best = model.tp.share(best)  # a rank may plan its own share of the model: rank 0's plan is every rank's
     if best.strategy == "ar":
         return Choice(None, None, best)
-    replan = _replanner(work, table, best, gammas, mode, plain="ar" in strategies, coverage=heads[best.draft_vocab])
+    replan = _replanner(work, table, best, gammas, mode, "ar" in strategies, heads[best.draft_vocab], draft_stop)
     head = {"draft_vocab": best.draft_vocab, "vocab_corpus": vocab_corpus} if best.draft_vocab else {}
     # Built for the longest draft it may re-plan to; the decode loop starts it at the planned length.
     return Choice(SpeculativeConfig.drafting(best.strategy, best.budget, gamma=max(gammas), **head), replan, best)
@@ -203,9 +209,9 @@ def _workload(model: Transformer | ModelShape, hw: HardwareProfile, batch: int, 
 
 
 def _replanner(work: Workload, table: AcceptanceTable, best: Plan, gammas: list[int], mode: str,
-               plain: bool, coverage: float) -> Replanner:
+               plain: bool, coverage: float, stop: float | str | None) -> Replanner:
     """Mid-run, the choice is the chosen drafter (and draft head, which holds `coverage` of the text's tokens) at
-    another length, or (if `plain`) plain decoding."""
+    another length, or (if `plain`) plain decoding; rows stop drafting at `stop`."""
 
     def at(live: int, context: int) -> Workload:
         return dataclasses.replace(work, batch=live, context=context)
@@ -225,6 +231,7 @@ def _replanner(work: Workload, table: AcceptanceTable, best: Plan, gammas: list[
         min_context=(best.budget or 0) + 1,
         planned=(work.batch, work.context),
         plain=plain,
+        stop=stop,
     )
 
 
@@ -252,15 +259,24 @@ class Replanner(GammaPolicy):
       known, a round of the kind not chosen runs early (EXPLORE_FIRST), then now and then (EXPLORE_EVERY, and soon
       after the live batch changes):
       a plain step costs nothing against plain decoding; a one-token draft round, where the timings alone turned
-      drafting off, risks a fraction of one step."""
+      drafting off, risks a fraction of one step.
+
+    Per-row draft lengths priced (`stop="auto"`, `draft_stop`): a row keeps a drafted token while the chance that it
+    is accepted pays for it. That chance is learned per bin of the product of the row's draft confidences up to the
+    token (`magicdec.drafters.base.confidence`), from what verification kept; the price is the cost model's: one
+    more token of one row costs the round's marginal seconds for it (a draft forward and a verified token, less what
+    the other rows share), and returns the round's tokens per second, so the token pays where its chance exceeds
+    (marginal seconds) x (tokens per second) (`stop_price`)."""
 
     def __init__(self, plan_at: Callable[[int, int, float, float], Plan], predict: Callable[[int, int, int], float],
-                 prior: Callable[[int], float], min_context: int, planned: tuple[int, int], plain: bool = True):
+                 prior: Callable[[int], float], min_context: int, planned: tuple[int, int], plain: bool = True,
+                 stop: float | str | None = None):
         """`plan_at(live, context, alpha, spec_time_scale)`: the plan of the chosen drafter there (gamma 0: plain
         decoding); `predict(live, context, gamma)`: the cost model's seconds of that round; `prior(context)`: the
         acceptance table's rate; `min_context`: the shortest context planned at (beyond the draft budget); `planned`:
         the (batch, context) `choose` planned at, where `describe_learned` predicts again; `plain`: whether plain
-        steps may run (else every round drafts and only the acceptance is learned)."""
+        steps may run (else every round drafts and only the acceptance is learned); `stop`: per-row draft lengths,
+        a fixed threshold or "auto" (priced; None: off)."""
         self._plan_at = functools.lru_cache(maxsize=4096)(plan_at)
         self._predict = functools.lru_cache(maxsize=4096)(predict)
         self._prior = prior
@@ -279,6 +295,12 @@ class Replanner(GammaPolicy):
         self._interval = EXPLORE_EVERY
         self._drafting = True  # the kind the plan chose last
         self._planned: tuple[int, int] = (1, min_context)  # (live, context) of the last call
+        self._gamma = 0  # the draft length of the last call
+        self.stop = stop
+        # per bin of confidence products: drafted tokens verified, and those accepted (decaying as the acceptance)
+        self._stop_seen = [0.0] * STOP_BINS
+        self._stop_kept = [0.0] * STOP_BINS
+        self._stop_rounds = 0
 
     def alpha(self, context: int) -> float:
         """The acceptance rate planned with at `context`, rounded to 0.01 (plans are cached per rate)."""
@@ -319,24 +341,59 @@ class Replanner(GammaPolicy):
         if self._timed_live[not self._drafting] not in (None, live):  # the batch changed since: time it soon
             self._interval = min(self._interval, EXPLORE_EVERY)
         never_timed = self._timed_live[not self._drafting] is None
-        if self._since < (min(self._interval, EXPLORE_FIRST) if never_timed else self._interval):
-            return gamma
-        if gamma and self._plain:
-            return 0
-        if not gamma and self._gamma_at(live, context, alpha, 1.0):  # drafting is off by the timings alone
-            return 1
+        if self._since >= (min(self._interval, EXPLORE_FIRST) if never_timed else self._interval):
+            if gamma and self._plain:
+                gamma = 0
+            elif not gamma and self._gamma_at(live, context, alpha, 1.0):  # drafting is off by the timings alone
+                gamma = 1
+        self._gamma = gamma
         return gamma
 
+    def draft_stop(self) -> float | None:
+        """A fixed `stop` as given; "auto": the lowest confidence product from which up every bin's learned chance
+        of acceptance is at least `stop_price` (at most the top bin's lower edge), or 0 (no row stops, its tokens
+        teach the bins) every STOP_EXPLORE-th round."""
+        if self.stop != "auto":
+            return self.stop
+        if self._stop_rounds % STOP_EXPLORE == STOP_EXPLORE - 1:
+            return 0.0
+        price, edge = self.stop_price(), STOP_BINS - 1
+        while edge > 0 and self.stop_chance(edge - 1) >= price:
+            edge -= 1
+        return edge / STOP_BINS
+
+    def stop_chance(self, b: int) -> float:
+        """The learned chance that a drafted token whose confidence product falls in bin b is accepted."""
+        prior = (b + 0.5) / STOP_BINS
+        return (self._stop_kept[b] + STOP_PRIOR_TOKENS * prior) / (self._stop_seen[b] + STOP_PRIOR_TOKENS)
+
+    def stop_price(self) -> float:
+        """The chance of acceptance at which one more drafted token of one row pays for itself at the last call's
+        live rows, context and gamma: its marginal seconds (the second difference of the cost model's round time in
+        rows and gamma: what a row's token adds that the other rows do not share) times the round's predicted tokens
+        per second at the learned acceptance."""
+        live, context = self._planned
+        gamma = max(self._gamma, 1)
+
+        def extra(rows: int) -> float:  # seconds one more drafted token a row adds to a round of `rows` rows
+            return self._predict(rows, context, gamma) - self._predict(rows, context, gamma - 1) if rows else 0.0
+
+        alpha = self.alpha(context)
+        tokens = live * sum(alpha**i for i in range(gamma + 1))  # a round's expected tokens
+        return max(0.0, extra(live) - extra(live - 1)) * tokens / self._predict(live, context, gamma)
+
     def observe(self, gamma: int, accepted: Sequence[int], seconds: float,
-                drafted: Sequence[int] | None = None) -> None:
+                drafted: Sequence[int] | None = None, confidences: Sequence[Sequence[float]] | None = None) -> None:
         """A round that drafted `gamma` tokens per row (0: a plain step) in `seconds`; `accepted` holds each live
         row's accepted count, `drafted` its draft's length where rows stop on their own (None: gamma each; a row that
-        kept all of a shorter draft met no rejection)."""
+        kept all of a shorter draft met no rejection), and `confidences` its drafted tokens' confidence products."""
         self.accepted *= ACCEPTANCE_DECAY
         self.rejected *= ACCEPTANCE_DECAY
         if gamma:
             self.accepted += sum(accepted)
             self.rejected += sum(1 for k, d in zip(accepted, drafted or [gamma] * len(accepted)) if k < d)
+        if confidences is not None:
+            self._learn_stops(accepted, confidences)
         spec = gamma > 0
         predicted = self._predict(*self._planned, gamma)
         window, moved = self._slowness[spec], False
@@ -351,6 +408,18 @@ class Replanner(GammaPolicy):
             self._since += 1
         elif warm:  # the other kind was timed: again soon if its time moved, else after twice as many rounds
             self._since, self._interval = 0, EXPLORE_EVERY if moved else min(2 * self._interval, EXPLORE_MOST)
+
+    def _learn_stops(self, accepted: Sequence[int], confidences: Sequence[Sequence[float]]) -> None:
+        """Each drafted token that was verified counts in its confidence product's bin, as kept where the target
+        accepted it (every token before a row's first rejection)."""
+        self._stop_rounds += 1
+        self._stop_seen = [n * ACCEPTANCE_DECAY for n in self._stop_seen]
+        self._stop_kept = [n * ACCEPTANCE_DECAY for n in self._stop_kept]
+        for k, products in zip(accepted, confidences):
+            for i, product in enumerate(products):
+                b = min(int(product * STOP_BINS), STOP_BINS - 1)
+                self._stop_seen[b] += 1
+                self._stop_kept[b] += i < k
 
 
 def describe_learned(replanner: Replanner) -> str:

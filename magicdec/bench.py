@@ -60,7 +60,8 @@ class BenchGrid:
     positions: list[str | None] = field(default_factory=lambda: [None])  # sparse-cache key positions; None: default
     draft_vocabs: list[int] = field(default_factory=lambda: [0])  # draft head sizes (0: the whole vocabulary)
     vocab_corpus: str | None = None  # the text draft heads count tokens in
-    draft_stops: list[float | None] = field(default_factory=lambda: [None])  # per-row length thresholds (None: off)
+    # per-row length thresholds (None: off; "auto": priced by the planner, for draft auto only)
+    draft_stops: list[float | str | None] = field(default_factory=lambda: [None])
     repeats: int = 1  # runs of each configuration, interleaved; a point keeps its median run
 
     def __post_init__(self) -> None:
@@ -83,8 +84,9 @@ class BenchGrid:
             if "none" in self.drafters:
                 out.append({"mode": mode, "draft": "none", "budget": 0, "gamma": 0})
             if "auto" in self.drafters:  # the planner picks drafter, budget, gamma and head (or plain decoding)
-                out += [{"mode": mode, "draft": "auto", "budget": 0, "gamma": 0, **self._head(v)}
-                        for v in self.draft_vocabs]
+                out += [{"mode": mode, "draft": "auto", "budget": 0, "gamma": 0, **self._head(v),
+                         **({"draft_stop": stop} if stop else {})}
+                        for v, stop in itertools.product(self.draft_vocabs, self.draft_stops)]
             for d in self.drafters:
                 if d in ("none", "auto"):
                     continue
@@ -95,7 +97,8 @@ class BenchGrid:
                 out += [{"mode": mode, "draft": d, "budget": b, "gamma": g, **({"positions": pos} if pos else {}),
                          **self._head(v), **({"draft_stop": stop} if stop else {})}
                         for b, g, pos, v, stop in itertools.product(budgets, self.gammas, positions,
-                                                                    self.draft_vocabs, self.draft_stops)]
+                                                                    self.draft_vocabs, self.draft_stops)
+                        if stop != "auto"]
         return out
 
     def _head(self, draft_vocab: int) -> dict:
@@ -114,7 +117,7 @@ def speculative_config(cfg: dict) -> SpeculativeConfig:
 def point_key(batch: int, context: int, cfg: dict) -> str:
     pos = f"-{cfg['positions']}" if cfg.get("positions") else ""
     vocab = f"-V{cfg['draft_vocab']}" if cfg.get("draft_vocab") else ""
-    stop = f"-stop{cfg['draft_stop']:g}" if cfg.get("draft_stop") else ""
+    stop = f"-stop{cfg['draft_stop']}" if cfg.get("draft_stop") else ""
     return f"B{batch}-S{context}-{cfg['mode']}-{cfg['draft']}-K{cfg['budget']}-g{cfg['gamma']}{pos}{vocab}{stop}"
 
 
@@ -229,7 +232,7 @@ def _run_config(llm: LLM, args, grid: BenchGrid, rows: list[list[int]], ctx: int
         # planned for these rows: greedy rows of one prompt decode alike and count once (`LLM.plan`)
         hardware = getattr(args, "hardware", None) or planning_profile(llm.model, llm.kv_dtype)
         spec = SpeculativeConfig("auto", hardware=hardware, mode=cfg["mode"], draft_vocab=cfg.get("draft_vocab", 0),
-                                 vocab_corpus=cfg.get("vocab_corpus"))
+                                 vocab_corpus=cfg.get("vocab_corpus"), draft_stop=cfg.get("draft_stop"))
     elif cfg["draft"] != "none":
         spec = speculative_config(cfg)
     phases = getattr(args, "phases", None)

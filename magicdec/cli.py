@@ -97,12 +97,17 @@ def probability(text: str) -> float:
     return value
 
 
-def probability_list(text: str) -> list[float | None]:
-    """'0,0.3' -> [None, 0.3]: probabilities, 0 standing for none; one at least."""
+def draft_stop(text: str) -> float | str:
+    """'0.3' -> 0.3, 'auto' -> 'auto': a per-row draft length threshold."""
+    return "auto" if text == "auto" else probability(text)
+
+
+def draft_stop_list(text: str) -> list[float | str | None]:
+    """'0,0.3,auto' -> [None, 0.3, 'auto']: `draft_stop` values, 0 standing for none; one at least."""
     values = [x.strip() for x in text.split(",") if x.strip()]
     if not values:
         raise argparse.ArgumentTypeError(f"no values in {text!r} (e.g. 0,0.3)")
-    return [None if x in ("0", "0.0") else probability(x) for x in values]
+    return [None if x in ("0", "0.0") else draft_stop(x) for x in values]
 
 
 def port_number(text: str) -> int:
@@ -164,11 +169,12 @@ def add_draft_args(p: argparse.ArgumentParser) -> None:
                         "self-vegas, or turns speculation off; default %(default)s)")
     g.add_argument("--budget", type=positive_int, default=256, help="KV entries the draft reads per sequence (default 256)")
     g.add_argument("--gamma", type=positive_int, default=3, help="tokens drafted per verification (default 3)")
-    g.add_argument("--draft-stop", type=probability, metavar="P",
+    g.add_argument("--draft-stop", type=draft_stop, metavar="P",
                    help="per-row draft lengths: a row stops drafting before the token that would bring the product of "
                         "its draft's confidences (1 - runner-up / winner of the race that drew each token) below P, "
-                        "and verification runs each row's own tokens only (default: every row drafts --gamma tokens; "
-                        "no faster than the best fixed --gamma at B = 32 x 8k on a Zen 4)")
+                        "and verification runs each row's own tokens only; 'auto' (with --draft auto): P priced by "
+                        "the planner's cost model against the acceptance learned per confidence (default: every row "
+                        "drafts --gamma tokens; no faster than the best fixed --gamma at B = 32 x 8k on a Zen 4)")
     g.add_argument("--draft-model", help="draft checkpoint for --draft model (same vocabulary as the target)")
     g.add_argument("--draft-cache", default="streaming", choices=["dense", "streaming", "snapkv"],
                    help="the draft model's cache for --draft model (default streaming)")
@@ -244,9 +250,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="draft head sizes to compare, comma separated: the N tokens most frequent in --vocab-corpus "
                         "(FR-Spec), 0 the whole vocabulary (default 0)")
     b.add_argument("--vocab-corpus", help="text or .jsonl file draft heads count tokens in (default --corpus)")
-    b.add_argument("--draft-stop", type=probability_list, default=[None],
+    b.add_argument("--draft-stop", type=draft_stop_list, default=[None],
                    help="per-row draft length thresholds to compare, comma separated (see `generate --draft-stop`; "
-                        "0: every row drafts gamma tokens; default 0)")
+                        "0: every row drafts gamma tokens; auto: priced by the planner, for --drafters auto; default 0)")
     b.add_argument("--modes", default="greedy", help="greedy and/or sampling (temperature 0.7, top-p 0.9)")
     b.add_argument("--max-tokens", type=positive_int, default=128, help="new tokens per sequence (default 128)")
     b.add_argument("--distinct-prompts", type=positive_int,

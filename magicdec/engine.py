@@ -416,7 +416,8 @@ class LLM:
         return choose(self.model, batch, context, kv_dtype=self.kv_dtype, model_name=model_key(self.loaded.source),
                       profile=speculative.hardware, mode=speculative.mode, draft_vocab=speculative.draft_vocab,
                       vocab_corpus=speculative.vocab_corpus, tokenizer=self.tokenizer, rows=rows,
-                      graphs=uses_graphs(self.model, self.kv_dtype, self.config), prefix_rows=shared)
+                      graphs=uses_graphs(self.model, self.kv_dtype, self.config), prefix_rows=shared,
+                      draft_stop=speculative.draft_stop)
 
     def _speculation(self, speculative: SpeculativeConfig | None, batch: int, context: int,
                      rows: int | None = None, shared: float = 1.0) -> Speculation | None:
@@ -427,16 +428,14 @@ class LLM:
         policy = None
         if speculative is not None and speculative.draft == "auto":
             self.last_auto = self._choose(speculative, batch, context, rows, shared)
-            stop = speculative.draft_stop
             speculative, policy = self.last_auto.speculative, self.last_auto.replanner
-            if speculative is not None and stop is not None:
-                speculative = dataclasses.replace(speculative, draft_stop=stop)
         if speculative is None:
             return None
         if speculative not in self._drafters:
             self._drafters[speculative] = speculative.build(self.model, self.tokenizer)
         drafter = self._drafters[speculative]
-        return Speculation(drafter, policy or FixedGamma(speculative.gamma)) if drafter is not None else None
+        policy = policy or FixedGamma(speculative.gamma, speculative.draft_stop)
+        return Speculation(drafter, policy) if drafter is not None else None
 
     def engine(self, speculative: SpeculativeConfig | None = None, *, fit_memory: bool = False,
                **overrides) -> LLMEngine:

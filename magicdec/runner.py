@@ -232,26 +232,28 @@ class ModelRunner:
         n, draft_s = step.n_rows, 0.0
         asking = [i for i, p in enumerate(self.rows.params[:n]) if p.logprobs is not None]
         empty = torch.zeros(0, dtype=torch.long, device=self.device)
-        decoded = (empty[:, None], empty, empty, empty, empty, None)
+        decoded = (empty[:, None], empty, empty, empty, empty, None, None)
         if n:
             with scopes.scope(scopes.ROUND):
-                *decoded, draft_s = self._decode(n, step.gamma, asking)
+                *decoded, draft_s = self._decode(n, step.gamma, step.draft_stop, asking)
         first, outputs, prompt_logprobs = self._to_host(prefilled, *decoded, asking)
         t2 = time.perf_counter()
         return StepResult(first, outputs, t1 - t0, t2 - t1, draft_s, prompt_logprobs)
 
     def _to_host(self, prefilled: list[tuple[PrefillWork, Tensor | None, Logprobs | None, Logprobs | None]],
                  new: Tensor, kept: Tensor, finish: Tensor, accepted: Tensor, drafted: Tensor,
-                 logprobs: Logprobs | None,
+                 sure: Tensor | None, logprobs: Logprobs | None,
                  asking: list[int]) -> tuple[list[SlotOutput], list[SlotOutput], list[tuple[int, list[TokenLogprob]]]]:
         """The step's results in one copy to the host: the first tokens of the prefills that finished, the decoded
         slots' tokens, and the prompt tokens' log-probabilities of the chunks whose requests asked."""
         firsts = [(work.slot, first, lp) for work, first, lp, _ in prefilled if first is not None]
         prompts = [(work, lp) for work, _, _, lp in prefilled if lp is not None]
         device_lps = [lp for *_, lp in firsts] + [lp for _, lp in prompts] + [logprobs]
-        host = iter(to_host([new, kept, finish, accepted, drafted, *(f for _, f, _ in firsts),
+        host = iter(to_host([new, kept, finish, accepted, drafted, *([] if sure is None else [sure]),
+                             *(f for _, f, _ in firsts),
                              *(part for lp in device_lps if lp is not None for part in lp.parts())]))
         tokens, kept, finish, accepted, drafted = (next(host).tolist() for _ in range(5))
+        sure = None if sure is None else next(host).tolist()
         first_ids = [next(host).tolist() for _ in firsts]
 
         def fetch(lp: Logprobs | None) -> Logprobs | None:  # in the order of device_lps
@@ -272,7 +274,8 @@ class ModelRunner:
             if kept[i]:
                 got = tokens[i][: kept[i]]
                 entries = lp.entries(row_of[i], got, self.rows.params[i].logprobs) if i in row_of else None
-                decoded.append(SlotOutput(i, got, finish[i], accepted[i], entries, drafted[i]))
+                decoded.append(SlotOutput(i, got, finish[i], accepted[i], entries, drafted[i],
+                                          None if sure is None else sure[i][: drafted[i]]))
         return first, decoded, prompt_logprobs
 
     def _prefill(self, work: PrefillWork) -> tuple[Tensor | None, Logprobs | None, Logprobs | None]:
@@ -318,25 +321,27 @@ class ModelRunner:
         index = torch.tensor(asking, device=self.device)
         return compute_logprobs(logits[index], tokens[index], max(self.rows.params[i].logprobs for i in asking))
 
-    def _decode(self, n: int, gamma: int, asking: list[int]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor,
-                                                                      Logprobs | None, float]:
-        """One round over slots [0, n): plain decoding (gamma 0) or draft, verify and commit; returns the tokens
-        [n, k], how many each row keeps, its finish code, its drafts accepted, its draft length, the log-probabilities
-        of the rows in `asking`, and the drafting's seconds."""
+    def _decode(self, n: int, gamma: int, stop: float | None,
+                asking: list[int]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor | None, Logprobs | None,
+                                            float]:
+        """One round over slots [0, n): plain decoding (gamma 0) or draft (rows stopping at `stop`), verify and
+        commit; returns the tokens [n, k], how many each row keeps, its finish code, its drafts accepted, its draft
+        length, its drafted tokens' confidences (with `stop`), the log-probabilities of the rows in `asking`, and the
+        drafting's seconds."""
         cache, rows, live = self.cache.head(n), self.rows.head(n), self.live[:n]
         n_tokens = self.n_tokens[:n].clone()
         last = self.seq[:n].gather(1, (n_tokens - 1).clamp_min(0)[:, None])  # [n, 1]
         positions = n_tokens[:, None] + torch.arange(gamma + 1, device=self.device)  # of the tokens predicted
         draft_s = 0.0
-        lengths = torch.zeros(n, dtype=torch.long, device=self.device)
+        lengths, sure = torch.zeros(n, dtype=torch.long, device=self.device), None
         if gamma:
             t = time.perf_counter()
-            draft, lengths = self.drafter.propose(n, gamma, self.seq[:n], n_tokens, live, rows, cache)
+            draft, lengths, sure = self.drafter.propose(n, gamma, self.seq[:n], n_tokens, live, rows, cache, stop)
             synchronize(self.device)
             draft_s = time.perf_counter() - t
             counts = torch.where(live, lengths + 1, 1)  # tokens each row verifies
             ragged = None
-            if self.drafter.stop is not None:  # verify up to the longest draft; on the CPU, only the rows' real tokens
+            if stop is not None:  # verify up to the longest draft; on the CPU, only the rows' real tokens
                 host = counts.tolist()
                 q = max(host)
                 draft, positions = draft[:, : q - 1], positions[:, :q]
@@ -359,7 +364,7 @@ class ModelRunner:
         kept, finish = self._emit(slice(0, n), new, accepted + 1)
         if gamma:
             self.drafter.accept(n, self.n_tokens[:n], live)
-        return new, kept, finish, accepted, lengths, self._logprobs(logits, new, asking), draft_s
+        return new, kept, finish, accepted, lengths, sure, self._logprobs(logits, new, asking), draft_s
 
     @staticmethod
     def _targets(logits: Tensor, rows: RowParams, positions: Tensor, ragged: Ragged | None) -> Tensor:

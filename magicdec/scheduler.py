@@ -38,27 +38,37 @@ from magicdec.sampling import SamplingParams
 from magicdec.step import LENGTH, RUNNING, STOPPED, PrefillWork, ScheduledStep, SlotAssignment, SlotOutput, StepResult
 
 class GammaPolicy:
-    """Each step's draft length (0: plain decoding) from the live sequences and their mean context; told how every
-    decode round went, so that a policy may learn (`autoplan.Replanner`)."""
+    """Each step's draft length (0: plain decoding) from the live sequences and their mean context, and where rows
+    stop drafting on their own; told how every decode round went, so that a policy may learn (`autoplan.Replanner`)."""
 
     def __call__(self, live: int, context: int) -> int:
         raise NotImplementedError
 
+    def draft_stop(self) -> float | None:
+        """The next round's per-row draft lengths: a row stops drafting before the token that would bring the product
+        of its draft's confidences below this (`magicdec.drafters.base.confidence`; 0: rows never stop, but their
+        confidences are reported); None: every row drafts the round's gamma tokens."""
+        return None
+
     def observe(self, gamma: int, accepted: Sequence[int], seconds: float,
-                drafted: Sequence[int] | None = None) -> None:
+                drafted: Sequence[int] | None = None, confidences: Sequence[Sequence[float]] | None = None) -> None:
         """A decode round that drafted `gamma` tokens per row (0: a plain step) took `seconds`; `accepted` holds each
-        live row's accepted drafts, and `drafted` its draft's length where rows stop drafting on their own (None:
-        gamma each)."""
+        live row's accepted drafts, and where rows stop drafting on their own, `drafted` its draft's length (None:
+        gamma each) and `confidences` the products of its drafted tokens' confidences, one per token."""
 
 
 @dataclass(frozen=True)
 class FixedGamma(GammaPolicy):
-    """Always `gamma` draft tokens (0: never speculate)."""
+    """Always `gamma` draft tokens (0: never speculate), each row stopping at `stop` (`GammaPolicy.draft_stop`)."""
 
     gamma: int
+    stop: float | None = None
 
     def __call__(self, live: int, context: int) -> int:
         return self.gamma
+
+    def draft_stop(self) -> float | None:
+        return self.stop
 
 
 class Status(enum.Enum):
@@ -243,6 +253,7 @@ class Scheduler:
             step.n_rows = self.decode_rows(1 + max(r.slot for r in decoding))
             context = sum(r.context for r in decoding) // len(decoding)
             step.gamma = min(self.max_gamma, self.gamma_policy(len(decoding), context))
+            step.draft_stop = self.gamma_policy.draft_stop() if step.gamma else None
         return step
 
     def decode_rows(self, n: int) -> int:
@@ -393,8 +404,10 @@ class Scheduler:
             changed[out.slot] = request
             freed.extend(self._append(request, out))
         if result.decoded:  # (a round can find every row gone: first tokens that were EOS)
+            stopping = step.draft_stop is not None
             self.gamma_policy.observe(step.gamma, [out.accepted for out in result.decoded], result.decode_s,
-                                      [out.drafted for out in result.decoded])
+                                      [out.drafted for out in result.decoded],
+                                      [out.confidences for out in result.decoded] if stopping else None)
         for request in self.active:
             self._store(request)
         return list(changed.values()), freed

@@ -48,7 +48,8 @@ class SpeculativeConfig:
     `draft_vocab` tokens most frequent in the text file `vocab_corpus` only (0: the whole vocabulary; see
     `magicdec.drafters.vocab`); draft_stop: per-row draft lengths, each row drafting while the product of its draft's
     confidences (`magicdec.drafters.base.confidence`) stays at or above it, and a verification taking each row's
-    tokens alone (None: every row drafts gamma tokens)."""
+    tokens alone (None: every row drafts gamma tokens; "auto", with draft "auto": the threshold priced by the
+    planner's cost model against the acceptance learned per confidence, `magicdec.autoplan.Replanner`)."""
 
     draft: str = "self-streaming"
     budget: int = 256
@@ -60,7 +61,7 @@ class SpeculativeConfig:
     vocab_corpus: str | None = None
     hardware: HardwareProfile | str | None = None
     mode: str = "greedy"
-    draft_stop: float | None = None
+    draft_stop: float | str | None = None
 
     def __post_init__(self) -> None:
         if self.draft not in DRAFTERS:
@@ -71,8 +72,11 @@ class SpeculativeConfig:
             raise InvalidRequestError("a hardware profile is what draft 'auto' plans with: give draft='auto'")
         if not (isinstance(self.gamma, int) and not isinstance(self.gamma, bool) and 1 <= self.gamma <= MAX_GAMMA):
             raise InvalidRequestError(f"gamma must be an integer in [1, {MAX_GAMMA}], got {self.gamma!r}")
-        if self.draft_stop is not None and not (isinstance(self.draft_stop, (int, float)) and 0 < self.draft_stop < 1):
-            raise InvalidRequestError(f"draft_stop must be a probability in (0, 1), got {self.draft_stop!r}")
+        if self.draft_stop == "auto" and self.draft != "auto":
+            raise InvalidRequestError("draft_stop 'auto' is priced by the planner: give draft='auto' too")
+        if self.draft_stop not in (None, "auto") and not (isinstance(self.draft_stop, (int, float))
+                                                          and 0 < self.draft_stop < 1):
+            raise InvalidRequestError(f"draft_stop must be a probability in (0, 1) or 'auto', got {self.draft_stop!r}")
         if not (isinstance(self.budget, int) and self.budget >= 8):
             raise InvalidRequestError(f"budget must be an integer >= 8, got {self.budget!r}")
         if self.draft == "model" and not self.draft_model:
@@ -99,8 +103,6 @@ class SpeculativeConfig:
         if self.draft == "auto":
             raise InvalidRequestError("draft 'auto' is planned for an engine's batch and context: let LLM resolve it")
         drafter = self._drafter(target)
-        if drafter is not None:
-            drafter.stop = self.draft_stop
         if drafter is not None and self.draft_vocab:
             if tokenizer is None:
                 raise InvalidRequestError("a draft vocabulary is counted with the model's tokenizer: pass it")

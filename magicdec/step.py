@@ -51,8 +51,8 @@ class PrefillWork:
 class ScheduledStep:
     """What one step runs, in order: release the slots of preempted requests, move running requests (from, to) into
     free lower slots, hand slots to new requests, give slots new KV blocks (`grow`: slot, first table index, block
-    ids), run prefill chunks, then a decode round (draft length gamma, 0 for plain decoding) over slots [0,
-    n_rows)."""
+    ids), run prefill chunks, then a decode round (draft length gamma, 0 for plain decoding; rows stopping at
+    `draft_stop`, see `GammaPolicy.draft_stop`) over slots [0, n_rows)."""
 
     release: list[int] = field(default_factory=list)
     moves: list[tuple[int, int]] = field(default_factory=list)
@@ -61,13 +61,15 @@ class ScheduledStep:
     prefills: list[PrefillWork] = field(default_factory=list)
     n_rows: int = 0
     gamma: int = 0
+    draft_stop: float | None = None
 
 
 @dataclass
 class SlotOutput:
     """The tokens a slot gained in a step (after EOS and the token limit cut them), how they ended (RUNNING, STOPPED
     or LENGTH), in a speculative round how many of its drafts the target accepted, the tokens' log-probabilities
-    where the request asked for them, and in a speculative round how many tokens it drafted."""
+    where the request asked for them, and in a speculative round how many tokens it drafted (with per-row draft
+    lengths, also each drafted token's product of the draft's confidences up to it)."""
 
     slot: int
     tokens: list[int]
@@ -75,6 +77,7 @@ class SlotOutput:
     accepted: int = 0
     logprobs: list[TokenLogprob] | None = None
     drafted: int = 0
+    confidences: list[float] | None = None
 
 
 @dataclass

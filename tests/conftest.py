@@ -306,11 +306,13 @@ def kv_pool(model, nbytes, dtype=None, caching=True):
     return KVManager(model.cfg, blocks, dtype, model.device, caching=caching, window_bytes=window)
 
 
-def run_engine(model, prompts, params, *, eos=(), drafter=None, gamma=0, policy=None, slots=None, kv=None,
-               caching=False, tokenizer=None, prefill_chunk=512, max_prefill_tokens=None, arrivals=None, kv_dtype=None):
+def run_engine(model, prompts, params, *, eos=(), drafter=None, gamma=0, draft_stop=None, policy=None, slots=None,
+               kv=None, caching=False, tokenizer=None, prefill_chunk=512, max_prefill_tokens=None, arrivals=None,
+               kv_dtype=None):
     """Every prompt through an LLMEngine over `model`; returns (requests, stats).
 
-    params: one SamplingParams or one per prompt. gamma: a fixed draft length (or `policy`). arrivals:
+    params: one SamplingParams or one per prompt. gamma: a fixed draft length, rows stopping at `draft_stop` (or
+    `policy`). arrivals:
     the step before which each prompt is added (default: all at once). kv: a KVManager to share (its cached
     prefixes kept across calls); else the engine makes its own, with prefix caching where `caching` (default: every
     prompt computed)."""
@@ -326,7 +328,7 @@ def run_engine(model, prompts, params, *, eos=(), drafter=None, gamma=0, policy=
                           max_model_len=max(len(p) + sp.max_tokens for p, sp in zip(prompts, params)),
                           max_prefill_tokens=max_prefill_tokens,
                           enable_prefix_caching=caching or kv is not None)
-    speculation = Speculation(drafter, policy or FixedGamma(gamma)) if drafter is not None else None
+    speculation = Speculation(drafter, policy or FixedGamma(gamma, draft_stop)) if drafter is not None else None
     engine = LLMEngine(model, config, eos_ids=eos, speculation=speculation, kv=kv,
                        tokenizer=tokenizer)
     if arrivals is None:

@@ -22,7 +22,7 @@ from magicdec.corpus import cut_prompts
 from magicdec.distributed import shutdown_tp
 from magicdec.errors import InvalidRequestError
 from magicdec.loading import load_model
-from magicdec.autoplan import EXPLORE_EVERY, choose, describe
+from magicdec.autoplan import EXPLORE_EVERY, STOP_BINS, STOP_EXPLORE, choose, describe
 from magicdec.planner.hardware import CPU_PRESETS
 from magicdec.profiles import (
     builtin_acceptance,
@@ -403,6 +403,37 @@ def test_replanner_counts_a_shorter_draft_kept_whole_as_no_rejection():
     assert rates[0] > 0.9 > 0.6 > rates[1]
 
 
+def test_replanner_prices_per_row_draft_lengths():
+    """`draft_stop="auto"`: a drafted token pays where its chance of acceptance exceeds its marginal seconds times the
+    round's tokens per second (`stop_price`); the threshold is the lowest confidence product from which every bin's
+    learned chance does, each bin learning from what verification kept, and every STOP_EXPLORE-th round no row stops
+    so that the bins below the threshold learn too. A fixed threshold passes through."""
+    assert choose(SMOL, 128, 32768, profile="h100", draft_stop=0.3)[1].draft_stop() == 0.3
+    _, replan, plan = choose(SMOL, 128, 32768, profile="h100", draft_stop="auto")
+    gamma = replan(128, 32768)
+    assert gamma >= 1
+    price = replan.stop_price()
+    assert 0 < price < 1
+    # before any round, each bin's chance is its midpoint
+    assert replan.draft_stop() == max(0, math.ceil(price * STOP_BINS - 0.5)) / STOP_BINS
+    # one row alone pays for the whole round's marginal seconds
+    work = Workload(SMOL, get_profile("h100"), 1, 32768)
+    alone = max(replan(1, 32768), 1)
+    rounds = round_time(work, alone, budget=plan.budget), round_time(work, alone - 1, budget=plan.budget)
+    alpha = replan.alpha(32768)
+    tokens = sum(alpha**i for i in range(alone + 1))
+    assert replan.stop_price() == pytest.approx((rounds[0] - rounds[1]) * tokens / rounds[0])
+    replan(128, 32768)
+    # tokens whose confidence product is 0.5 or more are accepted, the others rejected (four rows per bin a round)
+    mids = [(b + 0.5) / STOP_BINS for b in range(STOP_BINS)] * 4
+    stops = []
+    for _ in range(4 * STOP_EXPLORE):
+        replan.observe(1, [int(m >= 0.5) for m in mids], 0.0, [1] * len(mids), [[m] for m in mids])
+        stops.append(replan.draft_stop())
+    assert replan.stop_chance(4) < replan.stop_price() < 0.9 < replan.stop_chance(5)
+    assert stops[-STOP_EXPLORE:] == [0.5] * (STOP_EXPLORE - 2) + [0.0, 0.5]  # the 7th round of 8 explores
+
+
 def test_replanner_follows_the_round_times_it_measures():
     """Speculative rounds that take longer than the cost model predicts, relative to plain steps, turn the
     re-planner to plain decoding; it still times a draft round now and then, less often while the times
@@ -447,7 +478,7 @@ def test_the_engine_reports_each_round_to_its_policy(tiny_llama):
         def __call__(self, live, context):
             return 2
 
-        def observe(self, gamma, accepted, seconds, drafted=None):
+        def observe(self, gamma, accepted, seconds, drafted=None, confidences=None):
             assert list(drafted) == [gamma] * len(accepted)  # every row drafts gamma without a draft stop
             self.rounds.append((gamma, list(accepted), seconds))
 

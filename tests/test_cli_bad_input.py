@@ -66,6 +66,7 @@ CASES = [
     (["generate", "--prompt", "ab", "--gamma", "zero"], "argument --gamma"),
     (["generate", "--prompt", "ab", "--draft-stop", "1.5"], "argument --draft-stop: a probability in (0, 1)"),
     (["generate", "--prompt", "ab", "--draft-stop", "nan"], "argument --draft-stop: a probability in (0, 1)"),
+    (["generate", "--prompt", "ab", "--draft", "self-streaming", "--draft-stop", "auto"], "priced by the planner"),
     # generate: devices and planner files
     (["generate", "--prompt", "ab", "--device", "bogus"], "unknown device 'bogus'"),
     (["generate", "--prompt", "ab", "--device", "meta"], "device 'meta' is not supported"),

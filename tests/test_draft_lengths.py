@@ -51,6 +51,20 @@ def test_per_row_draft_lengths_equal_plain_decoding(native_llm, prompts, draft, 
     assert stats.verified_per_token == pytest.approx((stats.drafted_tokens + rounds) / (accepted + rounds))
 
 
+@pytest.mark.parametrize("params", PARAMS, ids=["greedy", "sampled"])
+def test_priced_draft_lengths_equal_plain_decoding(native_llm, prompts, kv_bound_profile, params):
+    """`--draft auto --draft-stop auto`: the re-planner prices each round's threshold and learns from the rows'
+    confidences; the tokens are plain decoding's."""
+    plain = [o.token_ids for o in native_llm.generate(prompt_token_ids=prompts, params=params)]
+    spec = SpeculativeConfig("auto", hardware=kv_bound_profile, mode="sampling" if params.temperature else "greedy",
+                             draft_stop="auto")
+    outs = native_llm.generate(prompt_token_ids=prompts, params=params, speculative=spec)
+    assert [o.token_ids for o in outs] == plain
+    replanner, stats = native_llm.last_auto.replanner, native_llm.last_stats
+    assert replanner.stop == "auto" and stats.verify_steps > 0 and stats.drafted_tokens > 0
+    assert sum(replanner._stop_seen) > 0  # it learned from the verified drafts' confidences
+
+
 @pytest.mark.parametrize("draft", ["self-streaming", "self-vegas"])
 def test_rows_that_stop_leave_the_later_draft_forwards(native_llm, prompts, draft, monkeypatch):
     """Rows that stop drafting leave the round's later forwards, which run over the rows still drafting alone
@@ -151,7 +165,12 @@ def test_ragged_layout_packs_and_pads_the_real_tokens():
     assert [part.tolist() for part in cut] == [[[6, 9]], [[0, 1, 3, 4]], [[12, 13, 14, 15, 16, 17]]]
 
 
-@pytest.mark.parametrize("stop", [0, 1, 1.5, float("nan"), "0.5"])
+@pytest.mark.parametrize("stop", [0, 1, 1.5, float("nan"), "0.5", "Auto"])
 def test_a_draft_stop_outside_the_open_unit_interval_is_refused(stop):
     with pytest.raises(InvalidRequestError, match="draft_stop must be a probability in"):
         SpeculativeConfig("self-streaming", draft_stop=stop)
+
+
+def test_a_priced_draft_stop_needs_the_planner():
+    with pytest.raises(InvalidRequestError, match="priced by the planner"):
+        SpeculativeConfig("self-streaming", draft_stop="auto")

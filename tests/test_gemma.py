@@ -291,11 +291,11 @@ def test_per_row_draft_lengths_on_gemma_are_lossless(gemma, two_prompts, kind):
 
     drafter = (VegasDrafter(gemma.model, budget=64, gamma=4) if kind == "vegas"
                else SelfSpecDrafter(gemma.model, kind, budget=64, gamma=4, reindex=True))
-    drafter.stop = 0.6
     params = [SamplingParams(max_tokens=16, ignore_eos=True),
               SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.8, seed=5)]
     plain, _ = run_engine(gemma.model, two_prompts, params, prefill_chunk=256)
-    spec, stats = run_engine(gemma.model, two_prompts, params, drafter=drafter, gamma=4, prefill_chunk=256)
+    spec, stats = run_engine(gemma.model, two_prompts, params, drafter=drafter, gamma=4, draft_stop=0.6,
+                             prefill_chunk=256)
     assert [r.output_ids for r in spec] == [r.output_ids for r in plain]
     assert 0 < stats.drafted_tokens < 4 * stats.verify_steps
 

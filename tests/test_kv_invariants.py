@@ -158,10 +158,10 @@ class Monitor:
         if src in self.prefix0:
             self.prefix0[dst] = self.prefix0.pop(src)
 
-    def _propose(self, orig, n, gamma, seq, n_tokens, live, rows, target):
+    def _propose(self, orig, n, gamma, seq, n_tokens, live, rows, target, stop=None):
         c = self.d.cache
         lens0, pos0 = c.lens[:n].clone(), c.next_pos[:n].clone()
-        draft, lengths = orig(n, gamma, seq, n_tokens, live, rows, target)
+        draft, lengths, sure = orig(n, gamma, seq, n_tokens, live, rows, target, stop)
         self.drafting = gamma, n_tokens.clone()
         for i in range(n):
             if not live[i]:  # a slot not decoding keeps its draft row
@@ -180,7 +180,7 @@ class Monitor:
             window = lens - min(P, c.keep) if self.sparse else None
             tokens = seq[i, : n_tokens[i]].tolist() + draft[i, : gamma - 1].tolist()
             self.check_draft_entries(i, tokens, self.expected_positions(N, P, window))
-        return draft, lengths
+        return draft, lengths, sure
 
     def _accept(self, orig, n, n_tokens, live):
         orig(n, n_tokens, live)

@@ -79,8 +79,7 @@ def test_speculative_logprobs_equal_plain_decodings_bit_for_bit(kernel_model, pr
     """Also with per-row draft lengths, whose ragged verification gives each real token the padded one's logits."""
     plain, _ = run_engine(kernel_model, prompts, params)
     drafter = SelfSpecDrafter(kernel_model, "streaming", 64, 3, True)
-    drafter.stop = stop
-    spec, stats = run_engine(kernel_model, prompts, params, drafter=drafter, gamma=3)
+    spec, stats = run_engine(kernel_model, prompts, params, drafter=drafter, gamma=3, draft_stop=stop)
     assert stats.gamma == 3 and sum(stats.accepted_hist[1:]) > 0  # it drafted, and drafts were accepted
     for a, b in zip(plain, spec):
         assert a.output_ids == b.output_ids

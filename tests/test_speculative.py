@@ -179,8 +179,7 @@ def test_eos_inside_a_draft(monkeypatch, model, draft_model, prompts, ar, cache,
 
     monkeypatch.setattr(runner_mod, "accept_drafts", record)
     drafter = make_drafter(name, model, draft_model, gamma, budget, False)
-    drafter.stop = stop
-    spec, _ = run(model, prompts, params, [tok], cache, drafter, gamma)
+    spec, _ = run(model, prompts, params, [tok], cache, drafter, gamma, draft_stop=stop)
     assert ar_eos[row].output_ids == ar[row].output_ids[: k + 1] and ar_eos[row].finish_reason == "stop"
     for s, a in zip(spec, ar_eos):
         assert s.output_ids == a.output_ids and s.finish_reason == a.finish_reason

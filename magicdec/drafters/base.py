@@ -42,9 +42,6 @@ class Drafter(ABC):
         #: whether it prefills prompts itself (a draft model: the scheduler then tracks which blocks hold its K/V),
         #: rather than taking a prompt's entries from the target's cache
         self.prefills = False
-        #: per-row draft lengths: a row stops drafting before the token that would bring the product of its drafted
-        #: tokens' confidences (`confidence`) below this (None: every row drafts the round's gamma tokens)
-        self.stop: float | None = None
 
     @property
     def slack(self) -> int:
@@ -121,12 +118,14 @@ class Drafter(ABC):
         return logits
 
     def propose(self, n: int, gamma: int, seq: Tensor, n_tokens: Tensor, live: Tensor, rows: RowParams,
-                target: KVCache) -> tuple[Tensor, Tensor]:
-        """Draft up to gamma tokens for each of the first n slots: (tokens [n, gamma], lengths [n]), row b's first
-        lengths[b] tokens its draft (all gamma unless `stop` is set; the tokens past a row's length are
-        meaningless). With `stop`, the rows that stopped leave the round's later forwards where the cache can run
-        some rows alone (`KVCache.take`; each row's logits are the same bits in any batch), and the loop ends once
-        every row has stopped.
+                target: KVCache, stop: float | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
+        """Draft up to gamma tokens for each of the first n slots: (tokens [n, gamma], lengths [n], confidences),
+        row b's first lengths[b] tokens its draft (the tokens past a row's length are meaningless). Per-row draft
+        lengths: with `stop`, a row stops drafting before the token that would bring the product of its drafted
+        tokens' confidences (`confidence`) below it, and confidences [n, gamma] holds those products (None without
+        `stop`: every row drafts gamma tokens); the rows that stopped leave the round's later forwards where the cache
+        can run some rows alone (`KVCache.take`; each row's logits are the same bits in any batch), and the loop ends
+        once every row has stopped.
 
         seq [n, C]: every slot's tokens (prompt and output); n_tokens [n]: how many are known; live [n]: slots that
         are decoding (others compute garbage and keep nothing); target: the target's cache over the same slots,
@@ -141,19 +140,21 @@ class Drafter(ABC):
         # the rows the forwards run over (`index` into the n; all of them until some stop), their cache and parameters
         index, part, part_rows = torch.arange(n, device=seq.device), cache, rows
         sure = torch.ones(n, device=seq.device)  # the product of each drafting row's tokens' confidences
+        products = None if stop is None else torch.zeros(n, gamma, device=seq.device)
         ids = None if self.head is None else self.head.ids
         for i in range(gamma):
             with scopes.sampling("draft"):
                 position = n_tokens[index] + i
                 t = sample_tokens(x[:, None], part_rows, position[:, None], ids)[:, 0]
                 tokens[index, i] = t
-                if self.stop is not None:
+                if stop is not None:
                     sure = sure * confidence(x, part_rows, position, ids)
-                    going = (sure >= self.stop) & live[index]
+                    products[index, i] = sure
+                    going = (sure >= stop) & live[index]
                     lengths[index] = torch.where(going, gamma, lengths[index].clamp_max(i))
             if i == gamma - 1:
                 break
-            if self.stop is not None and not bool(going.all()):
+            if stop is not None and not bool(going.all()):
                 if not bool(going.any()):
                     break
                 part, index, kept = self._drafting(cache, part, index, going)
@@ -164,7 +165,7 @@ class Drafter(ABC):
             part.commit(live[index].long())
         if part is not cache:
             cache.put(index, part)
-        return tokens, lengths
+        return tokens, lengths, products
 
     @staticmethod
     def _drafting(cache: KVCache, part: KVCache, index: Tensor,
