@@ -360,7 +360,8 @@ class LLM:
         #: What `SpeculativeConfig("auto")` resolved to in the last `generate` or `engine` call (None where that call
         #: asked for another drafter or none): the drafter's settings, its Replanner and the plan.
         self.last_auto: Choice | None = None
-        # keyed by settings as resolved: `auto` at another shape may pick another drafter
+        # keyed by settings as resolved (`auto` at another shape may pick another drafter), less the draft stop, which
+        # is the gamma policy's
         self._drafters: dict[SpeculativeConfig, Drafter | None] = {}
         self._engine: LLMEngine | None = None
 
@@ -431,9 +432,10 @@ class LLM:
             speculative, policy = self.last_auto.speculative, self.last_auto.replanner
         if speculative is None:
             return None
-        if speculative not in self._drafters:
-            self._drafters[speculative] = speculative.build(self.model, self.tokenizer)
-        drafter = self._drafters[speculative]
+        key = dataclasses.replace(speculative, draft_stop=None)
+        if key not in self._drafters:
+            self._drafters[key] = speculative.build(self.model, self.tokenizer)
+        drafter = self._drafters[key]
         policy = policy or FixedGamma(speculative.gamma, speculative.draft_stop)
         return Speculation(drafter, policy) if drafter is not None else None
 
