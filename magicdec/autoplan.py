@@ -266,7 +266,9 @@ class Replanner(GammaPolicy):
     token (`magicdec.drafters.base.confidence`), from what verification kept; the price is the cost model's: one
     more token of one row costs the round's marginal seconds for it (a draft forward and a verified token, less what
     the other rows share), and returns the round's tokens per second, so the token pays where its chance exceeds
-    (marginal seconds) x (tokens per second) (`stop_price`)."""
+    (marginal seconds) x (tokens per second) (`stop_price`). The acceptance rate the draft length is planned with is
+    then learned from the rounds in which no row stops (every STOP_EXPLORE-th): the tokens the other rounds draft are
+    those their confidence favours, and their rate would plan drafts longer than the rows then draft."""
 
     def __init__(self, plan_at: Callable[[int, int, float, float], Plan], predict: Callable[[int, int, int], float],
                  prior: Callable[[int], float], min_context: int, planned: tuple[int, int], plain: bool = True,
@@ -355,12 +357,16 @@ class Replanner(GammaPolicy):
         teach the bins) every STOP_EXPLORE-th round."""
         if self.stop != "auto":
             return self.stop
-        if self._stop_rounds % STOP_EXPLORE == STOP_EXPLORE - 1:
+        if self._exploring():
             return 0.0
         price, edge = self.stop_price(), STOP_BINS - 1
         while edge > 0 and self.stop_chance(edge - 1) >= price:
             edge -= 1
         return edge / STOP_BINS
+
+    def _exploring(self) -> bool:
+        """Whether the coming (or, in `observe`, the last) drafting round is one in which no row stops."""
+        return self.stop == "auto" and self._stop_rounds % STOP_EXPLORE == STOP_EXPLORE - 1
 
     def stop_chance(self, b: int) -> float:
         """The learned chance that a drafted token whose confidence product falls in bin b is accepted."""
@@ -389,7 +395,8 @@ class Replanner(GammaPolicy):
         kept all of a shorter draft met no rejection), and `confidences` its drafted tokens' confidence products."""
         self.accepted *= ACCEPTANCE_DECAY
         self.rejected *= ACCEPTANCE_DECAY
-        if gamma:
+        # priced stops keep the drafts their confidence favours: only the rounds without stops teach the rate
+        if gamma and (self.stop != "auto" or self._exploring()):
             self.accepted += sum(accepted)
             self.rejected += sum(1 for k, d in zip(accepted, drafted or [gamma] * len(accepted)) if k < d)
         if confidences is not None:

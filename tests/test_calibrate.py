@@ -424,6 +424,11 @@ def test_replanner_prices_per_row_draft_lengths():
     tokens = sum(alpha**i for i in range(alone + 1))
     assert replan.stop_price() == pytest.approx((rounds[0] - rounds[1]) * tokens / rounds[0])
     replan(128, 32768)
+    # the rate is learned from the rounds in which no row stops alone
+    for i in range(STOP_EXPLORE):
+        before = replan.alpha(32768)
+        replan.observe(gamma, [0] * 128, 0.0, [gamma] * 128, [[0.9] * gamma] * 128)  # every draft rejected
+        assert (replan.alpha(32768) < before) == (i == STOP_EXPLORE - 1)
     # tokens whose confidence product is 0.5 or more are accepted, the others rejected (four rows per bin a round)
     mids = [(b + 0.5) / STOP_BINS for b in range(STOP_BINS)] * 4
     stops = []
@@ -431,7 +436,7 @@ def test_replanner_prices_per_row_draft_lengths():
         replan.observe(1, [int(m >= 0.5) for m in mids], 0.0, [1] * len(mids), [[m] for m in mids])
         stops.append(replan.draft_stop())
     assert replan.stop_chance(4) < replan.stop_price() < 0.9 < replan.stop_chance(5)
-    assert stops[-STOP_EXPLORE:] == [0.5] * (STOP_EXPLORE - 2) + [0.0, 0.5]  # the 7th round of 8 explores
+    assert stops[-STOP_EXPLORE:] == [0.5] * (STOP_EXPLORE - 2) + [0.0, 0.5]  # every 8th round explores
 
 
 def test_replanner_follows_the_round_times_it_measures():
