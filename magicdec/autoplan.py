@@ -299,7 +299,8 @@ class Replanner(GammaPolicy):
         self._planned: tuple[int, int] = (1, min_context)  # (live, context) of the last call
         self._gamma = 0  # the draft length of the last call
         self.stop = stop
-        # per bin of confidence products: drafted tokens verified, and those accepted (decaying as the acceptance)
+        # per bin of confidence products: drafted tokens verified, and those accepted (decaying by ACCEPTANCE_DECAY
+        # each round that reports them)
         self._stop_seen = [0.0] * STOP_BINS
         self._stop_kept = [0.0] * STOP_BINS
         self._stop_rounds = 0
@@ -352,9 +353,9 @@ class Replanner(GammaPolicy):
         return gamma
 
     def draft_stop(self) -> float | None:
-        """A fixed `stop` as given; "auto": the lowest confidence product from which up every bin's learned chance
-        of acceptance is at least `stop_price` (at most the top bin's lower edge), or 0 (no row stops, its tokens
-        teach the bins) every STOP_EXPLORE-th round."""
+        """A fixed `stop` as given; "auto": the lowest bin edge of confidence products above which every bin's
+        learned chance of acceptance is at least `stop_price` (at most the top bin's lower edge), or 0 (no row stops,
+        its tokens teach the bins and the rate) every STOP_EXPLORE-th round."""
         if self.stop != "auto":
             return self.stop
         if self._exploring():
