@@ -154,9 +154,13 @@ def attention(xq: Tensor, keys: Tensor, values: Tensor, table: Tensor | None = N
     if shares is not None and (shares.shape != (B, KV, length) or not shares.is_contiguous()
                                or not 0 <= share_row < period):
         raise ValueError(f"shares must be contiguous [{B}, {KV}, {length}] for a token row in [0, {period})")
-    # one token's raw scores (log2 units; -inf where a split's range leaves them unwritten) and each row's final
-    # maximum and sum, for `_shares_kernel`
-    scores = None if shares is None else torch.full((B * KV, M // period, length), float("-inf"), device=xq.device)
+    # one token's raw scores (log2 units) and each row's final maximum and sum, for `_shares_kernel`; a bias's splits
+    # write every position, lengths' skip those outside a row's window, which stay -inf
+    scores = None
+    if shares is not None:
+        size = (B * KV, M // period, length)
+        scores = torch.empty(size, device=xq.device) if bias is not None else torch.full(size, float("-inf"),
+                                                                                          device=xq.device)
     final = None if shares is None else torch.empty(B * KV, 2, M, dtype=torch.float32, device=xq.device)
     quantized = keys.dtype == torch.int8
     _split(xq if quantized else xq.to(keys.dtype), keys, values, table, mask, period, window, length, acc, stats,
