@@ -400,7 +400,7 @@ class Replanner(GammaPolicy):
         if gamma and (self.stop != "auto" or self._exploring()):
             self.accepted += sum(accepted)
             self.rejected += sum(1 for k, d in zip(accepted, drafted or [gamma] * len(accepted)) if k < d)
-        if confidences is not None:
+        if confidences is not None and self.stop == "auto":  # a fixed stop has no price to learn
             self._learn_stops(accepted, confidences)
         spec = gamma > 0
         predicted = self._predict(*self._planned, gamma)
