@@ -74,6 +74,13 @@ EXPLORE_EVERY = 32
 EXPLORE_FIRST = 4
 EXPLORE_MOST = 256
 EXPLORE_MOVED = 0.2
+#: The bounds of the scale the timings put on the cost model's speculative round times, relative to its plain steps
+#: (`Replanner.spec_time_scale`). Below 1 a plan predicted slower than plain decoding may draft once both are timed: on
+#: a Zen 4 VM a quick profile measured while memory read fast chose plain decoding for B = 32 x 8k, where drafting had
+#: measured 1.04x sampled and 1.22x greedy within the hour (the read rate moves 2x within minutes). `choose` builds the
+#: drafter wherever the scale's floor would make it pay (a close call) and starts plain.
+MIN_TIME_SCALE = 0.75
+MAX_TIME_SCALE = 4.0
 #: Priced per-row draft lengths (`draft_stop="auto"`): bins of the product of a row's draft confidences, in which
 #: the chance that a drafted token is accepted is learned; each bin starts from its midpoint as if it had seen
 #: STOP_PRIOR_TOKENS tokens; every STOP_EXPLORE-th round no row stops, so that the bins below the threshold learn too.
@@ -105,17 +112,17 @@ def choose(
     """The predicted-fastest way to decode `batch` sequences of `context` tokens with `model`.
 
     Returns Choice(SpeculativeConfig, the Replanner that picks each step's draft length, plan), or (None, None, plan)
-    when plain autoregressive decoding is predicted to be at least as fast. `strategies` (default: AR, StreamingLLM and
-    SnapKV self-speculation, and self-quant on a GPU, `default_strategies`) are those searched. `model` is the
-    Transformer that will decode (a planner ModelShape plans for a model or machine you do not have). `profile`: a
-    HardwareProfile, preset name or JSON path (default: the calibrated profile of the model's device and dtype, else a
-    preset). `acceptance`: a table or its JSON path (default: the one measured for the model named `model_name`
-    (`profiles.model_key`), else the built-in table of its architecture). `mode`: "greedy" or "sampling" (temperature >
-    0). `dtype` defaults to the model's weights' (`weight_dtype`), `kv_dtype` to `dtype`; for a ModelShape, `dtype`
-    defaults to the profile's, else 4 bytes on a CPU profile and 2 on others. Raises InvalidRequestError when the
-    profile or the acceptance table cannot be found or read. Under tensor parallelism (a Transformer loaded as one rank)
-    the ranks must use the same profile, and the plan is for the whole model over the ranks when the profile knows the
-    all-reduce (`magicdec calibrate`), else for this rank's share alone.
+    where plain decoding is predicted faster by more than timings could show (a closer call: `_search`). `strategies`
+    (default: AR, StreamingLLM and SnapKV self-speculation, and self-quant on a GPU, `default_strategies`) are those
+    searched. `model` is the Transformer that will decode (a planner ModelShape plans for a model or machine you do
+    not have). `profile`: a HardwareProfile, preset name or JSON path (default: the calibrated profile of the model's
+    device and dtype, else a preset). `acceptance`: a table or its JSON path (default: the one measured for the model
+    named `model_name` (`profiles.model_key`), else the built-in table of its architecture). `mode`: "greedy" or
+    "sampling" (temperature > 0). `dtype` defaults to the model's weights' (`weight_dtype`), `kv_dtype` to `dtype`;
+    for a ModelShape, `dtype` defaults to the profile's, else 4 bytes on a CPU profile and 2 on others. Raises
+    InvalidRequestError when the profile or the acceptance table cannot be found or read. Under tensor parallelism (a
+    Transformer loaded as one rank) the ranks must use the same profile, and the plan is for the whole model over the
+    ranks when the profile knows the all-reduce (`magicdec calibrate`), else for this rank's share alone.
 
     `draft_vocab` > 0 also prices drafting through a draft head of that many rows, the tokens most frequent in the
     text file `vocab_corpus` as `tokenizer` encodes it (`magicdec.drafters.vocab`): the plan takes it where it pays
@@ -143,8 +150,7 @@ def choose(
     heads = _draft_heads(draft_vocab, vocab_corpus, tokenizer)
     # The decode loop caps gamma (MAX_GAMMA) and sparse budgets must be >= 8 (SpeculativeConfig).
     gammas, budgets = [g for g in gammas if 1 <= g <= 16], [b for b in budgets if b >= 8]
-    best = plan(work, table, budgets=budgets, gammas=gammas, mode=mode, strategies=strategies, rows=rows,
-                margin=MIN_PREDICTED_SPEEDUP, draft_heads=heads)
+    best = _search(work, table, budgets, gammas, mode, strategies, rows, heads)
     if isinstance(model, Transformer) and model.tp is not None:
         best = model.tp.share(best)  # a rank may plan its own share of the model: rank 0's plan is every rank's
     if best.strategy == "ar":
@@ -153,6 +159,24 @@ def choose(
     head = {"draft_vocab": best.draft_vocab, "vocab_corpus": vocab_corpus} if best.draft_vocab else {}
     # Built for the longest draft it may re-plan to; the decode loop starts it at the planned length.
     return Choice(SpeculativeConfig.drafting(best.strategy, best.budget, gamma=max(gammas), **head), replan, best)
+
+
+def _search(work: Workload, table: AcceptanceTable, budgets: list[int], gammas: list[int], mode: str,
+            strategies: tuple[str, ...], rows: int | None, heads: dict[int, float]) -> Plan:
+    """The plan `choose` takes: the predicted-fastest; where that is plain decoding, the drafter that would be chosen
+    were its rounds MIN_TIME_SCALE times as long as the cost model says, if any (a close call: its plan at the model's
+    own times, predicted slower than plain decoding; the Replanner starts plain and drafts once its timings say
+    drafting is faster)."""
+    search = functools.partial(plan, work, table, gammas=gammas, mode=mode, rows=rows)
+    best = search(budgets=budgets, strategies=strategies, margin=MIN_PREDICTED_SPEEDUP, draft_heads=heads)
+    if best.strategy != "ar":
+        return best
+    close = search(budgets=budgets, strategies=strategies, margin=MIN_PREDICTED_SPEEDUP,
+                   spec_time_scale=MIN_TIME_SCALE, draft_heads=heads)
+    if close.strategy == "ar":
+        return best
+    return search(budgets=[close.budget] if close.budget else [], strategies=[close.strategy],
+                  draft_heads={close.draft_vocab: heads[close.draft_vocab]})
 
 
 def default_strategies(work: Workload, model: Transformer | ModelShape) -> tuple[str, ...]:
@@ -255,11 +279,12 @@ class Replanner(GammaPolicy):
       books) drafts shorter or not at all;
     - cost: the seconds of recent speculative rounds over the cost model's prediction, relative to the same ratio of
       plain steps, scales the predicted cost of speculation (the model errs differently for the two, e.g. at a batch
-      or context the profile did not measure; per-forward overheads weigh most at a few rows). So that both are
-      known, a round of the kind not chosen runs early (EXPLORE_FIRST), then now and then (EXPLORE_EVERY, and soon
-      after the live batch changes):
-      a plain step costs nothing against plain decoding; a one-token draft round, where the timings alone turned
-      drafting off, risks a fraction of one step.
+      or context the profile did not measure; per-forward overheads weigh most at a few rows; a profile measured
+      while memory read faster or slower than it does now), within [MIN_TIME_SCALE, MAX_TIME_SCALE]. So that both
+      are known, a round of the kind not chosen runs early (EXPLORE_FIRST), then now and then (EXPLORE_EVERY, and
+      soon after the live batch or the chosen kind's own time changes): a plain step costs nothing against plain
+      decoding; a one-token draft round, where timings could turn drafting on (a close call), risks a fraction of
+      one step.
 
     Per-row draft lengths priced (`stop="auto"`, `draft_stop`): a row keeps a drafted token while the chance that it
     is accepted pays for it. That chance is learned per bin of the product of the row's draft confidences up to the
@@ -295,6 +320,7 @@ class Replanner(GammaPolicy):
         self._timed_live: list[int | None] = [None, None]  # live rows when each kind was last timed
         self._since = 0  # rounds of the chosen kind since the other one was last timed
         self._interval = EXPLORE_EVERY
+        self._burst: list[bool] = []  # the other kind's rounds timed in this exploration: whether each one's time moved
         self._drafting = True  # the kind the plan chose last
         self._planned: tuple[int, int] = (1, min_context)  # (live, context) of the last call
         self._gamma = 0  # the draft length of the last call
@@ -323,13 +349,12 @@ class Replanner(GammaPolicy):
 
     def spec_time_scale(self) -> float:
         """Measured over predicted seconds of speculative rounds, relative to plain steps (1 until both are
-        measured), rounded to 0.05 and kept within [1, 4]: timings only ever make drafting dearer than the cost model
-        says (they mix batches and contexts; the plan's margin covers the model's error the other way)."""
+        measured), rounded to 0.05 and kept within [MIN_TIME_SCALE, MAX_TIME_SCALE]."""
         plain, spec = self._slowness
         if not plain or not spec:
             return 1.0
         ratio = statistics.median(spec) / statistics.median(plain)
-        return min(4.0, max(1.0, round(ratio * 20) / 20))
+        return min(MAX_TIME_SCALE, max(MIN_TIME_SCALE, round(ratio * 20) / 20))
 
     def __call__(self, live: int, mean_context: int) -> int:
         """The draft length at the live batch and mean context (planned at REPLAN_GRANULARITY tokens); 0 where plain
@@ -340,14 +365,14 @@ class Replanner(GammaPolicy):
         alpha = self.alpha(context)
         gamma = self._gamma_at(live, context, alpha, self.spec_time_scale())
         if (gamma > 0) != self._drafting:
-            self._drafting, self._since, self._interval = gamma > 0, 0, EXPLORE_EVERY
+            self._drafting, self._since, self._interval, self._burst = gamma > 0, 0, EXPLORE_EVERY, []
         if self._timed_live[not self._drafting] not in (None, live):  # the batch changed since: time it soon
             self._interval = min(self._interval, EXPLORE_EVERY)
         never_timed = self._timed_live[not self._drafting] is None
-        if self._since >= (min(self._interval, EXPLORE_FIRST) if never_timed else self._interval):
+        if self._burst or self._since >= (min(self._interval, EXPLORE_FIRST) if never_timed else self._interval):
             if gamma and self._plain:
                 gamma = 0
-            elif not gamma and self._gamma_at(live, context, alpha, 1.0):  # drafting is off by the timings alone
+            elif not gamma and self._gamma_at(live, context, alpha, MIN_TIME_SCALE):  # timings could turn drafting on
                 gamma = 1
         self._gamma = gamma
         return gamma
@@ -412,10 +437,16 @@ class Replanner(GammaPolicy):
             window.append(slowness)
             self._timed_live[spec] = self._planned[0]
         self._warm[spec] = True
-        if spec == self._drafting:
+        if spec == self._drafting:  # its time moved (the memory's read rate, say): time the other kind soon
             self._since += 1
-        elif warm:  # the other kind was timed: again soon if its time moved, else after twice as many rounds
-            self._since, self._interval = 0, EXPLORE_EVERY if moved else min(2 * self._interval, EXPLORE_MOST)
+            if moved:
+                self._interval = EXPLORE_EVERY
+        elif warm:  # the other kind is timed TIMING_WINDOW rounds in a row, beside the chosen kind's recent ones
+            self._burst.append(moved)
+            if len(self._burst) == TIMING_WINDOW:  # again soon if its time moved, else after twice as many rounds
+                self._since = 0
+                self._interval = EXPLORE_EVERY if any(self._burst) else min(2 * self._interval, EXPLORE_MOST)
+                self._burst = []
 
     def _learn_stops(self, accepted: Sequence[int], confidences: Sequence[Sequence[float]]) -> None:
         """Each drafted token that was verified counts in its confidence product's bin, as kept where the target
@@ -442,6 +473,8 @@ def describe_learned(replanner: Replanner) -> str:
 
 def describe(plan_: Plan) -> str:
     """One line saying what was chosen and why, for logs and `--draft auto`."""
+    close = ("; within the cost model's error of plain decoding: plain until its timings say drafting is faster"
+             if plan_.predicted_speedup < MIN_PREDICTED_SPEEDUP else "")
     if plan_.strategy == "ar":
         return (f"auto: autoregressive ({plan_.predicted_throughput:.1f} tok/s predicted with profile "
                 f"{plan_.hardware}; speculation does not pay here, step dominated by {plan_.verify_dominant})")
@@ -449,7 +482,8 @@ def describe(plan_: Plan) -> str:
     budget = f" budget {plan_.budget}" if plan_.budget else ""
     return (f"auto: {plan_.strategy}{budget} gamma {plan_.gamma}{head} "
             f"(alpha {plan_.alpha:.2f}, {plan_.predicted_throughput:.1f} tok/s predicted with profile "
-            f"{plan_.hardware}, {plan_.predicted_speedup:.2f}x over AR; verify dominated by {plan_.verify_dominant})")
+            f"{plan_.hardware}, {plan_.predicted_speedup:.2f}x over AR; verify dominated by "
+            f"{plan_.verify_dominant}{close})")
 
 
 __all__ = ["Choice", "Replanner", "choose", "describe"]

@@ -31,7 +31,7 @@ from magicdec.planner import (
     verify_step_time,
     Workload,
 )
-from magicdec.autoplan import choose, default_strategies, describe
+from magicdec.autoplan import MIN_PREDICTED_SPEEDUP, choose, default_strategies, describe
 from magicdec.planner.hardware import GPU_LAUNCH_PER_LAYER_S, eager
 from magicdec.profiles import preset_for_device
 
@@ -498,7 +498,7 @@ def test_auto_searches_a_quantized_draft_where_its_profile_prices_it():
     assert choose(LLAMA3, 64, 32768, profile=TOY_HW, acceptance=table, kv_dtype="int8").speculative is None
     asked = ("ar", "self-quant")
     assert choose(LLAMA3, 64, 32768, profile=TOY_HW, acceptance=table, kv_dtype="int8",
-                  strategies=asked).speculative is None
+                  strategies=asked).plan.predicted_speedup < MIN_PREDICTED_SPEEDUP  # at most a close call
     choice = choose(LLAMA3, 64, 32768, profile=TOY_HW, acceptance=table, kv_dtype="bf16", strategies=asked)
     assert choice.plan.strategy == "self-quant" and choice.speculative.draft == "self-quant"
     assert "self-quant gamma" in describe(choice.plan)
