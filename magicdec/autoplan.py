@@ -463,12 +463,13 @@ class Replanner(GammaPolicy):
 
 def describe_learned(replanner: Replanner) -> str:
     """One line, after a run: the prediction again, at the shape `choose` planned for, with the acceptance the run
-    learned (`Replanner.plan_at`)."""
+    learned (`Replanner.plan_at`), and the scale its timings put on drafting's cost (`Replanner.spec_time_scale`)."""
     live, context = replanner.planned
     learned = replanner.plan_at(live, context)
     what = f"gamma {learned.gamma}" if learned.strategy != "ar" else "plain decoding"
     return (f"auto at the acceptance this run learned (alpha {replanner.alpha(context):.2f}): {what}, "
-            f"{learned.predicted_throughput:.1f} tok/s predicted")
+            f"{learned.predicted_throughput:.1f} tok/s predicted; draft rounds timed at "
+            f"{replanner.spec_time_scale():.2f}x the cost model's, relative to plain steps")
 
 
 def describe(plan_: Plan) -> str:

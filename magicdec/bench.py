@@ -263,7 +263,7 @@ def _auto_record(auto: Choice | None) -> dict:
               "predicted_speedup": plan.predicted_speedup, "predicted_throughput": plan.predicted_throughput}
     if auto.replanner is not None:
         live, context = auto.replanner.planned
-        record |= {"learned_alpha": auto.replanner.alpha(context),
+        record |= {"learned_alpha": auto.replanner.alpha(context), "time_scale": auto.replanner.spec_time_scale(),
                    "predicted_throughput_learned": auto.replanner.plan_at(live, context).predicted_throughput}
     return record
 

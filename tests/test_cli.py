@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from magicdec.autoplan import MAX_TIME_SCALE, MIN_TIME_SCALE
 from magicdec.cli import main
 from magicdec.planner import get_profile
 
@@ -146,6 +147,7 @@ def test_bench_auto_records_the_prediction_at_the_learned_acceptance(tmp_path, c
     (point,) = json.loads(out.read_text())["points"].values()
     assert point["chosen"].startswith("self-") and point["predicted_throughput"] > 0
     assert 0 <= point["learned_alpha"] <= 1 and point["predicted_throughput_learned"] > 0
+    assert MIN_TIME_SCALE <= point["time_scale"] <= MAX_TIME_SCALE
 
 
 def test_bench_shares_prefill_and_shortens_long_contexts(tmp_path, capsys, tiny_llama):

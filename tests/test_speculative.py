@@ -400,6 +400,24 @@ def test_auto_drafts_where_it_pays_with_plain_decodings_tokens(llm, corpus_promp
     assert llm.last_auto.speculative is None and llm.last_stats.verify_steps == 0
 
 
+def test_auto_settles_a_close_call_by_timing_with_plain_decodings_tokens(llm, corpus_prompt):
+    """One sequence at 1k on the CPU preset: drafting is predicted slower than plain decoding, but within what timings
+    can correct, so `auto` builds the drafter, starts plain, times draft rounds after EXPLORE_FIRST plain steps, and
+    gives plain decoding's tokens whatever it then chooses."""
+    from magicdec.autoplan import EXPLORE_FIRST, MIN_PREDICTED_SPEEDUP
+    from magicdec.speculative import SpeculativeConfig
+
+    ids = [corpus_prompt(1000, book=1, at=0.3)]
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    plain = llm.generate(prompt_token_ids=ids, params=params)
+    spec = llm.generate(prompt_token_ids=ids, params=params,
+                        speculative=SpeculativeConfig("auto", hardware="cpu-amx-2t-fp32"))
+    chosen, stats = llm.last_auto, llm.last_stats
+    assert chosen.speculative is not None and chosen.plan.predicted_speedup < MIN_PREDICTED_SPEEDUP
+    assert stats.verify_steps > 0 and stats.gamma_changes[0] == (0, 0) and stats.gamma_changes[1][0] == EXPLORE_FIRST
+    assert [s.token_ids for s in spec] == [p.token_ids for p in plain]
+
+
 def test_auto_decodes_plainly_where_drafting_does_not_pay(llm, corpus_prompt):
     """On a machine whose linear layers are compute-bound and whose attention costs nothing, verifying drafts costs
     what decoding them would: `auto` plans plain decoding and drafts nothing."""
