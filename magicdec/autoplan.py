@@ -64,9 +64,9 @@ ACCEPTANCE_DECAY = 0.98
 #: Rounds of each kind (plain, speculative) whose measured time the re-planner compares with the cost model
 #: (their median: one outlier does not move it, two rounds that agree do).
 TIMING_WINDOW = 3
-#: Rounds of the chosen kind after which the re-planner runs one of the other to time it; the interval
-#: doubles, up to EXPLORE_MOST, while the choice holds and the other kind's time stays within EXPLORE_MOVED
-#: of its median, and starts again otherwise.
+#: Rounds of the chosen kind after which the re-planner runs the other to time it; the interval doubles, up to
+#: EXPLORE_MOST, while the choice holds and the times and the live batch stay within EXPLORE_MOVED of what they were,
+#: and starts again otherwise.
 EXPLORE_EVERY = 32
 #: Rounds before the other kind is timed for the first time: a plan the timings contradict (a cost the profile
 #: does not price, such as K/V that several rows share staying in the last-level cache) is corrected within a few
@@ -281,10 +281,10 @@ class Replanner(GammaPolicy):
       plain steps, scales the predicted cost of speculation (the model errs differently for the two, e.g. at a batch
       or context the profile did not measure; per-forward overheads weigh most at a few rows; a profile measured
       while memory read faster or slower than it does now), within [MIN_TIME_SCALE, MAX_TIME_SCALE]. So that both
-      are known, a round of the kind not chosen runs early (EXPLORE_FIRST), then now and then (EXPLORE_EVERY, and
-      soon after the live batch or the chosen kind's own time changes): a plain step costs nothing against plain
-      decoding; a one-token draft round, where timings could turn drafting on (a close call), risks a fraction of
-      one step.
+      are known, TIMING_WINDOW rounds of the kind not chosen run early (EXPLORE_FIRST), then now and then
+      (EXPLORE_EVERY, and soon after the live batch or either kind's time moves): a plain step costs nothing against
+      plain decoding; a one-token draft round, where timings could turn drafting on (a close call), risks a fraction
+      of one step.
 
     Per-row draft lengths priced (`stop="auto"`, `draft_stop`): a row keeps a drafted token while the chance that it
     is accepted pays for it. That chance is learned per bin of the product of the row's draft confidences up to the
@@ -366,9 +366,10 @@ class Replanner(GammaPolicy):
         gamma = self._gamma_at(live, context, alpha, self.spec_time_scale())
         if (gamma > 0) != self._drafting:
             self._drafting, self._since, self._interval, self._burst = gamma > 0, 0, EXPLORE_EVERY, []
-        if self._timed_live[not self._drafting] not in (None, live):  # the batch changed since: time it soon
-            self._interval = min(self._interval, EXPLORE_EVERY)
-        never_timed = self._timed_live[not self._drafting] is None
+        timed_live = self._timed_live[not self._drafting]
+        if timed_live is not None and abs(live - timed_live) > EXPLORE_MOVED * timed_live:  # the batch moved since
+            self._interval = min(self._interval, EXPLORE_EVERY)  # (a server's moves a little most rounds)
+        never_timed = timed_live is None
         if self._burst or self._since >= (min(self._interval, EXPLORE_FIRST) if never_timed else self._interval):
             if gamma and self._plain:
                 gamma = 0

@@ -475,8 +475,11 @@ def test_replanner_follows_the_round_times_it_measures():
     run(4 * EXPLORE_EVERY, {False: 1.0, True: 1.0})
     moved = run(EXPLORE_EVERY + TIMING_WINDOW, {False: 2.0, True: 2.0})  # memory reads at half the rate
     assert moved.count(0) >= TIMING_WINDOW and replan.spec_time_scale() == 1.0  # the chosen kind moved: plain timed
-    changing = [run(1, {False: 1.0, True: 1.0}, live=31 + i % 2)[0] for i in range(8 * EXPLORE_EVERY)]
-    assert changing.count(0) >= 7 * TIMING_WINDOW  # the batch changes: plain steps every EXPLORE_EVERY rounds
+    # the batch moves by more than a fifth: plain steps every EXPLORE_EVERY rounds; by one row, further apart
+    moving = [run(1, {False: 1.0, True: 1.0}, live=24 + 8 * (i % 2))[0] for i in range(8 * EXPLORE_EVERY)]
+    assert moving.count(0) >= 7 * TIMING_WINDOW
+    wobbling = [run(1, {False: 1.0, True: 1.0}, live=31 + i % 2)[0] for i in range(8 * EXPLORE_EVERY)]
+    assert wobbling.count(0) <= 3 * TIMING_WINDOW
 
 
 def test_a_close_call_starts_plain_and_drafts_once_its_timings_say_so():
