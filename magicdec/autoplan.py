@@ -438,9 +438,9 @@ class Replanner(GammaPolicy):
             window.append(slowness)
             self._timed_live[spec] = self._planned[0]
         self._warm[spec] = True
-        if spec == self._drafting:  # its time moved (the memory's read rate, say): time the other kind soon
+        if spec == self._drafting:
             self._since += 1
-            if moved:
+            if moved:  # the chosen kind's time moved (the memory's read rate, say): time the other kind soon
                 self._interval = EXPLORE_EVERY
         elif warm:  # the other kind is timed TIMING_WINDOW rounds in a row, beside the chosen kind's recent ones
             self._burst.append(moved)
@@ -475,13 +475,13 @@ def describe_learned(replanner: Replanner) -> str:
 
 def describe(plan_: Plan) -> str:
     """One line saying what was chosen and why, for logs and `--draft auto`."""
-    close = ("; within the cost model's error of plain decoding: plain until its timings say drafting is faster"
-             if plan_.predicted_speedup < MIN_PREDICTED_SPEEDUP else "")
     if plan_.strategy == "ar":
         return (f"auto: autoregressive ({plan_.predicted_throughput:.1f} tok/s predicted with profile "
                 f"{plan_.hardware}; speculation does not pay here, step dominated by {plan_.verify_dominant})")
     head = f" draft head {plan_.draft_vocab}" if plan_.draft_vocab else ""
     budget = f" budget {plan_.budget}" if plan_.budget else ""
+    close = ("; within the cost model's error of plain decoding: plain until its timings say drafting is faster"
+             if plan_.predicted_speedup < MIN_PREDICTED_SPEEDUP else "")  # a close call (`_search`)
     return (f"auto: {plan_.strategy}{budget} gamma {plan_.gamma}{head} "
             f"(alpha {plan_.alpha:.2f}, {plan_.predicted_throughput:.1f} tok/s predicted with profile "
             f"{plan_.hardware}, {plan_.predicted_speedup:.2f}x over AR; verify dominated by "
