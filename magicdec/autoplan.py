@@ -429,15 +429,15 @@ class Replanner(GammaPolicy):
         if confidences is not None and self.stop == "auto":  # a fixed stop has no price to learn
             self._learn_stops(accepted, confidences)
         spec = gamma > 0
-        predicted = self._predict(*self._planned, gamma)
+        warm, self._warm[spec] = self._warm[spec], True
+        if seconds <= 0:  # untimed: the timings and their schedule take no account of it
+            return
         window, moved = self._slowness[spec], False
-        warm = self._warm[spec]
-        if warm and predicted > 0 and seconds > 0:
-            slowness = seconds / predicted
+        if warm:
+            slowness = seconds / self._predict(*self._planned, gamma)
             moved = bool(window) and abs(slowness / statistics.median(window) - 1) > EXPLORE_MOVED
             window.append(slowness)
             self._timed_live[spec] = self._planned[0]
-        self._warm[spec] = True
         if spec == self._drafting:
             self._since += 1
             if moved:  # the chosen kind's time moved (the memory's read rate, say): time the other kind soon

@@ -22,7 +22,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from magicdec import dtypes, kernels
+from magicdec import dtypes, kernels, scopes
 from magicdec.autoplan import Choice, choose
 from magicdec.config import EngineConfig
 from magicdec.distributed import init_tp, launched_world_size
@@ -226,7 +226,7 @@ class LLMEngine:
         if self.model.tp is not None and scheduled.n_rows and self.scheduler.max_gamma:
             scheduled.gamma = self.model.tp.share(scheduled.gamma)
         result = self.runner.execute(scheduled)
-        changed, freed = self.scheduler.update(scheduled, result)
+        changed, freed = self.scheduler.update(scheduled, result, timed=scopes.active is None)
         for slot in freed:
             self.runner.release(slot)
         self.stats.record(scheduled, result)

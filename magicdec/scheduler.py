@@ -52,7 +52,8 @@ class GammaPolicy:
 
     def observe(self, gamma: int, accepted: Sequence[int], seconds: float,
                 drafted: Sequence[int] | None = None, confidences: Sequence[Sequence[float]] | None = None) -> None:
-        """A decode round that drafted `gamma` tokens per row (0: a plain step) took `seconds`; `accepted` holds each
+        """A decode round that drafted `gamma` tokens per row (0: a plain step) took `seconds` (0: untimed, a round
+        under the profiler, whose operators it slows unevenly); `accepted` holds each
         live row's accepted drafts, and where rows stop drafting on their own, `drafted` its draft's length (None:
         gamma each) and `confidences` the products of its drafted tokens' confidences, one per token."""
 
@@ -378,9 +379,10 @@ class Scheduler:
         if self.draft_prefills:
             self.kv.mark_drafted(request.request_id, request.prefilled)
 
-    def update(self, step: ScheduledStep, result: StepResult) -> tuple[list[Request], list[int]]:
+    def update(self, step: ScheduledStep, result: StepResult, timed: bool = True) -> tuple[list[Request], list[int]]:
         """Apply a step's results and decide which requests finish; returns the requests that gained tokens or
-        finished, and the slots their finishing freed."""
+        finished, and the slots their finishing freed. `timed`: whether the gamma policy may learn from the step's
+        seconds."""
         now = time.monotonic()
         changed: dict[int, Request] = {}
         freed: list[int] = []
@@ -405,7 +407,8 @@ class Scheduler:
             freed.extend(self._append(request, out))
         if result.decoded:  # (a round can find every row gone: first tokens that were EOS)
             stopping = step.draft_stop is not None
-            self.gamma_policy.observe(step.gamma, [out.accepted for out in result.decoded], result.decode_s,
+            self.gamma_policy.observe(step.gamma, [out.accepted for out in result.decoded],
+                                      result.decode_s if timed else 0.0,
                                       [out.drafted for out in result.decoded],
                                       [out.confidences for out in result.decoded] if stopping else None)
         for request in self.active:

@@ -482,6 +482,17 @@ def test_replanner_follows_the_round_times_it_measures():
     assert wobbling.count(0) <= 3 * TIMING_WINDOW
 
 
+def test_replanner_takes_no_account_of_untimed_rounds():
+    """Rounds reported without seconds (profiled ones) teach the acceptance but neither the timings nor their
+    schedule: no round of the other kind is run to time it."""
+    _, replan, _ = choose(SMOL, 32, 16384, profile="h100")
+    chosen = []
+    for _ in range(4 * EXPLORE_EVERY):
+        chosen.append(replan(32, 16384))
+        replan.observe(chosen[-1], [1] * 32, 0.0)
+    assert min(chosen) >= 1 and replan.spec_time_scale() == 1.0
+
+
 def test_a_close_call_starts_plain_and_drafts_once_its_timings_say_so():
     """Where drafting is predicted slower than plain decoding, but within what the timings can correct
     (MIN_TIME_SCALE), `choose` returns the drafter with a Replanner that starts plain; it drafts where draft rounds
@@ -532,6 +543,31 @@ def test_the_engine_reports_each_round_to_its_policy(tiny_llama):
     assert Policy.rounds and all(g == 2 and 1 <= len(a) <= 2 and all(0 <= k <= 2 for k in a) and t > 0
                                  for g, a, t in Policy.rounds)
     assert sum(k + 1 for _, a, _ in Policy.rounds for k in a) >= 2 * 8  # every token after the first came from a round
+
+
+def test_the_engine_reports_profiled_rounds_untimed(tiny_llama):
+    """Rounds under the profiler (`phases`) reach the policy with 0 seconds, the others with their time."""
+    from magicdec.engine import LLMEngine
+    from magicdec.phases import PhaseRecorder
+    from magicdec.sampling import SamplingParams
+
+    class Policy(GammaPolicy):
+        seconds: list = []
+
+        def __call__(self, live, context):
+            return 1
+
+        def observe(self, gamma, accepted, seconds, drafted=None, confidences=None):
+            self.seconds.append(seconds)
+
+    model = tiny_llama[0].model
+    drafter = SpeculativeConfig("self-streaming", budget=16, gamma=1).build(model)
+    engine = LLMEngine(model, EngineConfig(max_num_seqs=2, max_model_len=96), speculation=Speculation(drafter, Policy()))
+    engine.generate([[1, 2, 3, 4] * 5, [5, 6, 7] * 4], SamplingParams(max_tokens=9, ignore_eos=True),
+                    phases=PhaseRecorder(2))
+    first = Policy.seconds.index(0.0)  # the window opens once every prompt is prefilled
+    assert Policy.seconds[first:first + 2] == [0.0, 0.0] and Policy.seconds.count(0.0) == 2
+    assert len(Policy.seconds) > 2 and min(Policy.seconds) >= 0.0  # the others timed
 
 
 def test_choose_without_a_model():
