@@ -53,9 +53,9 @@ class GammaPolicy:
     def observe(self, gamma: int, accepted: Sequence[int], seconds: float,
                 drafted: Sequence[int] | None = None, confidences: Sequence[Sequence[float]] | None = None) -> None:
         """A decode round that drafted `gamma` tokens per row (0: a plain step) took `seconds` (0: untimed, a round
-        under the profiler, whose operators it slows unevenly); `accepted` holds each
-        live row's accepted drafts, and where rows stop drafting on their own, `drafted` its draft's length (None:
-        gamma each) and `confidences` the products of its drafted tokens' confidences, one per token."""
+        under the profiler, whose operators it slows unevenly); `accepted` holds each live row's accepted drafts, and
+        where rows stop drafting on their own, `drafted` its draft's length (None: gamma each) and `confidences` the
+        products of its drafted tokens' confidences, one per token."""
 
 
 @dataclass(frozen=True)

@@ -442,6 +442,20 @@ def test_replanner_prices_per_row_draft_lengths():
     assert stops[-STOP_EXPLORE:] == [0.5] * (STOP_EXPLORE - 2) + [0.0, 0.5]  # every 8th round explores
 
 
+def drive(replan, plan, profile, live, context, rounds, slowness, accept=None):
+    """`rounds` steps of `replan` at `live` rows over `context`, a round taking `slowness[drafting]` times the cost
+    model's seconds on preset `profile`, each row accepting its whole draft (at most `accept` tokens); the draft
+    lengths chosen."""
+    work = Workload(SMOL, get_profile(profile), live, context)
+    chosen = []
+    for _ in range(rounds):
+        g = replan(live, context)
+        chosen.append(g)
+        replan.observe(g, [g if accept is None else min(g, accept)] * live,
+                       slowness[g > 0] * round_time(work, g, budget=plan.budget))
+    return chosen
+
+
 def test_replanner_follows_the_round_times_it_measures():
     """Speculative rounds that take longer than the cost model predicts, relative to plain steps, turn the
     re-planner to plain decoding; it still times draft rounds now and then, TIMING_WINDOW in a row, less often while
@@ -450,14 +464,7 @@ def test_replanner_follows_the_round_times_it_measures():
     _, replan, plan = choose(SMOL, 32, 16384, profile="h100")
 
     def run(rounds, slowness, live=32):
-        """`rounds` steps where a round takes `slowness[drafting]` times its predicted seconds."""
-        chosen = []
-        for _ in range(rounds):
-            g = replan(live, 16384)
-            chosen.append(g)
-            predicted = round_time(Workload(SMOL, get_profile("h100"), live, 16384), g, budget=plan.budget)
-            replan.observe(g, [min(g, 2)] * live, slowness[g > 0] * predicted)
-        return chosen
+        return drive(replan, plan, "h100", live, 16384, rounds, slowness, accept=2)
 
     first = run(4 * EXPLORE_EVERY, {False: 1.0, True: 1.0})
     # drafting; plain steps after EXPLORE_FIRST rounds (one untimed, then TIMING_WINDOW), again 2 x EXPLORE_EVERY later
@@ -504,13 +511,7 @@ def test_a_close_call_starts_plain_and_drafts_once_its_timings_say_so():
         spec, replan, plan = choose(SMOL, 1, 1024, profile="cpu-amx-2t-fp32")
         assert spec is not None and plan.strategy == spec.draft and plan.predicted_speedup < MIN_PREDICTED_SPEEDUP
         assert "plain until its timings say drafting is faster" in describe(plan)
-        chosen = []
-        for _ in range(8 * EXPLORE_EVERY):
-            g = replan(1, 1024)
-            chosen.append(g)
-            predicted = round_time(Workload(SMOL, get_profile("cpu-amx-2t-fp32"), 1, 1024), g, budget=plan.budget)
-            replan.observe(g, [g], slowness[g > 0] * predicted)
-        return chosen
+        return drive(replan, plan, "cpu-amx-2t-fp32", 1, 1024, 8 * EXPLORE_EVERY, slowness)
 
     cheap = run({False: 1.0, True: 0.75})
     explored = EXPLORE_FIRST + TIMING_WINDOW + 1  # plain steps, then one untimed draft round and TIMING_WINDOW timed
