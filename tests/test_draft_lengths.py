@@ -67,11 +67,12 @@ def test_priced_draft_lengths_equal_plain_decoding(native_llm, prompts, kv_bound
     assert any(replanner.stop_chance(b) != pytest.approx((b + 0.5) / STOP_BINS) for b in range(STOP_BINS))
 
 
-@pytest.mark.parametrize("draft", ["self-streaming", "self-vegas"])
+@pytest.mark.parametrize("draft", ["self-streaming", "self-vegas", "self-quant"])
 def test_rows_that_stop_leave_the_later_draft_forwards(native_llm, prompts, draft, monkeypatch):
     """Rows that stop drafting leave the round's later forwards, which run over the rows still drafting alone
-    (`KVCache.take`), and every row drafts what it drafts with all rows in every forward: the same tokens, drafts and
-    acceptances as where no row leaves."""
+    (`KVCache.take`; a 4-bit draft's rows, which own their storage, read it in place through a table of rows), and
+    every row drafts what it drafts with all rows in every forward: the same tokens, drafts and acceptances as where
+    no row leaves."""
     forwards = []
 
     @contextlib.contextmanager

@@ -217,6 +217,25 @@ def test_a_paged_cache_gives_the_bits_of_the_contiguous_one(isa, tiles, q, hd, b
             assert torch.equal(kernels.decode_attention(xq, pk, pv, bias, table), want), (storage, L)
 
 
+@pytest.mark.parametrize("hd", [64, 256])
+@pytest.mark.parametrize("q", [1, 5])
+def test_a_row_table_reads_some_rows_of_a_larger_cache_in_place(isa, tiles, q, hd):
+    """A table of one block a row [m, 1] over a cache [B, KV, L, hd] of any L (a ring of 527 slots) reads the rows it
+    names in place: the bits of those rows attended alone, over chunk boundaries; the other rows are never read."""
+    B, KV, G, L = 5, 2, 3, 1100 + 527 * (hd == 256)
+    for storage in storages(isa):
+        xq, k, v, mask = ragged(B, KV, G, q, L, hd, [L - q, 1000, 300, L - q, 7], L, isa.compute, storage, seed=q)
+        bias = attention_bias(mask, 1, bias_dtype(storage, isa))
+        index = torch.tensor([3, 0, 4])
+        pool_k, pool_v = k.contiguous(), v.contiguous()  # [B, KV, L, row]: B blocks of L positions
+        for x in (pool_k, pool_v):
+            poison(x[1:3])
+        table = index[:, None].to(torch.int32)
+        assert kernels.takes(xq[index], pool_k, pool_v, bias[index], table)
+        got = kernels.decode_attention(xq[index], pool_k, pool_v, bias[index], table)
+        assert torch.equal(got, kernels.decode_attention(xq[index], k[index], v[index], bias[index])), storage
+
+
 @pytest.mark.parametrize("hd", [64, 128, 256])
 @pytest.mark.parametrize("q", [1, 3, 9])
 def test_rows_sharing_blocks_get_the_bits_of_rows_of_their_own(isa, tiles, q, hd, monkeypatch):
@@ -259,7 +278,7 @@ def test_a_paged_cache_is_checked(isa):
     assert not kernels.takes(xq, pk, pv, bias, table[:, :3])  # 3 blocks of 32 for 100 positions
     with pytest.raises(RuntimeError, match="blocks of 32"):
         run(pk, pv, bias, table[:, :3])
-    odd = torch.zeros(8, 2, 48, 64, dtype=storage)  # blocks of 48 positions
+    odd = torch.zeros(8, 2, 48, 64, dtype=storage)  # blocks of 48 positions, several a row
     assert not kernels.takes(xq, odd, odd, bias, table)
     with pytest.raises(RuntimeError, match="power of two"):
         run(odd, odd, bias, table)

@@ -135,6 +135,23 @@ def test_dense_cache_with_scattered_mask(ta):
     torch.testing.assert_close(out.float(), reference(xq, keys, values, mask), atol=1.6e-2, rtol=1.6e-2)
 
 
+def test_a_row_table_reads_some_rows_of_a_dense_cache_in_place(ta):
+    """A table of one block a row [m, 1] over a dense cache [B, KV, L, hd] of an odd L (a ring of 527 slots, some rows
+    taken alone): the bits of those rows' own dense K/V; the other rows are never read."""
+    gen = torch.Generator().manual_seed(7)
+    B, KV, G, q, L, hd = 4, 2, 3, 2, 527, 64
+    keys, values = (torch.randn(B, KV, L, hd, generator=gen).to(torch.bfloat16) for _ in range(2))
+    index = torch.tensor([2, 0])
+    mask = torch.rand(len(index), q, L, generator=gen) < 0.5
+    mask[:, :, 0] = True
+    xq = torch.randn(len(index), KV, G * q, hd, generator=gen).to(torch.bfloat16)
+    bias = to_bias(mask, torch.bfloat16)
+    want = ta.attention(xq, keys[index], values[index], bias=bias)
+    for x in (keys, values):
+        x[[1, 3]] = float("nan")
+    assert torch.equal(ta.attention(xq, keys, values, index[:, None].to(torch.int32), bias=bias), want)
+
+
 def test_row_bits_do_not_depend_on_the_batch(ta):
     """A row alone (its own L) and among four others of other lengths (a longer L, more splits): the same bits."""
     lens, q = [37, 5, 700, 64, 300], 4

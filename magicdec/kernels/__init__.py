@@ -429,11 +429,11 @@ def attends(device: torch.device, kv_dtype: torch.dtype, head_dim: int) -> bool:
 def takes(xq: Tensor, keys: Tensor, values: Tensor, bias: Tensor, table: Tensor | None = None) -> bool:
     """Whether `decode_attention` takes these operands (see `attends`; contiguous last dimensions; a bias in K's
     dtype, or in bf16 over int8 K/V; with a block `table`, int32 [B, nblk] over pools of blocks of a power of two
-    positions, 1 included, enough for the bias's L)."""
+    positions, 1 included, or of one block a row of any length (a row table), enough for the bias's L)."""
     if table is not None:
         bs = keys.shape[2]
         if not (table.dtype == torch.int32 and table.dim() == 2 and table.shape[0] == xq.shape[0]
-                and bs >= 1 and bs & (bs - 1) == 0 and values.shape[2] == bs
+                and bs >= 1 and (bs & (bs - 1) == 0 or table.shape[1] == 1) and values.shape[2] == bs
                 and table.shape[1] * bs >= bias.shape[-1]):
             return False
     bias_dtype = torch.bfloat16 if keys.dtype == torch.int8 else keys.dtype
@@ -470,7 +470,8 @@ def decode_attention(xq: Tensor, keys: Tensor, values: Tensor, bias: Tensor, tab
     dimension (nblk * BS >= L); every id in the table must name a block of the pool, but the blocks of positions the
     bias hides from all of a row's queries are not read. A row's output has the bits it has over the same positions
     stored contiguously. BS may be below 16, down to 1: a token table [B, L], each entry naming one position's row,
-    reads arbitrary positions of a block pool in place through its `token_view` (entries block * step + offset).
+    reads arbitrary positions of a block pool in place through its `token_view` (entries block * step + offset). A
+    row table [B, 1] takes blocks of any length: some rows of a larger cache [B', KV, L', hd] read in place.
     Blocks of fewer than 16 positions run on vector instructions (a tile reads 16 positions of one block). Rows whose
     chunk of `CHUNK` positions is the same blocks behind the same bias attend over it in one task (`groups`).
 

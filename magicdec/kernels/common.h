@@ -44,9 +44,10 @@ constexpr float kExpPoly[] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-
 // their scale) with a contiguous last dim, each row's positions in blocks of 2^shift: position l of (b, h) lies at
 // data + blocks[b * nblk + l / 2^shift] + h * sh + (l % 2^shift) * sl. A contiguous tensor is one block per row; a
 // paged pool [NB, H, BS, W] read through a block table, blocks of BS (any power of two: with BS = 1 each table entry
-// names one position's row, a token table). A kernel takes a tile of N = 16 (or 8) positions starting at a multiple
-// of N: where the blocks hold N positions or more the tile lies in one block and its rows are at(b, h, l) + i * sl,
-// else each row is looked up (`tile`).
+// names one position's row, a token table; or one block a row of any length, a row table naming rows of a larger
+// [B', H, L', W] tensor). A kernel takes a tile of N = 16 (or 8) positions starting at a multiple of N: where the
+// blocks hold N positions or more the tile lies in one block and its rows are at(b, h, l) + i * sl, else each row is
+// looked up (`tile`).
 template <class T>
 struct StridedOf {
   const T* data;
@@ -114,12 +115,13 @@ StridedOf<T> strided(const at::Tensor& t, const std::optional<at::Tensor>& table
                   "] of the block table is not in [0, ", NB, ")");
       offsets[b * nblk + j] = ids[b][j] * t.stride(0);
     }
-  return {data, offsets.data(), nblk, __builtin_ctzll(t.size(2)), t.stride(1), t.stride(2), t.size(1), t.size(3)};
+  const int64_t shift = nblk == 1 ? 62 : __builtin_ctzll(t.size(2));  // a row table: each row's whole length
+  return {data, offsets.data(), nblk, shift, t.stride(1), t.stride(2), t.size(1), t.size(3)};
 }
 
 // The positions attended, L, after the checks of the operands' shapes: q [B, KV, M, D]; k, v [B, KV, L, D] or, with
-// a block table [B, nblk] (int32), pools [NB, KV, BS, D] (BS a power of two, 1 included; nblk * BS >= L), where L is
-// the bias's [B, 1, R, L].
+// a block table [B, nblk] (int32), pools [NB, KV, BS, D] (BS a power of two, 1 included, or any with nblk = 1;
+// nblk * BS >= L), where L is the bias's [B, 1, R, L].
 inline int64_t attended(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& bias,
                         const std::optional<at::Tensor>& table) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && bias.dim() == 4, "decode_attention: 4-d tensors");
@@ -130,8 +132,9 @@ inline int64_t attended(const at::Tensor& q, const at::Tensor& k, const at::Tens
   TORCH_CHECK(table->scalar_type() == at::kInt && table->dim() == 2 && table->size(0) == q.size(0),
               "decode_attention: block table [B, nblk] int32 expected, got ", table->sizes(), " ",
               table->scalar_type(), " for ", q.size(0), " rows");
-  TORCH_CHECK(BS >= 1 && (BS & (BS - 1)) == 0 && v.size(2) == BS,
-              "decode_attention: K/V blocks of a power of two positions expected, got ", k.sizes(), " and ", v.sizes());
+  TORCH_CHECK(BS >= 1 && ((BS & (BS - 1)) == 0 || table->size(1) == 1) && v.size(2) == BS,
+              "decode_attention: K/V blocks of a power of two positions (or one block a row) expected, got ",
+              k.sizes(), " and ", v.sizes());
   TORCH_CHECK(k.size(1) == q.size(1) && v.size(1) == q.size(1), "decode_attention: ", q.size(1),
               " KV heads expected in the pools, got ", k.sizes(), " and ", v.sizes());
   TORCH_CHECK(table->size(1) * BS >= L, "decode_attention: a block table of ", table->size(1), " blocks of ", BS,

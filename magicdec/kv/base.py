@@ -47,6 +47,7 @@ class KVCache:
         self.max_len = 0  # host-side upper bound of lens, so attention reads only the filled prefix
         self._slots: Tensor | None = None  # slots being written by the current forward, [B, q]
         self._rows = torch.arange(batch, device=device)[:, None]  # [B, 1], pairs with _slots
+        self._row_table: Tensor | None = None  # int32 [B, 1] where the rows are some of the storage's (`take`)
         # where torch's operators attend on CPU, over the whole buffer once half of it is filled (`attended_slots`)
         self._whole_buffer = (self.device.type == "cpu"
                               and not kernels.attends(self.device, dtype, cfg.head_dim))
@@ -59,7 +60,7 @@ class KVCache:
 
     @property
     def batch(self) -> int:
-        return self.k.shape[1]
+        return self.lens.shape[0]
 
     @property
     def device(self) -> torch.device:
@@ -90,15 +91,18 @@ class KVCache:
         L = self.attended_slots(q)
         return self._arange(L)[None, None, None, :] <= self._slots[:, None, :, None]
 
-    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, None]:
+    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
         """Write new k, v [B, KV, q, hd] at each row's next slots (`quant.store`); return K, V [B, KV, L, row] to
-        attend (and no block table: see `magicdec.kv.paged`)."""
+        attend and no block table (see `magicdec.kv.paged`), or for rows taken from a larger cache (`take`) its whole
+        storage and the table of their rows in it."""
         q = k.shape[2]
         kc, vc = self.k[layer], self.v[layer]
         # index_put_ on the [B, slot, KV, hd] view: scatter_ into fp16/bf16 copies the whole tensor on CPU
         index = (self._rows, self._slots)
         kc.transpose(1, 2).index_put_(index, quant.store(k.transpose(1, 2), kc.dtype))
         vc.transpose(1, 2).index_put_(index, quant.store(v.transpose(1, 2), vc.dtype))
+        if self._row_table is not None:  # rows of a larger storage: each one block of a pool, read in place
+            return kc, vc, self._row_table
         L = self.attended_slots(q)
         return kc[:, :, :L], vc[:, :, :L], None
 
@@ -168,10 +172,9 @@ class KVCache:
 
     def take(self, index: Tensor) -> "KVCache | None":
         """The rows at `index` [m] as a cache of their own for the next forwards, their per-row state copied (`put`
-        writes it back): a forward over some rows alone (the rows still drafting, `Drafter.propose`). None where rows
-        own their storage (a copy of it would cost more than the forward saves) or forwards replay graphs captured
-        over whole heads of rows."""
-        return None if self.ROWS_IN_STORAGE or self.static else self._view(index)
+        writes it back) and their K/V read and written in place: a forward over some rows alone (the rows still
+        drafting, `Drafter.propose`). None where forwards replay graphs captured over whole heads of rows."""
+        return None if self.static else self._view(index)
 
     def put(self, index: Tensor, part: "KVCache") -> None:
         """Take back the per-row state of `part`, the rows `take(index)` gave."""
@@ -180,12 +183,18 @@ class KVCache:
         self.max_len = max(self.max_len, part.max_len)
 
     def _view(self, rows: slice | Tensor) -> "KVCache":
-        """The rows of a slice (views of the per-row state: changes are the cache's) or at an index (copies)."""
+        """The rows of a slice (views of the per-row state: changes are the cache's) or at an index (copies of it).
+        Rows at an index keep the storage they own where it is: written at their rows of it, and read through a table
+        of those rows (a copy of 16 rows of Gemma 3's sliding-layer rings would be 250 MB)."""
         view = copy.copy(self)
-        if self.ROWS_IN_STORAGE:
-            view.k, view.v = self.k[:, rows], self.v[:, rows]
         for name in self.PER_ROW:
             setattr(view, name, getattr(self, name)[rows])
-        view._rows = torch.arange(view.lens.shape[0], device=self.device)[:, None]
+        if self.ROWS_IN_STORAGE and (isinstance(rows, Tensor) or self._row_table is not None):
+            view._rows = self._rows[rows]  # of the whole storage, however many views down
+            view._row_table = view._rows.to(torch.int32)
+        else:
+            if self.ROWS_IN_STORAGE:
+                view.k, view.v = self.k[:, rows], self.v[:, rows]
+            view._rows = torch.arange(view.lens.shape[0], device=self.device)[:, None]
         view.max_len = int(view.lens.max()) if view.lens.numel() else 0
         return view

@@ -163,9 +163,14 @@ class HybridCache:
     def row(self, i: int) -> "HybridCache":
         return HybridCache(self.cfg, self.full.row(i), self.window.row(i))
 
-    def take(self, index: Tensor) -> None:
-        """None: the sliding layers' rings are rows of their own storage (see `KVCache.take`)."""
-        return None
+    def take(self, index: Tensor) -> "HybridCache | None":
+        """The rows at `index` alone (`KVCache.take`): the global layers' and the rings' (read in place)."""
+        full, window = self.full.take(index), self.window.take(index)
+        return None if full is None or window is None else HybridCache(self.cfg, full, window)
+
+    def put(self, index: Tensor, part: "HybridCache") -> None:
+        self.full.put(index, part.full)
+        self.window.put(index, part.window)
 
     # --- a draft's `full` (a sparse cache, or a 4-bit copy) -------------------------------------------------------
     def evict(self) -> None:

@@ -52,10 +52,6 @@ class PagedKVCache(KVCache):
         self._write: tuple[Tensor, Tensor] | None = None  # (blocks, offsets) [B, q] the current forward writes
         self._table: Tensor | None = None  # [B, blocks] the current forward reads
 
-    @property
-    def batch(self) -> int:
-        return self.lens.shape[0]
-
     # --- what the model calls, once per forward -------------------------------------------------
     def attn_mask(self, q: int) -> Tensor:
         """[B, 1, q, L] causal visibility over the L positions the forward attends (per-row lengths)."""
