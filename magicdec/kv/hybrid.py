@@ -169,6 +169,7 @@ class HybridCache:
         return None if full is None or window is None else HybridCache(self.cfg, full, window)
 
     def put(self, index: Tensor, part: "HybridCache") -> None:
+        """Take back the per-row state of `part`, the rows `take(index)` gave."""
         self.full.put(index, part.full)
         self.window.put(index, part.window)
 
