@@ -6,12 +6,13 @@ the GGUF itself), so it is loaded once, and only when a test asks for it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import sys
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import pytest
 import torch
@@ -111,6 +112,24 @@ def kv_bound_profile(tmp_path) -> str:
     path.write_text(json.dumps({"name": "kv-bound", "flops_per_s": 1e15, "mem_bandwidth": 1e9, "mem_bytes": 8e9,
                                 "linear_rates": [[1, 1e12], [8, 1e13]], "attention_rates": [[1, 1e9], [8, 1e9]]}))
     return str(path)
+
+
+# --- what the forwards ran over ------------------------------------------------------------------------------
+@pytest.fixture
+def draft_forward_rows(monkeypatch) -> list[int]:
+    """The rows of every draft forward from here on, in order (`scopes.forward` noted; clear it between runs)."""
+    from magicdec import scopes
+
+    rows: list[int] = []
+
+    @contextlib.contextmanager
+    def note(kind: str, n: int, tokens: int, lens) -> Iterator[None]:
+        if kind == "draft":
+            rows.append(n)
+        yield
+
+    monkeypatch.setattr(scopes, "forward", note)
+    return rows
 
 
 # --- the default model: ours and the reference ------------------------------------------------------------

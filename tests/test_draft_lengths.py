@@ -3,12 +3,10 @@ verification runs each row's own tokens only (`magicdec.model.Ragged`); the outp
 
 from __future__ import annotations
 
-import contextlib
 
 import pytest
 import torch
 
-from magicdec import scopes
 from magicdec.autoplan import STOP_BINS
 from magicdec.drafters.base import confidence
 from magicdec.engine import LLM
@@ -68,29 +66,20 @@ def test_priced_draft_lengths_equal_plain_decoding(native_llm, prompts, kv_bound
 
 
 @pytest.mark.parametrize("draft", ["self-streaming", "self-vegas", "self-quant"])
-def test_rows_that_stop_leave_the_later_draft_forwards(native_llm, prompts, draft, monkeypatch):
+def test_rows_that_stop_leave_the_later_draft_forwards(native_llm, prompts, draft, monkeypatch, draft_forward_rows):
     """Rows that stop drafting leave the round's later forwards, which run over the rows still drafting alone
     (`KVCache.take`; a 4-bit draft's rows, which own their storage, read it in place through a table of rows), and
     every row drafts what it drafts with all rows in every forward: the same tokens, drafts and acceptances as where
     no row leaves."""
-    forwards = []
-
-    @contextlib.contextmanager
-    def note(kind, rows, tokens, lens):
-        forwards.append((kind, rows))
-        yield
-
-    monkeypatch.setattr(scopes, "forward", note)
     spec = SpeculativeConfig(draft, budget=64, gamma=4, draft_stop=0.6)
     runs = []
     for leave in (True, False):
         if not leave:
             monkeypatch.setattr(KVCache, "take", lambda self, index: None)
-        forwards.clear()
+        draft_forward_rows.clear()
         outs = native_llm.generate(prompt_token_ids=prompts, params=PARAMS[1], speculative=spec)
         stats = native_llm.last_stats
-        runs.append(([o.token_ids for o in outs], stats.drafted_tokens, stats.accepted_hist,
-                     [rows for kind, rows in forwards if kind == "draft"]))
+        runs.append(([o.token_ids for o in outs], stats.drafted_tokens, stats.accepted_hist, list(draft_forward_rows)))
     (tokens, drafted, accepted, rows), (all_tokens, all_drafted, all_accepted, all_rows) = runs
     assert (tokens, drafted, accepted) == (all_tokens, all_drafted, all_accepted)
     assert len(rows) == len(all_rows) and all(a <= b for a, b in zip(rows, all_rows))

@@ -7,7 +7,6 @@ its first load dequantizes the GGUF once into the converted-weights cache, about
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib.util
 import json
@@ -284,24 +283,14 @@ def test_self_speculation_on_gemma_is_lossless(gemma, two_prompts, plain_greedy,
 
 @needs_gemma
 @pytest.mark.parametrize("kind", ["streaming", "vegas"])
-def test_per_row_draft_lengths_on_gemma_are_lossless(gemma, two_prompts, kind, monkeypatch):
+def test_per_row_draft_lengths_on_gemma_are_lossless(gemma, two_prompts, kind, monkeypatch, draft_forward_rows):
     """Per-row draft lengths on the hybrid model (a ragged verification: the global layers' attention per group of
     rows, the sliding layers' over their rings): a greedy and a seeded sampled row decoded together get plain
     decoding's tokens; a row that stops leaves the round's later draft forwards (`HybridCache.take`: the other row's
     ring read in place), which draft what all rows' forwards draft."""
-    from magicdec import scopes
     from magicdec.drafters import SelfSpecDrafter, VegasDrafter
     from magicdec.kv.base import KVCache
 
-    rows = []
-
-    @contextlib.contextmanager
-    def note(kind, n, tokens, lens):
-        if kind == "draft":
-            rows.append(n)
-        yield
-
-    monkeypatch.setattr(scopes, "forward", note)
     params = [SamplingParams(max_tokens=16, ignore_eos=True),
               SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.8, seed=5)]
     plain, _ = run_engine(gemma.model, two_prompts, params, prefill_chunk=256)
@@ -311,12 +300,12 @@ def test_per_row_draft_lengths_on_gemma_are_lossless(gemma, two_prompts, kind, m
             monkeypatch.setattr(KVCache, "take", lambda self, index: None)
         drafter = (VegasDrafter(gemma.model, budget=64, gamma=4) if kind == "vegas"
                    else SelfSpecDrafter(gemma.model, kind, budget=64, gamma=4, reindex=True))
-        rows.clear()
+        draft_forward_rows.clear()
         spec, stats = run_engine(gemma.model, two_prompts, params, drafter=drafter, gamma=4, draft_stop=0.6,
                                  prefill_chunk=256)
         assert [r.output_ids for r in spec] == [r.output_ids for r in plain]
         assert 0 < stats.drafted_tokens < 4 * stats.verify_steps
-        runs.append((stats.drafted_tokens, stats.accepted_hist, sum(rows)))
+        runs.append((stats.drafted_tokens, stats.accepted_hist, sum(draft_forward_rows)))
     assert runs[0][:2] == runs[1][:2] and runs[0][2] < runs[1][2]
 
 
