@@ -322,11 +322,11 @@ def draft_lengths() -> str:
     return text(rows)
 
 
-def vegas_shares() -> str:
-    """vegas_shares.py: the share of a step's attention a draft's entries hold, by how they were chosen."""
-    from vegas_shares import table
+def draft_agreement() -> str:
+    """draft_agreement.py: a sparse draft's entries and first token against the target's, by how they were chosen."""
+    from draft_agreement import table
 
-    return table(load("vegas_shares"))
+    return table(load("draft_agreement"))
 
 
 def gpu_check(name: str) -> str:
@@ -448,7 +448,7 @@ TABLES = {"attention": lambda: attention(False), "attention_prefill": lambda: at
           "serving_8k": serving_8k, "chat": lambda: chat("chat"), "chat_shared": lambda: chat("chat_shared"),
           "prefix_hit": prefix_hit, "server_limits": server_limits,
           "vegas_acceptance": vegas_acceptance, "vegas_budgets": vegas_budgets,
-          "vegas_e2e": vegas_e2e, "draft_lengths": draft_lengths, "vegas_shares": vegas_shares,
+          "vegas_e2e": vegas_e2e, "draft_lengths": draft_lengths, "draft_agreement": draft_agreement,
           "kv_dtype": kv_dtype, "phases": phases, "switch": switch, "sampler": sampler,
           "shared_prefix": shared_prefix,
           "tp": tp, "perplexity": perplexity,
