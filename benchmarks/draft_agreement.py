@@ -6,14 +6,14 @@ can be put back from the step that chose.
     PYTHONPATH=. python benchmarks/draft_agreement.py --model gemma3-270m --context 32000 --texts 2,5 \
         --label "Gemma 3 32k"
 
-For each of `--texts` books, `--context` tokens from a third of the way in are prefilled, then `--steps` of the
-book's next tokens are read one at a time. Each is first read by the drafts, over the target's K/V of every earlier
-position (as a round's first draft token is), then by the target. The drafts read each of `--budgets` entries a
-global layer: `streaming` the sink and the most recent; `vegas` self-vegas's entries (the sink, a window of an eighth
-and the positions of largest attention summed over the heads), chosen from the target's attention `lag` steps
-earlier (a round's first draft token lags 1 + the tokens the last verification accepted, its last 1 + those +
-gamma - 1); `vegas + rest` adds back what vegas's entries leave out as that earlier step saw it, out = (1 - m)
-attn(q) + r, m the probability and r the probability-weighted V outside the entries, per query head. Drafts and
+For each of `--texts` books, `--context` tokens from a third of the way in are prefilled, then `--steps` of the book's
+next tokens are read one at a time. Each is first read by the drafts, over the target's K/V of every earlier position
+(as a round's first draft token is), then by the target. The drafts read each of `--budgets` entries a global layer:
+`streaming` the sink and the most recent; `vegas` self-vegas's entries (the sink, a window of an eighth and the
+positions of largest attention summed over the heads), chosen from the target's attention `lag` steps earlier (a
+round's first draft token lags 1 + the tokens the last verification accepted, its last 1 + those + gamma - 1); `vegas
++ rest` adds back what vegas's entries leave out as that earlier step saw it, out = (1 - m) attn(q) + r, m the
+probability and r the probability-weighted V outside the entries, per query head. In the global layers drafts and
 target attend in fp32 in torch. Per budget and lag: the share of the target's attention that StreamingLLM's and
 vegas's entries hold (averaged over the global layers and query heads), and per draft the greedy agreement (the same
 argmax as the target) and 1 - the total variation between the two sampling distributions at T 0.7, top-p 0.9 (what
@@ -51,6 +51,7 @@ CHUNK = 512  # prefill forward size
 DRAFTS = ("streaming", "vegas", "vegas + rest")
 CHOICES = ("streaming", "vegas")  # the drafts whose entries differ ("vegas + rest" reads vegas's)
 SAMPLING = RowParams.of([SamplingParams(temperature=0.7, top_p=0.9)], [0], "cpu")
+ORIGINAL = Attention.attend_cached
 
 
 class Probe:
@@ -116,8 +117,6 @@ class Probe:
             outside = p * ~self.kept("vegas", budget, L, layer, self.step)
             self.rest[budget, self.step, layer] = (outside.sum(-1)[0], (outside @ V)[0])
 
-
-ORIGINAL = Attention.attend_cached
 
 
 def agreement(probe: Probe, model, ids: list[int], context: int, steps: int) -> dict[tuple, list]:
