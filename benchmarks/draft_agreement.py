@@ -41,7 +41,7 @@ from magicdec.config import GLOBAL  # noqa: E402
 from magicdec.corpus import load_texts  # noqa: E402
 from magicdec.kv.hybrid import make_cache  # noqa: E402
 from magicdec.kv.sparse import DEFAULT_SINK  # noqa: E402
-from magicdec.kv.vegas import vegas_top, vegas_window  # noqa: E402
+from magicdec.kv.vegas import select, vegas_top, vegas_window  # noqa: E402
 from magicdec.loading import load_model, model_identity  # noqa: E402
 from magicdec.model import Attention, gather  # noqa: E402
 from magicdec.sampling import RowParams, SamplingParams, probs_from_logits  # noqa: E402
@@ -103,17 +103,15 @@ class Probe:
 
     def measure(self, layer: int, p: Tensor, V: Tensor, L: int) -> None:
         """The share of the target's attention p [1, KV, G, L] each earlier choice holds (averaged over the query
-        heads); then, per budget, vegas's choice at this step (the top shares, summed over the heads, outside the sink
-        and window) and the probability and weighted V outside it, per query head."""
+        heads); then, per budget, vegas's choice at this step (`magicdec.kv.vegas.select`, as after a verification)
+        and the probability and weighted V outside it, per query head."""
         if self.step >= max(self.lags):
             for key in product(CHOICES, self.budgets, self.lags):
                 keep = self.kept(*key[:2], L, layer, self.step - key[2])
                 self.held.setdefault(key, []).append(float((p * keep).sum(-1).mean()))
+        shares, lens = p.sum(2)[None], torch.tensor([self.pos + 1])  # [1 layer, 1 row, KV, L]: as a verification's
         for budget in self.budgets:
-            shares = p.sum((0, 1, 2))
-            shares[:DEFAULT_SINK] = -1
-            shares[max(0, self.pos + 1 - vegas_window(budget)) :] = -1
-            self.top[budget, self.step, layer] = shares.topk(vegas_top(budget)).indices
+            self.top[budget, self.step, layer] = select(shares, lens, vegas_top(budget), vegas_window(budget))[0, 0]
             outside = p * ~self.kept("vegas", budget, L, layer, self.step)
             self.rest[budget, self.step, layer] = (outside.sum(-1)[0], (outside @ V)[0])
 

@@ -3,7 +3,6 @@ verification runs each row's own tokens only (`magicdec.model.Ragged`); the outp
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
